@@ -1,0 +1,22 @@
+"""spark-dl: train PyTorch models across an Apache Spark cluster.
+
+Driver side: :class:`HorovodRunner`. Inside the training function: :func:`init`,
+:func:`log_to_driver`, :func:`get_context`.
+"""
+from .errors import JobFailed, LaunchRefused, RankFailed, SparkDLError
+from .rank import RankContext, get_context, init, log_to_driver
+from .runner import HorovodRunner
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "HorovodRunner",
+    "init",
+    "log_to_driver",
+    "get_context",
+    "RankContext",
+    "SparkDLError",
+    "LaunchRefused",
+    "JobFailed",
+    "RankFailed",
+]

@@ -1,0 +1,210 @@
+"""The authenticated driver <-> task/rank channel.
+
+Every job has a fresh 32-byte secret that reaches the tasks inside the Spark task closure (the
+same path Spark uses for the training function itself). A peer proves it knows the secret with
+an HMAC challenge-response, the driver proves it back, and every frame after that carries an
+HMAC over (sequence number, body) under a per-connection key. Frames are unpickled only after
+their MAC checks out, so nothing unauthenticated is ever unpickled.
+
+Frame: u64 length | body | 32-byte HMAC-SHA256(key, seq || body); body = pickle((kind, data)).
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import pickle
+import socket
+import struct
+import threading
+from typing import Any, Callable
+
+SECRET_BYTES = 32
+_MAGIC = b"SDL1"
+_NONCE = 16
+_MAC = hashlib.sha256().digest_size
+_LEN = struct.Struct(">Q")
+_SEQ = struct.Struct(">Q")
+HANDSHAKE_TIMEOUT_S = 10.0
+
+
+class ChannelError(ConnectionError):
+    """The peer is not part of this job, or the connection broke mid-frame."""
+
+
+def new_secret() -> bytes:
+    return os.urandom(SECRET_BYTES)
+
+
+def _mac(key: bytes, *parts: bytes) -> bytes:
+    h = hmac.new(key, digestmod=hashlib.sha256)
+    for p in parts:
+        h.update(p)
+    return h.digest()
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise EOFError("connection closed")
+        got += k
+    return bytes(buf)
+
+
+class Connection:
+    """One authenticated, framed, bidirectional connection. ``send`` is thread-safe."""
+
+    def __init__(self, sock: socket.socket, key: bytes, peer: str) -> None:
+        self.sock = sock
+        self.peer = peer
+        self._key = key
+        self._send_lock = threading.Lock()
+        self._send_seq = 0
+        self._recv_seq = 0
+        self.closed = False
+        self.info: dict[str, Any] = {}
+
+    def send(self, kind: str, data: Any = None) -> None:
+        body = pickle.dumps((kind, data), protocol=pickle.HIGHEST_PROTOCOL)
+        with self._send_lock:
+            mac = _mac(self._key, _SEQ.pack(self._send_seq), body)
+            self._send_seq += 1
+            self.sock.sendall(_LEN.pack(len(body)))
+            # two sendall calls avoid copying a large body into one buffer
+            self.sock.sendall(body)
+            self.sock.sendall(mac)
+
+    def recv(self) -> tuple[str, Any]:
+        (n,) = _LEN.unpack(_recv_exact(self.sock, _LEN.size))
+        body = _recv_exact(self.sock, n)
+        mac = _recv_exact(self.sock, _MAC)
+        expected = _mac(self._key, _SEQ.pack(self._recv_seq), body)
+        if not hmac.compare_digest(mac, expected):
+            raise ChannelError(f"frame from {self.peer} failed authentication; dropping the connection")
+        self._recv_seq += 1
+        return pickle.loads(body)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+def connect(host: str, port: int, secret: bytes, timeout: float = 30.0) -> Connection:
+    """Connect to a :class:`ControlServer` and authenticate both ways."""
+    sock = socket.create_connection((host, port), timeout=timeout)
+    try:
+        sock.settimeout(HANDSHAKE_TIMEOUT_S)
+        hello = _recv_exact(sock, len(_MAGIC) + _NONCE)
+        if hello[: len(_MAGIC)] != _MAGIC:
+            raise ChannelError(f"{host}:{port} is not a spark-dl driver")
+        nonce = hello[len(_MAGIC):]
+        sock.sendall(_mac(secret, b"client", nonce))
+        proof = _recv_exact(sock, _MAC)
+        if not hmac.compare_digest(proof, _mac(secret, b"server", nonce)):
+            raise ChannelError(f"{host}:{port} did not prove it is this job's driver")
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except BaseException:
+        sock.close()
+        raise
+    return Connection(sock, _mac(secret, b"key", nonce), f"{host}:{port}")
+
+
+class ControlServer:
+    """The driver's listening end. The socket is bound and listening when the constructor
+    returns, so its port can be published to tasks with no race.
+
+    ``on_message(conn, kind, data)`` runs on the connection's reader thread;
+    ``on_close(conn, error)`` runs once when a connection ends (error is None on a clean EOF).
+    """
+
+    def __init__(
+        self,
+        secret: bytes,
+        on_message: Callable[[Connection, str, Any], None],
+        on_close: Callable[[Connection, BaseException | None], None],
+        host: str = "0.0.0.0",
+    ) -> None:
+        self._secret = secret
+        self._on_message = on_message
+        self._on_close = on_close
+        self._sock = socket.create_server((host, 0), backlog=128)
+        self.port: int = self._sock.getsockname()[1]
+        self.rejected = 0
+        self._conns: list[Connection] = []
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._accept_thread = threading.Thread(target=self._accept_loop, name="spark-dl-accept", daemon=True)
+        self._accept_thread.start()
+
+    def connections(self) -> list[Connection]:
+        with self._lock:
+            return list(self._conns)
+
+    def _accept_loop(self) -> None:
+        while not self._stopped:
+            try:
+                sock, addr = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(
+                target=self._serve, args=(sock, f"{addr[0]}:{addr[1]}"), name="spark-dl-conn", daemon=True
+            ).start()
+
+    def _handshake(self, sock: socket.socket, peer: str) -> Connection | None:
+        nonce = os.urandom(_NONCE)
+        try:
+            sock.settimeout(HANDSHAKE_TIMEOUT_S)
+            sock.sendall(_MAGIC + nonce)
+            proof = _recv_exact(sock, _MAC)
+            if not hmac.compare_digest(proof, _mac(self._secret, b"client", nonce)):
+                raise ChannelError("bad proof")
+            sock.sendall(_mac(self._secret, b"server", nonce))
+            sock.settimeout(None)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except (OSError, EOFError, ChannelError):
+            self.rejected += 1
+            sock.close()
+            return None
+        return Connection(sock, _mac(self._secret, b"key", nonce), peer)
+
+    def _serve(self, sock: socket.socket, peer: str) -> None:
+        conn = self._handshake(sock, peer)
+        if conn is None:
+            return
+        with self._lock:
+            if self._stopped:
+                conn.close()
+                return
+            self._conns.append(conn)
+        error: BaseException | None = None
+        try:
+            while True:
+                kind, data = conn.recv()
+                self._on_message(conn, kind, data)
+        except EOFError:
+            pass
+        except BaseException as e:  # noqa: BLE001 - reported to the owner, never swallowed silently
+            error = e
+        finally:
+            conn.close()
+            self._on_close(conn, error)
+
+    def close(self) -> None:
+        self._stopped = True
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+        for c in self.connections():
+            c.close()

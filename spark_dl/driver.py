@@ -1,0 +1,213 @@
+"""The driver's view of a running job: what every task and rank reported, and the first failure.
+
+Fed by the control server's reader threads; read by the runner's wait loop. Log lines are shown
+(tagged with their rank) or kept, per ``driver_log_verbosity``, and the last lines of every rank are
+kept to attach to its error.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, TextIO
+
+import cloudpickle
+
+from .channel import Connection
+from .errors import JobFailed, RankFailed
+
+TAIL_LINES = 50
+VERBOSITIES = ("all", "log_callback_only")
+
+
+class Observer(Protocol):
+    """Receives what ranks report, on the driver (the tracking layer implements it)."""
+
+    def on_message(self, rank: int, kind: str, data: Any) -> None: ...
+
+    def on_log(self, rank: int, stream: str, line: str) -> None: ...
+
+
+@dataclass
+class Failure:
+    rank: int | None
+    summary: str
+    info: dict | None = None
+
+
+class JobMonitor:
+    def __init__(
+        self,
+        world_size: int,
+        num_tasks: int,
+        verbosity: str,
+        on_failure: Callable[[Failure], None],
+        observers: list[Observer] | None = None,
+        out: TextIO | None = None,
+        err: TextIO | None = None,
+    ) -> None:
+        self.world_size = world_size
+        self.num_tasks = num_tasks
+        self.verbosity = verbosity
+        self._on_failure = on_failure
+        self.observers = list(observers or [])
+        self._out = out
+        self._err = err
+        self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)
+        self.task_conns: dict[int, Connection] = {}
+        self.hosts: dict[int, str] = {}
+        self.task_ranks: dict[int, list[int]] = {}
+        self.exits: dict[int, dict] = {}
+        self.results: dict[int, bytes] = {}
+        self.errors: dict[int, dict] = {}
+        self.failure: Failure | None = None
+        self.tails: dict[int, deque[str]] = {}
+        self._print_lock = threading.Lock()
+
+    # -- state -------------------------------------------------------------------------------
+    @property
+    def tasks_started(self) -> int:
+        with self.lock:
+            return len(self.task_conns)
+
+    def all_exited(self) -> bool:
+        return len(self.exits) >= self.world_size
+
+    def fail(self, failure: Failure) -> None:
+        """Record the first failure and start the abort; later failures are consequences."""
+        with self.changed:
+            if self.failure is not None:
+                return
+            self.failure = failure
+            self.changed.notify_all()
+        self._on_failure(failure)
+
+    def wait(self, timeout: float) -> None:
+        with self.changed:
+            self.changed.wait(timeout)
+
+    # -- control server callbacks ----------------------------------------------------------------
+    def on_message(self, conn: Connection, kind: str, data: Any) -> None:
+        if kind == "log":
+            for rank, stream, line in data:
+                self._line(rank, stream, line)
+            return
+        if kind == "hello":
+            conn.info.update(data)
+            if data["role"] == "task":
+                with self.changed:
+                    self.task_conns[data["partition"]] = conn
+                    self.changed.notify_all()
+            return
+        rank = conn.info.get("rank")
+        if kind == "user_log":
+            self._line(rank, "log", data)
+        elif kind == "layout":
+            with self.changed:
+                self.task_ranks[conn.info["partition"]] = [r["rank"] for r in data]
+                for r in data:
+                    self.hosts[r["rank"]] = r["host"]
+                self.changed.notify_all()
+        elif kind == "exit":
+            with self.changed:
+                self.exits[data["rank"]] = data
+                self.changed.notify_all()
+            if data["code"] != 0 and not data["aborted"]:
+                self.fail(Failure(data["rank"], f"exited with code {data['code']}{_signal_name(data['code'])}"))
+        elif kind == "result":
+            with self.changed:
+                self.results[rank] = data
+                self.changed.notify_all()
+        elif kind == "error":
+            with self.changed:
+                self.errors[rank] = data
+                self.changed.notify_all()
+            self.fail(Failure(rank, f"{data['exc_type']}: {data['message']}", data))
+        else:
+            for o in self.observers:
+                o.on_message(rank, kind, data)
+
+    def on_close(self, conn: Connection, error: BaseException | None) -> None:
+        if conn.info.get("role") != "task":
+            return
+        partition = conn.info["partition"]
+        with self.lock:
+            ranks = self.task_ranks.get(partition)
+            missing = [r for r in (ranks or []) if r not in self.exits]
+            done = ranks is not None and not missing
+        if done or self.failure is not None:
+            return
+        who = f"rank {missing[0]}" if missing else f"barrier task {partition}"
+        host = conn.info.get("host", "?")
+        why = f" ({type(error).__name__}: {error})" if error else ""
+        self.fail(
+            Failure(
+                missing[0] if missing else None,
+                f"lost contact with the task running {who} on {host}{why}: its Spark task or "
+                "executor died (see the executor's log for why, e.g. out of memory)",
+            )
+        )
+
+    # -- output --------------------------------------------------------------------------------
+    def _line(self, rank: int, stream: str, line: str) -> None:
+        tagged = f"[{rank}]<{stream}>: {line}"
+        with self.lock:
+            tail = self.tails.get(rank)
+            if tail is None:
+                tail = self.tails[rank] = deque(maxlen=TAIL_LINES)
+            tail.append(tagged)
+        for o in self.observers:
+            o.on_log(rank, stream, line)
+        if self.verbosity == "all" or stream == "log":
+            target = (self._err or sys.stderr) if stream == "stderr" else (self._out or sys.stdout)
+            with self._print_lock:
+                target.write(tagged + "\n")
+                target.flush()
+
+    # -- outcome -------------------------------------------------------------------------------
+    def error(self) -> JobFailed:
+        """The error to raise for the recorded failure."""
+        f = self.failure
+        assert f is not None
+        if f.rank is None:
+            return JobFailed(f.summary)
+        info = f.info or self.errors.get(f.rank)
+        host = self.hosts.get(f.rank, "?")
+        tail = list(self.tails.get(f.rank, ()))
+        code = self.exits.get(f.rank, {}).get("code")
+        if info is None:
+            return RankFailed(f.rank, host, f.summary, "", tail, code)
+        err = RankFailed(
+            f.rank, host, f"{info['exc_type']}: {info['message']}", info["traceback"], tail, code, info["exc_type"]
+        )
+        if info.get("pickled") is not None:
+            try:
+                err.__cause__ = cloudpickle.loads(info["pickled"])
+            except Exception:  # noqa: BLE001 - the text is already in the error
+                pass
+        return err
+
+    def result(self, rank: int) -> Any:
+        blob = self.results.get(rank)
+        if blob is None:
+            raise JobFailed(f"rank {rank} finished without sending its return value")
+        try:
+            return cloudpickle.loads(blob)
+        except Exception as e:  # noqa: BLE001
+            raise JobFailed(
+                f"rank {rank}'s return value could not be unpickled on the driver ({type(e).__name__}: {e}); "
+                "return types the driver can import (plain data, numpy, torch tensors)."
+            ) from e
+
+
+def _signal_name(code: int) -> str:
+    if code >= 0:
+        return ""
+    import signal
+
+    try:
+        return f" (killed by {signal.Signals(-code).name})"
+    except ValueError:
+        return ""

@@ -1,0 +1,138 @@
+"""Entry point of a rank process: ``python -m spark_dl.launch.rank_main JOB_ID PARENT_PID``.
+
+Started by a task (barrier or local) before the rendezvous finishes, so the interpreter start and
+the ``torch`` import overlap with it. The task then writes the bootstrap (rank environment,
+payload, driver address and secret) to stdin. The rank connects to the driver, runs
+``main(**kwargs)``, and reports the result or the error. If the driver goes away, the rank kills
+its own process group: no orphans.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import signal
+import sys
+import threading
+import traceback
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGKILL this process when the task that started it dies (e.g. Spark kills it)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(137)
+
+
+def _kill_own_group() -> None:
+    try:
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+    finally:
+        os._exit(137)
+
+
+def _watch_driver(conn, finishing: threading.Event) -> None:
+    """Reader of the driver connection: an abort or a vanished driver ends this rank at once."""
+    try:
+        while True:
+            kind, _ = conn.recv()
+            if kind == "abort":
+                break
+    except BaseException:  # noqa: BLE001 - any failure of the link means the driver is gone
+        pass
+    if not finishing.is_set():
+        _kill_own_group()
+
+
+def _destroy_process_group() -> None:
+    """Tear down a group main left open, so the rank exits promptly and cleanly."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - teardown must not turn a success into a failure
+        pass
+
+
+def _error_info(exc: BaseException) -> dict:
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        import cloudpickle
+
+        pickled = cloudpickle.dumps(exc)
+        pickle.loads(pickled)  # only ship it if the driver will be able to rebuild it
+    except Exception:  # noqa: BLE001 - an unpicklable exception is still reported as text
+        pickled = None
+    return {
+        "exc_type": f"{type(exc).__module__}.{type(exc).__qualname__}",
+        "message": str(exc),
+        "traceback": tb,
+        "pickled": pickled,
+    }
+
+
+def main() -> int:
+    _die_with_parent(int(sys.argv[2]))
+    try:  # prewarm while the rendezvous runs; main() almost always imports it
+        import torch.distributed  # noqa: F401
+    except ImportError:
+        pass
+    import cloudpickle
+
+    from spark_dl import channel, rank as rank_api
+
+    boot = pickle.load(sys.stdin.buffer)  # written by our parent task over a private pipe
+    sys.stdin.close()
+    sys.stdin = open(os.devnull)
+    os.environ.update(boot["env"])
+    if "torch" in sys.modules:  # imported before OMP_NUM_THREADS was known
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    r = boot["rank"]
+
+    conn = channel.connect(boot["driver_host"], boot["driver_port"], boot["secret"])
+    conn.send("hello", {"role": "rank", "rank": r, "pid": os.getpid()})
+    outbox = rank_api._install(conn)
+    finishing = threading.Event()
+    threading.Thread(target=_watch_driver, args=(conn, finishing), name="spark-dl-watchdog", daemon=True).start()
+
+    code = 0
+    try:
+        fn, kwargs = cloudpickle.loads(boot["payload"])
+        try:
+            result = fn(**kwargs)
+        except SystemExit as e:
+            if e.code not in (None, 0):
+                raise RuntimeError(f"main called sys.exit({e.code!r})") from e
+            result = None
+        if boot["want_result"]:
+            try:
+                blob = cloudpickle.dumps(result)
+            except Exception as e:  # noqa: BLE001
+                raise TypeError(
+                    f"rank {r}'s return value ({type(result).__name__}) cannot be pickled: {e}. "
+                    "Return plain data (numbers, dicts, numpy arrays, a model's state_dict)."
+                ) from e
+            outbox.put("result", blob)
+    except BaseException as e:  # noqa: BLE001 - every failure is reported, then the rank exits 1
+        traceback.print_exc()
+        sys.stderr.flush()
+        outbox.put("error", _error_info(e))
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    finishing.set()
+    outbox.flush(timeout=60)
+    if code == 0:
+        _destroy_process_group()
+    conn.close()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""The task side of a run: start rank processes, rendezvous, pump their output to the driver.
+
+The same code runs inside a Spark barrier task (one per executor slot) and, in local mode
+(``np < 0``), in a thread on the driver. Rank processes are started before the rendezvous so the
+interpreter start overlaps with it; they get their place in the world over stdin afterwards.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from .. import channel
+from .layout import RankSpec, TaskInfo, compute_layout, omp_threads
+
+KILL_GRACE_S = 2.0
+_MAX_LINE = 64 * 1024
+_LOG_BATCH = 512
+_STOP = object()
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What the driver hands every task: where to report, how to prove it, what to run."""
+
+    job_id: str
+    driver_host: str
+    driver_port: int
+    secret: bytes
+    payload: bytes
+    ranks_per_task: int
+    want_all_results: bool
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _start_rank_process(job_id: str) -> subprocess.Popen:
+    env = dict(os.environ)
+    # the Spark worker's sys.path carries pyspark and files added with addPyFile / --py-files
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    return subprocess.Popen(
+        [sys.executable, "-m", "spark_dl.launch.rank_main", job_id, str(os.getpid())],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        start_new_session=True,  # its own process group: one killpg ends it and its children
+    )
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _terminate(procs: list[subprocess.Popen], grace: float = KILL_GRACE_S) -> None:
+    """SIGTERM every rank's process group, then SIGKILL whatever is left after ``grace``."""
+    for p in procs:
+        _signal_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        _signal_group(p, signal.SIGKILL)
+
+
+class _Sender:
+    """One thread sends everything this task reports, in order, batching log lines."""
+
+    def __init__(self, conn: channel.Connection) -> None:
+        self.conn = conn
+        self.q: queue.Queue = queue.Queue()
+        self.broken = False
+        self.thread = threading.Thread(target=self._run, name="spark-dl-task-sender", daemon=True)
+        self.thread.start()
+
+    def _send(self, kind, data) -> None:
+        if self.broken:
+            return
+        try:
+            self.conn.send(kind, data)
+        except OSError:
+            self.broken = True
+
+    def _run(self) -> None:
+        pending = None
+        while True:
+            item = pending if pending is not None else self.q.get()
+            pending = None
+            if item is _STOP:
+                return
+            kind, data = item
+            if kind != "log":
+                self._send(kind, data)
+                continue
+            batch = [data]
+            while len(batch) < _LOG_BATCH:
+                try:
+                    nxt = self.q.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is not _STOP and nxt[0] == "log":
+                    batch.append(nxt[1])
+                else:
+                    pending = nxt
+                    break
+            self._send("log", batch)
+
+    def stop(self) -> None:
+        self.q.put(_STOP)
+        self.thread.join()
+
+
+def _pump(stream, rank: int, name: str, sender: _Sender) -> None:
+    for raw in iter(lambda: stream.readline(_MAX_LINE), b""):
+        sender.q.put(("log", (rank, name, raw.decode("utf-8", "replace").rstrip("\r\n"))))
+    stream.close()
+
+
+def run_task(spec: JobSpec, partition: int, host: str, rendezvous: Callable[[], list[RankSpec]]) -> list[dict]:
+    """Run this task's share of the job and report everything to the driver.
+
+    Never raises for a rank's failure: the driver learns of it over the channel and decides, so
+    Spark does not retry the stage on its own.
+    """
+    conn = channel.connect(spec.driver_host, spec.driver_port, spec.secret)
+    conn.send("hello", {"role": "task", "partition": partition, "host": host, "pid": os.getpid()})
+    sender = _Sender(conn)
+    procs = [_start_rank_process(spec.job_id) for _ in range(spec.ranks_per_task)]
+    aborted = threading.Event()
+
+    def watch_driver() -> None:
+        try:
+            while True:
+                kind, _ = conn.recv()
+                if kind == "abort":
+                    break
+        except BaseException:  # noqa: BLE001 - a dead link means the driver is gone: stop the ranks
+            pass
+        if not all_done.is_set():
+            aborted.set()
+            _terminate(procs)
+
+    all_done = threading.Event()
+    threading.Thread(target=watch_driver, name="spark-dl-task-watch", daemon=True).start()
+    try:
+        ranks = rendezvous()
+    except BaseException:
+        _terminate(procs, grace=0)
+        all_done.set()
+        sender.stop()
+        conn.close()
+        raise
+    sender.q.put(("layout", [{"rank": r.rank, "host": r.host, "local_rank": r.local_rank} for r in ranks]))
+
+    statuses: list[dict] = []
+    waiters = []
+    for proc, r in zip(procs, ranks):
+        env = r.env()
+        env["SPARK_DL_JOB_ID"] = spec.job_id
+        env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS") or omp_threads(r.local_size))
+        boot = {
+            "rank": r.rank,
+            "env": env,
+            "payload": spec.payload,
+            "driver_host": spec.driver_host,
+            "driver_port": spec.driver_port,
+            "secret": spec.secret,
+            "want_result": r.rank == 0 or spec.want_all_results,
+        }
+        try:
+            proc.stdin.write(pickle.dumps(boot, protocol=pickle.HIGHEST_PROTOCOL))
+            proc.stdin.close()
+        except (BrokenPipeError, OSError):
+            pass  # the rank died at start-up; its exit code and stderr tell the driver why
+        pumps = [
+            threading.Thread(target=_pump, args=(proc.stdout, r.rank, "stdout", sender), daemon=True),
+            threading.Thread(target=_pump, args=(proc.stderr, r.rank, "stderr", sender), daemon=True),
+        ]
+        for t in pumps:
+            t.start()
+        waiters.append((proc, r, pumps))
+
+    for proc, r, pumps in waiters:
+        code = proc.wait()
+        for t in pumps:
+            t.join()
+        _signal_group(proc, signal.SIGKILL)  # children the rank left behind die with it
+        status = {"rank": r.rank, "code": code, "host": r.host, "aborted": aborted.is_set()}
+        statuses.append(status)
+        sender.q.put(("exit", status))
+    all_done.set()
+    sender.stop()
+    conn.close()
+    return statuses
+
+
+def barrier_task(spec: JobSpec, _partition_rows) -> list:
+    """``mapPartitions`` body of the barrier stage."""
+    from pyspark import BarrierTaskContext
+
+    ctx = BarrierTaskContext.get()
+    partition = ctx.partitionId()
+    host = ctx.getTaskInfos()[partition].address.rsplit(":", 1)[0]
+    gpu = ctx.resources().get("gpu")
+    gpus = tuple(gpu.addresses) if gpu is not None else ()
+
+    def rendezvous() -> list[RankSpec]:
+        me = TaskInfo(partition=partition, host=host, gpus=gpus, port=free_port())
+        gathered = ctx.allGather(json.dumps(me.__dict__))
+        tasks = [TaskInfo(**{**json.loads(g), "gpus": tuple(json.loads(g)["gpus"])}) for g in gathered]
+        return compute_layout(tasks, spec.ranks_per_task)[partition]
+
+    return [json.dumps(run_task(spec, partition, host, rendezvous))]

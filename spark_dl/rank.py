@@ -1,0 +1,135 @@
+"""What a rank process sees: its place in the world, the process group, and its line to the driver.
+
+Everything here runs inside a rank process started by :class:`spark_dl.HorovodRunner`.
+Messages to the driver are queued and sent by a background thread, so calling
+``log_to_driver`` or the tracking functions every step costs microseconds.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from .channel import Connection
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """This rank's place in the world, read from the environment the launcher set."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    job_id: str
+
+
+def get_context() -> RankContext:
+    """The calling rank's :class:`RankContext`. Raises ``RuntimeError`` outside a rank process."""
+    env = os.environ
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        raise RuntimeError(
+            "not inside a spark-dl rank process: RANK/WORLD_SIZE are unset. "
+            "Call this from the function you pass to HorovodRunner(np=...).run(main)."
+        )
+    return RankContext(
+        rank=int(env["RANK"]),
+        world_size=int(env["WORLD_SIZE"]),
+        local_rank=int(env.get("LOCAL_RANK", 0)),
+        local_size=int(env.get("LOCAL_WORLD_SIZE", 1)),
+        cross_rank=int(env.get("CROSS_RANK", 0)),
+        cross_size=int(env.get("CROSS_SIZE", 1)),
+        job_id=env.get("SPARK_DL_JOB_ID", ""),
+    )
+
+
+def init(backend: str | None = None, timeout_s: float | None = None) -> str:
+    """Initialise the default ``torch.distributed`` process group from the launcher's environment.
+
+    Picks NCCL when this rank has a GPU and Gloo otherwise, and binds the rank to its own GPU.
+    Returns the backend name. Calling it again is a no-op.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return dist.get_backend()
+    has_gpu = torch.cuda.is_available() and torch.cuda.device_count() > 0
+    if backend is None:
+        backend = "nccl" if has_gpu else "gloo"
+    if has_gpu:
+        device = int(os.environ.get("SPARK_DL_CUDA_DEVICE", os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device % torch.cuda.device_count())
+    kwargs: dict[str, Any] = {"backend": backend}
+    if timeout_s is not None:
+        kwargs["timeout"] = timedelta(seconds=timeout_s)
+    dist.init_process_group(**kwargs)
+    return backend
+
+
+class _Outbox:
+    """Queue of messages to the driver, drained by one daemon thread in order."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self.broken: BaseException | None = None
+        self._thread = threading.Thread(target=self._drain, name="spark-dl-outbox", daemon=True)
+        self._thread.start()
+
+    def put(self, kind: str, data: Any) -> None:
+        self._q.put((kind, data))
+
+    def flush(self, timeout: float | None = None) -> bool:
+        done = threading.Event()
+        self._q.put(done)
+        return done.wait(timeout)
+
+    def _drain(self) -> None:
+        while True:
+            item = self._q.get()
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            if self.broken is not None:
+                continue
+            try:
+                self.conn.send(*item)
+            except OSError as e:
+                self.broken = e
+
+
+_outbox: _Outbox | None = None
+
+
+def _install(conn: Connection) -> _Outbox:
+    global _outbox
+    _outbox = _Outbox(conn)
+    return _outbox
+
+
+def send_to_driver(kind: str, data: Any) -> None:
+    """Queue a message for the driver (used by the tracking API). No-op outside a rank process."""
+    if _outbox is not None:
+        _outbox.put(kind, data)
+
+
+def in_rank_process() -> bool:
+    return _outbox is not None
+
+
+def log_to_driver(message: Any) -> None:
+    """Show ``message`` on the driver, tagged with this rank, whatever ``driver_log_verbosity`` is.
+
+    Outside a rank process it prints locally, so the same training function runs anywhere.
+    """
+    text = str(message)
+    if _outbox is None:
+        print(text, flush=True)
+        return
+    _outbox.put("user_log", text)

@@ -1,0 +1,293 @@
+"""``HorovodRunner``: run one training function on ``np`` ranks, in a Spark barrier stage or locally."""
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from functools import partial
+from typing import Any, Callable
+
+from . import channel, cluster
+from .driver import VERBOSITIES, Failure, JobMonitor, Observer
+from .errors import JobFailed, LaunchRefused
+from .launch.layout import RankSpec
+from .launch.task import JobSpec, barrier_task, free_port, run_task
+from .serialize import serialize_job
+
+START_TIMEOUT_S = 300.0
+ABORT_GRACE_S = 15.0
+
+
+class HorovodRunner:
+    """Run a training function on ``np`` ranks with one ``torch.distributed`` process group.
+
+    Args:
+        np: number of rank processes. ``np > 0`` runs them in one Spark barrier stage on the
+            active SparkSession's cluster; ``np < 0`` runs ``-np`` processes on the driver
+            (no Spark needed), for debugging.
+        driver_log_verbosity: ``"log_callback_only"`` (default) shows only what ranks send with
+            :func:`spark_dl.log_to_driver`; ``"all"`` also streams every rank's stdout/stderr.
+        start_timeout: seconds to wait for all barrier tasks to start before failing (tasks wait
+            for free slots when other jobs hold them).
+
+    The signature matches Databricks' ``sparkdl.HorovodRunner``, so notebooks switch by
+    changing one import.
+    """
+
+    def __init__(
+        self,
+        *,
+        np: int,
+        driver_log_verbosity: str = "log_callback_only",
+        start_timeout: float = START_TIMEOUT_S,
+    ) -> None:
+        if isinstance(np, bool) or not isinstance(np, int):
+            raise LaunchRefused(f"np must be an int (ranks on Spark if > 0, local processes if < 0), got {np!r}")
+        if np == 0:
+            raise LaunchRefused(
+                "np=0 runs nothing: use np=N (> 0) for N ranks on the Spark cluster, "
+                "or np=-N for N local processes on the driver"
+            )
+        if driver_log_verbosity not in VERBOSITIES:
+            raise LaunchRefused(f"driver_log_verbosity must be one of {VERBOSITIES}, got {driver_log_verbosity!r}")
+        self.np = np
+        self.driver_log_verbosity = driver_log_verbosity
+        self.start_timeout = start_timeout
+        self.observers: list[Observer] = []
+
+    def run(self, main: Callable[..., Any], **kwargs: Any) -> Any:
+        """Run ``main(**kwargs)`` on every rank; return rank 0's return value.
+
+        Raises :class:`spark_dl.RankFailed` (with the rank, host, remote traceback and last output
+        lines) if any rank fails; the other ranks are stopped first.
+        """
+        return self._run(main, kwargs, all_results=False)
+
+    def run_all(self, main: Callable[..., Any], **kwargs: Any) -> list[Any]:
+        """Like :meth:`run`, but return every rank's return value, in rank order."""
+        return self._run(main, kwargs, all_results=True)
+
+    # ------------------------------------------------------------------------------------------
+    def _run(self, main: Callable[..., Any], kwargs: dict[str, Any], all_results: bool) -> Any:
+        payload = serialize_job(main, kwargs)
+        if self.np < 0:
+            launcher: _Launcher = _LocalLauncher(-self.np)
+        else:
+            launcher = _SparkLauncher.prepare(self.np)
+        job_id = f"spark-dl-{uuid.uuid4().hex[:12]}"
+        secret = channel.new_secret()
+        monitor = JobMonitor(
+            world_size=launcher.world_size,
+            num_tasks=launcher.num_tasks,
+            verbosity=self.driver_log_verbosity,
+            on_failure=lambda f: threading.Thread(target=abort, args=(f,), daemon=True).start(),
+            observers=self.observers,
+        )
+        server = channel.ControlServer(secret, monitor.on_message, monitor.on_close, host=launcher.bind_host)
+
+        def abort(_: Failure) -> None:
+            for conn in server.connections():
+                if conn.info.get("role") == "task":
+                    try:
+                        conn.send("abort")
+                    except OSError:
+                        pass
+            launcher.cancel()
+
+        spec = JobSpec(
+            job_id=job_id,
+            driver_host=launcher.driver_host,
+            driver_port=server.port,
+            secret=secret,
+            payload=payload,
+            ranks_per_task=launcher.ranks_per_task,
+            want_all_results=all_results,
+        )
+        try:
+            launcher.start(spec, monitor)
+            self._wait(monitor, launcher)
+        except KeyboardInterrupt:
+            monitor.fail(Failure(None, "interrupted on the driver (KeyboardInterrupt)"))
+            self._drain(monitor, launcher)
+            server.close()
+            raise
+        self._drain(monitor, launcher)
+        server.close()
+        if monitor.failure is not None:
+            raise monitor.error()
+        if all_results:
+            return [monitor.result(r) for r in range(launcher.world_size)]
+        return monitor.result(0)
+
+    def _wait(self, monitor: JobMonitor, launcher: "_Launcher") -> None:
+        started = time.monotonic()
+        while monitor.failure is None:
+            if monitor.all_exited() and launcher.finished():
+                return
+            launcher_error = launcher.error()
+            if launcher_error is not None:
+                monitor.fail(Failure(None, launcher_error))
+                return
+            if monitor.tasks_started < launcher.num_tasks and time.monotonic() - started > self.start_timeout:
+                monitor.fail(Failure(None, launcher.start_timeout_message(monitor.tasks_started, self.start_timeout)))
+                return
+            monitor.wait(0.2)
+
+    @staticmethod
+    def _drain(monitor: JobMonitor, launcher: "_Launcher") -> None:
+        """After a failure, wait (bounded) until every rank has exited and the Spark job is over."""
+        if monitor.failure is None:
+            return
+        deadline = time.monotonic() + ABORT_GRACE_S
+        while time.monotonic() < deadline:
+            started_ranks = sum(len(v) for v in monitor.task_ranks.values())
+            if len(monitor.exits) >= started_ranks and monitor.tasks_started == len(monitor.task_ranks) and launcher.finished():
+                return
+            monitor.wait(0.1)
+
+
+class _Launcher:
+    world_size: int
+    num_tasks: int
+    ranks_per_task: int = 1
+    bind_host: str
+    driver_host: str
+
+    def start(self, spec: JobSpec, monitor: JobMonitor) -> None:
+        raise NotImplementedError
+
+    def cancel(self) -> None:
+        raise NotImplementedError
+
+    def finished(self) -> bool:
+        raise NotImplementedError
+
+    def error(self) -> str | None:
+        raise NotImplementedError
+
+    def start_timeout_message(self, started: int, timeout: float) -> str:
+        raise NotImplementedError
+
+
+class _LocalLauncher(_Launcher):
+    """``np < 0``: ``-np`` rank processes on the driver, each watched by a thread playing the task."""
+
+    bind_host = "127.0.0.1"
+    driver_host = "127.0.0.1"
+
+    def __init__(self, n: int) -> None:
+        self.world_size = self.num_tasks = n
+        self._threads: list[threading.Thread] = []
+        self._errors: list[str] = []
+
+    def start(self, spec: JobSpec, monitor: JobMonitor) -> None:
+        port = free_port()
+        n = self.world_size
+        for r in range(n):
+            rs = RankSpec(
+                rank=r, world_size=n, local_rank=r, local_size=n, cross_rank=0, cross_size=1,
+                host="localhost", master_addr="127.0.0.1", master_port=port, partition=r,
+            )
+            t = threading.Thread(target=self._task, args=(spec, rs), name=f"spark-dl-local-{r}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _task(self, spec: JobSpec, rs: RankSpec) -> None:
+        try:
+            run_task(spec, rs.partition, rs.host, lambda: [rs])
+        except Exception as e:  # noqa: BLE001 - surfaced by the wait loop
+            self._errors.append(f"local task for rank {rs.rank} failed: {type(e).__name__}: {e}")
+
+    def cancel(self) -> None:
+        pass  # the abort message to each task thread stops its rank
+
+    def finished(self) -> bool:
+        return not any(t.is_alive() for t in self._threads)
+
+    def error(self) -> str | None:
+        return self._errors[0] if self._errors else None
+
+    def start_timeout_message(self, started: int, timeout: float) -> str:
+        return f"only {started} of {self.num_tasks} local rank processes started within {timeout:.0f} s"
+
+
+class _SparkLauncher(_Launcher):
+    """``np > 0``: one Spark barrier stage of ``np / ranks_per_task`` tasks."""
+
+    bind_host = "0.0.0.0"
+
+    def __init__(self, sc, np: int, ranks_per_task: int) -> None:
+        self.sc = sc
+        self.world_size = np
+        self.ranks_per_task = ranks_per_task
+        self.num_tasks = np // ranks_per_task
+        self.driver_host = sc.getConf().get("spark.driver.host")
+        self.job_group = ""
+        self._thread: threading.Thread | None = None
+        self._error: str | None = None
+        self._cancelled = False
+
+    @classmethod
+    def prepare(cls, np: int) -> "_SparkLauncher":
+        session = cluster.active_session(np)
+        sc = session.sparkContext
+        cluster.check_dynamic_allocation(sc)
+        per_task = cluster.ranks_per_task(sc)
+        if np % per_task:
+            raise LaunchRefused(
+                f"np={np} is not a multiple of spark.task.resource.gpu.amount={per_task} "
+                f"(one rank per GPU, {per_task} GPUs per task): use np={np - np % per_task or per_task}"
+            )
+        cluster.check_slots(sc, np, np // per_task)
+        return cls(sc, np, per_task)
+
+    def start(self, spec: JobSpec, monitor: JobMonitor) -> None:
+        from pyspark import InheritableThread
+
+        self.job_group = spec.job_id
+        self._thread = InheritableThread(target=self._run_stage, args=(spec,), name="spark-dl-stage", daemon=True)
+        self._thread.start()
+
+    def _run_stage(self, spec: JobSpec) -> None:
+        sc = self.sc
+        try:
+            sc.setJobGroup(spec.job_id, f"spark-dl: {self.world_size} ranks", interruptOnCancel=True)
+            rdd = sc.parallelize(range(self.num_tasks), self.num_tasks)
+            rdd.barrier().mapPartitions(partial(barrier_task, spec)).collect()
+        except Exception as e:  # noqa: BLE001 - reported by the wait loop, unless we cancelled it
+            if not self._cancelled:
+                self._error = "the Spark barrier stage failed: " + spark_error_summary(e)
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        try:
+            self.sc.cancelJobGroup(self.job_group)
+        except Exception:  # noqa: BLE001 - a stopped context has nothing left to cancel
+            pass
+
+    def finished(self) -> bool:
+        return self._thread is not None and not self._thread.is_alive()
+
+    def error(self) -> str | None:
+        return self._error
+
+    def start_timeout_message(self, started: int, timeout: float) -> str:
+        s = cluster.slots(self.sc)
+        return (
+            f"only {started} of {self.num_tasks} barrier tasks started within {timeout:.0f} s: the cluster has "
+            f"{s.total} task slots, {s.busy} busy with other jobs. Free slots, lower np, or raise start_timeout."
+        )
+
+
+def spark_error_summary(e: BaseException, max_lines: int = 30) -> str:
+    """The useful part of a Py4J error: the Python traceback from the executor, or the first lines."""
+    text = str(e)
+    start = text.rfind("Traceback (most recent call last)")
+    if start >= 0:
+        lines = []
+        for line in text[start:].splitlines():
+            if line.startswith("\tat ") or line.startswith("\tat"):
+                break
+            lines.append(line)
+        return "\n".join(lines[-max_lines:])
+    return "\n".join(text.strip().splitlines()[:5])
