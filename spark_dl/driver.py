@@ -22,11 +22,21 @@ VERBOSITIES = ("all", "log_callback_only")
 
 
 class Observer(Protocol):
-    """Receives what ranks report, on the driver (the tracking layer implements it)."""
+    """Receives what ranks report, on the driver (the tracking layer implements it).
+
+    ``on_start`` runs before anything is launched, ``on_message`` for every message kind the
+    launcher itself does not handle (metrics, params, models, system metrics...), ``on_log`` for
+    every output line, and ``on_finish`` once, after every rank has exited, with the error that
+    ``run`` is about to raise (None on success). Callbacks run on channel threads: keep them cheap.
+    """
+
+    def on_start(self, job: dict) -> None: ...
 
     def on_message(self, rank: int, kind: str, data: Any) -> None: ...
 
     def on_log(self, rank: int, stream: str, line: str) -> None: ...
+
+    def on_finish(self, error: BaseException | None) -> None: ...
 
 
 @dataclass

@@ -103,21 +103,40 @@ class HorovodRunner:
             ranks_per_task=launcher.ranks_per_task,
             want_all_results=all_results,
         )
+        job = {
+            "job_id": job_id,
+            "np": self.np,
+            "mode": "local" if self.np < 0 else "spark",
+            "world_size": launcher.world_size,
+            "num_tasks": launcher.num_tasks,
+            "ranks_per_task": launcher.ranks_per_task,
+            "main": getattr(main, "__qualname__", repr(main)),
+            "kwargs": dict(kwargs),
+        }
+        for o in self.observers:
+            o.on_start(job)
         try:
             launcher.start(spec, monitor)
             self._wait(monitor, launcher)
         except KeyboardInterrupt:
             monitor.fail(Failure(None, "interrupted on the driver (KeyboardInterrupt)"))
-            self._drain(monitor, launcher)
-            server.close()
+            self._finish(monitor, launcher, server)
             raise
-        self._drain(monitor, launcher)
-        server.close()
-        if monitor.failure is not None:
-            raise monitor.error()
+        error = self._finish(monitor, launcher, server)
+        if error is not None:
+            raise error
         if all_results:
             return [monitor.result(r) for r in range(launcher.world_size)]
         return monitor.result(0)
+
+    def _finish(self, monitor: JobMonitor, launcher: "_Launcher", server: channel.ControlServer) -> JobFailed | None:
+        """Wait for every rank to be gone, close the channel, tell the observers the outcome."""
+        self._drain(monitor, launcher)
+        server.close()
+        error = monitor.error() if monitor.failure is not None else None
+        for o in self.observers:
+            o.on_finish(error)
+        return error
 
     def _wait(self, monitor: JobMonitor, launcher: "_Launcher") -> None:
         started = time.monotonic()
