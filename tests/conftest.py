@@ -1,0 +1,90 @@
+"""Shared fixtures: real SparkSessions on ``local[4]`` and ``local-cluster[2,1,1024]``.
+
+One JVM holds one SparkContext at a time, so a single session-scoped pool owns the current
+session and switches masters at most once: tests are ordered so that everything needing
+``local[4]`` runs before everything needing the local cluster.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+LOCAL = "local[4]"
+CLUSTER = "local-cluster[2,1,1024]"
+
+os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+
+
+class SparkPool:
+    def __init__(self) -> None:
+        self.master: str | None = None
+        self.session = None
+
+    def get(self, master: str):
+        from pyspark.sql import SparkSession
+
+        if self.master == master and self.session is not None:
+            return self.session
+        self.stop()
+        self.session = (
+            SparkSession.builder.master(master)
+            .appName("spark-dl-tests")
+            .config("spark.ui.enabled", "false")
+            .config("spark.ui.showConsoleProgress", "false")
+            .config("spark.sql.shuffle.partitions", "4")
+            .config("spark.executor.memory", "768m")
+            .getOrCreate()
+        )
+        self.session.sparkContext.setLogLevel("ERROR")
+        self.master = master
+        return self.session
+
+    def stop(self) -> None:
+        if self.session is not None:
+            self.session.stop()
+        self.session = None
+        self.master = None
+
+
+@pytest.fixture(scope="session")
+def spark_pool():
+    pool = SparkPool()
+    yield pool
+    pool.stop()
+
+
+@pytest.fixture
+def spark(spark_pool):
+    """A SparkSession on ``local[4]``, shared by the whole test session."""
+    return spark_pool.get(LOCAL)
+
+
+@pytest.fixture
+def spark_cluster(spark_pool):
+    """A SparkSession on ``local-cluster[2,1,1024]``: two executor JVMs with one core each."""
+    return spark_pool.get(CLUSTER)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    def order(item) -> int:
+        names = getattr(item, "fixturenames", ())
+        if "spark_cluster" in names:
+            return 2
+        if "spark" in names:
+            return 1
+        return 0
+
+    items.sort(key=order)  # stable: keeps file order within each group
+
+    # Test functions are sent to rank processes like a notebook's: by value, since a Spark worker
+    # cannot import the test modules.
+    import cloudpickle
+
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None) or ""
+        if path.startswith(tests_dir + os.sep) and not name.endswith("conftest"):
+            cloudpickle.register_pickle_by_value(module)

@@ -1,0 +1,46 @@
+"""Process bookkeeping for the no-orphan checks: ranks record their pids, tests check them."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+
+
+def record_self_and_child(pid_dir: str) -> None:
+    """Called inside a rank: start a long-lived child (like a DataLoader worker) and record
+    both pids, so the test can check neither outlives the job."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    with open(os.path.join(pid_dir, f"{os.getpid()}.pids"), "w") as f:
+        f.write(f"{os.getpid()}\n{child.pid}\n")
+
+
+def recorded_pids(pid_dir: str) -> list[int]:
+    pids: list[int] = []
+    for name in os.listdir(pid_dir):
+        if name.endswith(".pids"):
+            with open(os.path.join(pid_dir, name)) as f:
+                pids += [int(x) for x in f.read().split()]
+    return pids
+
+
+def alive(pids: list[int]) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def wait_all_dead(pids: list[int], timeout: float = 5.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    left = alive(pids)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = alive(pids)
+    return left

@@ -1,0 +1,237 @@
+"""np < 0: ranks run as local processes on the driver. No Spark involved, real Gloo groups."""
+from __future__ import annotations
+
+import _thread
+import os
+import threading
+import time
+
+import pytest
+from procs import record_self_and_child, recorded_pids, wait_all_dead
+
+import spark_dl
+from spark_dl import HorovodRunner, JobFailed, LaunchRefused, RankFailed
+
+
+def allreduce_main(scale):
+    import torch
+    import torch.distributed as dist
+
+    backend = spark_dl.init()
+    t = torch.tensor([float(dist.get_rank() + 1)]) * scale
+    dist.all_reduce(t)
+    env = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    return {"sum": t.item(), "backend": backend, "env": env, "ctx": spark_dl.get_context()}
+
+
+def test_returns_rank0_result_and_sets_the_torch_env():
+    out = HorovodRunner(np=-2).run(allreduce_main, scale=10.0)
+    assert out["sum"] == 30.0  # (1 + 2) * 10, summed across both ranks
+    assert out["backend"] == "gloo"
+    assert out["env"]["RANK"] == "0" and out["env"]["WORLD_SIZE"] == "2"
+    assert out["env"]["LOCAL_RANK"] == "0" and out["env"]["LOCAL_WORLD_SIZE"] == "2"
+    assert out["env"]["MASTER_ADDR"] == "127.0.0.1" and int(out["env"]["MASTER_PORT"]) > 0
+    assert out["ctx"].rank == 0 and out["ctx"].world_size == 2 and out["ctx"].job_id.startswith("spark-dl-")
+
+
+def test_run_all_returns_every_rank_in_order():
+    outs = HorovodRunner(np=-3).run_all(allreduce_main, scale=1.0)
+    assert [o["ctx"].rank for o in outs] == [0, 1, 2]
+    assert [o["sum"] for o in outs] == [6.0, 6.0, 6.0]
+    assert [o["env"]["LOCAL_RANK"] for o in outs] == ["0", "1", "2"]
+
+
+def test_dist_init_process_group_with_no_arguments():
+    def main():
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")  # env:// from MASTER_ADDR/PORT, RANK, WORLD_SIZE
+        return dist.get_world_size()
+
+    assert HorovodRunner(np=-2).run(main) == 2
+
+
+def test_large_result_arrives_intact():
+    def main():
+        import numpy as np
+
+        return np.arange(50 * 1024 * 1024 // 8, dtype=np.int64)  # 50 MB
+
+    out = HorovodRunner(np=-2).run(main)
+    assert out.nbytes == 50 * 1024 * 1024
+    assert out[-1] == 50 * 1024 * 1024 // 8 - 1
+
+
+def test_main_that_calls_sys_exit_zero_returns_none():
+    import sys
+
+    assert HorovodRunner(np=-2).run(lambda: sys.exit(0)) is None
+
+
+@pytest.mark.parametrize("np", [0, "2", 2.0, True, None])
+def test_bad_np_is_refused(np):
+    t = time.monotonic()
+    with pytest.raises(LaunchRefused, match="np"):
+        HorovodRunner(np=np)
+    assert time.monotonic() - t < 1
+
+
+def test_bad_verbosity_is_refused():
+    with pytest.raises(LaunchRefused, match="driver_log_verbosity"):
+        HorovodRunner(np=-2, driver_log_verbosity="loud")
+
+
+def test_main_not_callable_is_refused():
+    with pytest.raises(LaunchRefused, match="callable"):
+        HorovodRunner(np=-2).run(42)
+
+
+class Holder:
+    def __init__(self):
+        self.settings = {"lr": 0.1, "guard": [1, threading.Lock()]}
+
+
+def test_unpicklable_kwarg_names_the_kwarg_and_the_object_inside():
+    t = time.monotonic()
+    with pytest.raises(LaunchRefused) as e:
+        HorovodRunner(np=-2).run(lambda cfg, lr: None, cfg=Holder(), lr=0.1)
+    msg = str(e.value)
+    assert "kwarg 'cfg'" in msg
+    assert "cfg.settings['guard'][1]" in msg and "lock" in msg
+    assert time.monotonic() - t < 2
+
+
+def test_main_closing_over_an_unpicklable_object_is_named():
+    lock = threading.Lock()
+
+    def main():
+        with lock:
+            return 1
+
+    with pytest.raises(LaunchRefused, match=r"main cannot be sent.*<closure lock>.*lock"):
+        HorovodRunner(np=-2).run(main)
+
+
+def fail_on_rank_1(pid_dir):
+    import sys
+    import time
+
+    record_self_and_child(pid_dir)
+    print("about to fail", flush=True)
+    print("a warning on stderr", file=sys.stderr, flush=True)
+    if spark_dl.get_context().rank == 1:
+        raise ValueError("bad batch 17")
+    time.sleep(120)  # rank 0 would wait forever for a peer that died
+
+
+def test_rank_error_is_raised_with_context_and_nothing_survives(tmp_path):
+    t = time.monotonic()
+    with pytest.raises(RankFailed) as e:
+        HorovodRunner(np=-2).run(fail_on_rank_1, pid_dir=str(tmp_path))
+    elapsed = time.monotonic() - t
+    err = e.value
+    assert err.rank == 1 and err.host == "localhost"
+    assert err.exc_type.endswith("ValueError") and "bad batch 17" in str(err)
+    assert "fail_on_rank_1" in err.remote_traceback
+    assert any("about to fail" in line for line in err.last_lines)
+    assert any("<stderr>" in line and "a warning on stderr" in line for line in err.last_lines)
+    assert isinstance(err.__cause__, ValueError)
+    assert elapsed < 30, "the sleeping rank 0 was not stopped promptly"
+    pids = recorded_pids(str(tmp_path))
+    assert len(pids) == 4  # two ranks, one child each
+    assert wait_all_dead(pids, timeout=2) == []
+
+
+def test_hard_exit_without_exception_is_reported_with_the_exit_code():
+    def main():
+        import os
+
+        print("last words", flush=True)
+        os._exit(3)
+
+    with pytest.raises(RankFailed) as e:
+        HorovodRunner(np=-2).run(main)
+    assert e.value.exit_code == 3
+    assert "exited with code 3" in str(e.value)
+    assert any("last words" in line for line in e.value.last_lines)
+
+
+def test_unpicklable_return_value_is_a_clear_error():
+    def main():
+        import threading
+
+        return threading.Lock()
+
+    with pytest.raises(RankFailed, match="return value .* cannot be pickled"):
+        HorovodRunner(np=-2).run(main)
+
+
+def test_keyboard_interrupt_stops_every_rank(tmp_path):
+    def main(pid_dir):
+        import time
+
+        record_self_and_child(pid_dir)
+        time.sleep(120)
+
+    def interrupt_when_started():
+        deadline = time.monotonic() + 60
+        while len(os.listdir(tmp_path)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _thread.interrupt_main()
+
+    threading.Thread(target=interrupt_when_started, daemon=True).start()
+    t = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        HorovodRunner(np=-2).run(main, pid_dir=str(tmp_path))
+    assert time.monotonic() - t < 60
+    assert wait_all_dead(recorded_pids(str(tmp_path)), timeout=2) == []
+
+
+def chatty(n):
+    import sys
+
+    spark_dl.log_to_driver(f"callback from {spark_dl.get_context().rank}")
+    for i in range(n):
+        print(f"out line {i}")
+        print(f"err line {i}", file=sys.stderr)
+    return n
+
+
+def test_verbosity_all_streams_every_line_tagged_with_its_rank(capfd):
+    HorovodRunner(np=-2, driver_log_verbosity="all").run(chatty, n=200)
+    out, err = capfd.readouterr()
+    for r in (0, 1):
+        assert f"[{r}]<log>: callback from {r}" in out
+        assert f"[{r}]<stdout>: out line 199" in out
+        assert f"[{r}]<stderr>: err line 199" in err
+        assert sum(line.startswith(f"[{r}]<stdout>: out line") for line in out.splitlines()) == 200
+
+
+def test_log_callback_only_shows_only_log_to_driver(capfd):
+    HorovodRunner(np=-2).run(chatty, n=5)
+    out, err = capfd.readouterr()
+    assert "[0]<log>: callback from 0" in out and "[1]<log>: callback from 1" in out
+    assert "out line" not in out and "err line" not in err
+
+
+def test_log_to_driver_outside_a_rank_prints_locally(capsys):
+    spark_dl.log_to_driver("plain")
+    assert capsys.readouterr().out == "plain\n"
+
+
+def test_get_context_outside_a_rank_explains_itself(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(RuntimeError, match="HorovodRunner"):
+        spark_dl.get_context()
+
+
+def test_rank_that_cannot_import_mains_module_fails_clearly(tmp_path, monkeypatch):
+    (tmp_path / "only_on_driver.py").write_text("def main():\n    return 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import only_on_driver
+
+    # the rank inherits the driver's sys.path in local mode; hide the module from it
+    monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p != str(tmp_path)])
+    with pytest.raises(RankFailed, match="only_on_driver"):
+        HorovodRunner(np=-1).run(only_on_driver.main)
+    assert isinstance(RankFailed(0, "h", "s"), JobFailed)
