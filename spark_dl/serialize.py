@@ -71,7 +71,7 @@ def find_culprit(obj: Any, path: str) -> tuple[str, Any, Exception]:
     assert err is not None
     seen: set[int] = set()
     depth = 0
-    while depth < _MAX_DEPTH and id(obj) not in seen:
+    while depth < _MAX_DEPTH and id(obj) not in seen and _driver_only(obj) is None:
         seen.add(id(obj))
         for suffix, child in _children(obj):
             child_err = _pickle_error(child)
@@ -89,8 +89,16 @@ def _describe(obj: Any) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def _driver_only(obj: Any) -> str | None:
+    """What a driver-only Spark object is called, or None; the walk stops at one."""
+    cls = type(obj)
+    if not cls.__module__.startswith("pyspark"):
+        return None
+    return next((_DRIVER_ONLY[c.__name__] for c in cls.__mro__ if c.__name__ in _DRIVER_ONLY), None)
+
+
 def _advice(obj: Any) -> str:
-    what = _DRIVER_ONLY.get(type(obj).__name__) if type(obj).__module__.startswith("pyspark") else None
+    what = _driver_only(obj)
     if what:
         return (
             f"{what} exists only on the driver and cannot be used inside a rank. "

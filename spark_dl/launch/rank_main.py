@@ -14,27 +14,41 @@ import pickle
 import signal
 import sys
 import threading
+import time
 import traceback
 
 PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to SIGKILL this process when the task that started it dies (e.g. Spark kills it)."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        except (OSError, AttributeError):
-            pass
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(137)
-
-
-def _kill_own_group() -> None:
+def _kill_own_group(*_: object) -> None:
     try:
         os.killpg(os.getpgid(0), signal.SIGKILL)
     finally:
         os._exit(137)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """End this rank and everything it started (its process group) when the task that started
+    it dies, e.g. when Spark kills the task. SIGKILL as the death signal would kill only this
+    process and orphan its children, so the death signal is SIGTERM, handled by killing the
+    group, and a watchdog thread polls the parent in case user code replaced the handler.
+    """
+    signal.signal(signal.SIGTERM, _kill_own_group)
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        except (OSError, AttributeError):
+            pass
+
+    def poll_parent() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                _kill_own_group()
+            time.sleep(0.2)
+
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        _kill_own_group()
+    threading.Thread(target=poll_parent, name="spark-dl-parent-watch", daemon=True).start()
 
 
 def _watch_driver(conn, finishing: threading.Event) -> None:

@@ -9,12 +9,18 @@ import time
 import psutil
 
 
-def record_self_and_child(pid_dir: str) -> None:
-    """Called inside a rank: start a long-lived child (like a DataLoader worker) and record
-    both pids, so the test can check neither outlives the job."""
+def record_self_and_child(pid_dir: str, wait_for: int = 2) -> None:
+    """Called inside a rank: start a long-lived child (like a DataLoader worker), record both
+    pids, and wait until ``wait_for`` ranks have recorded theirs, so the test can check that
+    none of them outlives the job."""
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
-    with open(os.path.join(pid_dir, f"{os.getpid()}.pids"), "w") as f:
+    tmp = os.path.join(pid_dir, f"{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
         f.write(f"{os.getpid()}\n{child.pid}\n")
+    os.rename(tmp, os.path.join(pid_dir, f"{os.getpid()}.pids"))
+    deadline = time.monotonic() + 60
+    while len([n for n in os.listdir(pid_dir) if n.endswith(".pids")]) < wait_for and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def recorded_pids(pid_dir: str) -> list[int]:

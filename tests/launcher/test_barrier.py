@@ -1,0 +1,194 @@
+"""np > 0: ranks run inside one Spark barrier stage, on local[4] and on a two-executor local cluster."""
+from __future__ import annotations
+
+import _thread
+import os
+import threading
+import time
+
+import pytest
+from procs import record_self_and_child, recorded_pids, wait_all_dead
+
+import spark_dl
+from spark_dl import HorovodRunner, JobFailed, LaunchRefused, RankFailed
+
+
+def world_main(tag):
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    spark_dl.init()
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "CROSS_RANK", "CROSS_SIZE", "MASTER_ADDR", "OMP_NUM_THREADS")
+    return {"tag": tag, "sum": t.item(), "pid": os.getpid(), "ppid": os.getppid(),
+            "env": {k: os.environ.get(k) for k in keys}, "host": socket.gethostname()}
+
+
+def no_active_jobs(spark, timeout=10.0) -> bool:
+    tracker = spark.sparkContext.statusTracker()
+    deadline = time.monotonic() + timeout
+    while tracker.getActiveJobsIds() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not tracker.getActiveJobsIds()
+
+
+def test_barrier_stage_runs_np_ranks_with_one_process_group(spark):
+    outs = HorovodRunner(np=4).run_all(world_main, tag="x")
+    assert [o["env"]["RANK"] for o in outs] == ["0", "1", "2", "3"]
+    assert all(o["sum"] == 6.0 and o["tag"] == "x" for o in outs)
+    # one host: local ranks are the global ranks, consecutive
+    assert [o["env"]["LOCAL_RANK"] for o in outs] == ["0", "1", "2", "3"]
+    assert {o["env"]["LOCAL_WORLD_SIZE"] for o in outs} == {"4"}
+    assert {o["env"]["CROSS_SIZE"] for o in outs} == {"1"}
+    # four ranks share the host's cores instead of each spawning one thread per core
+    assert {o["env"]["OMP_NUM_THREADS"] for o in outs} == {str(max(1, len(os.sched_getaffinity(0)) // 4))}
+    assert len({o["pid"] for o in outs}) == 4
+    assert os.getpid() not in {o["ppid"] for o in outs}, "ranks must run under Spark tasks, not the driver"
+
+
+def test_run_returns_rank0_value(spark):
+    assert HorovodRunner(np=2).run(world_main, tag="y")["env"]["RANK"] == "0"
+
+
+def test_large_result_through_barrier_mode(spark):
+    def main():
+        return b"\x07" * (50 * 1024 * 1024)
+
+    out = HorovodRunner(np=2).run(main)
+    assert len(out) == 50 * 1024 * 1024 and out[:3] == b"\x07\x07\x07"
+
+
+def test_rank_failure_cancels_the_job_and_leaves_no_process(spark, tmp_path):
+    def main(pid_dir):
+        import time
+
+        record_self_and_child(pid_dir)
+        print("step 1 done", flush=True)
+        if spark_dl.get_context().rank == 1:
+            raise RuntimeError("loss is NaN")
+        time.sleep(120)
+
+    t = time.monotonic()
+    with pytest.raises(RankFailed) as e:
+        HorovodRunner(np=2).run(main, pid_dir=str(tmp_path))
+    assert time.monotonic() - t < 40
+    assert e.value.rank == 1 and "loss is NaN" in str(e.value)
+    assert e.value.host not in ("", "?")
+    assert any("step 1 done" in line for line in e.value.last_lines)
+    pids = recorded_pids(str(tmp_path))
+    assert len(pids) == 4
+    assert wait_all_dead(pids, timeout=2) == []
+    assert no_active_jobs(spark), "the barrier job was not cancelled"
+
+
+def test_logs_stream_live_before_the_job_ends(spark, capfd):
+    def main():
+        import time
+
+        print("early line", flush=True)
+        time.sleep(4)
+        return 1
+
+    result = {}
+    th = threading.Thread(target=lambda: result.update(v=HorovodRunner(np=2, driver_log_verbosity="all").run(main)))
+    th.start()
+    deadline = time.monotonic() + 30
+    seen = ""
+    while time.monotonic() < deadline and "early line" not in seen:
+        time.sleep(0.1)
+        seen += capfd.readouterr().out
+    assert "[0]<stdout>: early line" in seen or "[1]<stdout>: early line" in seen
+    assert th.is_alive(), "the line should arrive while the ranks still run"
+    th.join(60)
+    assert result["v"] == 1
+
+
+def test_too_many_ranks_is_refused_in_seconds_with_the_numbers(spark):
+    t = time.monotonic()
+    with pytest.raises(LaunchRefused) as e:
+        HorovodRunner(np=5).run(world_main, tag="z")
+    assert time.monotonic() - t < 5
+    msg = str(e.value)
+    assert "np=5" in msg and "only 4" in msg and "np=-5" in msg
+
+
+def test_lost_task_is_reported_and_its_rank_does_not_survive(spark, tmp_path):
+    def main(pid_dir):
+        import os
+        import signal
+        import time
+
+        record_self_and_child(pid_dir)
+        if spark_dl.get_context().rank == 1:
+            os.kill(os.getppid(), signal.SIGKILL)  # the Spark task's Python worker dies
+        time.sleep(120)
+
+    t = time.monotonic()
+    with pytest.raises(JobFailed, match="lost contact with the task running rank 1") as e:
+        HorovodRunner(np=2).run(main, pid_dir=str(tmp_path))
+    assert not isinstance(e.value, RankFailed) or e.value.rank == 1
+    assert time.monotonic() - t < 40
+    assert wait_all_dead(recorded_pids(str(tmp_path)), timeout=3) == []
+    assert no_active_jobs(spark)
+
+
+def test_keyboard_interrupt_cancels_the_barrier_job(spark, tmp_path):
+    def main(pid_dir):
+        import time
+
+        record_self_and_child(pid_dir)
+        time.sleep(120)
+
+    def interrupt_when_started():
+        deadline = time.monotonic() + 60
+        while len(os.listdir(tmp_path)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _thread.interrupt_main()
+
+    threading.Thread(target=interrupt_when_started, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        HorovodRunner(np=2).run(main, pid_dir=str(tmp_path))
+    assert wait_all_dead(recorded_pids(str(tmp_path)), timeout=2) == []
+    assert no_active_jobs(spark)
+
+
+def test_spark_objects_in_kwargs_are_refused_with_advice(spark):
+    df = spark.range(3)
+    with pytest.raises(LaunchRefused, match=r"kwarg 'data'.*DataFrame.*only on the driver"):
+        HorovodRunner(np=2).run(lambda data: None, data={"train": df})
+
+
+def test_local_cluster_ranks_in_separate_executors(spark_cluster):
+    outs = HorovodRunner(np=2).run_all(world_main, tag="cluster")
+    assert [o["env"]["RANK"] for o in outs] == ["0", "1"]
+    assert all(o["sum"] == 1.0 for o in outs)
+    # both executors run on this machine: one host, so local ranks 0 and 1
+    assert sorted(o["env"]["LOCAL_RANK"] for o in outs) == ["0", "1"]
+    assert {o["env"]["LOCAL_WORLD_SIZE"] for o in outs} == {"2"}
+    assert outs[0]["ppid"] != outs[1]["ppid"], "each rank should be started by its own executor's task"
+
+
+def test_local_cluster_failure_leaves_no_process(spark_cluster, tmp_path):
+    def main(pid_dir):
+        import time
+
+        record_self_and_child(pid_dir)
+        if spark_dl.get_context().rank == 0:
+            raise KeyError("missing column 'label'")
+        time.sleep(120)
+
+    with pytest.raises(RankFailed, match="missing column") as e:
+        HorovodRunner(np=2).run(main, pid_dir=str(tmp_path))
+    assert e.value.rank == 0
+    assert wait_all_dead(recorded_pids(str(tmp_path)), timeout=3) == []
+    assert no_active_jobs(spark_cluster)
+
+
+def test_local_cluster_refuses_more_ranks_than_slots(spark_cluster):
+    t = time.monotonic()
+    with pytest.raises(LaunchRefused, match=r"np=3 .* only 2 .*2 executor"):
+        HorovodRunner(np=3).run(world_main, tag="z")
+    assert time.monotonic() - t < 5
