@@ -109,7 +109,10 @@ def connect(host: str, port: int, secret: bytes, timeout: float = 30.0) -> Conne
             raise ChannelError(f"{host}:{port} is not a spark-dl driver")
         nonce = hello[len(_MAGIC):]
         sock.sendall(_mac(secret, b"client", nonce))
-        proof = _recv_exact(sock, _MAC)
+        try:
+            proof = _recv_exact(sock, _MAC)
+        except (EOFError, ConnectionResetError) as e:
+            raise ChannelError(f"{host}:{port} refused this connection's proof: not this job's secret") from e
         if not hmac.compare_digest(proof, _mac(secret, b"server", nonce)):
             raise ChannelError(f"{host}:{port} did not prove it is this job's driver")
         sock.settimeout(None)
