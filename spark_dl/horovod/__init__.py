@@ -1,0 +1,59 @@
+"""Horovod's PyTorch API on ``torch.distributed``: swap ``import horovod.torch as hvd`` for
+``import spark_dl.horovod as hvd`` and run the training function with :class:`spark_dl.HorovodRunner`.
+
+Collectives are matched across ranks by call order (not by ``name``); see ``docs/readme/horovod.md``
+for what differs from Horovod.
+"""
+from .basics import (
+    Adasum,
+    Average,
+    Max,
+    Min,
+    Product,
+    ReduceOp,
+    Sum,
+    cross_rank,
+    cross_size,
+    gloo_built,
+    init,
+    is_homogeneous,
+    is_initialized,
+    local_rank,
+    local_size,
+    mpi_built,
+    nccl_built,
+    rank,
+    shutdown,
+    size,
+)
+from .compression import Compression
+from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from .ops import (
+    allgather,
+    allgather_async,
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    barrier,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    poll,
+    synchronize,
+)
+from .optimizer import DistributedOptimizer
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+    "cross_rank", "cross_size", "is_homogeneous", "nccl_built", "gloo_built", "mpi_built",
+    "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
+    "Compression",
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
+    "allgather", "allgather_async",
+    "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
+    "poll", "synchronize", "barrier",
+    "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
+    "DistributedOptimizer",
+]

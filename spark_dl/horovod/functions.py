@@ -1,0 +1,86 @@
+"""Whole-model helpers: broadcast parameters, optimizer state and arbitrary Python objects."""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+from .basics import _check, comm_device, rank
+from .ops import allgather_parts
+
+
+def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any], root_rank: int) -> None:
+    """Overwrite ``params`` in place with ``root_rank``'s values.
+
+    ``params`` is a ``state_dict()``, ``named_parameters()`` or ``parameters()`` (a list, a
+    generator or a dict). Tensors are fused per dtype and device into one broadcast each.
+    """
+    _check()
+    if isinstance(params, Mapping):
+        tensors = [t for _, t in sorted(params.items())]
+    elif isinstance(params, Iterable):
+        tensors = [p[1] if isinstance(p, tuple) else p for p in params]
+    else:
+        raise ValueError(f"invalid params of type {type(params).__name__}: pass a dict or an iterable of tensors")
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        if not torch.is_tensor(t):
+            raise ValueError(f"broadcast_parameters got a {type(t).__name__}, expected tensors")
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    dev = comm_device()
+    with torch.no_grad():
+        for group in groups.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in group]).to(dev)
+            dist.broadcast(flat, src=root_rank)
+            offset = 0
+            for t in group:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
+    """Return ``root_rank``'s ``obj`` on every rank (serialized with cloudpickle)."""
+    _check()
+    dev = comm_device()
+    is_root = rank() == root_rank
+    if is_root:
+        data = torch.frombuffer(bytearray(cloudpickle.dumps(obj)), dtype=torch.uint8).to(dev)
+        length = torch.tensor([data.numel()], dtype=torch.int64, device=dev)
+    else:
+        length = torch.zeros(1, dtype=torch.int64, device=dev)
+    dist.broadcast(length, src=root_rank)
+    if not is_root:
+        data = torch.empty(int(length.item()), dtype=torch.uint8, device=dev)
+    dist.broadcast(data, src=root_rank)
+    return obj if is_root else cloudpickle.loads(data.cpu().numpy().tobytes())
+
+
+def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
+    """Every rank's ``obj``, in rank order (serialized with cloudpickle)."""
+    _check()
+    data = torch.frombuffer(bytearray(cloudpickle.dumps(obj)), dtype=torch.uint8).to(comm_device())
+    return [cloudpickle.loads(part.cpu().numpy().tobytes()) for part in allgather_parts(data)]
+
+
+def _to_cpu(value: Any) -> Any:
+    if torch.is_tensor(value):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
+    """Make every rank's optimizer state and hyper-parameters (lr, momentum, ...) equal ``root_rank``'s.
+
+    The whole ``state_dict()`` is sent, so any optimizer works (L-BFGS included). Tensors travel
+    through host memory; ``load_state_dict`` moves them to each parameter's device.
+    """
+    state = broadcast_object(_to_cpu(optimizer.state_dict()), root_rank)
+    if rank() != root_rank:
+        optimizer.load_state_dict(state)

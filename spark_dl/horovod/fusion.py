@@ -1,0 +1,104 @@
+"""Tensor fusion: gradients grouped into buckets, reduced one bucket at a time off the main thread.
+
+Buckets are planned once, from the parameters in reverse registration order (backward produces
+the last layers' gradients first, as in DDP), so every rank has the same buckets. The reducer
+runs them strictly in submission order; callers submit in bucket order, so all ranks issue the
+same collectives in the same sequence.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from typing import Callable, Sequence
+
+import torch
+
+DEFAULT_FUSION_THRESHOLD = 64 * 1024 * 1024
+
+
+def fusion_threshold() -> int:
+    """Bucket size limit in bytes: ``HOROVOD_FUSION_THRESHOLD`` (0 disables fusion), default 64 MiB."""
+    return int(os.environ.get("HOROVOD_FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD))
+
+
+def plan_buckets(params: Sequence[torch.Tensor], threshold: int) -> list[list[torch.Tensor]]:
+    """Split ``params``, last first, into runs of one dtype and device of at most ``threshold`` bytes.
+
+    A tensor larger than ``threshold`` gets a bucket of its own.
+    """
+    buckets: list[list[torch.Tensor]] = []
+    current: list[torch.Tensor] = []
+    nbytes = 0
+    for p in reversed(params):
+        size = p.numel() * p.element_size()
+        if current and (p.dtype != current[0].dtype or p.device != current[0].device or nbytes + size > threshold):
+            buckets.append(current)
+            current, nbytes = [], 0
+        current.append(p)
+        nbytes += size
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class BucketFailed(RuntimeError):
+    """A bucket's reduction raised; the ranks are no longer in lockstep."""
+
+
+class BucketReducer:
+    """Reduces submitted buckets on one daemon thread, in submission order.
+
+    ``reduce(index, flat)`` gets the bucket's gradients concatenated into one 1-D tensor and
+    returns the reduced tensor (same numel); the result is copied back into the gradients.
+    """
+
+    def __init__(self, reduce: Callable[[int, torch.Tensor], torch.Tensor]) -> None:
+        self._reduce = reduce
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._submitted = 0
+        self._completed = 0
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def submit(self, index: int, grads: list[torch.Tensor]) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="spark-dl-hvd-reducer", daemon=True)
+            self._thread.start()
+        with self._cond:
+            self._submitted += 1
+        self._queue.put((index, grads))
+
+    def busy(self) -> bool:
+        """Whether some submitted bucket has not finished yet."""
+        with self._cond:
+            return self._completed != self._submitted
+
+    def wait(self) -> None:
+        """Block until every submitted bucket is reduced; raise :class:`BucketFailed` if one failed."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._completed == self._submitted)
+        if self._error is not None:
+            raise BucketFailed(f"gradient all-reduce failed: {self._error!r}") from self._error
+
+    def _run(self) -> None:
+        while True:
+            index, grads = self._queue.get()
+            if self._error is None:
+                try:
+                    self._reduce_bucket(index, grads)
+                except BaseException as e:  # surfaced to the training thread by wait()
+                    self._error = e
+            with self._cond:
+                self._completed += 1
+                self._cond.notify_all()
+
+    def _reduce_bucket(self, index: int, grads: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            out = self._reduce(index, flat)
+            offset = 0
+            for g in grads:
+                g.copy_(out[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()

@@ -1,0 +1,290 @@
+"""Horovod's tensor collectives (``allreduce``, ``allgather``, ``broadcast`` and their variants).
+
+Each maps onto one or two ``torch.distributed`` calls on the default group. Unlike Horovod,
+collectives are matched across ranks by call order, not by ``name``: every rank must issue the
+same collectives in the same order (``name`` still keys compressor state such as error feedback).
+The out-of-place forms are differentiable, as in Horovod.
+"""
+from __future__ import annotations
+
+import itertools
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from . import compression as _compression
+from .basics import Adasum, Average, ReduceOp, Sum, _check, comm_device, rank, size
+from .compression import Compression
+
+_TORCH_OPS = {
+    ReduceOp.Min: dist.ReduceOp.MIN,
+    ReduceOp.Max: dist.ReduceOp.MAX,
+    ReduceOp.Product: dist.ReduceOp.PRODUCT,
+}
+
+
+def resolve_op(op: Any, average: bool | None = None) -> ReduceOp:
+    """Horovod's rules: ``op`` wins, ``average`` is the deprecated spelling, default Average."""
+    if op is not None and average is not None:
+        raise ValueError("pass either op= or the deprecated average=, not both")
+    if average is not None:
+        warnings.warn("average= is deprecated, use op=hvd.Average or op=hvd.Sum", DeprecationWarning, stacklevel=3)
+        return Average if average else Sum
+    op = Average if op is None else ReduceOp(op)
+    if op == Adasum:
+        raise NotImplementedError(
+            "Adasum is not implemented by spark_dl.horovod; use op=hvd.Average (the default) or hvd.Sum."
+        )
+    return op
+
+
+def _on_comm_device(tensor: torch.Tensor) -> torch.Tensor:
+    dev = comm_device()
+    return tensor if tensor.device == dev else tensor.to(dev)
+
+
+def _reduce_into(work: torch.Tensor, op: ReduceOp, name: str | None, compressor: Any,
+                 prescale_factor: float, postscale_factor: float) -> torch.Tensor:
+    """Reduce ``work`` (a private buffer on the comm device; may be modified). Returns the result."""
+    if prescale_factor != 1.0:
+        work.mul_(prescale_factor)
+    if op in (Average, Sum):
+        work = _compression.reduce(work, compressor, average=op == Average, name=name)
+    else:
+        if not _compression.is_none(compressor):
+            raise ValueError(f"compression is only supported with op=Average or Sum, not {op.name}")
+        dist.all_reduce(work, op=_TORCH_OPS[op])
+    if postscale_factor != 1.0:
+        work.mul_(postscale_factor)
+    return work
+
+
+def _allreduce_copy(tensor: torch.Tensor, op: ReduceOp, name: str | None, compressor: Any,
+                    prescale_factor: float, postscale_factor: float) -> torch.Tensor:
+    work = _on_comm_device(tensor.detach()).clone()
+    out = _reduce_into(work, op, name, compressor, prescale_factor, postscale_factor)
+    return out.to(tensor.device)
+
+
+class _Allreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, op, name, compressor, prescale_factor, postscale_factor):
+        ctx.args = (op, prescale_factor, postscale_factor)
+        return _allreduce_copy(tensor, op, name, compressor, prescale_factor, postscale_factor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        op, pre, post = ctx.args
+        return _allreduce_copy(grad, op, None, Compression.none, pre, post), None, None, None, None, None
+
+
+def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+              compression: Any = Compression.none, op: Any = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+    """Average (default) or combine ``tensor`` over all ranks; returns a new tensor.
+
+    ``op`` is ``Average``, ``Sum``, ``Min``, ``Max`` or ``Product``. The result is
+    ``postscale_factor * op(prescale_factor * tensor)``. ``compression`` applies to Average/Sum.
+    The input is not modified; gradients flow back through an all-reduce with the same op.
+    """
+    _check()
+    op = resolve_op(op, average)
+    compressor = _compression.resolve(compression)
+    return _Allreduce.apply(tensor, op, name, compressor, prescale_factor, postscale_factor)
+
+
+def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+               op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+    """In-place :func:`allreduce`; returns ``tensor``."""
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor))
+
+
+def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along dimension 0, in rank order.
+
+    Shapes must agree except for the first dimension, which may differ between ranks.
+    """
+    _check()
+    return _Allgather.apply(tensor, name)
+
+
+def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
+    """Return a copy of ``root_rank``'s ``tensor`` on every rank; the input is not modified."""
+    _check()
+    return _Broadcast.apply(tensor, root_rank, name)
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
+    """Overwrite ``tensor`` with ``root_rank``'s value, in place; returns ``tensor``."""
+    return synchronize(broadcast_async_(tensor, root_rank, name))
+
+
+def barrier() -> None:
+    """Block until every rank reaches this call."""
+    _check()
+    dist.barrier()
+
+
+# ---- asynchronous forms: a handle now, the result from synchronize(handle) ------------------------
+
+@dataclass
+class _Pending:
+    work: Any  # a torch.distributed Work, or None when the op already completed
+    finish: Callable[[], torch.Tensor]
+
+
+_pending: dict[int, _Pending] = {}
+_next_handle = itertools.count(1)
+
+
+def _register(work: Any, finish: Callable[[], torch.Tensor]) -> int:
+    handle = next(_next_handle)
+    _pending[handle] = _Pending(work, finish)
+    return handle
+
+
+def poll(handle: int) -> bool:
+    """Whether the operation behind ``handle`` has finished (then :func:`synchronize` won't block)."""
+    p = _pending[handle]
+    return p.work is None or p.work.is_completed()
+
+
+def synchronize(handle: int) -> torch.Tensor:
+    """Wait for the operation behind ``handle`` and return its output tensor."""
+    try:
+        p = _pending.pop(handle)
+    except KeyError:
+        raise ValueError(f"unknown or already synchronized handle {handle!r}") from None
+    if p.work is not None:
+        p.work.wait()
+    return p.finish()
+
+
+def _async_reduce(tensor: torch.Tensor, output: torch.Tensor, op: ReduceOp, name: str | None,
+                  prescale_factor: float, postscale_factor: float) -> int:
+    _check()
+    inplace_ok = output is tensor and tensor.device == comm_device() and tensor.is_contiguous()
+    work_t = tensor if inplace_ok else _on_comm_device(tensor.detach()).clone()
+    if prescale_factor != 1.0:
+        work_t.mul_(prescale_factor)
+    torch_op = dist.ReduceOp.SUM if op in (Average, Sum) else _TORCH_OPS[op]
+    work = dist.all_reduce(work_t, op=torch_op, async_op=True)
+
+    def finish() -> torch.Tensor:
+        scale = postscale_factor / size() if op == Average else postscale_factor
+        if scale != 1.0:
+            if work_t.is_floating_point() or work_t.is_complex():
+                work_t.mul_(scale)
+            else:
+                work_t.copy_(torch.div(work_t, 1.0 / scale, rounding_mode="trunc"))
+        if work_t is not output:
+            with torch.no_grad():
+                output.copy_(work_t)
+        return output
+
+    return _register(work, finish)
+
+
+def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                    op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
+    """Start an out-of-place :func:`allreduce`; the result comes from ``synchronize(handle)``."""
+    op = resolve_op(op, average)
+    return _async_reduce(tensor, torch.empty_like(tensor), op, name, prescale_factor, postscale_factor)
+
+
+def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                     op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
+    """Start an in-place :func:`allreduce_`; ``synchronize(handle)`` returns ``tensor``."""
+    op = resolve_op(op, average)
+    return _async_reduce(tensor, tensor, op, name, prescale_factor, postscale_factor)
+
+
+def _async_broadcast(tensor: torch.Tensor, output: torch.Tensor, root_rank: int) -> int:
+    _check()
+    inplace_ok = output is tensor and tensor.device == comm_device() and tensor.is_contiguous()
+    work_t = tensor if inplace_ok else _on_comm_device(tensor.detach()).clone()
+    work = dist.broadcast(work_t, src=root_rank, async_op=True)
+
+    def finish() -> torch.Tensor:
+        if work_t is not output:
+            with torch.no_grad():
+                output.copy_(work_t)
+        return output
+
+    return _register(work, finish)
+
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> int:
+    """Start an out-of-place :func:`broadcast`."""
+    return _async_broadcast(tensor, torch.empty_like(tensor), root_rank)
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> int:
+    """Start an in-place :func:`broadcast_`."""
+    return _async_broadcast(tensor, tensor, root_rank)
+
+
+def allgather_async(tensor: torch.Tensor, name: str | None = None) -> int:
+    """Start an :func:`allgather`. The first-dimension sizes are exchanged before this returns."""
+    _check()
+    out = _allgather_sync(tensor)
+    return _register(None, lambda: out)
+
+
+# ---- allgather / broadcast with gradients -------------------------------------------------------
+
+def _gather_sizes(n: int) -> list[int]:
+    dev = comm_device()
+    mine = torch.tensor([n], dtype=torch.int64, device=dev)
+    sizes = [torch.empty_like(mine) for _ in range(size())]
+    dist.all_gather(sizes, mine)
+    return [int(s.item()) for s in sizes]
+
+
+def allgather_parts(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` (first dimensions may differ), in rank order, on the comm device."""
+    if tensor.dim() == 0:
+        raise ValueError("allgather needs a tensor with at least one dimension (it concatenates along dim 0)")
+    t = _on_comm_device(tensor.detach()).contiguous()
+    sizes = _gather_sizes(t.shape[0])
+    longest = max(sizes)
+    if t.shape[0] < longest:
+        # torch.distributed gathers equal shapes only: pad, then trim each rank's part.
+        t = torch.cat([t, t.new_zeros((longest - t.shape[0],) + tuple(t.shape[1:]))])
+    parts = [torch.empty_like(t) for _ in sizes]
+    dist.all_gather(parts, t)
+    return [p[:n] for p, n in zip(parts, sizes)]
+
+
+def _allgather_sync(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.cat(allgather_parts(tensor)).to(tensor.device)
+
+
+class _Allgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name):
+        ctx.rows = tensor.shape[0] if tensor.dim() else 0
+        return _allgather_sync(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        summed = _allreduce_copy(grad, Sum, None, Compression.none, 1.0, 1.0)
+        offset = sum(_gather_sizes(ctx.rows)[: rank()])
+        return summed.narrow(0, offset, ctx.rows), None
+
+
+class _Broadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, root_rank, name):
+        ctx.root_rank = root_rank
+        return synchronize(broadcast_async(tensor, root_rank, name))
+
+    @staticmethod
+    def backward(ctx, grad):
+        summed = _allreduce_copy(grad, Sum, None, Compression.none, 1.0, 1.0)
+        if rank() != ctx.root_rank:
+            summed.zero_()
+        return summed, None, None

@@ -1,0 +1,214 @@
+"""``DistributedOptimizer``: gradients averaged across ranks while backward is still running.
+
+Each parameter gets a post-accumulate-grad hook. When every parameter of a fusion bucket has its
+gradient (on the ``backward_passes_per_step``-th backward), the bucket is handed to a background
+thread that all-reduces it on a process group of its own, so collectives the training loop issues
+on the default group cannot interleave with it. ``step()`` (or ``synchronize()``) launches what is
+left, zero-filling gradients that no backward produced, and waits.
+"""
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager
+from typing import Any, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from . import compression as _compression
+from .basics import Adasum, Average, ReduceOp, Sum, _check
+from .compression import Compression
+from .fusion import BucketReducer, fusion_threshold, plan_buckets
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """Mixed in ahead of the wrapped optimizer's class; see :func:`DistributedOptimizer`."""
+
+    def _hvd_setup(self, named_parameters: Any, compressor: Any, backward_passes_per_step: int,
+                   op: ReduceOp, gradient_predivide_factor: float) -> None:
+        all_params = [p for group in self.param_groups for p in group["params"]]
+        self._hvd_names = _parameter_names(all_params, named_parameters)
+        self._hvd_compressor = compressor
+        self._hvd_op = op
+        self._hvd_predivide = gradient_predivide_factor
+        self.backward_passes_per_step = backward_passes_per_step
+        params = [p for p in all_params if p.requires_grad]
+        self._hvd_buckets = plan_buckets(params, fusion_threshold())
+        self._hvd_bucket_of = {p: i for i, bucket in enumerate(self._hvd_buckets) for p in bucket}
+        self._hvd_group = dist.new_group()
+        self._hvd_reducer = BucketReducer(self._hvd_reduce)
+        self._hvd_synchronized = False
+        self._hvd_should_synchronize = True
+        self._hvd_reset()
+        self._hvd_hooks = [p.register_post_accumulate_grad_hook(self._hvd_on_grad) for p in params]
+
+    def _hvd_reset(self) -> None:
+        self._hvd_passes = {p: 0 for p in self._hvd_bucket_of}
+        self._hvd_waiting = [len(bucket) for bucket in self._hvd_buckets]
+        self._hvd_next = 0
+
+    def _hvd_on_grad(self, p: torch.Tensor) -> None:
+        passes = self._hvd_passes[p] + 1
+        if passes > self.backward_passes_per_step:
+            raise AssertionError(
+                "Gradients were computed more than backward_passes_per_step times before call to "
+                "step(). Increase backward_passes_per_step to accumulate gradients locally."
+            )
+        self._hvd_passes[p] = passes
+        if passes == self.backward_passes_per_step:
+            i = self._hvd_bucket_of[p]
+            self._hvd_waiting[i] -= 1
+            # Launch in bucket order only, so every rank issues the same collective sequence.
+            while self._hvd_next < len(self._hvd_buckets) and self._hvd_waiting[self._hvd_next] == 0:
+                self._hvd_launch(self._hvd_next)
+
+    def _hvd_launch(self, i: int) -> None:
+        grads = []
+        for p in self._hvd_buckets[i]:
+            if p.grad is None:
+                # Another rank may have a gradient here (a branch it took): send zeros to match it.
+                p.grad = torch.zeros_like(p)
+            elif p.grad.is_sparse:
+                raise NotImplementedError(
+                    f"sparse gradient for {self._hvd_names[p]!r}: spark_dl.horovod reduces dense "
+                    "gradients only (use nn.Embedding(sparse=False))."
+                )
+            grads.append(p.grad)
+        self._hvd_next = i + 1
+        self._hvd_reducer.submit(i, grads)
+
+    def _hvd_reduce(self, i: int, flat: torch.Tensor) -> torch.Tensor:
+        name = f"DistributedOptimizer.bucket{i}.{self._hvd_names[self._hvd_buckets[i][0]]}"
+        average = self._hvd_op == Average
+        if average and self._hvd_predivide != 1.0:
+            flat.mul_(1.0 / self._hvd_predivide)
+        out = _compression.reduce(flat, self._hvd_compressor, average=average, name=name, group=self._hvd_group)
+        if average and self._hvd_predivide != 1.0:
+            out.mul_(self._hvd_predivide)
+        return out
+
+    # ---- Horovod's public optimizer API ---------------------------------------------------------
+
+    def synchronize(self) -> None:
+        """Finish reducing every gradient; after it each ``p.grad`` holds the cross-rank result."""
+        for i in range(self._hvd_next, len(self._hvd_buckets)):
+            self._hvd_launch(i)
+        self._hvd_reducer.wait()
+        self._hvd_reset()
+        self._hvd_synchronized = True
+
+    @contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Make ``step()`` skip :meth:`synchronize`; for ``synchronize(); clip; step()``."""
+        self._hvd_should_synchronize = False
+        try:
+            yield
+        finally:
+            self._hvd_should_synchronize = True
+
+    def step(self, closure: Any = None) -> Any:
+        if self._hvd_should_synchronize:
+            if self._hvd_synchronized:
+                warnings.warn(
+                    "optimizer.step() called without optimizer.skip_synchronize() after "
+                    "optimizer.synchronize(): gradients are reduced again. Wrap step() in "
+                    "`with optimizer.skip_synchronize():`.",
+                    stacklevel=2,
+                )
+            self.synchronize()
+        self._hvd_synchronized = False
+        return super().step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._hvd_reducer.busy() or self._hvd_next or any(self._hvd_passes.values()):
+            raise AssertionError(
+                "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() "
+                "or optimizer.synchronize(): the gradients are being reduced."
+            )
+        super().zero_grad(set_to_none=set_to_none)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._hvd_reducer.wait()
+        self._hvd_reset()
+        self._hvd_synchronized = False
+        super().load_state_dict(state_dict)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change how many backward passes are accumulated before gradients are reduced."""
+        if passes < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")
+        self.backward_passes_per_step = passes
+        self._hvd_reset()
+
+
+def _parameter_names(params: list[torch.Tensor], named_parameters: Any) -> dict[torch.Tensor, str]:
+    if named_parameters is None:
+        return {p: f"allreduce.noname.{j}" for j, p in enumerate(params)}
+    named = list(named_parameters)
+    if any(not isinstance(item, tuple) for item in named):
+        raise ValueError(
+            "named_parameters should be a sequence of tuples (name, parameter), usually produced "
+            "by model.named_parameters()."
+        )
+    names = [n for n, _ in named]
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        raise ValueError(f"Parameter names in named_parameters must be unique. Found duplicates: {', '.join(dups)}")
+    by_param = {p: n for n, p in named}
+    unnamed = [p for p in params if p not in by_param]
+    if unnamed:
+        raise ValueError(
+            f"named_parameters was specified, but {len(unnamed)} parameter(s) of the optimizer "
+            "are not named in it; pass model.named_parameters() for the model the optimizer trains."
+        )
+    return by_param
+
+
+def DistributedOptimizer(
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+    compression: Any = Compression.none,
+    backward_passes_per_step: int = 1,
+    op: Any = Average,
+    gradient_predivide_factor: float = 1.0,
+) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so ``step()`` applies gradients averaged (or summed) over all ranks.
+
+    The result is an instance of a subclass of ``type(optimizer)`` sharing its param groups and
+    state, so ``isinstance`` checks and LR schedulers work; use it instead of ``optimizer``.
+
+    Args:
+        named_parameters: ``model.named_parameters()``; names appear in errors and key
+            compressor state.
+        compression: a compressor, e.g. ``Compression.fp16``; applied per fusion bucket.
+        backward_passes_per_step: backward passes whose gradients are accumulated (summed,
+            as in Horovod) locally before one reduction; call ``step()`` after the last.
+        op: ``Average`` or ``Sum``.
+        gradient_predivide_factor: with ``Average``, divide by this before the sum and multiply
+            by ``factor / size`` after it (the result is the same average; it trades overflow
+            against underflow in low precision).
+
+    ``HOROVOD_FUSION_THRESHOLD`` (bytes, default 64 MiB, 0 = one bucket per tensor) sets the
+    bucket size.
+    """
+    _check()
+    op = ReduceOp(op)
+    if op == Adasum:
+        raise NotImplementedError("Adasum is not implemented by spark_dl.horovod; use op=hvd.Average or hvd.Sum.")
+    if op not in (Average, Sum):
+        raise ValueError(f"DistributedOptimizer supports op=Average or Sum, got {op.name}")
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+    if isinstance(optimizer, _DistributedOptimizer):
+        raise ValueError("optimizer is already a DistributedOptimizer")
+    compressor = _compression.resolve(compression)
+    base = type(optimizer)
+    cls = type(base.__name__, (_DistributedOptimizer, base), {"__module__": __name__})
+    wrapped = cls.__new__(cls)
+    # Share the wrapped optimizer's param groups, state and hooks; an instance-level `step`
+    # (an LR scheduler's patch of the original) must not shadow ours.
+    wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k != "step"})
+    wrapped._hvd_setup(named_parameters, compressor, backward_passes_per_step, op, gradient_predivide_factor)
+    return wrapped
