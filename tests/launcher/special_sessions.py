@@ -1,0 +1,57 @@
+"""Runs HorovodRunner on a SparkSession whose configuration the shared test sessions cannot have.
+Each mode starts its own JVM, so it runs as a subprocess: python special_sessions.py MODE."""
+import json
+import os
+import sys
+import tempfile
+
+from pyspark.sql import SparkSession
+
+from spark_dl import HorovodRunner, LaunchRefused
+
+
+def gpu_discovery_script() -> str:
+    """Spark runs this on the worker to find its GPUs: two pretend GPUs, '0' and '1'."""
+    fd, path = tempfile.mkstemp(suffix=".sh")
+    with os.fdopen(fd, "w") as f:
+        f.write('#!/bin/sh\necho \'{"name": "gpu", "addresses": ["0", "1"]}\'\n')
+    os.chmod(path, 0o755)
+    return path
+
+
+def session(**conf):
+    b = (SparkSession.builder.master(conf.pop("master"))
+         .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+         .config("spark.executor.memory", "768m"))
+    for k, v in conf.items():
+        b = b.config(k.replace("_", "."), v)
+    s = b.getOrCreate()
+    s.sparkContext.setLogLevel("ERROR")
+    return s
+
+
+def gpu_env():
+    import os
+
+    keys = ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES", "SPARK_DL_CUDA_DEVICE")
+    return {**{k: os.environ.get(k) for k in keys}, "task_pid": os.getppid()}
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    if mode.startswith("gpu"):
+        script = gpu_discovery_script()
+        session(**{"master": "local-cluster[1,2,1024]",
+                   "spark.worker.resource.gpu.amount": "2",
+                   "spark.worker.resource.gpu.discoveryScript": script,
+                   "spark.executor.resource.gpu.amount": "2",
+                   "spark.task.resource.gpu.amount": mode[3:]})
+        print("RESULT " + json.dumps(HorovodRunner(np=2).run_all(gpu_env)), flush=True)
+    elif mode == "dynalloc":
+        session(**{"master": "local-cluster[1,1,1024]",
+                   "spark.dynamicAllocation.enabled": "true",
+                   "spark.dynamicAllocation.shuffleTracking.enabled": "true"})
+        try:
+            HorovodRunner(np=1).run(gpu_env)
+        except LaunchRefused as e:
+            print("REFUSED " + str(e), flush=True)
