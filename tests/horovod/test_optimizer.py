@@ -1,0 +1,230 @@
+"""``hvd.DistributedOptimizer`` on two real ranks: the maths of every option, checked numerically.
+
+Each rank computes its expected values itself from the shared data (a reference model trained on
+the concatenated global batch), so one launch checks everything.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spark_dl import HorovodRunner
+from spark_dl.horovod.fusion import plan_buckets
+
+
+def optimizer_main():
+    import copy
+    import os
+    import warnings
+
+    import torch
+    import torch.nn.functional as F
+
+    import spark_dl.horovod as hvd
+
+    hvd.init()
+    r = hvd.rank()
+    torch.manual_seed(0)
+    X, Y = torch.randn(16, 3), torch.randn(16, 1)  # identical on both ranks
+    out = {}
+
+    def fresh():
+        m = torch.nn.Linear(3, 1)
+        with torch.no_grad():
+            m.weight.copy_(torch.tensor([[0.1, -0.2, 0.3]]))
+            m.bias.fill_(0.05)
+        return m
+
+    def params(m):
+        return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+
+    # backward_passes_per_step=2 on 2 ranks x 2 micro-batches of 2 == one step on the 8-row batch.
+    model, ref = fresh(), fresh()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), backward_passes_per_step=2)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for s in range(2):
+        rows = X[8 * s + 4 * r: 8 * s + 4 * r + 4], Y[8 * s + 4 * r: 8 * s + 4 * r + 4]
+        for micro in range(2):
+            x, y = rows[0][2 * micro: 2 * micro + 2], rows[1][2 * micro: 2 * micro + 2]
+            (F.mse_loss(model(x), y) / 2).backward()  # Horovod's convention: scale the loss by 1/k
+            if s == 0 and micro == 0:
+                out["grad_after_first_pass"] = model.weight.grad.clone()
+        opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        F.mse_loss(ref(X[8 * s: 8 * s + 8]), Y[8 * s: 8 * s + 8]).backward()
+        ref_opt.step()
+    out["accumulation_matches_big_batch"] = torch.allclose(params(model), params(ref), atol=1e-6)
+    out["accumulation_params"] = params(model)
+
+    # synchronize(); clip; step() under skip_synchronize() == clipping the global gradient.
+    model, ref = fresh(), fresh()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    F.mse_loss(model(X[4 * r: 4 * r + 4]), Y[4 * r: 4 * r + 4]).backward()
+    opt.synchronize()
+    out["norm_before_clip"] = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05).item()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with opt.skip_synchronize():
+            opt.step()
+    out["skip_synchronize_warnings"] = len(caught)
+    F.mse_loss(ref(X[:8]), Y[:8]).backward()
+    out["ref_norm"] = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05).item()
+    ref_opt.step()
+    out["clip_matches"] = torch.allclose(params(model), params(ref), atol=1e-6)
+    opt.zero_grad()
+    F.mse_loss(model(X[:2]), Y[:2]).backward()
+    opt.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()  # without skip_synchronize(): Horovod warns, so do we
+    out["step_after_synchronize_warns"] = any("skip_synchronize" in str(w.message) for w in caught)
+
+    # op and gradient_predivide_factor: rank r's gradient is r + 1 everywhere.
+    for label, kwargs in [("average", {}), ("sum", {"op": hvd.Sum}),
+                          ("predivide4", {"gradient_predivide_factor": 4.0})]:
+        w = torch.nn.Parameter(torch.zeros(3))
+        opt = hvd.DistributedOptimizer(torch.optim.SGD([w], lr=1.0), **kwargs)
+        (w * (r + 1)).sum().backward()
+        opt.step()
+        out[f"op_{label}"] = w.detach().tolist()
+    try:
+        hvd.DistributedOptimizer(torch.optim.SGD([w], lr=1.0), op=hvd.Sum, gradient_predivide_factor=2.0)
+    except ValueError as e:
+        out["predivide_with_sum"] = str(e)
+    try:
+        hvd.DistributedOptimizer(torch.optim.SGD([w], lr=1.0), op=hvd.Adasum)
+    except NotImplementedError:
+        out["adasum"] = "NotImplementedError"
+
+    # Parameters without gradients on one rank, and backward order that differs between ranks,
+    # with one bucket per tensor, tiny buckets, and the default single bucket.
+    for threshold in ("0", "64", None):
+        if threshold is None:
+            os.environ.pop("HOROVOD_FUSION_THRESHOLD", None)
+        else:
+            os.environ["HOROVOD_FUSION_THRESHOLD"] = threshold
+        torch.manual_seed(1)
+        model = torch.nn.ModuleDict({"a": torch.nn.Linear(3, 4), "b": torch.nn.Linear(3, 2), "c": torch.nn.Linear(3, 5)})
+
+        def loss_of(m, rank, x):
+            if rank == 0:
+                return m["a"](x).sum() + m["b"](x).pow(2).sum()  # "c" unused on rank 0
+            return m["c"](x).sum() + m["b"](x).pow(2).sum() + m["a"](x).sum()
+
+        reference = copy.deepcopy(model)
+        expected = [torch.zeros_like(p) for p in reference.parameters()]
+        for k in range(2):
+            grads = torch.autograd.grad(loss_of(reference, k, X[4 * k: 4 * k + 4]), list(reference.parameters()),
+                                        allow_unused=True)
+            for e, g in zip(expected, grads):
+                if g is not None:
+                    e.add_(g / 2)
+        # lr=0 keeps the weights, so both steps must produce the same expected gradients.
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                       named_parameters=model.named_parameters())
+        ok = []
+        for _ in range(2):  # twice: the second step must start from a clean state
+            opt.zero_grad()
+            loss_of(model, r, X[4 * r: 4 * r + 4]).backward()
+            opt.synchronize()
+            ok += [torch.allclose(p.grad, e, atol=1e-5) for p, e in zip(model.parameters(), expected)]
+            with opt.skip_synchronize():
+                opt.step()
+        out[f"unused_ok_{threshold}"] = all(ok)
+    os.environ.pop("HOROVOD_FUSION_THRESHOLD", None)
+
+    # A subclass of the wrapped optimizer: isinstance, LR schedulers, state_dict round trip.
+    model = fresh()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    out["isinstance_sgd"] = isinstance(opt, torch.optim.SGD)
+    out["class_name"] = type(opt).__name__
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for _ in range(2):
+        opt.zero_grad()
+        F.mse_loss(model(X[4 * r: 4 * r + 4]), Y[4 * r: 4 * r + 4]).backward()
+        opt.step()
+        sched.step()
+    out["lr_after_two_epochs"] = opt.param_groups[0]["lr"]
+    opt.load_state_dict(opt.state_dict())
+    out["momentum_kept"] = "momentum_buffer" in opt.state[model.weight]
+
+    # Misuse is reported, as in Horovod.
+    F.mse_loss(model(X[:4]), Y[:4]).backward()
+    try:
+        opt.zero_grad()
+    except AssertionError as e:
+        out["zero_grad_mid_step"] = str(e)
+    opt.step()
+    opt.zero_grad()
+    F.mse_loss(model(X[:4]), Y[:4]).backward()
+    try:
+        F.mse_loss(model(X[:4]), Y[:4]).backward()
+    except AssertionError as e:
+        out["too_many_passes"] = str(e)
+    opt.step()
+    out["final_params"] = params(model)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return HorovodRunner(np=-2).run_all(optimizer_main)
+
+
+def test_backward_passes_per_step_equals_one_step_on_the_concatenated_batch(ranks):
+    for o in ranks:
+        assert o["accumulation_matches_big_batch"] is True
+    assert torch.equal(ranks[0]["accumulation_params"], ranks[1]["accumulation_params"])
+    # Nothing is reduced before the k-th backward: after the first pass each rank has its own grad.
+    assert not torch.allclose(ranks[0]["grad_after_first_pass"], ranks[1]["grad_after_first_pass"])
+
+
+def test_synchronize_then_clip_under_skip_synchronize(ranks):
+    for o in ranks:
+        assert o["clip_matches"] is True
+        assert o["skip_synchronize_warnings"] == 0
+        assert o["norm_before_clip"] == pytest.approx(o["ref_norm"], rel=1e-5)
+        assert o["norm_before_clip"] > 0.05  # so clipping did something
+        assert o["step_after_synchronize_warns"] is True
+
+
+def test_sum_average_and_gradient_predivide_factor(ranks):
+    for o in ranks:
+        assert o["op_average"] == [-1.5, -1.5, -1.5]  # lr 1, mean of gradients 1 and 2
+        assert o["op_sum"] == [-3.0, -3.0, -3.0]
+        assert o["op_predivide4"] == [-1.5, -1.5, -1.5]  # same average, split as /4 then *4/size
+        assert o["predivide_with_sum"] == "gradient_predivide_factor not supported with op != Average"
+        assert o["adasum"] == "NotImplementedError"
+
+
+def test_parameters_without_gradients_and_any_bucket_size(ranks):
+    for o in ranks:
+        assert o["unused_ok_0"] is True
+        assert o["unused_ok_64"] is True
+        assert o["unused_ok_None"] is True
+
+
+def test_is_a_subclass_of_the_wrapped_optimizer(ranks):
+    for o in ranks:
+        assert o["isinstance_sgd"] is True and o["class_name"] == "SGD"
+        assert o["lr_after_two_epochs"] == pytest.approx(0.025)
+        assert o["momentum_kept"] is True
+
+
+def test_misuse_is_reported_and_ranks_stay_in_lockstep(ranks):
+    for o in ranks:
+        assert "zero_grad()" in o["zero_grad_mid_step"]
+        assert "backward_passes_per_step" in o["too_many_passes"]
+    assert torch.equal(ranks[0]["final_params"], ranks[1]["final_params"])
+
+
+def test_buckets_follow_reverse_registration_order_within_the_threshold():
+    a, b, c = torch.zeros(10), torch.zeros(10), torch.zeros(10)  # 40 bytes each
+    d = torch.zeros(10, dtype=torch.float64)
+    assert plan_buckets([a, b, c], threshold=80) == [[c, b], [a]]
+    assert plan_buckets([a, b, c], threshold=0) == [[c], [b], [a]]
+    assert plan_buckets([a, d, b], threshold=1 << 20) == [[b], [d], [a]]  # one dtype per bucket
+    assert plan_buckets([a], threshold=8) == [[a]]  # larger than the threshold: alone
