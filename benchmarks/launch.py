@@ -1,0 +1,74 @@
+"""End-to-end launch time of a trivial 2-rank job: spark-dl vs PySpark's TorchDistributor.
+
+    python benchmarks/launch.py [--runs 5] [--master 'local-cluster[2,1,1024]']
+
+Both run on the same warm SparkSession, interleaved, so machine noise hits both alike. The job:
+init a Gloo process group, one barrier, return. Prints the medians and their ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+
+
+def trivial() -> int:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    dist.barrier()
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    return rank
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--master", default="local-cluster[2,1,1024]")
+    args = parser.parse_args()
+
+    from pyspark.ml.torch.distributor import TorchDistributor
+    from pyspark.sql import SparkSession
+
+    from spark_dl import HorovodRunner
+
+    spark = (
+        SparkSession.builder.master(args.master)
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.executor.memory", "768m")
+        .getOrCreate()
+    )
+    spark.sparkContext.setLogLevel("ERROR")
+
+    def ours() -> None:
+        assert HorovodRunner(np=2).run(trivial) == 0
+
+    def theirs() -> None:
+        TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(trivial)
+
+    for warm in (ours, theirs):  # executors, Python workers and page cache warm for both
+        warm()
+    times: dict[str, list[float]] = {"spark-dl HorovodRunner": [], "TorchDistributor": []}
+    for _ in range(args.runs):
+        for name, fn in (("spark-dl HorovodRunner", ours), ("TorchDistributor", theirs)):
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"\n{args.runs} interleaved runs each on {args.master}, trivial 2-rank job (init, barrier, return)")
+    print(f"{'launcher':<24} {'median s':>9} {'min s':>7} {'max s':>7}")
+    for k, v in times.items():
+        print(f"{k:<24} {med[k]:>9.2f} {min(v):>7.2f} {max(v):>7.2f}")
+    print(f"ratio spark-dl / TorchDistributor: {med['spark-dl HorovodRunner'] / med['TorchDistributor']:.3f} "
+          f"({med['TorchDistributor'] / med['spark-dl HorovodRunner']:.1f}x faster)")
+    spark.stop()
+
+
+if __name__ == "__main__":
+    main()
