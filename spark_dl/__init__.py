@@ -1,11 +1,12 @@
 """spark-dl: train PyTorch models across an Apache Spark cluster.
 
 Driver side: :class:`HorovodRunner`. Inside the training function: :func:`init`,
-:func:`log_to_driver`, :func:`get_context`.
+:func:`log_to_driver`, :func:`get_context`, :func:`log_metrics`, :func:`log_params`, :func:`log_model`.
 """
 from .errors import JobFailed, LaunchRefused, RankFailed, SparkDLError
 from .rank import RankContext, get_context, init, log_to_driver
 from .runner import HorovodRunner
+from .tracking import Tracking, log_metrics, log_model, log_params
 
 __version__ = "0.1.0"
 
@@ -14,6 +15,10 @@ __all__ = [
     "init",
     "log_to_driver",
     "get_context",
+    "log_metrics",
+    "log_params",
+    "log_model",
+    "Tracking",
     "RankContext",
     "SparkDLError",
     "LaunchRefused",

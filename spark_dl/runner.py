@@ -13,6 +13,7 @@ from .errors import JobFailed, LaunchRefused
 from .launch.layout import RankSpec
 from .launch.task import JobSpec, barrier_task, free_port, run_task
 from .serialize import serialize_job
+from .tracking.observer import Tracking, make_observer
 
 START_TIMEOUT_S = 300.0
 ABORT_GRACE_S = 15.0
@@ -29,6 +30,10 @@ class HorovodRunner:
             :func:`spark_dl.log_to_driver`; ``"all"`` also streams every rank's stdout/stderr.
         start_timeout: seconds to wait for all barrier tasks to start before failing (tasks wait
             for free slots when other jobs hold them).
+        tracking: MLflow tracking of the run (see ``docs/readme/tracking.md``): on by default when
+            mlflow is importable; ``False`` (or env ``SPARK_DL_TRACKING=0``) turns it off; a
+            :class:`spark_dl.tracking.Tracking` sets its options.
+        progress: the driver's progress bar (step, loss, throughput of rank 0); ``False`` hides it.
 
     The signature matches Databricks' ``sparkdl.HorovodRunner``, so notebooks switch by
     changing one import.
@@ -40,6 +45,8 @@ class HorovodRunner:
         np: int,
         driver_log_verbosity: str = "log_callback_only",
         start_timeout: float = START_TIMEOUT_S,
+        tracking: bool | Tracking | None = None,
+        progress: bool | None = None,
     ) -> None:
         if isinstance(np, bool) or not isinstance(np, int):
             raise LaunchRefused(f"np must be an int (ranks on Spark if > 0, local processes if < 0), got {np!r}")
@@ -53,6 +60,8 @@ class HorovodRunner:
         self.np = np
         self.driver_log_verbosity = driver_log_verbosity
         self.start_timeout = start_timeout
+        self.tracking = tracking
+        self.progress = progress
         self.observers: list[Observer] = []
 
     def run(self, main: Callable[..., Any], **kwargs: Any) -> Any:
@@ -76,12 +85,14 @@ class HorovodRunner:
             launcher = _SparkLauncher.prepare(self.np)
         job_id = f"spark-dl-{uuid.uuid4().hex[:12]}"
         secret = channel.new_secret()
+        tracker = make_observer(self.tracking, self.progress)
+        observers = [*self.observers, *([tracker] if tracker is not None else [])]
         monitor = JobMonitor(
             world_size=launcher.world_size,
             num_tasks=launcher.num_tasks,
             verbosity=self.driver_log_verbosity,
             on_failure=lambda f: threading.Thread(target=abort, args=(f,), daemon=True).start(),
-            observers=self.observers,
+            observers=observers,
         )
         server = channel.ControlServer(secret, monitor.on_message, monitor.on_close, host=launcher.bind_host)
 
@@ -113,7 +124,7 @@ class HorovodRunner:
             "main": getattr(main, "__qualname__", repr(main)),
             "kwargs": dict(kwargs),
         }
-        for o in self.observers:
+        for o in observers:
             o.on_start(job)
         try:
             launcher.start(spec, monitor)
@@ -134,7 +145,7 @@ class HorovodRunner:
         self._drain(monitor, launcher)
         server.close()
         error = monitor.error() if monitor.failure is not None else None
-        for o in self.observers:
+        for o in monitor.observers:
             o.on_finish(error)
         return error
 
@@ -154,14 +165,11 @@ class HorovodRunner:
 
     @staticmethod
     def _drain(monitor: JobMonitor, launcher: "_Launcher") -> None:
-        """After a failure, wait (bounded) until every rank has exited and the Spark job is over."""
+        """After a failure, wait (bounded) until every task has reaped its ranks and the Spark job is over."""
         if monitor.failure is None:
             return
         deadline = time.monotonic() + ABORT_GRACE_S
-        while time.monotonic() < deadline:
-            started_ranks = sum(len(v) for v in monitor.task_ranks.values())
-            if len(monitor.exits) >= started_ranks and monitor.tasks_started == len(monitor.task_ranks) and launcher.finished():
-                return
+        while time.monotonic() < deadline and not (monitor.tasks_gone() and launcher.finished()):
             monitor.wait(0.1)
 
 

@@ -100,6 +100,7 @@ def main() -> int:
     import cloudpickle
 
     from spark_dl import channel, rank as rank_api
+    from spark_dl.tracking import rank as tracking
 
     boot = pickle.load(sys.stdin.buffer)  # written by our parent task over a private pipe
     sys.stdin.close()
@@ -112,6 +113,7 @@ def main() -> int:
     conn = channel.connect(boot["driver_host"], boot["driver_port"], boot["secret"])
     conn.send("hello", {"role": "rank", "rank": r, "pid": os.getpid()})
     outbox = rank_api._install(conn)
+    tracking.install()
     finishing = threading.Event()
     threading.Thread(target=_watch_driver, args=(conn, finishing), name="spark-dl-watchdog", daemon=True).start()
 
@@ -124,6 +126,8 @@ def main() -> int:
             if e.code not in (None, 0):
                 raise RuntimeError(f"main called sys.exit({e.code!r})") from e
             result = None
+        finally:
+            tracking.finish()  # before the error goes out: the driver stops this rank once it has it
         if boot["want_result"]:
             try:
                 blob = cloudpickle.dumps(result)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .. import channel
+from ..tracking.system import start_sampler
 from .layout import RankSpec, TaskInfo, compute_layout, omp_threads
 
 KILL_GRACE_S = 2.0
@@ -170,6 +171,7 @@ def run_task(spec: JobSpec, partition: int, host: str, rendezvous: Callable[[], 
         conn.close()
         raise
     sender.q.put(("layout", [{"rank": r.rank, "host": r.host, "local_rank": r.local_rank} for r in ranks]))
+    sampler = start_sampler(host, [r.local_rank for r in ranks], lambda kind, data: sender.q.put((kind, data)))
 
     statuses: list[dict] = []
     waiters = []
@@ -207,6 +209,8 @@ def run_task(spec: JobSpec, partition: int, host: str, rendezvous: Callable[[], 
         status = {"rank": r.rank, "code": code, "host": r.host, "aborted": aborted.is_set()}
         statuses.append(status)
         sender.q.put(("exit", status))
+    if sampler is not None:
+        sampler.stop()
     all_done.set()
     sender.stop()
     conn.close()

@@ -1,0 +1,231 @@
+"""The driver side: an :class:`spark_dl.driver.Observer` that turns rank messages into one MLflow run.
+
+Callbacks run on the control server's channel threads, so they only translate and enqueue; the
+:class:`MlflowWriter` thread does the I/O. The run is the caller's active run if there is one
+(left open), else a new run in the current experiment (ended FINISHED or FAILED).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from .mlflow_writer import MlflowWriter
+from .params import clean_name, flatten, is_plain
+from .progress import ProgressBar
+
+MAX_LOG_BYTES = 64 * 1024 * 1024
+
+
+@dataclass
+class Tracking:
+    """Options of the MLflow tracking of one ``HorovodRunner``: ``HorovodRunner(np=2, tracking=Tracking(...))``.
+
+    Args:
+        all_ranks: also log every rank's metrics as ``<name>/rank<r>`` (rank 0's always land
+            under their plain names).
+        system_metrics: log the executors' CPU/memory/GPU samples (``system/<host>/...``).
+        rank_logs: store every rank's output as ``logs/rank<r>.txt``.
+        run_name: name of the run spark-dl creates (when no run is active).
+        grace_s: how long the end of ``run()`` waits for an MLflow server that keeps failing.
+    """
+
+    all_ranks: bool = False
+    system_metrics: bool = True
+    rank_logs: bool = True
+    run_name: str | None = None
+    grace_s: float = 5.0
+
+
+def tracking_enabled(tracking: "bool | Tracking | None") -> bool:
+    """Tracking is on unless turned off (``tracking=False``, ``SPARK_DL_TRACKING=0``) or mlflow is missing."""
+    from .rank import tracking_disabled_by_env
+
+    if tracking is False or tracking_disabled_by_env():
+        return False
+    try:
+        import mlflow  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def make_observer(tracking: "bool | Tracking | None", progress: bool | None) -> "TrackingObserver | None":
+    """The observer ``HorovodRunner`` adds to a run, or None when neither tracking nor the bar is wanted."""
+    on = tracking_enabled(tracking)
+    bar = progress is not False
+    if not on and not bar:
+        return None
+    options = tracking if isinstance(tracking, Tracking) else Tracking()
+    return TrackingObserver(options if on else None, progress=bar)
+
+
+class TrackingObserver:
+    """Receives what ranks report and writes it to MLflow (``options=None``: progress bar only)."""
+
+    def __init__(self, options: Tracking | None, progress: bool = True) -> None:
+        self.options = options
+        self.progress = ProgressBar() if progress else None
+        self.writer: MlflowWriter | None = None
+        self.world_size = 0
+        self.samples_per_step: int | None = None
+        self._last: dict[int, tuple[float, int]] = {}  # rank -> (time, step) of its last record
+        self._rank_info: dict[int, dict] = {}
+        self._logs: dict[int, Any] = {}
+        self._log_bytes: dict[int, int] = {}
+        self._log_dir: str | None = None
+        self._lock = threading.Lock()
+
+    # -- Observer ------------------------------------------------------------------------------
+    def on_start(self, job: dict) -> None:
+        self.world_size = job["world_size"]
+        batch = job["kwargs"].get("batch_size")
+        if isinstance(batch, int) and not isinstance(batch, bool):
+            self.samples_per_step = batch * self.world_size
+            if self.progress is not None:
+                self.progress.samples_per_step = self.samples_per_step
+        if self.options is None:
+            return
+        import mlflow
+
+        active = mlflow.active_run()
+        if active is not None:
+            self.writer = MlflowWriter(mlflow.get_tracking_uri(), active.info.run_id, grace_s=self.options.grace_s)
+        else:
+            self.writer = MlflowWriter(
+                mlflow.get_tracking_uri(), None, _experiment_id(), self.options.run_name, _context_tags(),
+                grace_s=self.options.grace_s,
+            )
+        params = {
+            "np": job["np"], "mode": job["mode"], "world_size": job["world_size"], "num_tasks": job["num_tasks"],
+            "ranks_per_task": job["ranks_per_task"], "main": job["main"],
+        }
+        user = flatten({k: v for k, v in job["kwargs"].items() if is_plain(v)})
+        self.writer.log_params({clean_name(k): v for k, v in {**params, **user}.items()})
+        self.writer.set_tags({"spark_dl.job_id": job["job_id"]})
+        if self.options.rank_logs:
+            self._log_dir = tempfile.mkdtemp(prefix="spark-dl-logs-")
+
+    def on_message(self, rank: int | None, kind: str, data: Any) -> None:
+        if not kind.startswith("tracking/"):
+            return
+        if kind == "tracking/metrics":
+            self._metrics(rank, data)
+            return
+        w = self.writer
+        if w is None:
+            return
+        if kind == "tracking/params":
+            w.log_params({clean_name(k): v for k, v in flatten(data).items()})
+        elif kind == "tracking/tags":
+            w.set_tags(data)
+        elif kind == "tracking/model":
+            w.model_chunk(data)
+        elif kind == "tracking/artifact":
+            w.log_artifact_bytes(data["path"], data["data"])
+        elif kind == "tracking/system":
+            if self.options is not None and self.options.system_metrics:
+                host = clean_name(data["host"])
+                ts = int(data["time"] * 1000)
+                w.log_metrics([(f"system/{host}/{k}", v, ts, data["step"]) for k, v in data["metrics"].items()])
+        elif kind == "tracking/rank_info":
+            self._layout(data)
+
+    def on_log(self, rank: int, stream: str, line: str) -> None:
+        if self._log_dir is None:
+            return
+        f = self._logs.get(rank)
+        if f is None:
+            with self._lock:
+                f = self._logs.get(rank)
+                if f is None:
+                    f = self._logs[rank] = open(os.path.join(self._log_dir, f"rank{rank}.txt"), "w", encoding="utf-8")
+                    self._log_bytes[rank] = 0
+        if self._log_bytes[rank] < MAX_LOG_BYTES:
+            text = f"[{stream}] {line}\n"
+            self._log_bytes[rank] += len(text)
+            f.write(text)
+
+    def on_finish(self, error: BaseException | None) -> None:
+        if self.progress is not None:
+            self.progress.close()
+        w = self.writer
+        if w is None:
+            return
+        with self._lock:
+            for rank, f in sorted(self._logs.items()):
+                f.close()
+                w.log_artifact_file(f.name, "logs")
+        if error is not None:
+            text = f"{type(error).__name__}: {error}"
+            tags = {"spark_dl.error": text, "spark_dl.status": "FAILED"}
+            failed_rank = getattr(error, "rank", None)
+            if failed_rank is not None:
+                tags["spark_dl.failed_rank"] = str(failed_rank)
+            w.set_tags(tags)
+            w.log_artifact_bytes("spark_dl_error.txt", text.encode("utf-8"))
+        w.close("FAILED" if error is not None else "FINISHED")
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _metrics(self, rank: int | None, records: list) -> None:
+        if rank is None:
+            return
+        all_ranks = self.options is not None and self.options.all_ranks
+        out: list[tuple[str, float, int, int]] = []
+        last = self._last.get(rank)
+        for t, step, values, rec_all in records:
+            ts = int(t * 1000)
+            if rank == 0:
+                out.extend((clean_name(k), v, ts, step) for k, v in values.items())
+            if all_ranks or rec_all:
+                out.extend((f"{clean_name(k)}/rank{rank}", v, ts, step) for k, v in values.items())
+            steps_per_s = None
+            if last is not None and step > last[1] and t > last[0]:
+                dt = (t - last[0]) / (step - last[1])
+                steps_per_s = 1.0 / dt
+                if rank == 0:
+                    out.append(("perf/step_time_s", dt, ts, step))
+                    out.append(("perf/steps_per_s", steps_per_s, ts, step))
+                    if self.samples_per_step:
+                        out.append(("perf/samples_per_s", steps_per_s * self.samples_per_step, ts, step))
+            last = (t, step)
+            if rank == 0 and self.progress is not None:
+                self.progress.update(step, values, steps_per_s)
+        if last is not None:
+            self._last[rank] = last
+        if out and self.writer is not None:
+            self.writer.log_metrics(out)
+
+    def _layout(self, info: dict) -> None:
+        with self._lock:
+            self._rank_info[info["rank"]] = info
+            complete = len(self._rank_info) == self.world_size
+            infos = [self._rank_info[r] for r in sorted(self._rank_info)]
+        if complete and self.writer is not None:
+            hosts = list(dict.fromkeys(i["host"] for i in infos))
+            self.writer.log_params(
+                {"world.hosts": ",".join(hosts), "world.num_hosts": len(hosts),
+                 "world.ranks_per_host": ",".join(str(sum(i["host"] == h for i in infos)) for h in hosts)}
+            )
+
+
+def _experiment_id() -> str | None:
+    """The experiment ``mlflow.start_run()`` would use (``set_experiment``, env, or the default)."""
+    try:
+        from mlflow.tracking.fluent import _get_experiment_id  # present in MLflow 2.x and 3.x
+
+        return _get_experiment_id()
+    except Exception:  # noqa: BLE001 - fall back to what the public environment says
+        return os.environ.get("MLFLOW_EXPERIMENT_ID")
+
+
+def _context_tags() -> dict[str, str]:
+    """The tags ``mlflow.start_run()`` adds (user, source, git commit...)."""
+    try:
+        from mlflow.tracking.context.registry import resolve_tags
+
+        return dict(resolve_tags({}))
+    except Exception:  # noqa: BLE001 - context tags are a nicety
+        return {}

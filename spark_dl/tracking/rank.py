@@ -1,0 +1,325 @@
+"""Rank side of tracking: the functions training code calls, and the buffer behind them.
+
+Nothing here talks to MLflow. ``log_metrics`` appends one record to an in-process buffer
+(microseconds); a daemon thread hands the buffer to the rank's outbox every ``FLUSH_S`` as one
+``tracking/metrics`` message, and the driver writes it to MLflow. :func:`finish` (called by the
+rank's entry point before its last outbox flush) sends whatever is still buffered, so every metric
+logged before a rank returns or raises reaches the driver.
+
+Message kinds sent to the driver (see ``observer.py`` for their handling):
+
+- ``tracking/metrics``: ``[(time_s, step, {name: float}, all_ranks), ...]`` in call order
+- ``tracking/params``, ``tracking/tags``: flat ``{key: value}``
+- ``tracking/model``: one chunk of a serialized model (``id``, ``seq``, ``data``, ``last``, ``meta``)
+- ``tracking/artifact``: ``{"path": artifact path in the run, "data": bytes}``
+- ``tracking/rank_info``: this rank's place in the world and its torch.distributed backend
+"""
+from __future__ import annotations
+
+import io
+import os
+import threading
+import time
+import uuid
+from typing import Any, Mapping
+
+from .. import rank as rank_api
+
+FLUSH_S = 0.05
+MODEL_CHUNK = 4 * 1024 * 1024
+
+
+def tracking_disabled_by_env() -> bool:
+    return os.environ.get("SPARK_DL_TRACKING", "1").strip().lower() in ("0", "false", "no", "off")
+
+
+class _CommSampler:
+    """Turns the cumulative counters of ``spark_dl.compression.stats`` into per-step metrics.
+
+    Contract with the compression package (duck-typed, so either side can evolve): the module
+    ``spark_dl.compression.stats`` exposes the process's stats object as ``stats``/``STATS``, or
+    via ``get()``/``current()``, or is that object itself. The object has cumulative
+    ``bytes_sent``, ``calls`` and ``seconds``; optional ``bytes_uncompressed`` (or ``raw_bytes``)
+    gives the compression ratio.
+    """
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+        self.last: tuple[float, ...] | None = None
+        self.last_step: int | None = None
+
+    @staticmethod
+    def load() -> "_CommSampler | None":
+        try:
+            from ..compression import stats  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001 - no compression package (or a broken one): nothing to sample
+            return None
+        return _CommSampler(stats)
+
+    def _object(self) -> Any:
+        m = self.module
+        for name in ("stats", "STATS"):
+            obj = getattr(m, name, None)
+            if obj is not None and not callable(obj):
+                return obj
+        for name in ("get", "current"):
+            fn = getattr(m, name, None)
+            if callable(fn):
+                return fn()
+        return m
+
+    def sample(self, step: int, out: dict[str, float]) -> None:
+        s = self._object()
+        try:
+            now = (
+                float(s.bytes_sent),
+                float(s.calls),
+                float(s.seconds),
+                float(getattr(s, "bytes_uncompressed", getattr(s, "raw_bytes", -1.0))),
+            )
+        except (AttributeError, TypeError, ValueError):
+            return
+        last, last_step = self.last, self.last_step
+        self.last, self.last_step = now, step
+        if last is None or last_step is None or step <= last_step or now[1] <= last[1]:
+            return
+        steps = step - last_step
+        sent = now[0] - last[0]
+        out["comm/bytes_sent_per_step"] = sent / steps
+        out["comm/allreduce_s_per_step"] = (now[2] - last[2]) / steps
+        out["comm/allreduce_calls_per_step"] = (now[1] - last[1]) / steps
+        if now[3] >= 0 and sent > 0:
+            out["comm/compression_ratio"] = (now[3] - last[3]) / sent
+
+
+class _Buffer:
+    """Metric records of this rank, handed to the outbox in batches by a daemon thread."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.records: list[tuple] = []
+        self.auto_step = 0
+        self.comm = _CommSampler.load()
+        self.wake = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="spark-dl-metrics", daemon=True)
+        self.thread.start()
+
+    def add(self, metrics: Mapping[str, Any], step: int | None, all_ranks: bool) -> None:
+        values = {str(k): float(v) for k, v in metrics.items()}
+        if step is None:
+            step = self.auto_step
+        step = int(step)
+        if self.comm is not None:
+            self.comm.sample(step, values)
+        rec = (time.time(), step, values, all_ranks)
+        with self.lock:
+            self.auto_step = step + 1
+            self.records.append(rec)
+
+    def flush(self) -> None:
+        with self.lock:
+            recs, self.records = self.records, []
+        if recs:
+            rank_api.send_to_driver("tracking/metrics", recs)
+
+    def _loop(self) -> None:
+        while True:
+            self.wake.wait(FLUSH_S)
+            self.flush()
+
+
+_buffer: _Buffer | None = None
+_pending_models: list[threading.Thread] = []
+_rank: int = 0
+
+
+def install() -> None:
+    """Start the rank-side tracking machinery. Called once by the rank's entry point."""
+    global _buffer, _rank
+    _rank = int(os.environ.get("RANK", "0"))
+    if tracking_disabled_by_env():
+        return
+    _buffer = _Buffer()
+    from . import fluent
+
+    fluent.install()
+    ctx = rank_api.get_context()
+    import socket
+
+    rank_api.send_to_driver(
+        "tracking/rank_info",
+        {
+            "rank": ctx.rank, "host": socket.gethostname(), "local_rank": ctx.local_rank,
+            "local_size": ctx.local_size, "cross_rank": ctx.cross_rank, "cross_size": ctx.cross_size,
+        },
+    )
+
+
+def finish(timeout: float = 600.0) -> None:
+    """Send everything still buffered (metrics, models being serialized). Called before the rank's
+    final outbox flush, on success and on failure alike."""
+    if _buffer is None:
+        return
+    deadline = time.monotonic() + timeout
+    for t in list(_pending_models):
+        t.join(max(0.0, deadline - time.monotonic()))
+    _buffer.flush()
+    if _rank == 0:
+        backend = _backend()
+        if backend:
+            rank_api.send_to_driver("tracking/params", {"backend": backend})
+
+
+def _backend() -> str | None:
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return str(dist.get_backend())
+    except Exception:  # noqa: BLE001 - informational only
+        pass
+    return None
+
+
+def _active() -> bool:
+    return _buffer is not None
+
+
+# -- public API -----------------------------------------------------------------------------------
+def log_metrics(metrics: Mapping[str, Any], step: int | None = None, *, all_ranks: bool = False) -> None:
+    """Log ``{name: number}`` for ``step`` (default: one more than this rank's previous step).
+
+    Costs a few microseconds: the values are buffered and sent to the driver every 50 ms. Rank 0's
+    metrics land in the run under their names; with ``all_ranks=True`` (or
+    ``HorovodRunner(tracking=Tracking(all_ranks=True))``) every rank's also land as ``name/rank<r>``.
+    Values may be Python numbers or one-element tensors. Outside a rank process they go to the
+    active MLflow run, if any.
+    """
+    b = _buffer
+    if b is not None:
+        b.add(metrics, step, all_ranks)
+    elif not rank_api.in_rank_process():
+        _local("log_metrics", {k: float(v) for k, v in metrics.items()}, step=step)
+
+
+def log_metric(key: str, value: Any, step: int | None = None, *, all_ranks: bool = False) -> None:
+    """Log one metric; see :func:`log_metrics`."""
+    log_metrics({key: value}, step, all_ranks=all_ranks)
+
+
+def log_params(params: Mapping[str, Any]) -> None:
+    """Log parameters to the run (nested dicts become ``a.b.c``). Only rank 0's are kept."""
+    if _buffer is not None:
+        if _rank == 0:
+            rank_api.send_to_driver("tracking/params", dict(params))
+    elif not rank_api.in_rank_process():
+        from .params import flatten
+
+        _local("log_params", flatten(params))
+
+
+def set_tags(tags: Mapping[str, Any]) -> None:
+    """Set tags on the run. Only rank 0's are kept."""
+    if _buffer is not None:
+        if _rank == 0:
+            rank_api.send_to_driver("tracking/tags", {str(k): str(v) for k, v in tags.items()})
+    elif not rank_api.in_rank_process():
+        _local("set_tags", dict(tags))
+
+
+def log_artifact_bytes(data: bytes, artifact_file: str) -> None:
+    """Store ``data`` as ``artifact_file`` in the run (files from ranks other than 0 go under ``rank<r>/``)."""
+    if _buffer is None:
+        return
+    path = artifact_file if _rank == 0 else f"rank{_rank}/{artifact_file}"
+    rank_api.send_to_driver("tracking/artifact", {"path": path, "data": bytes(data)})
+
+
+def log_model(model: Any, name: str = "model", *, input_example: Any = None) -> None:
+    """Log a ``torch.nn.Module`` (or a ``state_dict``) from rank 0 as an MLflow PyTorch model.
+
+    The model is copied to CPU memory on the calling thread (a memory copy, so training may go on
+    changing its weights right after), then serialized and streamed to the driver in the
+    background; the driver logs it with ``mlflow.pytorch.log_model``, with a signature inferred
+    from ``input_example`` when one is given. Calls on other ranks do nothing.
+    """
+    if _buffer is None:
+        if not rank_api.in_rank_process():
+            import mlflow.pytorch
+
+            if mlflow.active_run() is not None:
+                from .models import log_torch_model
+
+                log_torch_model(model, name, input_example, run_id=mlflow.active_run().info.run_id)
+        return
+    if _rank != 0:
+        return
+    snapshot = _cpu_copy(model)
+    example = _to_numpy(input_example)
+    t = threading.Thread(target=_send_model, args=(snapshot, name, example), name="spark-dl-model", daemon=True)
+    _pending_models.append(t)
+    t.start()
+
+
+def _cpu_copy(model: Any) -> Any:
+    import copy
+
+    import torch
+
+    if isinstance(model, torch.nn.Module):
+        params = list(model.parameters()) + list(model.buffers())
+        if all(p.device.type == "cpu" for p in params):
+            return copy.deepcopy(model)
+        # copy tensor by tensor to host memory instead of duplicating the module on the GPU
+        memo: dict[int, Any] = {}
+        for p in params:
+            host = p.detach().to("cpu", copy=True)
+            memo[id(p)] = torch.nn.Parameter(host, p.requires_grad) if isinstance(p, torch.nn.Parameter) else host
+        return copy.deepcopy(model, memo)
+    if isinstance(model, Mapping):
+        return {k: (v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else copy.deepcopy(v))
+                for k, v in model.items()}
+    raise TypeError(f"log_model takes a torch.nn.Module or a state_dict, got {type(model).__name__}")
+
+
+def _to_numpy(example: Any) -> Any:
+    if example is None:
+        return None
+    try:
+        import torch
+
+        if isinstance(example, torch.Tensor):
+            return example.detach().cpu().numpy()
+    except ImportError:
+        pass
+    return example
+
+
+def _send_model(model: Any, name: str, example: Any) -> None:
+    import cloudpickle
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(model, buf, pickle_module=cloudpickle)
+    data = buf.getbuffer()
+    model_id = uuid.uuid4().hex
+    meta = {"name": name, "input_example": example, "state_dict": isinstance(model, Mapping), "bytes": len(data)}
+    n = max(1, -(-len(data) // MODEL_CHUNK))
+    outbox = rank_api._outbox
+    for i in range(n):
+        chunk = bytes(data[i * MODEL_CHUNK:(i + 1) * MODEL_CHUNK])
+        rank_api.send_to_driver(
+            "tracking/model", {"id": model_id, "seq": i, "data": chunk, "last": i == n - 1, "meta": meta if i == 0 else None}
+        )
+        if outbox is not None and n > 1:
+            outbox.flush()  # one chunk in the queue at a time: metrics keep flowing between chunks
+
+
+def _local(fn: str, *args: Any, **kwargs: Any) -> None:
+    """Outside a rank process: write to the active MLflow run, if there is one."""
+    import sys
+
+    mlflow = sys.modules.get("mlflow")
+    if mlflow is not None and mlflow.active_run() is not None:
+        getattr(mlflow, fn)(*args, **kwargs)

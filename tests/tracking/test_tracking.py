@@ -1,0 +1,234 @@
+"""MLflow tracking of HorovodRunner runs, against real MLflow stores (local SQLite and `mlflow server`)."""
+from __future__ import annotations
+
+import time
+import warnings
+
+import mlflow
+import pytest
+from mlflow import MlflowClient
+
+import spark_dl
+from spark_dl import HorovodRunner, RankFailed
+from spark_dl.tracking import Tracking, TrackingWarning
+
+
+def _runs(experiment_ids=("0",)):
+    return MlflowClient().search_runs(list(experiment_ids))
+
+
+def _only_run(experiment_ids=("0",)):
+    runs = _runs(experiment_ids)
+    assert len(runs) == 1, [r.info.run_id for r in runs]
+    return runs[0]
+
+
+def _history(run, key):
+    return MlflowClient().get_metric_history(run.info.run_id, key)
+
+
+def train(steps, lr, fail_at=None, sleep=0.0, opt=None):
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import spark_dl
+
+    spark_dl.init()
+    rank = dist.get_rank()
+    print(f"rank {rank} starts training", flush=True)
+    if opt is not None:
+        spark_dl.log_params({"optimizer": opt})
+    for step in range(steps):
+        if fail_at is not None and step == fail_at and rank == 1:
+            raise ValueError(f"bad batch at step {step}")
+        t = torch.tensor([float(step)])
+        dist.all_reduce(t)
+        spark_dl.log_metrics({"loss": 1.0 / (step + 1), "acc": step / steps, "lr": lr}, step=step)
+        if sleep:
+            time.sleep(sleep)
+    return "done"
+
+
+def test_metrics_params_layout_and_logs_land_in_one_run(tracking_uri):
+    out = HorovodRunner(np=-2, progress=False).run(
+        train, steps=50, lr=0.1, sleep=0.01, opt={"name": "sgd", "momentum": {"value": 0.9, "nesterov": True}}
+    )
+    assert out == "done"
+    run = _only_run()
+    assert run.info.status == "FINISHED"
+    p = run.data.params
+    assert p["np"] == "-2" and p["world_size"] == "2" and p["mode"] == "local" and p["backend"] == "gloo"
+    assert p["lr"] == "0.1" and p["steps"] == "50"  # the user's plain kwargs
+    assert p["optimizer.name"] == "sgd" and p["optimizer.momentum.nesterov"] == "True"  # nested: flattened
+    assert p["world.num_hosts"] == "1" and p["world.ranks_per_host"] == "2"
+    assert [m.step for m in _history(run, "loss")] == list(range(50))
+    assert [m.value for m in _history(run, "loss")] == [1.0 / (s + 1) for s in range(50)]
+    assert {"acc", "lr", "perf/step_time_s", "perf/steps_per_s"} <= set(run.data.metrics)
+    assert not any(k.endswith("/rank1") for k in run.data.metrics)  # only rank 0 unless asked
+    assert any(k.startswith("system/") and k.endswith("/cpu_percent") for k in run.data.metrics)
+    logs = {a.path for a in MlflowClient().list_artifacts(run.info.run_id, "logs")}
+    assert logs == {"logs/rank0.txt", "logs/rank1.txt"}
+    text = open(mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="logs/rank1.txt")).read()
+    assert "rank 1 starts training" in text
+
+
+def test_every_rank_under_a_suffix_when_asked(tracking_uri):
+    HorovodRunner(np=-2, tracking=Tracking(all_ranks=True), progress=False).run(train, steps=20, lr=0.1)
+    run = _only_run()
+    for r in (0, 1):
+        assert [m.step for m in _history(run, f"loss/rank{r}")] == list(range(20))
+    assert [m.step for m in _history(run, "loss")] == list(range(20))
+
+
+def test_1000_steps_reach_a_tracking_server_in_order(server_uri, spark_cluster):
+    exp = mlflow.set_experiment("thousand-steps")
+    try:
+        HorovodRunner(np=2, progress=False).run(train, steps=1000, lr=0.5)
+    finally:
+        mlflow.set_experiment(experiment_id="0")
+    runs = MlflowClient().search_runs([exp.experiment_id])
+    assert len(runs) == 1
+    hist = _history(runs[0], "loss")
+    assert [m.step for m in hist] == list(range(1000))
+    assert [m.value for m in hist] == [1.0 / (s + 1) for s in range(1000)]
+    ts = [m.timestamp for m in hist]
+    assert ts == sorted(ts)
+    assert runs[0].data.params["mode"] == "spark" and runs[0].data.params["world.num_hosts"] == "1"
+
+
+def test_failed_rank_keeps_its_metrics_and_fails_the_run(tracking_uri):
+    with pytest.raises(RankFailed, match="bad batch at step 30"):
+        HorovodRunner(np=-2, tracking=Tracking(all_ranks=True), progress=False).run(train, steps=100, lr=0.1, fail_at=30)
+    run = _only_run()
+    assert run.info.status == "FAILED"
+    assert "bad batch at step 30" in run.data.tags["spark_dl.error"]
+    assert run.data.tags["spark_dl.failed_rank"] == "1"
+    assert [m.step for m in _history(run, "loss/rank1")] == list(range(30))  # everything before the failure
+    text = open(mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="spark_dl_error.txt")).read()
+    assert "ValueError: bad batch at step 30" in text
+
+
+def fluent_main():
+    import mlflow
+
+    import spark_dl
+
+    with mlflow.start_run():  # stands for the driver's run inside a rank
+        mlflow.log_param("batch", 32)
+        mlflow.set_tag("phase", "fluent")
+        for step in range(5):
+            mlflow.log_metric("fluent_loss", 10.0 - step, step=step)
+        mlflow.log_metrics({"m1": 1.0, "m2": 2.0}, step=0)
+        mlflow.log_text("hello from a rank", "notes/hello.txt")
+    spark_dl.log_metrics({"loss": 0.5}, step=0)
+    try:
+        mlflow.set_experiment("elsewhere")
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_inside_active_run_with_fluent_calls_from_ranks(tracking_uri):
+    with mlflow.start_run() as active:
+        refusal = HorovodRunner(np=-2, progress=False).run(fluent_main)
+        assert mlflow.active_run().info.run_id == active.info.run_id  # left open
+        assert MlflowClient().get_run(active.info.run_id).info.status == "RUNNING"
+    assert "driver is the only MLflow client" in refusal
+    run = _only_run()  # exactly one run, the user's
+    assert run.info.run_id == active.info.run_id
+    assert run.data.params["batch"] == "32" and run.data.tags["phase"] == "fluent"
+    assert [m.value for m in _history(run, "fluent_loss")] == [10.0, 9.0, 8.0, 7.0, 6.0]
+    assert run.data.metrics["m2"] == 2.0 and run.data.metrics["loss"] == 0.5
+    text = open(mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="notes/hello.txt")).read()
+    assert text == "hello from a rank"
+
+
+def test_set_experiment_is_honoured(tracking_uri):
+    exp = mlflow.set_experiment("my-experiment")
+    try:
+        HorovodRunner(np=-2, progress=False).run(train, steps=3, lr=0.1)
+    finally:
+        mlflow.set_experiment(experiment_id="0")
+    assert _runs() == []
+    run = _only_run([exp.experiment_id])
+    assert run.info.status == "FINISHED" and len(_history(run, "loss")) == 3
+
+
+def test_tracking_server_down_never_blocks_training(tmp_path, monkeypatch):
+    with socket_closed_port() as port:
+        uri = f"http://127.0.0.1:{port}"
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        mlflow.set_tracking_uri(uri)
+        try:
+            started = time.monotonic()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out = HorovodRunner(np=-2, progress=False).run(train, steps=200, lr=0.1)
+            elapsed = time.monotonic() - started
+        finally:
+            mlflow.set_tracking_uri(None)
+    assert out == "done"
+    ours = [w for w in caught if issubclass(w.category, TrackingWarning)]
+    assert len(ours) == 1, [str(w.message) for w in ours]
+    assert f"127.0.0.1:{port}" in str(ours[0].message)
+    assert elapsed < 30
+
+
+class socket_closed_port:
+    """A port nothing listens on (bound, never listening, so no one else takes it meanwhile)."""
+
+    def __enter__(self) -> int:
+        import socket
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        return self.sock.getsockname()[1]
+
+    def __exit__(self, *exc) -> None:
+        self.sock.close()
+
+
+def test_progress_bar_on_the_driver(tracking_uri, capfd):
+    HorovodRunner(np=-2).run(train, steps=60, lr=0.1, sleep=0.01)
+    err = capfd.readouterr().err
+    assert "spark-dl" in err and "60step" in err and "loss=0.01667" in err and "step/s" in err
+
+
+def test_no_tracking_when_turned_off(tracking_uri, monkeypatch, capfd):
+    HorovodRunner(np=-2, tracking=False, progress=False).run(train, steps=5, lr=0.1)
+    monkeypatch.setenv("SPARK_DL_TRACKING", "0")
+    HorovodRunner(np=-2).run(train, steps=5, lr=0.1)
+    assert _runs() == []
+    assert "step/s" not in capfd.readouterr().err
+
+
+def model_main(hidden):
+    import torch
+
+    import spark_dl
+
+    spark_dl.init()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 2))
+    spark_dl.log_model(model, "model", input_example=torch.zeros(3, 4))
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # training goes on: the logged copy must not see this
+    spark_dl.log_model(model.state_dict(), "weights")
+    return model(torch.ones(1, 4)).detach()
+
+
+def test_log_model_from_rank0_is_loadable(tracking_uri):
+    import torch
+
+    HorovodRunner(np=-2, progress=False).run(model_main, hidden=8)
+    run = _only_run()
+    model = mlflow.pytorch.load_model(f"runs:/{run.info.run_id}/model")
+    torch.manual_seed(0)
+    expected = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    assert torch.allclose(model(torch.ones(1, 4)), expected(torch.ones(1, 4)))
+    info = mlflow.models.get_model_info(f"runs:/{run.info.run_id}/model")
+    assert info.signature is not None and tuple(info.signature.inputs.to_dict()[0]["tensor-spec"]["shape"]) == (-1, 4)
+    state = mlflow.pytorch.load_state_dict(f"runs:/{run.info.run_id}/weights")
+    assert torch.allclose(state["0.weight"], expected[0].weight + 1.0)
