@@ -7,10 +7,11 @@ same collectives in the same sequence.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -63,12 +64,17 @@ class BucketReducer:
         self._thread: threading.Thread | None = None
 
     def submit(self, index: int, grads: list[torch.Tensor]) -> None:
+        """Queue a bucket. Call it on the thread (and CUDA stream) that produced ``grads``."""
+        ready = None
+        if grads[0].device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(grads[0].device))
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="spark-dl-hvd-reducer", daemon=True)
             self._thread.start()
         with self._cond:
             self._submitted += 1
-        self._queue.put((index, grads))
+        self._queue.put((index, grads, ready))
 
     def busy(self) -> bool:
         """Whether some submitted bucket has not finished yet."""
@@ -84,21 +90,29 @@ class BucketReducer:
 
     def _run(self) -> None:
         while True:
-            index, grads = self._queue.get()
+            index, grads, ready = self._queue.get()
             if self._error is None:
                 try:
-                    self._reduce_bucket(index, grads)
+                    self._reduce_bucket(index, grads, ready)
                 except BaseException as e:  # surfaced to the training thread by wait()
                     self._error = e
             with self._cond:
                 self._completed += 1
                 self._cond.notify_all()
 
-    def _reduce_bucket(self, index: int, grads: list[torch.Tensor]) -> None:
-        with torch.no_grad():
+    def _reduce_bucket(self, index: int, grads: list[torch.Tensor], ready: Any) -> None:
+        device = grads[0].device
+        on_gpu = device.type == "cuda"
+        with torch.no_grad(), (torch.cuda.device(device) if on_gpu else contextlib.nullcontext()):
+            if on_gpu:
+                # Backward may have produced the gradients on another stream than this thread's current one.
+                torch.cuda.current_stream().wait_event(ready)
             flat = torch.cat([g.reshape(-1) for g in grads])
             out = self._reduce(index, flat)
             offset = 0
             for g in grads:
                 g.copy_(out[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
+            if on_gpu:
+                # wait() returning must mean the gradients are final for step() on any stream.
+                torch.cuda.current_stream().synchronize()
