@@ -15,6 +15,7 @@ from spark_dl.horovod.fusion import plan_buckets
 def optimizer_main():
     import copy
     import os
+    import time
     import warnings
 
     import torch
@@ -136,6 +137,35 @@ def optimizer_main():
         out[f"unused_ok_{threshold}"] = all(ok)
     os.environ.pop("HOROVOD_FUSION_THRESHOLD", None)
 
+    # Overlap: the last layer's bucket is reduced while backward is still inside an earlier layer.
+    os.environ["HOROVOD_FUSION_THRESHOLD"] = "0"
+    torch.manual_seed(2)
+    first, last = torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)
+    expected = sum(torch.autograd.grad(last(first(X[4 * k: 4 * k + 4])).sum(), last.weight)[0] for k in range(2)) / 2
+    seen_during_backward = {}
+
+    class WaitForLastLayer(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                if torch.allclose(last.weight.grad, expected, atol=1e-5):
+                    seen_during_backward["reduced"] = True
+                    break
+                time.sleep(0.005)
+            return grad
+
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([*first.parameters(), *last.parameters()], lr=0.1))
+    hvd.barrier()
+    last(WaitForLastLayer.apply(first(X[4 * r: 4 * r + 4]))).sum().backward()
+    opt.step()
+    out["reduced_during_backward"] = seen_during_backward.get("reduced", False)
+    os.environ.pop("HOROVOD_FUSION_THRESHOLD", None)
+
     # A subclass of the wrapped optimizer: isinstance, LR schedulers, state_dict round trip.
     model = fresh()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
@@ -205,6 +235,11 @@ def test_parameters_without_gradients_and_any_bucket_size(ranks):
         assert o["unused_ok_0"] is True
         assert o["unused_ok_64"] is True
         assert o["unused_ok_None"] is True
+
+
+def test_reduction_overlaps_backward(ranks):
+    for o in ranks:
+        assert o["reduced_during_backward"] is True
 
 
 def test_is_a_subclass_of_the_wrapped_optimizer(ranks):
