@@ -8,6 +8,7 @@ left, zero-filling gradients that no backward produced, and waits.
 """
 from __future__ import annotations
 
+import threading
 import warnings
 from contextlib import contextmanager
 from typing import Any, Iterable, Iterator
@@ -39,6 +40,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvd_reducer = BucketReducer(self._hvd_reduce)
         self._hvd_synchronized = False
         self._hvd_should_synchronize = True
+        self._hvd_lock = threading.Lock()
         self._hvd_reset()
         self._hvd_hooks = [p.register_post_accumulate_grad_hook(self._hvd_on_grad) for p in params]
 
@@ -48,6 +50,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvd_next = 0
 
     def _hvd_on_grad(self, p: torch.Tensor) -> None:
+        # Autograd runs one thread per device, so hooks of CPU and GPU parameters can race.
+        with self._hvd_lock:
+            self._hvd_count_pass(p)
+
+    def _hvd_count_pass(self, p: torch.Tensor) -> None:
         passes = self._hvd_passes[p] + 1
         if passes > self.backward_passes_per_step:
             raise AssertionError(
