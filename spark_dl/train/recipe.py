@@ -1,0 +1,96 @@
+"""``LargeBatchRecipe``: Goyal et al.'s recipe (scaled lr, gradual warmup, then decay) in one object."""
+from __future__ import annotations
+
+import math
+from dataclasses import KW_ONLY, dataclass
+
+import torch
+
+from .scaling import Rule, scale_lr
+from .schedule import Decay, LRSchedule, WarmupScheduler
+
+
+@dataclass(frozen=True)
+class LargeBatchRecipe:
+    """The lr schedule for training at ``global_batch`` with an lr tuned at ``base_batch``.
+
+    ``global_batch = per_rank_batch * world_size * backward_passes_per_step`` (the last for
+    gradients accumulated by ``DistributedOptimizer(backward_passes_per_step=...)``);
+    ``peak_lr = scale_lr(base_lr, base_batch, global_batch, rule)``. The lr warms up linearly
+    from ``base_lr`` to ``peak_lr`` over ``warmup_epochs`` (Goyal et al. §2.2), then decays:
+    ``"step"`` multiplies by ``gamma`` at each epoch in ``milestones``; ``"cosine"`` anneals to
+    ``final_lr`` at ``epochs``; ``"none"`` stays at ``peak_lr``.
+
+    ``steps_per_epoch`` counts optimizer steps in one epoch at the global batch (``len(loader)``
+    of one rank's sharded loader, divided by ``backward_passes_per_step``). Milestones and the
+    warmup length are epochs; they are rounded to whole steps.
+
+    Goyal's ResNet-50: ``LargeBatchRecipe(0.1, 256, per_rank_batch=32, world_size=256,
+    warmup_epochs=5, steps_per_epoch=156, milestones=(30, 60, 80))`` gives ``peak_lr == 3.2``.
+    """
+
+    base_lr: float
+    base_batch: int
+    per_rank_batch: int
+    world_size: int
+    _: KW_ONLY
+    steps_per_epoch: int
+    warmup_epochs: float = 5.0
+    decay: Decay = "step"
+    milestones: tuple[float, ...] = ()
+    epochs: float | None = None
+    rule: Rule = "linear"
+    gamma: float = 0.1
+    final_lr: float = 0.0
+    backward_passes_per_step: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("per_rank_batch", "world_size", "steps_per_epoch", "backward_passes_per_step"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.warmup_epochs < 0:
+            raise ValueError(f"warmup_epochs must be >= 0, got {self.warmup_epochs}")
+        object.__setattr__(self, "milestones", tuple(self.milestones))
+        self.schedule  # validates the rest
+
+    @property
+    def global_batch(self) -> int:
+        """Examples per optimizer step, over all ranks: ``k * n`` in Goyal et al."""
+        return self.per_rank_batch * self.world_size * self.backward_passes_per_step
+
+    @property
+    def peak_lr(self) -> float:
+        """``scale_lr(base_lr, base_batch, global_batch, rule)``: the lr once warmed up."""
+        return scale_lr(self.base_lr, self.base_batch, self.global_batch, self.rule)
+
+    @property
+    def warmup_steps(self) -> int:
+        return round(self.warmup_epochs * self.steps_per_epoch)
+
+    @property
+    def total_steps(self) -> int | None:
+        return None if self.epochs is None else math.ceil(self.epochs * self.steps_per_epoch)
+
+    @property
+    def schedule(self) -> LRSchedule:
+        """The :class:`LRSchedule` in optimizer steps."""
+        peak = self.peak_lr
+        return LRSchedule(
+            peak_lr=peak,
+            warmup_steps=self.warmup_steps,
+            # Below the base batch the "warmup" would be a ramp down; start at the peak instead.
+            warmup_start_lr=min(self.base_lr, peak),
+            decay=self.decay,
+            milestones=tuple(round(e * self.steps_per_epoch) for e in self.milestones),
+            gamma=self.gamma,
+            total_steps=self.total_steps,
+            final_lr=self.final_lr,
+        )
+
+    def lr_at(self, step: int) -> float:
+        """The lr of optimizer step ``step`` (0-based)."""
+        return self.schedule(step)
+
+    def scheduler(self, optimizer: torch.optim.Optimizer) -> WarmupScheduler:
+        """A :class:`WarmupScheduler` for ``optimizer``, which must be built with ``lr=self.peak_lr``."""
+        return WarmupScheduler(optimizer, self.schedule)

@@ -1,0 +1,153 @@
+"""Gradual warmup composed with step or cosine decay: a pure function and an ``LRScheduler``.
+
+Steps count optimizer steps (iterations), starting at 0. Goyal et al. (2017, §2.2) warm up per
+iteration: "start from a learning rate of eta and increment it by a constant amount at each
+iteration such that it reaches eta_hat = k * eta after 5 epochs", then follow the usual schedule.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import torch
+from torch.optim.lr_scheduler import LRScheduler
+
+Decay = Literal["none", "step", "cosine"]
+DECAYS: tuple[str, ...] = ("none", "step", "cosine")
+
+
+def lr_at(
+    step: int,
+    *,
+    peak_lr: float,
+    warmup_steps: int = 0,
+    warmup_start_lr: float | None = None,
+    decay: Decay = "none",
+    milestones: Sequence[int] = (),
+    gamma: float = 0.1,
+    total_steps: int | None = None,
+    final_lr: float = 0.0,
+) -> float:
+    """The learning rate at optimizer step ``step`` (0-based).
+
+    With ``W = warmup_steps``, ``s = warmup_start_lr`` and ``p = peak_lr``:
+
+    - warmup, ``t < W``: ``lr = s + (p - s) * t / W`` (so ``lr(0) = s`` and ``lr(W) = p``);
+      Goyal et al. take ``s`` = the single-worker lr ``eta`` and ``p = k * eta``.
+    - then ``decay="none"``: ``lr = p``;
+      ``decay="step"``: ``lr = p * gamma ** #{m in milestones : m <= t}`` (divide by 10 at each
+      milestone with the default ``gamma``; milestones are absolute steps, as in "epochs 30, 60, 80");
+      ``decay="cosine"``: ``lr = f + (p - f) * (1 + cos(pi * (t - W) / (T - W))) / 2`` with
+      ``T = total_steps`` and ``f = final_lr``, and ``lr = f`` from ``T`` on.
+    """
+    _check(peak_lr, warmup_steps, warmup_start_lr, decay, milestones, gamma, total_steps, final_lr)
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    if step < warmup_steps:
+        start = warmup_start_lr if warmup_start_lr is not None else peak_lr
+        return start + (peak_lr - start) * step / warmup_steps
+    if decay == "step":
+        return peak_lr * gamma ** bisect.bisect_right(list(milestones), step)
+    if decay == "cosine":
+        assert total_steps is not None
+        progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
+        return final_lr + (peak_lr - final_lr) * (1.0 + math.cos(math.pi * progress)) / 2.0
+    return peak_lr
+
+
+def _check(peak_lr: float, warmup_steps: int, warmup_start_lr: float | None, decay: str,
+           milestones: Sequence[int], gamma: float, total_steps: int | None, final_lr: float) -> None:
+    if peak_lr < 0:
+        raise ValueError(f"peak_lr must be >= 0, got {peak_lr}")
+    if warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+    if warmup_steps > 0 and warmup_start_lr is None:
+        raise ValueError(
+            "warmup_steps > 0 needs warmup_start_lr: Goyal et al. start the warmup at the "
+            "single-worker lr eta (the base_lr of scale_lr) and reach peak_lr = k * eta"
+        )
+    if warmup_start_lr is not None and warmup_start_lr < 0:
+        raise ValueError(f"warmup_start_lr must be >= 0, got {warmup_start_lr}")
+    if decay not in DECAYS:
+        raise ValueError(f"decay must be one of {DECAYS}, got {decay!r}")
+    if decay == "step":
+        if list(milestones) != sorted(milestones):
+            raise ValueError(f"milestones must be increasing, got {list(milestones)}")
+        if milestones and milestones[0] < warmup_steps:
+            raise ValueError(
+                f"milestone {milestones[0]} falls inside the warmup ({warmup_steps} steps); "
+                "milestones are absolute steps and must come after the warmup"
+            )
+        if not 0 < gamma <= 1:
+            raise ValueError(f"gamma must be in (0, 1], got {gamma}")
+    elif milestones:
+        raise ValueError(f"milestones are only used with decay='step', got decay={decay!r}")
+    if decay == "cosine":
+        if total_steps is None or total_steps <= warmup_steps:
+            raise ValueError(
+                f"decay='cosine' needs total_steps > warmup_steps, got total_steps={total_steps}, "
+                f"warmup_steps={warmup_steps}"
+            )
+        if not 0 <= final_lr <= peak_lr:
+            raise ValueError(f"final_lr must be in [0, peak_lr], got {final_lr}")
+
+
+@dataclass(frozen=True)
+class LRSchedule:
+    """The arguments of :func:`lr_at`, validated once; calling it gives ``lr_at(step, ...)``.
+
+    Picklable, so the driver can build it and pass it to ``HorovodRunner.run``.
+    """
+
+    peak_lr: float
+    warmup_steps: int = 0
+    warmup_start_lr: float | None = None
+    decay: Decay = "none"
+    milestones: tuple[int, ...] = ()
+    gamma: float = 0.1
+    total_steps: int | None = None
+    final_lr: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "milestones", tuple(int(m) for m in self.milestones))
+        _check(self.peak_lr, self.warmup_steps, self.warmup_start_lr, self.decay, self.milestones,
+               self.gamma, self.total_steps, self.final_lr)
+
+    def __call__(self, step: int) -> float:
+        return lr_at(
+            step, peak_lr=self.peak_lr, warmup_steps=self.warmup_steps,
+            warmup_start_lr=self.warmup_start_lr, decay=self.decay, milestones=self.milestones,
+            gamma=self.gamma, total_steps=self.total_steps, final_lr=self.final_lr,
+        )
+
+
+class WarmupScheduler(LRScheduler):
+    """An ``LRScheduler`` following an :class:`LRSchedule`: call ``step()`` after each ``optimizer.step()``.
+
+    Optimizer step ``t`` runs with ``lr = schedule(t)``. Each param group's lr is scaled by
+    ``group_initial_lr / schedule.peak_lr``, so build the optimizer with ``lr=schedule.peak_lr``
+    (groups with another lr keep their ratio to it, as with ``LambdaLR``). Works with any
+    ``torch.optim.Optimizer``, including one wrapped by ``spark_dl.horovod.DistributedOptimizer``.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, schedule: LRSchedule, last_epoch: int = -1) -> None:
+        if not isinstance(schedule, LRSchedule):
+            raise TypeError(f"schedule must be an LRSchedule, got {type(schedule).__name__}")
+        if schedule.peak_lr <= 0:
+            raise ValueError("WarmupScheduler scales groups by lr / peak_lr, so peak_lr must be > 0")
+        initial = [g.get("initial_lr", g["lr"]) for g in optimizer.param_groups]
+        if not any(math.isclose(float(lr), schedule.peak_lr, rel_tol=1e-9) for lr in initial):
+            # The usual mistake: the optimizer built with the single-worker lr, which would leave
+            # every lr k times too small.
+            raise ValueError(
+                f"no param group of the optimizer has lr == schedule.peak_lr ({schedule.peak_lr}); "
+                f"got {initial}. Build the optimizer with lr=schedule.peak_lr (recipe.peak_lr)."
+            )
+        self.schedule = schedule
+        super().__init__(optimizer, last_epoch)
+
+    def get_lr(self) -> list[float]:
+        factor = self.schedule(self.last_epoch) / self.schedule.peak_lr
+        return [float(base) * factor for base in self.base_lrs]
