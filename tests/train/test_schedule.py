@@ -1,0 +1,145 @@
+"""LR scaling rules, gradual warmup and decay, against the numbers in Goyal et al. and the seed lectures."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from spark_dl.train import LargeBatchRecipe, LRSchedule, WarmupScheduler, lr_at, scale_lr
+
+
+# Goyal et al. (Table 2c / Mask R-CNN Table 4): eta = 0.1 * kn / 256, and 2.5e-3 per 2 images.
+@pytest.mark.parametrize("kn, lr", [(256, 0.1), (512, 0.2), (1024, 0.4), (2048, 0.8), (4096, 1.6),
+                                    (8192, 3.2), (16384, 6.4)])
+def test_linear_rule_matches_goyal_resnet50_table(kn, lr):
+    assert scale_lr(0.1, 256, kn) == pytest.approx(lr, rel=1e-12)
+
+
+@pytest.mark.parametrize("kn, lr", [(2, 2.5e-3), (4, 5e-3), (8, 10e-3), (16, 20e-3)])
+def test_linear_rule_matches_goyal_mask_rcnn_table(kn, lr):
+    assert scale_lr(2.5e-3, 2, kn) == pytest.approx(lr, rel=1e-12)
+
+
+# Sedona et al. (seed lecture 001): k GPUs x n per GPU, eta = 0.1 * k * n / 256.
+@pytest.mark.parametrize("gpus, per_gpu, lr", [(8, 64, 0.2), (128, 64, 3.2), (128, 128, 6.4), (128, 256, 12.8)])
+def test_linear_rule_matches_sedona_resnet50_runs(gpus, per_gpu, lr):
+    assert scale_lr(0.1, 256, gpus * per_gpu) == pytest.approx(lr, rel=1e-12)
+
+
+def test_sqrt_rule_is_goyal_alternative_row_and_keeps_update_covariance():
+    # Goyal's Table 2a row "8k, 0.10 * sqrt(32)".
+    assert scale_lr(0.1, 256, 8192, rule="sqrt") == pytest.approx(0.1 * math.sqrt(32), rel=1e-12)
+    # Hoffer et al.: cov(dw) ~ eta^2 / M; sqrt scaling keeps it constant as M grows.
+    for m in (256, 1024, 65536):
+        assert scale_lr(0.1, 256, m, rule="sqrt") ** 2 / m == pytest.approx(0.1 ** 2 / 256, rel=1e-12)
+
+
+def test_none_rule_and_refusals():
+    assert scale_lr(0.1, 256, 8192, rule="none") == 0.1
+    with pytest.raises(ValueError, match="rule must be one of"):
+        scale_lr(0.1, 256, 8192, rule="cubic")
+    with pytest.raises(ValueError, match="positive"):
+        scale_lr(0.1, 0, 8192)
+
+
+def goyal_recipe(**kw) -> LargeBatchRecipe:
+    # ResNet-50 on ImageNet: 256 workers x 32 images, 1.28M images -> ~156 steps per epoch,
+    # 5 warmup epochs, /10 at epochs 30, 60, 80, 90 epochs in all.
+    args = dict(steps_per_epoch=156, warmup_epochs=5, milestones=(30, 60, 80), epochs=90)
+    args.update(kw)
+    return LargeBatchRecipe(0.1, 256, per_rank_batch=32, world_size=256, **args)
+
+
+def test_goyal_warmup_from_eta_to_k_eta_over_five_epochs():
+    r = goyal_recipe()
+    assert r.global_batch == 8192 and r.peak_lr == pytest.approx(3.2)
+    assert r.warmup_steps == 5 * 156
+    assert r.lr_at(0) == pytest.approx(0.1)  # starts at the single-worker eta
+    assert r.lr_at(390) == pytest.approx((0.1 + 3.2) / 2)  # halfway
+    assert r.lr_at(780) == pytest.approx(3.2)  # reaches k * eta after 5 epochs
+    # "increment it by a constant amount at each iteration"
+    steps = [r.lr_at(t + 1) - r.lr_at(t) for t in range(780)]
+    assert steps == pytest.approx([(3.2 - 0.1) / 780] * 780, rel=1e-9)
+
+
+def test_step_decay_divides_by_ten_at_each_milestone():
+    r = goyal_recipe()
+    epoch = 156
+    assert r.lr_at(30 * epoch - 1) == pytest.approx(3.2)
+    assert r.lr_at(30 * epoch) == pytest.approx(0.32)
+    assert r.lr_at(60 * epoch - 1) == pytest.approx(0.32)
+    assert r.lr_at(60 * epoch) == pytest.approx(0.032)
+    assert r.lr_at(80 * epoch) == pytest.approx(0.0032)
+    assert r.lr_at(90 * epoch) == pytest.approx(0.0032)
+
+
+def test_cosine_decay_after_warmup():
+    r = goyal_recipe(decay="cosine", milestones=(), final_lr=0.0)
+    w, t = 780, 90 * 156
+    assert r.lr_at(w) == pytest.approx(3.2)
+    assert r.lr_at((w + t) // 2) == pytest.approx(1.6)  # cos(pi/2) = 0: half way down
+    q = w + (t - w) // 4
+    assert r.lr_at(q) == pytest.approx(3.2 * (1 + math.cos(math.pi / 4)) / 2)
+    assert r.lr_at(t) == pytest.approx(0.0, abs=1e-15)
+    assert r.lr_at(t + 100) == pytest.approx(0.0, abs=1e-15)
+    # with a floor
+    assert lr_at(t, peak_lr=3.2, warmup_steps=w, warmup_start_lr=0.1, decay="cosine", total_steps=t,
+                 final_lr=0.032) == pytest.approx(0.032)
+
+
+def test_lr_at_without_warmup_and_validation():
+    assert lr_at(0, peak_lr=0.5) == 0.5
+    assert lr_at(10, peak_lr=0.5, decay="step", milestones=(5, 10)) == pytest.approx(0.005)
+    with pytest.raises(ValueError, match="warmup_start_lr"):
+        lr_at(0, peak_lr=3.2, warmup_steps=10)
+    with pytest.raises(ValueError, match="inside the warmup"):
+        LRSchedule(peak_lr=3.2, warmup_steps=10, warmup_start_lr=0.1, decay="step", milestones=(5,))
+    with pytest.raises(ValueError, match="total_steps"):
+        LRSchedule(peak_lr=3.2, decay="cosine")
+    with pytest.raises(ValueError, match="increasing"):
+        LRSchedule(peak_lr=3.2, decay="step", milestones=(20, 10))
+
+
+def test_recipe_below_base_batch_does_not_ramp_down():
+    r = LargeBatchRecipe(0.1, 256, per_rank_batch=32, world_size=2, steps_per_epoch=10, warmup_epochs=1)
+    assert r.peak_lr == pytest.approx(0.025)
+    assert [r.lr_at(t) for t in (0, 5, 10)] == pytest.approx([0.025] * 3)
+
+
+def test_recipe_counts_accumulated_passes_in_the_global_batch():
+    r = LargeBatchRecipe(0.1, 256, per_rank_batch=32, world_size=64, backward_passes_per_step=4,
+                         steps_per_epoch=156, milestones=(30,))
+    assert r.global_batch == 8192 and r.peak_lr == pytest.approx(3.2)
+
+
+def test_scheduler_follows_lr_at_step_by_step():
+    r = LargeBatchRecipe(0.1, 256, per_rank_batch=32, world_size=32, steps_per_epoch=4, warmup_epochs=2,
+                         milestones=(4, 6), epochs=8)
+    w = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([w], lr=r.peak_lr, momentum=0.9)
+    sched = r.scheduler(opt)
+    seen = []
+    for _ in range(r.total_steps):
+        seen.append(opt.param_groups[0]["lr"])
+        w.grad = torch.ones(3)
+        opt.step()
+        sched.step()
+    assert seen == pytest.approx([r.lr_at(t) for t in range(32)], rel=1e-12)
+    assert seen[0] == pytest.approx(0.1) and seen[8] == pytest.approx(0.4)
+    assert seen[16] == pytest.approx(0.04) and seen[24] == pytest.approx(0.004)
+
+
+def test_scheduler_keeps_group_ratios_and_refuses_an_unscaled_optimizer():
+    s = LRSchedule(peak_lr=1.0, warmup_steps=4, warmup_start_lr=0.0)
+    a, b = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([{"params": [a]}, {"params": [b], "lr": 0.1}], lr=1.0)
+    sched = WarmupScheduler(opt, s)
+    for _ in range(2):
+        opt.step()
+        sched.step()
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.5, 0.05])
+
+    built_with_base_lr = torch.optim.SGD([a], lr=0.1)
+    with pytest.raises(ValueError, match="lr=schedule.peak_lr"):
+        WarmupScheduler(built_with_base_lr, LRSchedule(peak_lr=3.2, warmup_steps=5, warmup_start_lr=0.1))
