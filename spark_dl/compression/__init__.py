@@ -1,0 +1,35 @@
+"""Gradient compression: compressors, error feedback, compressed all-reduce, a DDP hook.
+
+    from spark_dl.compression import allreduce, QSGD
+    avg = allreduce(grad, QSGD(), name="layer1.weight")
+
+==============  =========  ==================  ==========================
+compressor      summable   bits / element      error feedback
+==============  =========  ==================  ==========================
+NoneCompressor  yes        32                  no
+FP16, BF16      yes        16                  no
+OneBit          no         1 (+64 per tensor)  built in
+EFSign          no         1 (+32 per tensor)  built in
+QSGD            no         4.06 (s=7, d=512)   no (unbiased)
+TopK            no         64 * ratio          wrap in ErrorFeedback
+RandomK         yes        32 * ratio          wrap in ErrorFeedback
+PowerSGD        own rounds 32 r (n+m) / (n m)  built in
+==============  =========  ==================  ==========================
+"""
+from .base import Compressor, Payload
+from .collectives import allreduce
+from .ddp import DDPHookState, compressed_hook, ddp_hook, make_ddp_hook
+from .fp import BF16, FP16, NoneCompressor
+from .memory import ErrorFeedback
+from .powersgd import PowerSGD
+from .qsgd import QSGD
+from .sign import EFSign, OneBit, ScaledSign, SignMeans
+from .sparse import RandomK, TopK
+from .stats import CompressionStats, stats
+
+__all__ = [
+    "Compressor", "Payload", "ErrorFeedback", "allreduce", "stats", "CompressionStats",
+    "NoneCompressor", "FP16", "BF16", "OneBit", "SignMeans", "EFSign", "ScaledSign", "QSGD",
+    "TopK", "RandomK", "PowerSGD", "make_ddp_hook", "ddp_hook", "compressed_hook",
+    "DDPHookState",
+]

@@ -1,0 +1,106 @@
+"""The compressor contract: a :class:`Payload` on the wire and a :class:`Compressor` that makes it.
+
+A compressor is a pair ``compress: tensor -> Payload`` and ``decompress: Payload -> tensor``.
+The wire tensors of a payload are what ranks exchange; its ``meta`` stays local. Two rules let
+the collectives exchange payloads without sending their layout:
+
+* the wire tensors' shapes and dtypes depend only on the input's shape and dtype;
+* ``meta`` depends only on the input's shape/dtype and on state every rank shares (a step
+  counter, a seed), never on the values.
+
+So a rank can decompress another rank's payload for the same region with its own ``meta``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Hashable
+
+import torch
+
+Key = Hashable
+
+
+@dataclass
+class Meta:
+    """What every decompression needs: the original shape and dtype."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass
+class Payload:
+    """One compressed tensor: ``tensors`` go on the wire, ``meta`` never leaves the process."""
+
+    tensors: list[torch.Tensor]
+    meta: Any
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the wire tensors occupy."""
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+class Compressor:
+    """Base class. Subclasses implement :meth:`compress`, :meth:`decompress`, :meth:`bits_per_element`.
+
+    ``summable``: all_reduce(SUM) of the wire tensors of W payloads, then :meth:`decompress`,
+    equals the sum of the W decompressions, so the payload can ride an ordinary all_reduce.
+    ``key`` names the tensor for compressors that keep per-tensor state (error feedback,
+    warm starts, step counters); stateless compressors ignore it.
+    """
+
+    summable: bool = False
+
+    def compress(self, tensor: torch.Tensor, key: Key = None) -> Payload:
+        raise NotImplementedError
+
+    def decompress(self, payload: Payload) -> torch.Tensor:
+        raise NotImplementedError
+
+    def bits_per_element(self) -> float:
+        """Nominal wire bits per element of a large fp32 tensor."""
+        raise NotImplementedError
+
+    def reset(self, key: Key = None) -> None:
+        """Forget per-tensor state for ``key`` (all state when ``None``). Stateless: no-op."""
+
+    @property
+    def stateful(self) -> bool:
+        """True when ``key`` matters, so :func:`~spark_dl.compression.allreduce` needs a ``name``."""
+        return False
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self._params().items())
+        return f"{type(self).__name__}({args})"
+
+    def _params(self) -> dict[str, Any]:
+        return {}
+
+
+def check_float(tensor: torch.Tensor, who: str) -> None:
+    """Lossy compressors only make sense on floating-point tensors: say so clearly."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{who} compresses torch.Tensor, got {type(tensor).__name__}")
+    if not tensor.is_floating_point():
+        raise TypeError(
+            f"{who} compresses floating-point tensors, got dtype {tensor.dtype}; "
+            "send integer tensors uncompressed (NoneCompressor)."
+        )
+
+
+def flat32(tensor: torch.Tensor) -> torch.Tensor:
+    """A 1-D float32 view/copy of ``tensor`` (contiguous; copies only when it must)."""
+    return tensor.reshape(-1).to(torch.float32)
+
+
+def restore(flat: torch.Tensor, meta: Meta) -> torch.Tensor:
+    """Back to the original shape and dtype."""
+    return flat.to(meta.dtype).reshape(meta.shape)

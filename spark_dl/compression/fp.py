@@ -1,0 +1,51 @@
+"""Lossless-ish casts: no compression, float16 and bfloat16. All summable."""
+from __future__ import annotations
+
+import torch
+
+from .base import Compressor, Key, Meta, Payload, check_float
+
+
+class NoneCompressor(Compressor):
+    """Sends the tensor as it is (any dtype, integers included)."""
+
+    summable = True
+
+    def compress(self, tensor: torch.Tensor, key: Key = None) -> Payload:
+        # A copy: collectives reduce wire tensors in place and must not touch the caller's tensor.
+        return Payload([tensor.reshape(-1).clone()], Meta(tensor.shape, tensor.dtype))
+
+    def decompress(self, payload: Payload) -> torch.Tensor:
+        return payload.tensors[0].reshape(payload.meta.shape)
+
+    def bits_per_element(self) -> float:
+        return 32.0
+
+
+class _Cast(Compressor):
+    wire_dtype: torch.dtype
+    summable = True
+
+    def compress(self, tensor: torch.Tensor, key: Key = None) -> Payload:
+        check_float(tensor, type(self).__name__)
+        wire = tensor.reshape(-1).to(self.wire_dtype, copy=True)
+        return Payload([wire], Meta(tensor.shape, tensor.dtype))
+
+    def decompress(self, payload: Payload) -> torch.Tensor:
+        return payload.tensors[0].to(payload.meta.dtype).reshape(payload.meta.shape)
+
+    def bits_per_element(self) -> float:
+        return 16.0
+
+
+class FP16(_Cast):
+    """IEEE half precision (10-bit mantissa, max 65504). ``allreduce`` divides by the world
+    size before summing, so an average of large gradients does not overflow."""
+
+    wire_dtype = torch.float16
+
+
+class BF16(_Cast):
+    """bfloat16: float32's range with an 8-bit mantissa; relative error <= 2**-8 per element."""
+
+    wire_dtype = torch.bfloat16

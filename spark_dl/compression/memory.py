@@ -1,0 +1,97 @@
+"""Error feedback: remember what compression dropped and send it next time.
+
+With a (possibly biased) compressor ``C`` and decompressor ``D``, per tensor key::
+
+    p_t     = g_t + e_t             # add what was dropped before
+    send      C(p_t)
+    e_{t+1} = p_t - D(C(p_t))       # what was dropped now
+
+Nothing is lost, only delayed: sum_t D(C(p_t)) = sum_t g_t - e_{T+1}. This is what makes
+1-bit, sign and top-k compression converge to the same optimum as exact SGD.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .base import Compressor, Key, Payload, check_float
+
+
+def key_matches(key: Key, prefix: Key) -> bool:
+    """``key`` belongs to ``prefix``: equal, or a tuple whose first item is ``prefix``."""
+    return key == prefix or (isinstance(key, tuple) and len(key) > 0 and key[0] == prefix)
+
+
+class Residuals:
+    """Float32 residual memory per key. A key whose shape changes starts from zero again."""
+
+    def __init__(self) -> None:
+        self.memory: dict[Key, torch.Tensor] = {}
+
+    def add(self, tensor: torch.Tensor, key: Key) -> torch.Tensor:
+        """``tensor + e[key]`` in float32 (a new tensor; ``tensor`` is not modified)."""
+        e = self.memory.get(key)
+        p = tensor.to(torch.float32, copy=True)
+        if e is not None and e.shape == p.shape and e.device == p.device:
+            p.add_(e)
+        return p
+
+    def store(self, key: Key, residual: torch.Tensor) -> None:
+        self.memory[key] = residual
+
+    def reset(self, key: Key = None) -> None:
+        if key is None:
+            self.memory.clear()
+        else:
+            for k in [k for k in self.memory if key_matches(k, key)]:
+                del self.memory[k]
+
+    def __len__(self) -> int:
+        return len(self.memory)
+
+
+@dataclass
+class _EFMeta:
+    inner: Any
+    shape: torch.Size
+    dtype: torch.dtype
+
+
+class ErrorFeedback(Compressor):
+    """Wraps any compressor with error-feedback memory keyed by tensor name (see module doc)."""
+
+    def __init__(self, compressor: Compressor) -> None:
+        self.compressor = compressor
+        self.residuals = Residuals()
+
+    @property
+    def summable(self) -> bool:  # type: ignore[override]
+        return self.compressor.summable
+
+    @property
+    def stateful(self) -> bool:
+        return True
+
+    def compress(self, tensor: torch.Tensor, key: Key = None) -> Payload:
+        check_float(tensor, type(self).__name__)
+        p = self.residuals.add(tensor, key)
+        payload = self.compressor.compress(p, key)
+        self.residuals.store(key, p.sub_(self.compressor.decompress(payload).to(torch.float32)))
+        return Payload(payload.tensors, _EFMeta(payload.meta, tensor.shape, tensor.dtype))
+
+    def decompress(self, payload: Payload) -> torch.Tensor:
+        meta: _EFMeta = payload.meta
+        out = self.compressor.decompress(Payload(payload.tensors, meta.inner))
+        return out.to(meta.dtype).reshape(meta.shape)
+
+    def bits_per_element(self) -> float:
+        return self.compressor.bits_per_element()
+
+    def reset(self, key: Key = None) -> None:
+        self.residuals.reset(key)
+        self.compressor.reset(key)
+
+    def __repr__(self) -> str:
+        return f"ErrorFeedback({self.compressor!r})"

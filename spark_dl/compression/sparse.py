@@ -1,0 +1,112 @@
+"""Sparsification: top-k (largest magnitudes) and random-k (indices shared by all ranks)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .base import Compressor, Key, Meta, Payload, check_float, flat32, restore
+from .rng import generator
+
+
+def _k(n: int, ratio: float) -> int:
+    return min(n, max(1, math.ceil(ratio * n))) if n else 0
+
+
+def _check_ratio(ratio: float) -> None:
+    if not 0.0 < ratio <= 1.0:
+        raise ValueError(f"ratio must be in (0, 1], got {ratio}")
+
+
+class TopK(Compressor):
+    """Keeps the k = ceil(ratio * n) entries of largest |g_i|, zeroes the rest.
+
+    Biased (contractive: ||g - q(g)||^2 <= (1 - k/n)||g||^2): wrap in
+    :class:`~spark_dl.compression.ErrorFeedback` for training. Wire: k float32 values + k int32
+    indices (64 bits per kept element). Not summable: ranks keep different indices.
+    """
+
+    def __init__(self, ratio: float = 0.01) -> None:
+        _check_ratio(ratio)
+        self.ratio = ratio
+
+    def _params(self) -> dict:
+        return {"ratio": self.ratio}
+
+    def compress(self, tensor: torch.Tensor, key: Key = None) -> Payload:
+        check_float(tensor, "TopK")
+        x = flat32(tensor)
+        n = x.numel()
+        idx = torch.topk(x.abs(), _k(n, self.ratio), sorted=False).indices
+        index_dtype = torch.int32 if n < 2**31 else torch.int64
+        return Payload([x[idx], idx.to(index_dtype)], Meta(tensor.shape, tensor.dtype))
+
+    def decompress(self, payload: Payload) -> torch.Tensor:
+        values, idx = payload.tensors
+        meta = payload.meta
+        out = values.new_zeros(meta.numel).index_put_((idx.long(),), values)
+        return restore(out, meta)
+
+    def bits_per_element(self) -> float:
+        return 64.0 * self.ratio
+
+
+@dataclass
+class _RandMeta(Meta):
+    indices: torch.Tensor
+
+
+class RandomK(Compressor):
+    """Keeps k = ceil(ratio * n) entries at indices drawn from (seed, key, step): the same on
+    every rank as long as ranks compress the same tensors in the same order, so only the values
+    travel and the payload is summable. With ``scale=True`` the values are multiplied by n/k,
+    making q unbiased (E[q(g)] = g); by default it is unscaled and meant for error feedback.
+    Indices are sampled with replacement (a duplicate only lowers the effective k).
+    Wire: k float32 values (32 * ratio bits per element).
+    """
+
+    summable = True
+
+    def __init__(self, ratio: float = 0.01, seed: int = 0, scale: bool = False) -> None:
+        _check_ratio(ratio)
+        self.ratio = ratio
+        self.seed = seed
+        self.scale = scale
+        self.steps: dict[Key, int] = {}
+
+    def _params(self) -> dict:
+        return {"ratio": self.ratio, "seed": self.seed, "scale": self.scale}
+
+    def compress(self, tensor: torch.Tensor, key: Key = None) -> Payload:
+        check_float(tensor, "RandomK")
+        x = flat32(tensor)
+        n = x.numel()
+        step = self.steps.get(key, 0)
+        self.steps[key] = step + 1
+        k = _k(n, self.ratio)
+        g = generator(x.device, "randomk", self.seed, key, step)
+        idx = torch.randint(0, max(n, 1), (k,), generator=g, device=x.device)
+        values = x[idx]
+        if self.scale and k:
+            values.mul_(n / k)
+        return Payload([values], _RandMeta(tensor.shape, tensor.dtype, idx))
+
+    def decompress(self, payload: Payload) -> torch.Tensor:
+        meta: _RandMeta = payload.meta
+        values = payload.tensors[0]
+        out = values.new_zeros(meta.numel).index_put_((meta.indices,), values)
+        return restore(out, meta)
+
+    def bits_per_element(self) -> float:
+        return 32.0 * self.ratio
+
+    def reset(self, key: Key = None) -> None:
+        # Step counters are shared state across ranks: every rank resets them together.
+        from .memory import key_matches
+
+        if key is None:
+            self.steps.clear()
+        else:
+            for k in [k for k in self.steps if key_matches(k, key)]:
+                del self.steps[k]
