@@ -1,72 +1,44 @@
-"""``hvd.Compression`` and the one function every reduction in this package goes through.
+"""``hvd.Compression`` and the one function every gradient/tensor reduction here goes through.
 
 Horovod's ``Compression.none`` / ``Compression.fp16`` are classes with static
-``compress``/``decompress``; here they are compressor instances, so anything accepted as
-``compression=`` (also by :class:`DistributedOptimizer`) is a compressor object.
+``compress``/``decompress``; here they are :mod:`spark_dl.compression` compressor instances, so any
+compressor of that package (``QSGD()``, ``PowerSGD()``, ``OneBit()``, ...) is accepted as
+``compression=`` by :func:`allreduce` and :class:`DistributedOptimizer`.
 """
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-
-class _NoneAdapter:
-    """Sends the tensor as it is."""
-
-    summable = True
-
-    def __repr__(self) -> str:
-        return "Compression.none"
-
-
-class _FP16Adapter:
-    """Sends floating-point tensors as float16, halving the bytes on the wire."""
-
-    summable = True
-
-    def __repr__(self) -> str:
-        return "Compression.fp16"
+from spark_dl.compression import FP16, Compressor, NoneCompressor
+from spark_dl.compression import allreduce as compressed_allreduce
 
 
 class Compression:
     """Horovod's compression namespace: ``Compression.none`` and ``Compression.fp16``."""
 
-    none = _NoneAdapter()
-    fp16 = _FP16Adapter()
+    none = NoneCompressor()
+    fp16 = FP16()
 
 
-def resolve(compression: Any) -> Any:
-    """Return the compressor object behind ``compression`` or raise ``TypeError``."""
-    if isinstance(compression, (_NoneAdapter, _FP16Adapter)):
+def resolve(compression: Any) -> Compressor:
+    """The compressor behind ``compression`` (an instance, or a class taking no arguments)."""
+    if isinstance(compression, type) and issubclass(compression, Compressor):
+        return compression()
+    if isinstance(compression, Compressor):
         return compression
     raise TypeError(
-        f"compression={compression!r} is not supported: use hvd.Compression.none or "
-        "hvd.Compression.fp16."
+        f"compression={compression!r} is not a spark_dl.compression.Compressor: use "
+        "hvd.Compression.none, hvd.Compression.fp16 or a compressor such as spark_dl.compression.QSGD()."
     )
 
 
-def is_none(compressor: Any) -> bool:
-    return isinstance(compressor, _NoneAdapter)
+def is_none(compressor: Compressor) -> bool:
+    return isinstance(compressor, NoneCompressor)
 
 
-def reduce(tensor: torch.Tensor, compressor: Any, *, average: bool, name: str | None,
+def reduce(tensor: torch.Tensor, compressor: Compressor, *, average: bool, name: str | None,
            group: Any = None) -> torch.Tensor:
-    """Sum (``average=False``) or average ``tensor`` over ``group`` through ``compressor``.
-
-    Synchronous. Returns the reduced tensor (may be ``tensor`` itself, reduced in place).
-    """
-    world = dist.get_world_size(group)
-    if isinstance(compressor, _FP16Adapter) and tensor.is_floating_point():
-        # Divide before summing: an fp16 sum of large gradients overflows where the mean does not.
-        wire = (tensor / world if average else tensor).to(torch.float16)
-        dist.all_reduce(wire, group=group)
-        return wire.to(tensor.dtype)
-    dist.all_reduce(tensor, group=group)
-    if average:
-        if tensor.is_floating_point() or tensor.is_complex():
-            tensor.div_(world)
-        else:
-            tensor.copy_(torch.div(tensor, world, rounding_mode="trunc"))
-    return tensor
+    """Sum (``average=False``) or average ``tensor`` over ``group`` through ``compressor``; synchronous."""
+    return compressed_allreduce(tensor, compressor, op="average" if average else "sum", name=name, group=group)
