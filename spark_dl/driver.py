@@ -67,6 +67,7 @@ class JobMonitor:
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
         self.task_conns: dict[int, Connection] = {}
+        self.tasks_closed = 0
         self.hosts: dict[int, str] = {}
         self.task_ranks: dict[int, list[int]] = {}
         self.exits: dict[int, dict] = {}
@@ -81,6 +82,11 @@ class JobMonitor:
     def tasks_started(self) -> int:
         with self.lock:
             return len(self.task_conns)
+
+    def tasks_gone(self) -> bool:
+        """Every task that connected has closed its link (a task closes it after reaping its ranks)."""
+        with self.lock:
+            return self.tasks_closed >= len(self.task_conns)
 
     def all_exited(self) -> bool:
         return len(self.exits) >= self.world_size
@@ -143,7 +149,9 @@ class JobMonitor:
         if conn.info.get("role") != "task":
             return
         partition = conn.info["partition"]
-        with self.lock:
+        with self.changed:
+            self.tasks_closed += 1
+            self.changed.notify_all()
             ranks = self.task_ranks.get(partition)
             missing = [r for r in (ranks or []) if r not in self.exits]
             done = ranks is not None and not missing
