@@ -31,6 +31,7 @@ MAX_PARAMS = 100
 MAX_TAGS = 100
 MAX_TAG_VALUE = 5000
 BACKOFF_MAX_S = 10.0
+LINGER_S = 0.5  # gather this long before writing a partial batch: fewer, fuller calls to the server
 MAX_BUFFERED_METRICS = 5_000_000
 _PERMANENT = {"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "INVALID_STATE", "BAD_REQUEST",
               "RESOURCE_ALREADY_EXISTS", "PERMISSION_DENIED"}
@@ -159,10 +160,21 @@ class MlflowWriter:
     def _pending(self) -> bool:
         return bool(self._metrics or self._params or self._tags or self._ops or self.run_id is None)
 
+    def _write_at(self, ended: bool) -> float:
+        """When the next write may happen: after a backoff; not before a batch fills or lingers."""
+        at = self._next_try
+        entities = len(self._metrics) + len(self._params) + len(self._tags)
+        if self.run_id is not None and not ended and not self._ops and entities < MAX_BATCH:
+            at = max(at, self._first_pending + LINGER_S)
+        return at
+
     def _loop(self) -> None:
         ended = False
+        self._first_pending = time.monotonic()
         while not self._abandoned:
-            wait = None if not self._pending() else max(0.0, self._next_try - time.monotonic())
+            if not self._pending():
+                self._first_pending = time.monotonic()
+            wait = None if not self._pending() else max(0.0, self._write_at(ended) - time.monotonic())
             try:
                 item = self._q.get(timeout=wait) if wait != 0.0 else self._q.get_nowait()
             except queue.Empty:
@@ -177,7 +189,7 @@ class MlflowWriter:
                     item = self._q.get_nowait()
                 except queue.Empty:
                     item = None
-            if time.monotonic() < self._next_try:
+            if time.monotonic() < self._write_at(ended):
                 continue
             if not self._pending():
                 if ended:
@@ -298,6 +310,7 @@ class MlflowWriter:
             if total == 1:
                 self.dropped += 1
                 self._last_error = e
+                self._warn(f"MLflow rejected a write to run {self.run_id} ({e}); it was skipped, the rest was written.")
                 return
             # bisect so only the offending entries are lost
             items = [("m", x) for x in metrics] + [("p", x) for x in params] + [("t", x) for x in tags]

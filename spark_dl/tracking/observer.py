@@ -170,31 +170,32 @@ class TrackingObserver:
 
     # -- helpers ---------------------------------------------------------------------------------
     def _metrics(self, rank: int | None, records: list) -> None:
-        if rank is None:
+        if rank is None or not records:
             return
         all_ranks = self.options is not None and self.options.all_ranks
         out: list[tuple[str, float, int, int]] = []
-        last = self._last.get(rank)
         for t, step, values, rec_all in records:
             ts = int(t * 1000)
             if rank == 0:
                 out.extend((clean_name(k), v, ts, step) for k, v in values.items())
             if all_ranks or rec_all:
                 out.extend((f"{clean_name(k)}/rank{rank}", v, ts, step) for k, v in values.items())
-            steps_per_s = None
-            if last is not None and step > last[1] and t > last[0]:
-                dt = (t - last[0]) / (step - last[1])
-                steps_per_s = 1.0 / dt
-                if rank == 0:
-                    out.append(("perf/step_time_s", dt, ts, step))
-                    out.append(("perf/steps_per_s", steps_per_s, ts, step))
-                    if self.samples_per_step:
-                        out.append(("perf/samples_per_s", steps_per_s * self.samples_per_step, ts, step))
-            last = (t, step)
-            if rank == 0 and self.progress is not None:
-                self.progress.update(step, values, steps_per_s)
-        if last is not None:
-            self._last[rank] = last
+        # speed over this batch (~50 ms of steps): one point per batch, not per step
+        t, step, values, _ = records[-1]
+        last = self._last.get(rank)
+        self._last[rank] = (t, step)
+        steps_per_s = None
+        if last is not None and step > last[1] and t > last[0]:
+            dt = (t - last[0]) / (step - last[1])
+            steps_per_s = 1.0 / dt
+            if rank == 0:
+                ts = int(t * 1000)
+                out.append(("perf/step_time_s", dt, ts, step))
+                out.append(("perf/steps_per_s", steps_per_s, ts, step))
+                if self.samples_per_step:
+                    out.append(("perf/samples_per_s", steps_per_s * self.samples_per_step, ts, step))
+        if rank == 0 and self.progress is not None:
+            self.progress.update(step, values, steps_per_s)
         if out and self.writer is not None:
             self.writer.log_metrics(out)
 

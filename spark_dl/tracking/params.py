@@ -1,6 +1,7 @@
 """Turning arbitrary values into what MLflow accepts: flat string params and valid metric names."""
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any, Mapping
 
@@ -38,6 +39,7 @@ def param_value(value: Any) -> str:
     return text[:MAX_PARAM_VALUE]
 
 
+@functools.lru_cache(maxsize=4096)
 def clean_name(name: str) -> str:
     """An MLflow-valid metric/param key: unsupported characters become ``_``."""
     return _BAD_NAME_CHARS.sub("_", str(name))[:MAX_KEY] or "_"
