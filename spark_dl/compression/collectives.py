@@ -68,18 +68,32 @@ def _summable(x: torch.Tensor, c: Compressor, name: Any, group: Any, world: int)
     return c.decompress(payload)
 
 
+def _all_gather(out: torch.Tensor, piece: torch.Tensor, group: Any) -> None:
+    # torch >= 2.13 names it all_gather_single; older releases all_gather_into_tensor.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, piece, group=group)
+
+
 def _scatter_reduce_allgather(x: torch.Tensor, c: Compressor, name: Any, group: Any,
                               world: int) -> torch.Tensor:
     me = dist.get_rank(group) if world > 1 else 0
     chunks = torch.tensor_split(x.reshape(-1), world)
     sent = [c.compress(ch, key=(name, "worker", j)) for j, ch in enumerate(chunks)]
     buffers = [to_bytes(p) for p in sent]
+    sizes = [b.numel() for b in buffers]
     own = sent[me]
+    # Chunks differ by at most one element, so their payloads by a few bytes: pad every
+    # payload to one 8-aligned width (aligned views, equal splits) and use the single-tensor
+    # all_to_all and all_gather that Gloo and NCCL both provide.
+    width = -(-max(sizes) // 8) * 8
     if world > 1:
-        received = [torch.empty_like(buffers[me]) for _ in range(world)]
-        dist.all_to_all(received, buffers, group=group)
-        stats.add_bytes(sum(b.numel() for j, b in enumerate(buffers) if j != me))
-        copies = [own if i == me else from_bytes(received[i], own) for i in range(world)]
+        outgoing = torch.zeros(world, width, dtype=torch.uint8, device=x.device)
+        for j, b in enumerate(buffers):
+            outgoing[j, :sizes[j]] = b
+        incoming = torch.empty_like(outgoing)
+        dist.all_to_all_single(incoming, outgoing, group=group)
+        stats.add_bytes((world - 1) * width)
+        copies = [own if i == me else from_bytes(incoming[i, :sizes[me]], own) for i in range(world)]
     else:
         copies = [own]
     reduced = c.decompress(copies[0]).to(torch.float32)
@@ -88,16 +102,12 @@ def _scatter_reduce_allgather(x: torch.Tensor, c: Compressor, name: Any, group: 
     mine = to_bytes(c.compress(reduced.to(x.dtype), key=(name, "server")))
     if world == 1:
         return c.decompress(from_bytes(mine, own)).reshape(x.shape)
-    # Chunks differ by at most one element, so their payloads by a few bytes: pad to the
-    # largest and all-gather one tensor (what NCCL and Gloo do best).
-    width = -(-max(b.numel() for b in buffers) // 8) * 8  # 8-aligned: pieces view as float64
     padded = torch.zeros(width, dtype=torch.uint8, device=x.device)
     padded[:mine.numel()] = mine
-    gathered = torch.empty(world * width, dtype=torch.uint8, device=x.device)
-    dist.all_gather_into_tensor(gathered, padded, group=group)
+    gathered = torch.empty(world, width, dtype=torch.uint8, device=x.device)
+    _all_gather(gathered.view(-1), padded, group)
     stats.add_bytes((world - 1) * width)
-    out = [c.decompress(from_bytes(gathered[j * width:j * width + buffers[j].numel()], sent[j]))
-           for j in range(world)]
+    out = [c.decompress(from_bytes(gathered[j, :sizes[j]], sent[j])) for j in range(world)]
     return torch.cat([o.reshape(-1) for o in out]).reshape(x.shape)
 
 

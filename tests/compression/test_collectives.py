@@ -1,0 +1,234 @@
+"""``spark_dl.compression.allreduce`` through two real rank processes (Gloo).
+
+One launch runs every check; each rank returns what it saw and the test compares the ranks
+with each other and with values recomputed here.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import spark_dl.compression as C
+from spark_dl import HorovodRunner
+
+SHAPE = (37, 11)  # 407 elements: uneven chunks (204 + 203)
+
+
+def grad(rank: int, shape=SHAPE) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(100 + rank))
+
+
+def compressors() -> dict:
+    return {
+        "none": C.NoneCompressor(), "fp16": C.FP16(), "bf16": C.BF16(), "onebit": C.OneBit(),
+        "efsign": C.EFSign(), "qsgd": C.QSGD(), "topk": C.TopK(0.1),
+        "topk_ef": C.ErrorFeedback(C.TopK(0.1)), "randomk": C.RandomK(0.1),
+        "powersgd": C.PowerSGD(rank=2, start_iter=0),
+    }
+
+
+def collective_main():
+    import torch
+    import torch.distributed as dist
+
+    import spark_dl
+    import spark_dl.compression as C
+
+    spark_dl.init()
+    r = dist.get_rank()
+    out: dict = {"rank": r}
+    g = grad(r)
+    before = g.clone()
+    for key, c in compressors().items():
+        out[key] = C.allreduce(g, c, name="g").tolist()
+        out[key + "_sum"] = C.allreduce(g, type(c)() if key not in ("topk", "topk_ef", "randomk", "powersgd") else c,
+                                        op="sum", name="gs").tolist()
+    out["input_untouched"] = torch.equal(g, before)
+
+    # QSGD is unbiased through scatter-reduce + all-gather (quantized twice).
+    q = C.QSGD(levels=3, seed=r)
+    small = grad(r, (64,))
+    out["qsgd_samples"] = torch.stack([C.allreduce(small, q) for _ in range(300)]).tolist()
+
+    # Error feedback through the collective: the running mean converges to the exact average.
+    for key, make in [("onebit", C.OneBit), ("efsign", C.EFSign)]:
+        c = make()
+        outs = [C.allreduce(g, c, name="ef") for _ in range(100)]
+        out[key + "_ef_mean"] = torch.stack(outs).mean(0).tolist()
+        memory = c.residuals.memory
+        out[key + "_worker_memory"] = torch.cat([memory["ef", "worker", j] for j in (0, 1)]).tolist()
+        out[key + "_server_memory"] = memory["ef", "server"].tolist()  # this rank's chunk
+
+    # PowerSGD: a shared column space makes rank 2 exact; before start_iter it is uncompressed.
+    u = torch.randn(20, 2, generator=torch.Generator().manual_seed(7))
+    low = u @ torch.randn(2, 15, generator=torch.Generator().manual_seed(r))
+    p = C.PowerSGD(rank=2, start_iter=0)
+    out["psgd_low"] = [C.allreduce(low, p, name="low").tolist() for _ in range(2)]
+    p = C.PowerSGD(rank=1, start_iter=2)
+    out["psgd_warmup"] = [C.allreduce(g, p, name="w").tolist() for _ in range(3)]
+
+    # Bytes per step, fp32 vs compressed (2**16 elements).
+    big = torch.randn(1 << 16, generator=torch.Generator().manual_seed(r))
+    for key, c in [("none", C.NoneCompressor()), ("onebit", C.OneBit()), ("qsgd", C.QSGD()),
+                   ("fp16", C.FP16()), ("powersgd", C.PowerSGD(rank=4, start_iter=0))]:
+        x = big.view(256, 256) if key == "powersgd" else big
+        before_stats = C.stats.snapshot()
+        C.allreduce(x, c, name="big")
+        after = C.stats.snapshot()
+        out["bytes_" + key] = after["bytes_sent"] - before_stats["bytes_sent"]
+        out["dense_" + key] = after["bytes_dense"] - before_stats["bytes_dense"]
+    out["calls"] = C.stats.calls
+
+    # Edge cases through the collective.
+    edges = {}
+    for key, c in compressors().items():
+        base = torch.randn(6, 9, generator=torch.Generator().manual_seed(r))
+        cases = {"empty": torch.empty(0), "one": torch.tensor([1.0 + r]), "seven": grad(r, (7,)),
+                 "nine": grad(r, (9,)), "noncontig": base.t(), "strided": base[:, ::2],
+                 "f64": grad(r, (5,)).double(), "f16": grad(r, (3, 3)).half()}
+        for case, t in cases.items():
+            o = C.allreduce(t, c, name=case)
+            edges[key, case] = (tuple(o.shape), str(o.dtype), o.float().tolist())
+    out["edges"] = edges
+    ints = torch.tensor([3 + r, 10 * (r + 1)])
+    out["int_sum"] = C.allreduce(ints, op="sum").tolist()
+    out["int_avg"] = C.allreduce(ints).tolist()
+    errors = {}
+    for key, call in [("int", lambda: C.allreduce(ints, C.QSGD())),
+                      ("noname", lambda: C.allreduce(g, C.OneBit())),
+                      ("op", lambda: C.allreduce(g, op="max"))]:
+        try:
+            call()
+        except (TypeError, ValueError) as e:
+            errors[key] = f"{type(e).__name__}: {e}"
+    out["errors"] = errors
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return HorovodRunner(np=-2).run_all(collective_main)
+
+
+def exact(op="average", shape=SHAPE) -> torch.Tensor:
+    s = grad(0, shape) + grad(1, shape)
+    return s / 2 if op == "average" else s
+
+
+def expected_scatter_reduce(codec, x0, x1):
+    """What scatter-reduce + all-gather must return on a first call (empty memories)."""
+    parts = []
+    for c0, c1 in zip(torch.tensor_split(x0.reshape(-1), 2), torch.tensor_split(x1.reshape(-1), 2)):
+        s = codec.decompress(codec.compress(c0)) + codec.decompress(codec.compress(c1))
+        parts.append(codec.decompress(codec.compress(s)))
+    return torch.cat(parts).reshape(x0.shape)
+
+
+def test_identical_on_every_rank(ranks):
+    a, b = ranks
+    assert (a["rank"], b["rank"]) == (0, 1)
+    for key in compressors():
+        assert a[key] == b[key], key
+        assert a[key + "_sum"] == b[key + "_sum"], key
+    assert a["edges"] == b["edges"]
+    assert a["input_untouched"] and b["input_untouched"]
+
+
+def test_lossless_and_cast_compressors(ranks):
+    out = ranks[0]
+    for op, suffix in (("average", ""), ("sum", "_sum")):
+        want = exact(op)
+        assert torch.allclose(torch.tensor(out["none" + suffix]), want, atol=1e-6)
+        assert torch.allclose(torch.tensor(out["fp16" + suffix]), want, rtol=2e-3, atol=2e-3)
+        assert torch.allclose(torch.tensor(out["bf16" + suffix]), want, rtol=1.6e-2, atol=1.6e-2)
+
+
+def test_sign_and_topk_match_the_scatter_reduce_recipe(ranks):
+    out = ranks[0]
+    for key, codec in [("onebit", C.SignMeans()), ("efsign", C.ScaledSign()),
+                       ("topk", C.TopK(0.1)), ("topk_ef", C.TopK(0.1))]:
+        want = expected_scatter_reduce(codec, grad(0) / 2, grad(1) / 2)
+        assert torch.allclose(torch.tensor(out[key]), want, atol=1e-5), key
+    want = expected_scatter_reduce(C.SignMeans(), grad(0), grad(1))
+    assert torch.allclose(torch.tensor(out["onebit_sum"]), want, atol=1e-5)
+
+
+def test_error_feedback_through_the_collective_loses_nothing(ranks):
+    # Sum over T steps of the outputs = T * exact average minus what both memories still hold:
+    # each rank's worker memory for every chunk, and each owner's server memory for its chunk.
+    want, T = exact(), 100
+    for key in ("onebit", "efsign"):
+        mean = torch.tensor(ranks[0][key + "_ef_mean"])
+        held = sum(torch.tensor(r[key + "_worker_memory"]) for r in ranks)
+        held += torch.cat([torch.tensor(r[key + "_server_memory"]) for r in ranks])
+        assert torch.allclose(T * mean + held.reshape(want.shape), T * want, atol=2e-3), key
+        first = torch.tensor(ranks[0][key])
+        assert (mean - want).norm() < 0.15 * (first - want).norm(), key
+
+
+def test_qsgd_is_unbiased_through_the_collective(ranks):
+    samples = torch.tensor(ranks[0]["qsgd_samples"])
+    assert samples.tolist() == ranks[1]["qsgd_samples"]
+    se = samples.std(dim=0) / math.sqrt(len(samples))
+    assert ((samples.mean(0) - exact(shape=(64,))).abs() <= 5 * se + 1e-6).all()
+    # One sample is within the two-stage QSGD variance: sqrt(d)/s per stage, d = 32-element chunks.
+    one = torch.tensor(ranks[0]["qsgd"])
+    assert (one - exact()).norm() <= 3 * math.sqrt(2 * 512**0.5 / 7) * exact().norm()
+
+
+def test_random_k_keeps_exact_averages_at_shared_indices(ranks):
+    got = torch.tensor(ranks[0]["randomk"])
+    want = exact()
+    kept = got != 0
+    assert 0 < kept.sum() <= math.ceil(0.1 * got.numel())
+    assert torch.allclose(got[kept], want[kept], atol=1e-6)
+
+
+def test_powersgd(ranks):
+    out = ranks[0]
+    u = torch.randn(20, 2, generator=torch.Generator().manual_seed(7))
+    lows = [u @ torch.randn(2, 15, generator=torch.Generator().manual_seed(r)) for r in (0, 1)]
+    for step in out["psgd_low"]:
+        assert torch.allclose(torch.tensor(step), (lows[0] + lows[1]) / 2, atol=1e-4)
+    warm = [torch.tensor(s) for s in out["psgd_warmup"]]
+    assert torch.allclose(warm[0], exact(), atol=1e-6) and torch.allclose(warm[1], exact(), atol=1e-6)
+    assert torch.linalg.matrix_rank(warm[2]) == 1
+    assert torch.linalg.matrix_rank(torch.tensor(out["powersgd"])) <= 2
+
+
+def test_bytes_on_the_wire(ranks):
+    out = ranks[0]
+    n = 1 << 16
+    assert out["bytes_none"] == out["dense_none"] == 4 * n  # ring: 2 (W-1)/W * 4n
+    assert out["dense_onebit"] == out["dense_qsgd"] == 4 * n
+    assert out["bytes_none"] / out["bytes_onebit"] == pytest.approx(32, rel=0.01)
+    assert out["bytes_none"] / out["bytes_qsgd"] == pytest.approx(8, rel=0.02)
+    assert out["bytes_none"] / out["bytes_fp16"] == 2
+    # P (256 x 4) and Q (256 x 4) in float32; a 2-rank ring sends each once.
+    assert out["bytes_powersgd"] == (256 + 256) * 4 * 4
+    assert out["bytes_none"] / out["bytes_powersgd"] == 32 / C.PowerSGD(rank=4).bits_per_element((256, 256))
+    assert ranks[1]["bytes_onebit"] == out["bytes_onebit"]
+    assert out["calls"] > 0
+
+
+def test_edge_cases(ranks):
+    edges = ranks[0]["edges"]
+    for key in compressors():
+        assert edges[key, "empty"][:2] == ((0,), "torch.float32")
+        assert edges[key, "one"][2] == pytest.approx([1.5], rel=1e-2), key  # a single element is exact
+        assert edges[key, "seven"][0] == (7,) and edges[key, "nine"][0] == (9,)
+        assert edges[key, "noncontig"][0] == (9, 6) and edges[key, "strided"][0] == (6, 5)
+        assert edges[key, "f64"][1] == "torch.float64" and edges[key, "f16"][1] == "torch.float16"
+    for key in compressors():
+        for case in ("seven", "nine", "noncontig", "strided", "f64", "f16"):
+            assert torch.isfinite(torch.tensor(edges[key, case][2])).all(), (key, case)
+    base = [torch.randn(6, 9, generator=torch.Generator().manual_seed(r)) for r in (0, 1)]
+    assert torch.allclose(torch.tensor(edges["none", "noncontig"][2]), (base[0].t() + base[1].t()) / 2)
+    assert torch.allclose(torch.tensor(edges["none", "strided"][2]), (base[0][:, ::2] + base[1][:, ::2]) / 2)
+    assert ranks[0]["int_sum"] == [7, 30] and ranks[0]["int_avg"] == [3, 15]
+    errors = ranks[0]["errors"]
+    assert errors["int"].startswith("TypeError") and "floating-point" in errors["int"]
+    assert errors["noname"].startswith("ValueError") and "name=" in errors["noname"]
+    assert errors["op"].startswith("ValueError")

@@ -1,0 +1,213 @@
+"""The maths of each compressor, in one process: lecture examples, QSGD's bounds, error feedback."""
+from __future__ import annotations
+
+import math
+import pickle
+
+import pytest
+import torch
+
+import spark_dl.compression as C
+from spark_dl.compression.bits import pack, packed_nbytes, unpack
+
+
+def test_one_bit_worked_example():
+    # Lecture 000, "1-bit SGD example". The slide prints the reconstruction with five entries
+    # (the fifth, 15.3 -> 8.8875, is missing); g has six, so q(g) has six.
+    g = torch.tensor([0.1, 0.15, -0.2, 20.0, 15.3, -1.222])
+    c = C.SignMeans()
+    payload = c.compress(g)
+    means, bits = payload.tensors
+    assert means.tolist() == pytest.approx([8.8875, -0.711], abs=1e-5)
+    q = c.decompress(payload)
+    assert q.tolist() == pytest.approx([8.8875, 8.8875, -0.711, 8.8875, 8.8875, -0.711], abs=1e-5)
+    # Signs (1, 1, -1, 1, 1, -1) in one byte, plus two float32 means: n + 2F bits.
+    assert unpack(bits, 6, 1).tolist() == [1, 1, 0, 1, 1, 0]
+    assert bits.dtype == torch.uint8 and payload.nbytes == 1 + 8
+    # OneBit is the same quantizer with error feedback: the first step has no memory yet.
+    assert C.OneBit().decompress(C.OneBit().compress(g, key="g")).tolist() == pytest.approx(q.tolist())
+
+
+def test_one_bit_all_negative_uses_zero_for_the_empty_mean():
+    g = torch.tensor([-1.0, -3.0])
+    assert C.SignMeans().decompress(C.SignMeans().compress(g)).tolist() == [-2.0, -2.0]
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_bit_packing_round_trips_at_exact_size(bits):
+    gen = torch.Generator().manual_seed(bits)
+    for n in (0, 1, 7, 9, 1000):
+        codes = torch.randint(0, 2**bits, (n,), generator=gen, dtype=torch.uint8)
+        packed = pack(codes, bits)
+        assert packed.dtype == torch.uint8 and packed.numel() == packed_nbytes(n, bits)
+        assert packed.numel() <= bits * math.ceil(n / 8)
+        assert torch.equal(unpack(packed, n, bits), codes)
+
+
+def _samples(c, g, n):
+    return torch.stack([c.decompress(c.compress(g)) for _ in range(n)])
+
+
+@pytest.mark.parametrize("levels,bucket", [(1, None), (2, None), (7, None), (4, 16)])
+def test_qsgd_unbiased_and_second_moment_bound(levels, bucket):
+    g = torch.randn(64, generator=torch.Generator().manual_seed(levels))
+    qs = _samples(C.QSGD(levels=levels, bucket_size=bucket, seed=levels), g, 3000)
+    # Unbiased: each coordinate's sample mean within 5 standard errors of g_i.
+    se = qs.std(dim=0) / math.sqrt(len(qs))
+    assert ((qs.mean(dim=0) - g).abs() <= 5 * se + 1e-6).all()
+    # E||q||^2 <= (1 + min(d/s^2, sqrt(d)/s)) ||g||^2, d the bucket size (Alistarh et al.).
+    d = bucket or g.numel()
+    bound = (1 + min(d / levels**2, math.sqrt(d) / levels)) * g.square().sum()
+    second = qs.square().sum(dim=1)
+    assert second.mean() + 3 * second.std() / math.sqrt(len(qs)) <= bound
+    # Every value is a multiple of ||v|| / s.
+    levels_seen = qs * levels / g.norm() if bucket is None else None
+    if levels_seen is not None:
+        assert torch.allclose(levels_seen, levels_seen.round(), atol=1e-4)
+
+
+def test_qsgd_s1_expected_nonzeros_at_most_sqrt_n():
+    n = 400
+    for g in (torch.randn(n, generator=torch.Generator().manual_seed(0)), torch.ones(n)):
+        qs = _samples(C.QSGD(levels=1, bucket_size=None, seed=3), g, 2000)
+        nnz = (qs != 0).sum(dim=1).double()
+        expected = (g.abs().sum() / g.norm()).item()  # sum_i P[xi_i = 1] <= sqrt(n)
+        assert expected <= math.sqrt(n) + 1e-6
+        assert abs(nnz.mean().item() - expected) <= 5 * nnz.std().item() / math.sqrt(len(qs)) + 1e-9
+        # g = (1, ..., 1) meets the bound with equality: every run keeps exactly sqrt(n) = 20.
+        assert nnz.mean().item() <= math.sqrt(n) + 5 * nnz.std().item() / math.sqrt(len(qs))
+
+
+def test_qsgd_per_rank_noise_is_seeded():
+    g = torch.randn(100)
+    a, b = C.QSGD(seed=5), C.QSGD(seed=5)
+    assert torch.equal(a.decompress(a.compress(g)), b.decompress(b.compress(g)))
+    assert not torch.equal(a.decompress(a.compress(g)), C.QSGD(seed=6).decompress(C.QSGD(seed=6).compress(g)))
+
+
+def _least_squares(make, workers=2, steps=1500):
+    """Distributed GD on least squares: each worker compresses its own gradient, the
+    decompressed gradients are averaged. Returns ||x - x*|| / ||x*||."""
+    gen = torch.Generator().manual_seed(0)
+    m, d = 30, 12
+    A = [torch.randn(m, d, generator=gen) for _ in range(workers)]
+    # Different targets per worker: the optimum does not zero any single worker's gradient,
+    # which is exactly what biased compression without error feedback gets wrong.
+    b = [torch.randn(m, generator=gen) + 3 * w for w in range(workers)]
+    x_star = torch.linalg.lstsq(torch.cat(A), torch.cat(b).unsqueeze(1)).solution.squeeze(1)
+    L = (torch.linalg.matrix_norm(torch.cat(A), 2) ** 2 / (workers * m)).item()
+    comps = [make() for _ in range(workers)]
+    x = torch.zeros(d)
+    for t in range(steps):
+        lr = (0.3 if t < steps // 3 else 0.05 if t < 2 * steps // 3 else 0.01) / L
+        grads = [A[w].t() @ (A[w] @ x - b[w]) / m for w in range(workers)]
+        sent = [g if c is None else c.decompress(c.compress(g, key="x")) for c, g in zip(comps, grads)]
+        x = x - lr * torch.stack(sent).mean(0)
+    return ((x - x_star).norm() / x_star.norm()).item()
+
+
+def test_error_feedback_reaches_the_exact_optimum():
+    exact = _least_squares(lambda: None)
+    one_bit = _least_squares(C.OneBit)
+    ef_sign = _least_squares(C.EFSign)
+    topk_ef = _least_squares(lambda: C.ErrorFeedback(C.TopK(0.2)))
+    topk = _least_squares(lambda: C.TopK(0.2))
+    assert exact < 1e-5
+    for err in (one_bit, ef_sign, topk_ef):
+        assert err < 0.01
+    # Without memory, top-k settles at a biased point, far from the optimum.
+    assert topk > 0.1 and topk > 20 * topk_ef
+
+
+def test_error_feedback_loses_nothing_only_delays_it():
+    ef = C.ErrorFeedback(C.TopK(0.1))
+    gen = torch.Generator().manual_seed(1)
+    grads = [torch.randn(50, generator=gen) for _ in range(20)]
+    sent = sum(ef.decompress(ef.compress(g, key="w")) for g in grads)
+    assert torch.allclose(sent + ef.residuals.memory["w"], sum(grads), atol=1e-5)
+    ef.reset("w")
+    assert len(ef.residuals) == 0
+
+
+def test_bytes_on_the_wire_match_bits_per_element():
+    n = 1 << 16
+    g = torch.randn(n)
+    fp32 = C.NoneCompressor().compress(g).nbytes
+    assert fp32 == 4 * n
+    for c, ratio in [(C.FP16(), 2), (C.BF16(), 2), (C.OneBit(), 32), (C.EFSign(), 32),
+                     (C.QSGD(), 8), (C.TopK(0.01), 50), (C.RandomK(0.01), 100)]:
+        nbytes = c.compress(g, key="g").nbytes
+        assert nbytes * 8 / n == pytest.approx(c.bits_per_element(), rel=0.01), c
+        assert fp32 / nbytes == pytest.approx(ratio, rel=0.02), c
+    p = C.PowerSGD(rank=4, start_iter=0)
+    m = torch.randn(1024, 1024)
+    assert p.compress(m, key="m").nbytes * 8 / m.numel() == pytest.approx(p.bits_per_element())
+    assert p.bits_per_element() == pytest.approx(0.25)
+
+
+def test_random_k_is_shared_by_seed_and_step_and_unbiased_when_scaled():
+    g = torch.randn(200)
+    a, b = C.RandomK(0.1, seed=7), C.RandomK(0.1, seed=7)
+    pa, pb = a.compress(g, key="g"), b.compress(g * 2, key="g")
+    assert torch.equal(pa.meta.indices, pb.meta.indices)  # same seed and step: same indices
+    # Summable: all-reducing the values equals summing the decompressions.
+    summed = C.RandomK(0.1).decompress(type(pa)([pa.tensors[0] + pb.tensors[0]], pa.meta))
+    assert torch.allclose(summed, a.decompress(pa) + b.decompress(pb))
+    assert not torch.equal(a.compress(g, key="g").meta.indices, pa.meta.indices)  # next step
+    scaled = C.RandomK(0.1, seed=1, scale=True)
+    qs = _samples(scaled, g, 4000)
+    se = qs.std(dim=0) / math.sqrt(len(qs))
+    assert ((qs.mean(dim=0) - g).abs() <= 5 * se + 1e-6).all()
+
+
+def test_powersgd_exact_on_low_rank_and_uncompressed_before_start():
+    gen = torch.Generator().manual_seed(2)
+    low = torch.randn(40, 2, generator=gen) @ torch.randn(2, 30, generator=gen)
+    p = C.PowerSGD(rank=2, start_iter=1)
+    first = p.compress(low, key="w")
+    assert first.nbytes == low.numel() * 4 and torch.equal(p.decompress(first), low)
+    second = p.compress(low, key="w")
+    assert second.nbytes == 2 * (40 + 30) * 4
+    assert torch.allclose(p.decompress(second), low, atol=1e-4)
+    # Full rank input: error feedback keeps exactly what the projection dropped.
+    full = torch.randn(40, 30, generator=gen)
+    q = C.PowerSGD(rank=3, start_iter=0)
+    out = q.decompress(q.compress(full, key="f"))
+    assert torch.allclose(out + q.residuals.memory["f"], full, atol=1e-4)
+    assert torch.linalg.matrix_rank(out) == 3
+
+
+ALL = [C.NoneCompressor, C.FP16, C.BF16, C.OneBit, C.EFSign, C.QSGD, lambda: C.TopK(0.3),
+       lambda: C.RandomK(0.3), lambda: C.PowerSGD(rank=2, start_iter=0),
+       lambda: C.ErrorFeedback(C.TopK(0.3))]
+
+
+@pytest.mark.parametrize("make", ALL)
+def test_edge_cases(make):
+    c = make()
+    base = torch.randn(6, 9)
+    cases = [torch.empty(0), torch.tensor([2.5]), torch.randn(7), torch.randn(9),
+             base.t(), base[:, ::2], torch.randn(3, 5, dtype=torch.float64),
+             torch.randn(4, 4).half()]
+    for i, t in enumerate(cases):
+        out = c.decompress(c.compress(t, key=i))
+        assert out.shape == t.shape and out.dtype == t.dtype, (c, i)
+        assert torch.isfinite(out).all()
+    one = c.decompress(c.compress(torch.tensor([2.5]), key="one"))
+    assert one.item() == pytest.approx(2.5, rel=1e-2)  # a single element survives every codec
+
+
+@pytest.mark.parametrize("make", ALL[1:])
+def test_non_float_input_is_a_clear_type_error(make):
+    with pytest.raises(TypeError, match="floating-point"):
+        make().compress(torch.arange(5), key="i")
+
+
+def test_state_pickles():
+    for c in (C.OneBit(), C.QSGD(), C.RandomK(), C.PowerSGD(start_iter=0), C.ErrorFeedback(C.TopK())):
+        c.compress(torch.randn(20, 10), key="w")
+        back = pickle.loads(pickle.dumps(c))
+        assert repr(back) == repr(c)
+        g = torch.randn(20, 10)
+        # The restored copy continues exactly where the original is (memory, counters, seeds).
+        assert torch.equal(back.decompress(back.compress(g, key="w")), c.decompress(c.compress(g, key="w")))
