@@ -102,3 +102,16 @@ def test_weight_decay_is_added_to_the_gradient_in_both_forms():
     vform, _ = run(lambda p: VFormSGD(p, lr=SCHEDULE.peak_lr, momentum=M, weight_decay=0.05))
     for got, want in zip(vform, sgd):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_v_form_restarts_its_velocity_after_a_zero_lr():
+    # Warmup from 0: v = 0 * g at step 0 carries nothing, so step 1 starts afresh (no 0/0).
+    w = torch.nn.Parameter(torch.tensor([1.0], dtype=torch.float64))
+    opt = VFormSGD([w], lr=0.0, momentum=0.9)
+    w.grad = torch.tensor([2.0], dtype=torch.float64)
+    opt.step()
+    opt.param_groups[0]["lr"] = 0.1
+    w.grad = torch.tensor([3.0], dtype=torch.float64)
+    opt.step()
+    assert opt.state[w]["velocity"].item() == pytest.approx(0.3, rel=1e-15)
+    assert w.item() == pytest.approx(0.7, rel=1e-15)
