@@ -10,12 +10,11 @@ layout (its parameters' shapes) changes, as after DDP rebuilds its buckets follo
 iteration, that state is reset on every rank alike. The state pickles without its process group
 (restored as the default group), so it can be checkpointed with the model.
 """
-from __future__ import annotations
-
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from .base import Compressor
 from .collectives import OPS, allreduce
@@ -41,11 +40,12 @@ class DDPHookState:
         self.__dict__.update(state)
 
 
-def _layout(bucket: Any) -> tuple:
+def _layout(bucket: dist.GradBucket) -> tuple:
     return (bucket.buffer().numel(), tuple(tuple(p.shape) for p in bucket.parameters()))
 
 
-def compressed_hook(state: DDPHookState, bucket: Any) -> torch.futures.Future:
+# DDP checks these annotations at runtime, so they are real objects here, not strings.
+def compressed_hook(state: DDPHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """All-reduce ``bucket.buffer()`` through ``state.compressor`` (see the module docstring)."""
     index = bucket.index()
     name = f"ddp.bucket{index}"
@@ -63,7 +63,7 @@ def compressed_hook(state: DDPHookState, bucket: Any) -> torch.futures.Future:
 
 
 def make_ddp_hook(compressor: Compressor | None = None, *, op: str = "average",
-                  process_group: Any = None) -> tuple[DDPHookState, Any]:
+                  process_group: Any = None) -> tuple[DDPHookState, Callable]:
     """``(state, hook)`` for ``DistributedDataParallel.register_comm_hook(state, hook)``."""
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
