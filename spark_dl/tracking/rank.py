@@ -39,7 +39,7 @@ class _CommSampler:
     Contract with the compression package (duck-typed, so either side can evolve): the module
     ``spark_dl.compression.stats`` exposes the process's stats object as ``stats``/``STATS``, or
     via ``get()``/``current()``, or is that object itself. The object has cumulative
-    ``bytes_sent``, ``calls`` and ``seconds``; optional ``bytes_uncompressed`` (or ``raw_bytes``)
+    ``bytes_sent``, ``calls`` and ``seconds``; optional ``bytes_dense`` (or ``bytes_uncompressed``)
     gives the compression ratio.
     """
 
@@ -75,7 +75,7 @@ class _CommSampler:
                 float(s.bytes_sent),
                 float(s.calls),
                 float(s.seconds),
-                float(getattr(s, "bytes_uncompressed", getattr(s, "raw_bytes", -1.0))),
+                float(getattr(s, "bytes_dense", getattr(s, "bytes_uncompressed", -1.0))),
             )
         except (AttributeError, TypeError, ValueError):
             return

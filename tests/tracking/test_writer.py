@@ -44,12 +44,12 @@ def test_nested_params_are_flattened():
 
 
 def test_compression_stats_become_per_step_metrics():
-    stats = SimpleNamespace(bytes_sent=0, calls=0, seconds=0.0, bytes_uncompressed=0)
+    stats = SimpleNamespace(bytes_sent=0, calls=0, seconds=0.0, bytes_dense=0)
     sampler = _CommSampler(SimpleNamespace(stats=stats))
     out: dict[str, float] = {}
     sampler.sample(0, out)
     assert out == {}  # a first reading has nothing to compare with
-    stats.bytes_sent, stats.calls, stats.seconds, stats.bytes_uncompressed = 1000, 4, 0.02, 32000
+    stats.bytes_sent, stats.calls, stats.seconds, stats.bytes_dense = 1000, 4, 0.02, 32000
     sampler.sample(2, out)
     assert out == {
         "comm/bytes_sent_per_step": 500.0, "comm/allreduce_s_per_step": 0.01,
