@@ -68,6 +68,8 @@ class JobMonitor:
         self.changed = threading.Condition(self.lock)
         self.task_conns: dict[int, Connection] = {}
         self.tasks_closed = 0
+        self.ranks_connected: set[int] = set()
+        self.ranks_closed: set[int] = set()
         self.hosts: dict[int, str] = {}
         self.task_ranks: dict[int, list[int]] = {}
         self.exits: dict[int, dict] = {}
@@ -84,12 +86,18 @@ class JobMonitor:
             return len(self.task_conns)
 
     def tasks_gone(self) -> bool:
-        """Every task that connected has closed its link (a task closes it after reaping its ranks)."""
+        """Every task and rank that connected has closed its link, and everything it sent has
+        been handled (a task closes its link after reaping its ranks)."""
         with self.lock:
-            return self.tasks_closed >= len(self.task_conns)
+            return self.tasks_closed >= len(self.task_conns) and self.ranks_closed >= self.ranks_connected
 
     def all_exited(self) -> bool:
-        return len(self.exits) >= self.world_size
+        """Every rank has exited, and the ones that succeeded have had all their messages (the
+        result among them) handled: results and exit codes travel on different links."""
+        with self.lock:
+            if len(self.exits) < self.world_size:
+                return False
+            return all(e["code"] != 0 or r in self.ranks_closed for r, e in self.exits.items())
 
     def fail(self, failure: Failure) -> None:
         """Record the first failure and start the abort; later failures are consequences."""
@@ -116,6 +124,9 @@ class JobMonitor:
                 with self.changed:
                     self.task_conns[data["partition"]] = conn
                     self.changed.notify_all()
+            else:
+                with self.lock:
+                    self.ranks_connected.add(data["rank"])
             return
         rank = conn.info.get("rank")
         if kind == "user_log":
@@ -146,6 +157,10 @@ class JobMonitor:
                 o.on_message(rank, kind, data)
 
     def on_close(self, conn: Connection, error: BaseException | None) -> None:
+        if conn.info.get("role") == "rank":
+            with self.changed:
+                self.ranks_closed.add(conn.info["rank"])
+                self.changed.notify_all()
         if conn.info.get("role") != "task":
             return
         partition = conn.info["partition"]

@@ -8,6 +8,7 @@ its own process group: no orphans.
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import pickle
@@ -153,4 +154,11 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    # Skip the interpreter's teardown: it costs seconds with torch loaded, and a non-daemon thread
+    # left running by user code would keep the rank (and the job) alive forever. Exit handlers
+    # still run.
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)

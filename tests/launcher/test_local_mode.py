@@ -235,3 +235,16 @@ def test_rank_that_cannot_import_mains_module_fails_clearly(tmp_path, monkeypatc
     with pytest.raises(RankFailed, match="only_on_driver"):
         HorovodRunner(np=-1).run(only_on_driver.main)
     assert isinstance(RankFailed(0, "h", "s"), JobFailed)
+
+
+def test_a_thread_left_running_by_main_does_not_keep_the_job_alive():
+    def main():
+        import threading
+        import time
+
+        threading.Thread(target=time.sleep, args=(600,)).start()  # non-daemon
+        return "done"
+
+    t = time.monotonic()
+    assert HorovodRunner(np=-2).run(main) == "done"
+    assert time.monotonic() - t < 60
