@@ -25,7 +25,7 @@ _NONCE = 16
 _MAC = hashlib.sha256().digest_size
 _LEN = struct.Struct(">Q")
 _SEQ = struct.Struct(">Q")
-HANDSHAKE_TIMEOUT_S = 10.0
+HANDSHAKE_TIMEOUT_S = 60.0  # generous: a loaded executor can stall a peer for seconds
 
 
 class ChannelError(ConnectionError):

@@ -16,6 +16,9 @@ CLUSTER = "local-cluster[2,1,1024]"
 
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+# MLflow tracking is on by default; only tests/tracking (which turns it back on, against stores of
+# its own) should write runs, not every launcher test into ./mlflow.db.
+os.environ["SPARK_DL_TRACKING"] = "0"
 
 
 class SparkPool:

@@ -20,6 +20,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(autouse=True)
+def _tracking_on(monkeypatch):
+    """The root conftest turns tracking off for the other suites; these tests are about it."""
+    monkeypatch.setenv("SPARK_DL_TRACKING", "1")
+
+
 @pytest.fixture(scope="session")
 def _template_db(tmp_path_factory):
     """An initialised SQLite store, copied per test: creating the schema takes seconds, copying it none."""
