@@ -60,7 +60,8 @@ class QSGD(Compressor):
         g = generator(x.device, "qsgd", self.seed, process_rank(), self._calls)
         # floor(r + u), u ~ U[0, 1): rounds r up with probability frac(r), so E = r.
         level = scaled.add_(torch.rand(scaled.shape, generator=g, device=x.device)).floor_().clamp_(max=s)
-        code = torch.where(v < 0, s - level, s + level).to(torch.uint8)
+        # Signed level in [-s, s], shifted to a code in [0, 2s]; copysign keeps it one pass.
+        code = level.copysign_(v).add_(s).to(torch.uint8)
         wire = [norms, pack(code.view(-1)[:n], self.code_bits)]
         return Payload(wire, _QMeta(tensor.shape, tensor.dtype, d))
 

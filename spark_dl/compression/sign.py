@@ -32,15 +32,15 @@ class SignMeans(Compressor):
         x = flat32(tensor)
         pos = x >= 0
         n_pos = int(pos.sum())
-        s_pos = torch.where(pos, x, 0.0).sum()
+        s_pos = x.clamp(min=0).sum()  # the sum over g_i >= 0 (zeros add nothing)
         means = torch.stack([s_pos / max(n_pos, 1), (x.sum() - s_pos) / max(x.numel() - n_pos, 1)])
         return Payload([means, pack(pos, 1)], _SignMeta(tensor.shape, tensor.dtype))
 
     def decompress(self, payload: Payload) -> torch.Tensor:
         means, bits = payload.tensors
         meta = payload.meta
-        pos = unpack(bits, meta.numel, 1).bool()
-        return restore(torch.where(pos, means[0], means[1]), meta)
+        pos = unpack(bits, meta.numel, 1).to(torch.float32)
+        return restore(pos.mul_(means[0] - means[1]).add_(means[1]), meta)
 
     def bits_per_element(self) -> float:
         return 1.0

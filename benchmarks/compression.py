@@ -1,0 +1,194 @@
+"""Gradient compression: encode+decode throughput, bytes per step, and 2-rank all-reduce step time
+over a shaped 1 Gbit/s link.
+
+    sudo python benchmarks/compression.py [--numel 25000000] [--rate-mbit 1000] [--steps 3]
+
+Part 1 compresses and decompresses one gradient of ``--numel`` float32 elements (a square-ish
+matrix, so PowerSGD has a matrix to factor) with every compressor, in this process.
+Part 2 needs root: it creates two network namespaces joined by a veth pair (private 10.213.x
+addresses), shapes both ends with ``tc tbf`` to ``--rate-mbit``, runs one Gloo rank in each with
+``ip netns exec`` and times ``spark_dl.compression.allreduce`` per step; then removes the
+namespaces. "ideal" is the bytes this rank sent divided by the link rate. Without root or
+network namespaces, part 2 is skipped with a message.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+COMPRESSORS = ["fp32", "fp16", "bf16", "onebit", "efsign", "qsgd-4bit", "topk-1%+ef",
+               "randomk-1%+ef", "powersgd-r4"]
+
+
+def make(name: str):
+    import spark_dl.compression as C
+
+    return {
+        "fp32": C.NoneCompressor, "fp16": C.FP16, "bf16": C.BF16, "onebit": C.OneBit,
+        "efsign": C.EFSign, "qsgd-4bit": lambda: C.QSGD(levels=7, bucket_size=512, seed=0),
+        "topk-1%+ef": lambda: C.ErrorFeedback(C.TopK(0.01)),
+        "randomk-1%+ef": lambda: C.ErrorFeedback(C.RandomK(0.01)),
+        "powersgd-r4": lambda: C.PowerSGD(rank=4, start_iter=0),
+    }[name]()
+
+
+def gradient(numel: int, seed: int = 0) -> torch.Tensor:
+    rows = math.isqrt(numel)
+    return torch.randn(rows, numel // rows, generator=torch.Generator().manual_seed(seed))
+
+
+def codec_table(numel: int, repeats: int) -> None:
+    g = gradient(numel)
+    fp32 = g.numel() * 4
+    print(f"\nEncode + decode, one {tuple(g.shape)} float32 gradient ({g.numel() / 1e6:.1f}M elements), "
+          f"{torch.get_num_threads()} thread(s)")
+    print(f"{'compressor':<15}{'bits/elem':>10}{'bytes/step':>14}{'vs fp32':>9}"
+          f"{'encode ms':>11}{'decode ms':>11}{'GB/s':>7}")
+    for name in COMPRESSORS:
+        c = make(name)
+        c.compress(g, key="g")  # warm: PowerSGD's Q, allocator
+        enc, dec = [], []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            p = c.compress(g, key="g")
+            t1 = time.perf_counter()
+            c.decompress(p)
+            dec.append(time.perf_counter() - t1)
+            enc.append(t1 - t0)
+        e, d = statistics.median(enc), statistics.median(dec)
+        bits = c.bits_per_element(tuple(g.shape)) if name.startswith("powersgd") else c.bits_per_element()
+        print(f"{name:<15}{bits:>10.3f}{p.nbytes:>14,}{fp32 / p.nbytes:>8.1f}x"
+              f"{e * 1e3:>11.1f}{d * 1e3:>11.1f}{fp32 / (e + d) / 1e9:>7.2f}")
+
+
+def rank_main(args: argparse.Namespace) -> None:
+    """One rank inside its namespace: time allreduce of the gradient with every compressor."""
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    import spark_dl.compression as C
+
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{args.port}",
+                            rank=args.rank, world_size=2, timeout=timedelta(seconds=600))
+    g = gradient(args.numel, seed=args.rank)
+    results = {}
+    for name in COMPRESSORS:
+        c = make(name)
+        C.allreduce(g, c, name="g")  # warm-up: connections, buffers, PowerSGD's Q
+        times, sent = [], []
+        for _ in range(args.steps):
+            dist.barrier()
+            before = C.stats.bytes_sent
+            t0 = time.perf_counter()
+            C.allreduce(g, c, name="g")
+            times.append(time.perf_counter() - t0)
+            sent.append(C.stats.bytes_sent - before)
+        results[name] = {"step_s": statistics.median(times), "bytes": statistics.median(sent)}
+    if args.rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _sh(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+
+
+def network_table(args: argparse.Namespace) -> None:
+    if os.geteuid() != 0:
+        print("\nSkipping the shaped-link all-reduce: needs root (network namespaces and tc).")
+        return
+    if not (shutil.which("ip") and shutil.which("tc")):
+        print("\nSkipping the shaped-link all-reduce: `ip`/`tc` missing (apt-get install iproute2).")
+        return
+    tag = str(os.getpid() % 100000)
+    ns = [f"sdlbench{tag}a", f"sdlbench{tag}b"]
+    dev = [f"sdl{tag}a", f"sdl{tag}b"]
+    addr = ["10.213.0.1", "10.213.0.2"]
+    try:
+        _sh("ip", "netns", "add", ns[0])
+        _sh("ip", "netns", "add", ns[1])
+        _sh("ip", "link", "add", dev[0], "type", "veth", "peer", "name", dev[1])
+        for i in (0, 1):
+            _sh("ip", "link", "set", dev[i], "netns", ns[i])
+            _sh("ip", "-n", ns[i], "addr", "add", f"{addr[i]}/30", "dev", dev[i])
+            _sh("ip", "-n", ns[i], "link", "set", "lo", "up")
+            _sh("ip", "-n", ns[i], "link", "set", dev[i], "up")
+            # Token bucket at the link rate; the burst must cover one timer tick at that rate.
+            _sh("tc", "-n", ns[i], "qdisc", "add", "dev", dev[i], "root", "tbf",
+                "rate", f"{args.rate_mbit}mbit", "burst", "1mb", "latency", "100ms")
+    except (subprocess.CalledProcessError, OSError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        print(f"\nSkipping the shaped-link all-reduce: cannot create network namespaces ({detail.strip()}).")
+        for n in ns:
+            subprocess.run(["ip", "netns", "del", n], capture_output=True)
+        return
+    out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
+    try:
+        procs = []
+        for r in (0, 1):
+            env = dict(os.environ, GLOO_SOCKET_IFNAME=dev[r])
+            cmd = ["ip", "netns", "exec", ns[r], sys.executable, os.path.abspath(__file__),
+                   "--rank", str(r), "--master", addr[0], "--port", "29533", "--out", out,
+                   "--numel", str(args.numel), "--steps", str(args.steps),
+                   "--threads", str(args.threads)]
+            procs.append(subprocess.Popen(cmd, env=env))
+        codes = [p.wait(timeout=1800) for p in procs]
+        if any(codes):
+            raise SystemExit(f"rank processes exited with {codes}")
+        with open(out) as f:
+            results = json.load(f)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for n in ns:
+            subprocess.run(["ip", "netns", "del", n], capture_output=True)
+        os.unlink(out)
+    rate = args.rate_mbit * 1e6 / 8
+    base = results["fp32"]["step_s"]
+    print(f"\n2-rank all-reduce of {args.numel / 1e6:.1f}M float32 over a {args.rate_mbit} Mbit/s veth "
+          f"(tc tbf), Gloo, {args.threads} thread(s) per rank, median of {args.steps} steps")
+    print(f"{'compressor':<15}{'bytes sent':>14}{'step s':>9}{'vs fp32':>9}{'ideal s':>9}{'step/ideal':>11}")
+    for name in COMPRESSORS:
+        r = results[name]
+        ideal = r["bytes"] / rate
+        print(f"{name:<15}{int(r['bytes']):>14,}{r['step_s']:>9.3f}{base / r['step_s']:>8.1f}x"
+              f"{ideal:>9.3f}{r['step_s'] / ideal:>10.1f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--numel", type=int, default=25_000_000)
+    parser.add_argument("--rate-mbit", type=int, default=1000)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--skip-network", action="store_true")
+    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--master", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rank is not None:
+        rank_main(args)
+        return
+    torch.set_num_threads(args.threads)
+    codec_table(args.numel, args.steps)
+    if not args.skip_network:
+        network_table(args)
+
+
+if __name__ == "__main__":
+    main()
