@@ -119,7 +119,8 @@ class PowerSGD(Compressor):
         q_local = m.t() @ p
         q = q_local.clone()
         all_reduce(q)
-        self.residuals.store(key, m.sub_(p @ q_local.t()).view(-1)[:meta.numel].view(meta.shape))
+        # e = M - P^ Qw^T, in place: no second n x m temporary.
+        self.residuals.store(key, m.addmm_(p, q_local.t(), alpha=-1).view(-1)[:meta.numel].view(meta.shape))
         self.qs[key] = q
         approx = (p @ q.t()).view(-1)[:meta.numel].div_(world)
         return restore(approx, meta), Payload([p, q_local], meta)
