@@ -114,7 +114,7 @@ def main() -> int:
     conn = channel.connect(boot["driver_host"], boot["driver_port"], boot["secret"])
     conn.send("hello", {"role": "rank", "rank": r, "pid": os.getpid()})
     outbox = rank_api._install(conn)
-    tracking.install()
+    tracking.install(boot["tracking"])
     finishing = threading.Event()
     threading.Thread(target=_watch_driver, args=(conn, finishing), name="spark-dl-watchdog", daemon=True).start()
 

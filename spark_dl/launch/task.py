@@ -40,6 +40,8 @@ class JobSpec:
     payload: bytes
     ranks_per_task: int
     want_all_results: bool
+    tracking: bool = False  # ranks buffer and send metrics (the driver has an observer for them)
+    system_metrics_s: float = 0.0  # executors sample CPU/memory/GPU this often; 0: not at all
 
 
 def free_port() -> int:
@@ -171,7 +173,9 @@ def run_task(spec: JobSpec, partition: int, host: str, rendezvous: Callable[[], 
         conn.close()
         raise
     sender.q.put(("layout", [{"rank": r.rank, "host": r.host, "local_rank": r.local_rank} for r in ranks]))
-    sampler = start_sampler(host, [r.local_rank for r in ranks], lambda kind, data: sender.q.put((kind, data)))
+    sampler = start_sampler(
+        host, [r.local_rank for r in ranks], lambda kind, data: sender.q.put((kind, data)), spec.system_metrics_s
+    )
 
     statuses: list[dict] = []
     waiters = []
@@ -187,6 +191,7 @@ def run_task(spec: JobSpec, partition: int, host: str, rendezvous: Callable[[], 
             "driver_port": spec.driver_port,
             "secret": spec.secret,
             "want_result": r.rank == 0 or spec.want_all_results,
+            "tracking": spec.tracking,
         }
         try:
             proc.stdin.write(pickle.dumps(boot, protocol=pickle.HIGHEST_PROTOCOL))

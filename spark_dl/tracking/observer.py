@@ -78,6 +78,15 @@ class TrackingObserver:
         self._log_dir: str | None = None
         self._lock = threading.Lock()
 
+    @property
+    def system_metrics_s(self) -> float:
+        """How often executors should sample their hosts (0: not at all)."""
+        if self.options is None or not self.options.system_metrics:
+            return 0.0
+        from .system import interval_s
+
+        return interval_s()
+
     # -- Observer ------------------------------------------------------------------------------
     def on_start(self, job: dict) -> None:
         self.world_size = job["world_size"]

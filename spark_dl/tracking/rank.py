@@ -133,11 +133,12 @@ _pending_models: list[threading.Thread] = []
 _rank: int = 0
 
 
-def install() -> None:
-    """Start the rank-side tracking machinery. Called once by the rank's entry point."""
+def install(enabled: bool) -> None:
+    """Start the rank-side tracking machinery when the driver tracks this job (it decides: an
+    executor does not see the driver's settings). Called once by the rank's entry point."""
     global _buffer, _rank
     _rank = int(os.environ.get("RANK", "0"))
-    if tracking_disabled_by_env():
+    if not enabled:
         return
     _buffer = _Buffer()
     from . import fluent

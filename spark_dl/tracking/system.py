@@ -17,7 +17,8 @@ from typing import Any, Callable
 DEFAULT_INTERVAL_S = 5.0
 
 
-def _interval() -> float:
+def interval_s() -> float:
+    """Seconds between samples, from the driver's ``SPARK_DL_SYSTEM_METRICS_INTERVAL``."""
     try:
         return float(os.environ.get("SPARK_DL_SYSTEM_METRICS_INTERVAL", DEFAULT_INTERVAL_S))
     except ValueError:
@@ -73,13 +74,13 @@ class Sampler:
         self.stopped.set()
 
 
-def start_sampler(host: str, local_ranks: list[int], send: Callable[[str, Any], None]) -> Sampler | None:
-    """Start the host's sampler if this task runs local rank 0 and sampling is on; else None."""
+def start_sampler(
+    host: str, local_ranks: list[int], send: Callable[[str, Any], None], interval: float
+) -> Sampler | None:
+    """Start the host's sampler if this task runs local rank 0 and the driver asked for samples
+    (``interval`` > 0, decided on the driver: executors do not see its settings); else None."""
     if 0 not in local_ranks:
         return None
-    if os.environ.get("SPARK_DL_TRACKING", "1").strip().lower() in ("0", "false", "no", "off"):
-        return None
-    interval = _interval()
     if interval <= 0:
         return None
     try:

@@ -11,12 +11,9 @@ HEADING = "## The large-minibatch recipe"
 
 
 def section() -> str:
-    # The section lives in docs/readme/train.md until it is merged into README.md.
-    for path in (ROOT / "README.md", ROOT / "docs" / "readme" / "train.md"):
-        if path.exists() and HEADING in path.read_text():
-            text = path.read_text().split(HEADING, 1)[1]
-            return re.split(r"\n## ", text, maxsplit=1)[0]
-    raise AssertionError(f"no '{HEADING}' section in README.md or docs/readme/train.md")
+    text = (ROOT / "README.md").read_text()
+    assert HEADING in text, f"no '{HEADING}' section in README.md"
+    return re.split(r"\n## ", text.split(HEADING, 1)[1], maxsplit=1)[0]
 
 
 def test_readme_examples_run(tmp_path):
