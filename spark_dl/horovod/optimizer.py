@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import warnings
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -20,6 +21,11 @@ from . import compression as _compression
 from .basics import Adasum, Average, ReduceOp, Sum, _check
 from .compression import Compression
 from .fusion import BucketReducer, fusion_threshold, plan_buckets
+
+_TOO_MANY_PASSES = (
+    "Gradients were computed more than backward_passes_per_step times before call to "
+    "step(). Increase backward_passes_per_step to accumulate gradients locally."
+)
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -43,6 +49,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvd_lock = threading.Lock()
         self._hvd_reset()
         self._hvd_hooks = [p.register_post_accumulate_grad_hook(self._hvd_on_grad) for p in params]
+        # A backward too many must fail before it adds to p.grad, which the reducer thread may be
+        # reading: a post-accumulate check alone would leave ranks with diverging gradients.
+        self._hvd_hooks += [p.register_hook(partial(self._hvd_guard, p)) for p in params]
 
     def _hvd_reset(self) -> None:
         self._hvd_passes = {p: 0 for p in self._hvd_bucket_of}
@@ -54,13 +63,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         with self._hvd_lock:
             self._hvd_count_pass(p)
 
+    def _hvd_guard(self, p: torch.Tensor, grad: torch.Tensor) -> None:
+        with self._hvd_lock:
+            if self._hvd_passes[p] >= self.backward_passes_per_step:
+                raise AssertionError(_TOO_MANY_PASSES)
+
     def _hvd_count_pass(self, p: torch.Tensor) -> None:
         passes = self._hvd_passes[p] + 1
         if passes > self.backward_passes_per_step:
-            raise AssertionError(
-                "Gradients were computed more than backward_passes_per_step times before call to "
-                "step(). Increase backward_passes_per_step to accumulate gradients locally."
-            )
+            raise AssertionError(_TOO_MANY_PASSES)
         self._hvd_passes[p] = passes
         if passes == self.backward_passes_per_step:
             i = self._hvd_bucket_of[p]
