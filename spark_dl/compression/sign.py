@@ -23,27 +23,54 @@ def _signs(x: torch.Tensor) -> torch.Tensor:
 class SignMeans(Compressor):
     """1-bit quantization of Seide et al. (2014), without memory.
 
-    q_i(g) = mean{g_j : g_j >= 0} if g_i >= 0 else mean{g_j : g_j < 0} (an empty mean is 0).
-    Wire: n sign bits packed 8 per byte + the two means as float32: n + 64 bits.
+    q_i(g) = mean{g_j : g_j >= 0} if g_i >= 0 else mean{g_j : g_j < 0} (an empty mean is 0), the
+    means taken over the bucket of ``bucket_size`` consecutive elements that holds i (the whole
+    tensor when ``bucket_size`` is None). Seide et al. quantize each matrix column with its own
+    means; buckets do the same for a fused gradient, whose layers differ in scale.
+    Wire: n sign bits packed 8 per byte + two float32 means per bucket: n + 64 * buckets bits.
     """
+
+    def __init__(self, bucket_size: int | None = None) -> None:
+        if bucket_size is not None and bucket_size < 1:
+            raise ValueError(f"bucket_size must be >= 1 or None, got {bucket_size}")
+        self.bucket_size = bucket_size
+
+    def _bucket(self, n: int) -> int:
+        return max(1, n if self.bucket_size is None else min(self.bucket_size, n))
 
     def compress(self, tensor: torch.Tensor, key: Key = None) -> Payload:
         check_float(tensor, "OneBit")
         x = flat32(tensor)
+        n, b = x.numel(), self._bucket(x.numel())
+        pad = (-n) % b
+        rows = torch.nn.functional.pad(x, (0, pad)).view(-1, b)  # padding zeros add nothing to sums
         pos = x >= 0
-        n_pos = int(pos.sum())
-        s_pos = x.clamp(min=0).sum()  # the sum over g_i >= 0 (zeros add nothing)
-        means = torch.stack([s_pos / max(n_pos, 1), (x.sum() - s_pos) / max(x.numel() - n_pos, 1)])
-        return Payload([means, pack(pos, 1)], _SignMeta(tensor.shape, tensor.dtype))
+        n_pos = torch.nn.functional.pad(pos, (0, pad)).view(-1, b).sum(1)
+        n_all = torch.full_like(n_pos, b)
+        if pad:
+            n_all[-1] -= pad
+        s_pos = rows.clamp(min=0).sum(1)
+        s_neg = rows.sum(1) - s_pos
+        means = torch.stack([s_pos / n_pos.clamp(min=1), s_neg / (n_all - n_pos).clamp(min=1)], 1)
+        return Payload([means.reshape(-1), pack(pos, 1)], _SignMeta(tensor.shape, tensor.dtype))
 
     def decompress(self, payload: Payload) -> torch.Tensor:
         means, bits = payload.tensors
         meta = payload.meta
-        pos = unpack(bits, meta.numel, 1).to(torch.float32)
-        return restore(pos.mul_(means[0] - means[1]).add_(means[1]), meta)
+        n = meta.numel
+        b = self._bucket(n)
+        pos = unpack(bits, n, 1).to(torch.float32)
+        mp, mn = means.view(-1, 2).unbind(1)
+        if mp.numel() == 1:
+            return restore(pos.mul_(mp - mn).add_(mn), meta)
+        mp, mn = mp.repeat_interleave(b)[:n], mn.repeat_interleave(b)[:n]
+        return restore(pos.mul_(mp - mn).add_(mn), meta)
 
     def bits_per_element(self) -> float:
-        return 1.0
+        return 1.0 if self.bucket_size is None else 1.0 + 64.0 / self.bucket_size
+
+    def __repr__(self) -> str:
+        return f"SignMeans(bucket_size={self.bucket_size})"
 
 
 class ScaledSign(Compressor):
@@ -69,13 +96,19 @@ class ScaledSign(Compressor):
 
 
 class OneBit(ErrorFeedback):
-    """1-bit SGD: :class:`SignMeans` with error feedback per tensor name. Not summable."""
+    """1-bit SGD: :class:`SignMeans` with error feedback per tensor name. Not summable.
 
-    def __init__(self) -> None:
-        super().__init__(SignMeans())
+    ``bucket_size``: elements that share one pair of means (None: the whole tensor, exactly
+    1 bit per element plus two floats). The default, 1024, costs 1/16 bit per element more
+    (30x fewer bytes than fp32 instead of 32x) and keeps a fused multi-layer gradient's layers
+    from sharing one pair of means: on the digits CNN it closes the accuracy gap to fp32.
+    """
+
+    def __init__(self, bucket_size: int | None = 1024) -> None:
+        super().__init__(SignMeans(bucket_size))
 
     def __repr__(self) -> str:
-        return "OneBit()"
+        return f"OneBit(bucket_size={self.compressor.bucket_size})"
 
 
 class EFSign(ErrorFeedback):

@@ -1,4 +1,5 @@
-"""The digits CNN trained with spark_dl.compression's compressors passed as ``compression=``."""
+"""The digits CNN trained with spark_dl.compression's compressors passed as ``compression=``,
+through a real Spark barrier stage (np=2)."""
 from __future__ import annotations
 
 from digits import train_digits
@@ -15,14 +16,11 @@ def compressed_runs():
     return runs
 
 
-def test_compressed_training_matches_uncompressed_accuracy():
-    ranks = HorovodRunner(np=-2).run_all(compressed_runs)
+def test_compressed_training_matches_uncompressed_accuracy(spark):
+    ranks = HorovodRunner(np=2).run_all(compressed_runs)
     for label in ("none", "qsgd", "powersgd", "onebit"):
         assert ranks[0][label]["params_sha1"] == ranks[1][label]["params_sha1"], label
     base = ranks[0]["none"]["accuracy"]
     assert base > 0.95
-    assert abs(ranks[0]["qsgd"]["accuracy"] - base) <= 0.01
-    assert abs(ranks[0]["powersgd"]["accuracy"] - base) <= 0.01
-    # OneBit (built-in error feedback) lands 1.1 points below on this recipe: checked for
-    # convergence only; the 1-point target is not met yet.
-    assert ranks[0]["onebit"]["accuracy"] > 0.95
+    for label in ("qsgd", "powersgd", "onebit"):  # 1-bit with its built-in error feedback
+        assert abs(ranks[0][label]["accuracy"] - base) <= 0.01, (label, ranks[0][label]["accuracy"], base)
