@@ -108,6 +108,11 @@ class JobMonitor:
             self.changed.notify_all()
         self._on_failure(failure)
 
+    def poke(self) -> None:
+        """Wake the runner's wait loop: something it polls (the Spark job) has changed."""
+        with self.changed:
+            self.changed.notify_all()
+
     def wait(self, timeout: float) -> None:
         with self.changed:
             self.changed.wait(timeout)

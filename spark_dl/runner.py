@@ -217,15 +217,17 @@ class _LocalLauncher(_Launcher):
                 rank=r, world_size=n, local_rank=r, local_size=n, cross_rank=0, cross_size=1,
                 host="localhost", master_addr="127.0.0.1", master_port=port, partition=r,
             )
-            t = threading.Thread(target=self._task, args=(spec, rs), name=f"spark-dl-local-{r}", daemon=True)
+            t = threading.Thread(target=self._task, args=(spec, rs, monitor), name=f"spark-dl-local-{r}", daemon=True)
             t.start()
             self._threads.append(t)
 
-    def _task(self, spec: JobSpec, rs: RankSpec) -> None:
+    def _task(self, spec: JobSpec, rs: RankSpec, monitor: JobMonitor) -> None:
         try:
             run_task(spec, rs.partition, rs.host, lambda: [rs])
         except Exception as e:  # noqa: BLE001 - surfaced by the wait loop
             self._errors.append(f"local task for rank {rs.rank} failed: {type(e).__name__}: {e}")
+        finally:
+            monitor.poke()
 
     def cancel(self) -> None:
         pass  # the abort message to each task thread stops its rank
@@ -274,10 +276,12 @@ class _SparkLauncher(_Launcher):
         from pyspark import InheritableThread
 
         self.job_group = spec.job_id
-        self._thread = InheritableThread(target=self._run_stage, args=(spec,), name="spark-dl-stage", daemon=True)
+        self._thread = InheritableThread(
+            target=self._run_stage, args=(spec, monitor), name="spark-dl-stage", daemon=True
+        )
         self._thread.start()
 
-    def _run_stage(self, spec: JobSpec) -> None:
+    def _run_stage(self, spec: JobSpec, monitor: JobMonitor) -> None:
         sc = self.sc
         try:
             sc.setJobGroup(spec.job_id, f"spark-dl: {self.world_size} ranks", interruptOnCancel=True)
@@ -286,6 +290,8 @@ class _SparkLauncher(_Launcher):
         except Exception as e:  # noqa: BLE001 - reported by the wait loop, unless we cancelled it
             if not self._cancelled:
                 self._error = "the Spark barrier stage failed: " + spark_error_summary(e)
+        finally:
+            monitor.poke()
 
     def cancel(self) -> None:
         self._cancelled = True
