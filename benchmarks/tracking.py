@@ -52,11 +52,14 @@ def calibrate(target_s: float = 0.005) -> int:
     return max(1, round(target_s / per))
 
 
-def loop(steps: int, reps: int, mode: str, uri: str | None = None, run_id: str | None = None) -> float:
+def loop(steps: int, reps: int, mode: str, uri: str | None = None, run_id: str | None = None,
+         pin: bool = False) -> float:
     import torch
     import torch.distributed as dist
 
     spark_dl.init()
+    if pin:  # this rank gets a core of its own, as on an executor
+        os.sched_setaffinity(0, {dist.get_rank()})
     a, b = torch.randn(128, 128), torch.randn(128, 128)
     client = None
     if mode == "direct" and dist.get_rank() == 0:
@@ -104,9 +107,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--direct-steps", type=int, default=200, help="steps of the (slow) direct-MLflow loop")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--np", type=int, default=2, help="ranks; on a 2-core machine --np 1 leaves a core "
+                    "to the driver and the server, as a cluster's driver has its own")
+    ap.add_argument("--pin", action="store_true", help="pin rank r to core r and the driver and the "
+                    "server to the last core (needs np + 1 cores): what a cluster gives them")
     args = ap.parse_args()
 
     import mlflow
+
+    if args.pin:
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) < args.np + 1:
+            raise SystemExit(f"--pin needs {args.np + 1} cores, this machine has {len(cores)}")
+        os.sched_setaffinity(0, {cores[-1]})  # the server, started below, inherits it
 
     work = calibrate()
     root = tempfile.mkdtemp(prefix="spark-dl-bench-")
@@ -114,15 +127,16 @@ def main() -> None:
     try:
         mlflow.set_tracking_uri(uri)
         mlflow.set_experiment("tracking-benchmark")
-        off = HorovodRunner(np=-2, tracking=False, progress=False)
-        on = HorovodRunner(np=-2, tracking=Tracking(system_metrics=False, rank_logs=False), progress=False)
+        off = HorovodRunner(np=-args.np, tracking=False, progress=False)
+        on = HorovodRunner(np=-args.np, tracking=Tracking(system_metrics=False, rank_logs=False), progress=False)
         times: dict[str, list[float]] = {"off": [], "spark_dl": [], "ranks_only": []}
         for _ in range(args.reps):  # interleaved, so load changes on the machine hit both alike
-            times["off"].append(off.run(loop, steps=args.steps, reps=work, mode="off"))
-            times["spark_dl"].append(on.run(loop, steps=args.steps, reps=work, mode="spark_dl"))
-            times["ranks_only"].append(off.run(loop, steps=args.steps, reps=work, mode="spark_dl"))
+            times["off"].append(off.run(loop, steps=args.steps, reps=work, mode="off", pin=args.pin))
+            times["spark_dl"].append(on.run(loop, steps=args.steps, reps=work, mode="spark_dl", pin=args.pin))
+            times["ranks_only"].append(off.run(loop, steps=args.steps, reps=work, mode="spark_dl", pin=args.pin))
         with mlflow.start_run() as run:
-            direct = off.run(loop, steps=args.direct_steps, reps=work, mode="direct", uri=uri, run_id=run.info.run_id)
+            direct = off.run(loop, steps=args.direct_steps, reps=work, mode="direct", uri=uri, run_id=run.info.run_id,
+                         pin=args.pin)
         runs = mlflow.search_runs(experiment_names=["tracking-benchmark"], output_format="list")
         logged = max(len(mlflow.MlflowClient().get_metric_history(r.info.run_id, "loss")) for r in runs)
     finally:
@@ -140,8 +154,9 @@ def main() -> None:
         ("  same, ranks only", min(times["ranks_only"]) / args.steps, times["ranks_only"]),
         ("mlflow.log_metric direct", direct / args.direct_steps, [direct]),
     ]
-    print(f"\n2 ranks, {args.steps} steps ({args.direct_steps} direct), 3 metrics/step, {work} matmuls/step, "
-          f"best of {args.reps}; server: local `mlflow server` (SQLite)")
+    print(f"\n{args.np} rank(s), {args.steps} steps ({args.direct_steps} direct), 3 metrics/step, {work} matmuls/step, "
+          f"best of {args.reps}; server: local `mlflow server` (SQLite)"
+          + ("; ranks pinned to their own cores, driver and server to another" if args.pin else ""))
     print(f"{'mode':<26}{'ms/step':>10}{'steps/s':>10}{'slowdown':>10}{'median ms':>11}")
     for name, per, all_t in rows:
         n = args.direct_steps if "direct" in name else args.steps
