@@ -38,33 +38,39 @@ class SignMeans(Compressor):
     def _bucket(self, n: int) -> int:
         return max(1, n if self.bucket_size is None else min(self.bucket_size, n))
 
+    def _split(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """``x`` as rows of one bucket each: the full buckets as one 2-D view, then the tail."""
+        b = self._bucket(x.numel())
+        full = x.numel() // b * b
+        parts = [x[:full].view(-1, b)] if full else []
+        if full < x.numel():
+            parts.append(x[full:].view(1, -1))
+        return parts
+
     def compress(self, tensor: torch.Tensor, key: Key = None) -> Payload:
         check_float(tensor, "OneBit")
         x = flat32(tensor)
-        n, b = x.numel(), self._bucket(x.numel())
-        pad = (-n) % b
-        rows = torch.nn.functional.pad(x, (0, pad)).view(-1, b)  # padding zeros add nothing to sums
         pos = x >= 0
-        n_pos = torch.nn.functional.pad(pos, (0, pad)).view(-1, b).sum(1)
-        n_all = torch.full_like(n_pos, b)
-        if pad:
-            n_all[-1] -= pad
-        s_pos = rows.clamp(min=0).sum(1)
-        s_neg = rows.sum(1) - s_pos
-        means = torch.stack([s_pos / n_pos.clamp(min=1), s_neg / (n_all - n_pos).clamp(min=1)], 1)
-        return Payload([means.reshape(-1), pack(pos, 1)], _SignMeta(tensor.shape, tensor.dtype))
+        means = []
+        for rows, prow in zip(self._split(x), self._split(pos)):
+            n_pos = prow.sum(1)
+            s_pos = rows.clamp(min=0).sum(1)  # the sum over g_i >= 0 (zeros add nothing)
+            s_neg = rows.sum(1) - s_pos
+            means.append(torch.stack([s_pos / n_pos.clamp(min=1), s_neg / (rows.shape[1] - n_pos).clamp(min=1)], 1))
+        flat_means = torch.cat(means).reshape(-1) if means else x.new_zeros(0)
+        return Payload([flat_means, pack(pos, 1)], _SignMeta(tensor.shape, tensor.dtype))
 
     def decompress(self, payload: Payload) -> torch.Tensor:
         means, bits = payload.tensors
         meta = payload.meta
-        n = meta.numel
-        b = self._bucket(n)
-        pos = unpack(bits, n, 1).to(torch.float32)
-        mp, mn = means.view(-1, 2).unbind(1)
-        if mp.numel() == 1:
-            return restore(pos.mul_(mp - mn).add_(mn), meta)
-        mp, mn = mp.repeat_interleave(b)[:n], mn.repeat_interleave(b)[:n]
-        return restore(pos.mul_(mp - mn).add_(mn), meta)
+        out = unpack(bits, meta.numel, 1).to(torch.float32)
+        pairs = means.view(-1, 2)
+        row = 0
+        for rows in self._split(out):  # views into out: filled in place, no per-element means
+            mp, mn = pairs[row:row + rows.shape[0]].unbind(1)
+            rows.mul_((mp - mn).unsqueeze(1)).add_(mn.unsqueeze(1))
+            row += rows.shape[0]
+        return restore(out, meta)
 
     def bits_per_element(self) -> float:
         return 1.0 if self.bucket_size is None else 1.0 + 64.0 / self.bucket_size
