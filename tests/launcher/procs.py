@@ -1,9 +1,11 @@
 """Process bookkeeping for the no-orphan checks: ranks record their pids, tests check them."""
 from __future__ import annotations
 
+import _thread
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -50,3 +52,15 @@ def wait_all_dead(pids: list[int], timeout: float = 5.0) -> list[int]:
         time.sleep(0.1)
         left = alive(pids)
     return left
+
+
+def interrupt_main_when_recorded(pid_dir: str, ranks: int = 2) -> None:
+    """Ctrl-C for the test's main thread once ``ranks`` ranks have recorded their pids."""
+
+    def interrupt() -> None:
+        deadline = time.monotonic() + 60
+        while len([n for n in os.listdir(pid_dir) if n.endswith(".pids")]) < ranks and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _thread.interrupt_main()
+
+    threading.Thread(target=interrupt, daemon=True).start()

@@ -1,13 +1,12 @@
 """np > 0: ranks run inside one Spark barrier stage, on local[4] and on a two-executor local cluster."""
 from __future__ import annotations
 
-import _thread
 import os
 import threading
 import time
 
 import pytest
-from procs import record_self_and_child, recorded_pids, wait_all_dead
+from procs import interrupt_main_when_recorded, record_self_and_child, recorded_pids, wait_all_dead
 
 import spark_dl
 from spark_dl import HorovodRunner, JobFailed, LaunchRefused, RankFailed
@@ -142,13 +141,7 @@ def test_keyboard_interrupt_cancels_the_barrier_job(spark, tmp_path):
         record_self_and_child(pid_dir)
         time.sleep(120)
 
-    def interrupt_when_started():
-        deadline = time.monotonic() + 60
-        while len(os.listdir(tmp_path)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        _thread.interrupt_main()
-
-    threading.Thread(target=interrupt_when_started, daemon=True).start()
+    interrupt_main_when_recorded(str(tmp_path))
     with pytest.raises(KeyboardInterrupt):
         HorovodRunner(np=2).run(main, pid_dir=str(tmp_path))
     assert wait_all_dead(recorded_pids(str(tmp_path)), timeout=2) == []
