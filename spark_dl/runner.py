@@ -1,6 +1,7 @@
 """``HorovodRunner``: run one training function on ``np`` ranks, in a Spark barrier stage or locally."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -12,6 +13,7 @@ from .driver import VERBOSITIES, Failure, JobMonitor, Observer
 from .errors import JobFailed, LaunchRefused
 from .launch.layout import RankSpec
 from .launch.task import JobSpec, barrier_task, free_port, run_task
+from .script import Script, read_script
 from .serialize import serialize_job
 from .tracking.observer import Tracking, make_observer
 
@@ -75,6 +77,15 @@ class HorovodRunner:
     def run_all(self, main: Callable[..., Any], **kwargs: Any) -> list[Any]:
         """Like :meth:`run`, but return every rank's return value, in rank order."""
         return self._run(main, kwargs, all_results=True)
+
+    def run_script(self, path: str | os.PathLike, *args: str) -> None:
+        """Run a training script on every rank, as ``python path *args`` would.
+
+        The script's source is read here and shipped with the job. A script that raises or
+        exits with a non-zero status fails the run with :class:`spark_dl.RankFailed`.
+        """
+        full, source = read_script(path)
+        self._run(Script(full, source), {"script": full, "argv": [str(a) for a in args]}, all_results=False)
 
     # ------------------------------------------------------------------------------------------
     def _run(self, main: Callable[..., Any], kwargs: dict[str, Any], all_results: bool) -> Any:

@@ -1,0 +1,62 @@
+"""Script mode: a training script (path plus argv) instead of a function, its exit status checked."""
+from __future__ import annotations
+
+import pytest
+
+from spark_dl import HorovodRunner, LaunchRefused, RankFailed
+
+SCRIPT = """
+import argparse, os, sys
+import torch, torch.distributed as dist
+from helper_module import double          # a sibling module, importable as under `python train.py`
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--out")
+parser.add_argument("--fail-rank", type=int, default=-1)
+args = parser.parse_args()
+dist.init_process_group("gloo")
+t = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(t)
+if dist.get_rank() == args.fail_rank:
+    print("giving up", flush=True)
+    sys.exit(3)
+if __name__ == "__main__":
+    with open(os.path.join(args.out, f"rank{dist.get_rank()}.txt"), "w") as f:
+        f.write(f"{double(t.item())} {sys.argv[0]}")
+"""
+
+
+@pytest.fixture
+def script(tmp_path):
+    (tmp_path / "helper_module.py").write_text("def double(x):\n    return 2 * x\n")
+    path = tmp_path / "train.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+def test_script_runs_on_every_rank_with_its_argv(script, tmp_path):
+    assert HorovodRunner(np=-2).run_script(script, "--out", str(tmp_path)) is None
+    for r in (0, 1):
+        value, argv0 = (tmp_path / f"rank{r}.txt").read_text().split()
+        assert float(value) == 6.0 and argv0 == str(script)
+
+
+def test_script_exit_status_fails_the_run(script, tmp_path):
+    with pytest.raises(RankFailed) as e:
+        HorovodRunner(np=-2).run_script(script, "--out", str(tmp_path), "--fail-rank", "1")
+    assert e.value.rank == 1 and "exited with status 3" in str(e.value)
+    assert any("giving up" in line for line in e.value.last_lines)
+
+
+def test_script_on_spark(spark, script, tmp_path):
+    HorovodRunner(np=2).run_script(script, "--out", str(tmp_path))
+    assert sorted(p.name for p in tmp_path.glob("rank*.txt")) == ["rank0.txt", "rank1.txt"]
+
+
+def test_missing_or_broken_script_is_refused(tmp_path):
+    with pytest.raises(LaunchRefused, match="does not exist"):
+        HorovodRunner(np=-2).run_script(tmp_path / "nope.py")
+    bad = tmp_path / "bad.py"
+    bad.write_text("def broken(:\n")
+    with pytest.raises(LaunchRefused, match="does not compile"):
+        HorovodRunner(np=-2).run_script(bad)
