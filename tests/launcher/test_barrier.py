@@ -185,3 +185,30 @@ def test_local_cluster_refuses_more_ranks_than_slots(spark_cluster):
     with pytest.raises(LaunchRefused, match=r"np=3 .* only 2 .*2 executor"):
         HorovodRunner(np=3).run(world_main, tag="z")
     assert time.monotonic() - t < 5
+
+
+def test_slots_held_by_another_job_fail_at_start_timeout_naming_them(spark):
+    sc = spark.sparkContext
+
+    def hog():
+        sc.setJobGroup("hog", "holds 3 of 4 slots", interruptOnCancel=True)
+        try:
+            sc.parallelize(range(3), 3).foreach(lambda _: __import__("time").sleep(60))
+        except Exception:  # noqa: BLE001 - cancelled below
+            pass
+
+    th = threading.Thread(target=hog, daemon=True)
+    th.start()
+    try:
+        deadline = time.monotonic() + 30
+        while sum(sc.statusTracker().getStageInfo(s).numActiveTasks
+                  for s in sc.statusTracker().getActiveStageIds()) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        t = time.monotonic()
+        with pytest.raises(JobFailed, match=r"only 0 of 2 barrier tasks started within 3 s.*4 task slots, 3 busy"):
+            HorovodRunner(np=2, start_timeout=3).run(world_main, tag="never")
+        assert time.monotonic() - t < 20
+    finally:
+        sc.cancelJobGroup("hog")
+        th.join(30)
+    assert no_active_jobs(spark)
