@@ -1,0 +1,1 @@
+"""Ready-made training functions for HorovodRunner, used by the scripts in ``runners/``."""
