@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from . import native
 from .base import Compressor, Key, Meta, Payload, check_float
 
 
@@ -28,11 +29,16 @@ class _Cast(Compressor):
 
     def compress(self, tensor: torch.Tensor, key: Key = None) -> Payload:
         check_float(tensor, type(self).__name__)
+        if tensor.dtype == torch.float32 and native.enabled(tensor):
+            return Payload([native.to_half(tensor, self.wire_dtype)], Meta(tensor.shape, tensor.dtype))
         wire = tensor.reshape(-1).to(self.wire_dtype, copy=True)
         return Payload([wire], Meta(tensor.shape, tensor.dtype))
 
     def decompress(self, payload: Payload) -> torch.Tensor:
-        return payload.tensors[0].to(payload.meta.dtype).reshape(payload.meta.shape)
+        wire = payload.tensors[0]
+        if payload.meta.dtype == torch.float32 and wire.dtype == self.wire_dtype and native.enabled(wire):
+            return native.from_half(wire).reshape(payload.meta.shape)
+        return wire.to(payload.meta.dtype).reshape(payload.meta.shape)
 
     def bits_per_element(self) -> float:
         return 16.0

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import Compressor, Key, Meta, Payload, check_float, flat32, restore
+from . import native
 from .bits import pack, unpack
 from .rng import generator, process_rank
 
@@ -46,9 +47,15 @@ class QSGD(Compressor):
 
     def compress(self, tensor: torch.Tensor, key: Key = None) -> Payload:
         check_float(tensor, "QSGD")
-        x = flat32(tensor)
-        n, s = x.numel(), self.levels
+        n, s = tensor.numel(), self.levels
         d = max(min(self.bucket_size or n, n), 1)
+        if native.enabled(tensor) and self.code_bits <= 8:
+            # Same norms and layout; the rounding noise comes from the kernel's own seeded stream.
+            self._calls += 1
+            seed = generator(torch.device("cpu"), "qsgd", self.seed, process_rank(), self._calls).initial_seed()
+            norms, packed = native.qsgd_encode(tensor, s, d, self.code_bits, seed)
+            return Payload([norms, packed], _QMeta(tensor.shape, tensor.dtype, d))
+        x = flat32(tensor)
         nb = -(-n // d)
         if nb * d != n:
             x = torch.cat([x, x.new_zeros(nb * d - n)])
@@ -69,6 +76,8 @@ class QSGD(Compressor):
         norms, packed = payload.tensors
         meta: _QMeta = payload.meta
         n, s, d = meta.numel, self.levels, meta.bucket
+        if native.enabled(norms, packed) and self.code_bits <= 8:
+            return restore(native.qsgd_decode(norms, packed, n, s, d, self.code_bits), meta)
         level = unpack(packed, n, self.code_bits).to(torch.float32).sub_(s)
         nb = norms.numel()
         if nb * d != n:

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 import torch
 
 from .base import Compressor, Key, Meta, Payload, check_float, flat32, restore
+from . import native
 from .bits import pack, unpack
-from .memory import ErrorFeedback
+from .memory import ErrorFeedback, _EFMeta
 
 
 @dataclass
@@ -49,6 +50,9 @@ class SignMeans(Compressor):
 
     def compress(self, tensor: torch.Tensor, key: Key = None) -> Payload:
         check_float(tensor, "OneBit")
+        if native.enabled(tensor):
+            means, bits, _ = native.onebit_encode(tensor, self._bucket(tensor.numel()))
+            return Payload([means, bits], _SignMeta(tensor.shape, tensor.dtype))
         x = flat32(tensor)
         pos = x >= 0
         means = []
@@ -63,6 +67,8 @@ class SignMeans(Compressor):
     def decompress(self, payload: Payload) -> torch.Tensor:
         means, bits = payload.tensors
         meta = payload.meta
+        if native.enabled(means, bits):
+            return restore(native.onebit_decode(means, bits, meta.numel, self._bucket(meta.numel)), meta)
         out = unpack(bits, meta.numel, 1).to(torch.float32)
         pairs = means.view(-1, 2)
         row = 0
@@ -87,6 +93,9 @@ class ScaledSign(Compressor):
 
     def compress(self, tensor: torch.Tensor, key: Key = None) -> Payload:
         check_float(tensor, "EFSign")
+        if native.enabled(tensor):
+            scale, bits, _ = native.scaled_sign_encode(tensor)
+            return Payload([scale, bits], Meta(tensor.shape, tensor.dtype))
         x = flat32(tensor)
         scale = (x.abs().sum() / max(x.numel(), 1)).reshape(1)
         return Payload([scale, pack(x >= 0, 1)], Meta(tensor.shape, tensor.dtype))
@@ -94,11 +103,28 @@ class ScaledSign(Compressor):
     def decompress(self, payload: Payload) -> torch.Tensor:
         scale, bits = payload.tensors
         meta = payload.meta
+        if native.enabled(scale, bits):
+            return restore(native.scaled_sign_decode(scale, bits, meta.numel), meta)
         signs = unpack(bits, meta.numel, 1).to(torch.float32).mul_(2).sub_(1)
         return restore(signs.mul_(scale), meta)
 
     def bits_per_element(self) -> float:
         return 1.0
+
+
+def _fused_ef(ef: ErrorFeedback, tensor: torch.Tensor, key: Key, encode) -> Payload:
+    """ErrorFeedback.compress in the C kernels' two passes: p = g + e, signs and sums, then the
+    new residual p - q(p) written over the old one. Same payload and residual as the torch path."""
+    check_float(tensor, type(ef).__name__)
+    e = ef.residuals.memory.get(key)
+    if e is not None and (e.shape != tensor.shape or e.device != tensor.device):
+        e = None  # as Residuals.add: a key whose shape changed starts from zero
+    head, bits, residual = encode(tensor, e)
+    ef.residuals.store(key, residual.view(tensor.shape))
+    inner = Meta(tensor.shape, torch.float32)
+    if isinstance(ef.compressor, SignMeans):
+        inner = _SignMeta(tensor.shape, torch.float32)
+    return Payload([head, bits], _EFMeta(inner, tensor.shape, tensor.dtype))
 
 
 class OneBit(ErrorFeedback):
@@ -113,6 +139,12 @@ class OneBit(ErrorFeedback):
     def __init__(self, bucket_size: int | None = 1024) -> None:
         super().__init__(SignMeans(bucket_size))
 
+    def compress(self, tensor: torch.Tensor, key: Key = None) -> Payload:
+        if not native.enabled(tensor):
+            return super().compress(tensor, key)
+        bucket = self.compressor._bucket(tensor.numel())
+        return _fused_ef(self, tensor, key, lambda g, e: native.onebit_encode(g, bucket, e, residual=True))
+
     def __repr__(self) -> str:
         return f"OneBit(bucket_size={self.compressor.bucket_size})"
 
@@ -122,6 +154,11 @@ class EFSign(ErrorFeedback):
 
     def __init__(self) -> None:
         super().__init__(ScaledSign())
+
+    def compress(self, tensor: torch.Tensor, key: Key = None) -> Payload:
+        if not native.enabled(tensor):
+            return super().compress(tensor, key)
+        return _fused_ef(self, tensor, key, lambda g, e: native.scaled_sign_encode(g, e, residual=True))
 
     def __repr__(self) -> str:
         return "EFSign()"

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import native
 from .base import Compressor, Key, Meta, Payload, check_float, flat32, restore
 from .rng import generator
 
@@ -36,10 +37,14 @@ class TopK(Compressor):
 
     def compress(self, tensor: torch.Tensor, key: Key = None) -> Payload:
         check_float(tensor, "TopK")
-        x = flat32(tensor)
-        n = x.numel()
-        idx = torch.topk(x.abs(), _k(n, self.ratio), sorted=False).indices
+        n = tensor.numel()
         index_dtype = torch.int32 if n < 2**31 else torch.int64
+        if native.enabled(tensor):
+            # Radix selection in C: the same set as torch.topk when no |g_i| ties at the cut.
+            idx, values = native.topk(tensor, _k(n, self.ratio))
+            return Payload([values, idx.to(index_dtype)], Meta(tensor.shape, tensor.dtype))
+        x = flat32(tensor)
+        idx = torch.topk(x.abs(), _k(n, self.ratio), sorted=False).indices
         return Payload([x[idx], idx.to(index_dtype)], Meta(tensor.shape, tensor.dtype))
 
     def decompress(self, payload: Payload) -> torch.Tensor:

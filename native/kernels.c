@@ -1,0 +1,726 @@
+/* Gradient-compression kernels: see kernels.h for the contracts.
+ *
+ * Built with -O3 -ffp-contract=off for baseline x86-64: float results must round exactly as
+ * torch's separate multiply and add do. AVX2/F16C loops are compiled per function with
+ * __attribute__((target)) and chosen at run time, so one binary runs on any x86-64 CPU.
+ */
+#include "kernels.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define SDK_X86 1
+#define AVX2 __attribute__((target("avx2")))
+#define AVX2F16C __attribute__((target("avx2,f16c")))
+#else
+#define SDK_X86 0
+#endif
+
+static int g_threads = 2;
+static int g_scalar = 0;
+
+void sdk_set_threads(int n) { g_threads = n < 1 ? 1 : (n > SDK_MAX_THREADS ? SDK_MAX_THREADS : n); }
+int sdk_get_threads(void) { return g_threads; }
+void sdk_force_scalar(int on) { g_scalar = on; }
+
+static int has_avx2(void) {
+#if SDK_X86
+    return !g_scalar && __builtin_cpu_supports("avx2");
+#else
+    return 0;
+#endif
+}
+
+static int has_f16c(void) {
+#if SDK_X86
+    return has_avx2() && __builtin_cpu_supports("f16c");
+#else
+    return 0;
+#endif
+}
+
+const char *sdk_features(void) {
+    if (has_f16c()) return "avx2 f16c";
+    return has_avx2() ? "avx2" : "scalar";
+}
+
+static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+/* ---- threads ------------------------------------------------------------------------------ */
+
+typedef void (*task_fn)(void *arg, int t, int nt);
+typedef struct { task_fn fn; void *arg; int t, nt; } task;
+
+static void *task_main(void *p) {
+    task *k = (task *)p;
+    k->fn(k->arg, k->t, k->nt);
+    return NULL;
+}
+
+static int threads_for(int64_t n) { return n >= SDK_PAR_MIN ? g_threads : 1; }
+
+/* Runs fn(arg, t, nt) for t < nt, t = 0 on the calling thread. A thread that cannot be started
+ * runs inline: slower, same result. */
+static void parallel(int nt, task_fn fn, void *arg) {
+    pthread_t th[SDK_MAX_THREADS];
+    task tasks[SDK_MAX_THREADS];
+    int started[SDK_MAX_THREADS] = {0};
+    for (int t = 1; t < nt; t++) {
+        tasks[t] = (task){fn, arg, t, nt};
+        started[t] = pthread_create(&th[t], NULL, task_main, &tasks[t]) == 0;
+    }
+    fn(arg, 0, nt);
+    for (int t = 1; t < nt; t++) {
+        if (started[t]) pthread_join(th[t], NULL);
+        else fn(arg, t, nt);
+    }
+}
+
+/* Thread t's share [*a, *b) of [0, n), cut at multiples of `align`. */
+static void share(int64_t n, int t, int nt, int64_t align, int64_t *a, int64_t *b) {
+    int64_t chunk = (n + nt - 1) / nt;
+    chunk = (chunk + align - 1) / align * align;
+    *a = t * chunk < n ? t * chunk : n;
+    *b = *a + chunk < n ? *a + chunk : n;
+}
+
+/* MSB-first sign byte from an AVX movemask (bit j = element j). */
+static uint8_t rev8[256];
+static pthread_once_t rev_once = PTHREAD_ONCE_INIT;
+static void rev_init(void) {
+    for (int i = 0; i < 256; i++) {
+        int r = 0;
+        for (int j = 0; j < 8; j++) r |= ((i >> j) & 1) << (7 - j);
+        rev8[i] = (uint8_t)r;
+    }
+}
+
+/* ---- 1-bit: pass 1 (signs + bucket sums) ---------------------------------------------------- */
+
+typedef struct { double pos, all; int64_t npos; } bsum;
+
+typedef struct {
+    const float *g, *e;
+    int64_t n, bucket;
+    uint8_t *bits;
+    int scaled;          /* 1: one |p| sum for the whole vector instead of bucket sums */
+    bsum *part[SDK_MAX_THREADS];  /* thread t: sums for buckets a/bucket .. (b-1)/bucket */
+    int64_t first[SDK_MAX_THREADS];
+    double abs_sum[SDK_MAX_THREADS];
+    int failed;
+} p1_args;
+
+/* Scalar: elements [i, j) of one bucket into s; sign bits or-ed into bits (zeroed by caller). */
+static void p1_scalar(const float *g, const float *e, int64_t i, int64_t j, uint8_t *bits, bsum *s,
+                      double *abs_sum) {
+    double pos = 0, all = 0, ab = 0;
+    int64_t np = 0;
+    for (; i < j; i++) {
+        float p = e ? g[i] + e[i] : g[i];
+        int ge = p >= 0.0f;
+        bits[i >> 3] |= (uint8_t)(ge << (7 - (i & 7)));
+        pos += !(p < 0.0f) ? p : 0.0f;  /* NaN too: torch's clamp(min=0) keeps it, the mean is NaN */
+        all += p;
+        ab += fabsf(p);
+        np += ge;
+    }
+    s->pos += pos; s->all += all; s->npos += np; *abs_sum += ab;
+}
+
+#if SDK_X86
+/* AVX2: whole bytes [i, j) (multiples of 8) of one bucket. Float lane sums are flushed into
+ * doubles every 128 vectors, so a bucket of millions keeps double-like accuracy. */
+AVX2 static void p1_avx2(const float *g, const float *e, int64_t i, int64_t j, uint8_t *bits, bsum *s,
+                         double *abs_sum) {
+    const __m256 zero = _mm256_setzero_ps();
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    int64_t np = 0;
+    while (i < j) {
+        int64_t stop = j - i > 1024 ? i + 1024 : j;
+        __m256 vpos = zero, vall = zero, vab = zero;
+        for (; i < stop; i += 8) {
+            __m256 p = _mm256_loadu_ps(g + i);
+            if (e) p = _mm256_add_ps(p, _mm256_loadu_ps(e + i));
+            __m256 ge = _mm256_cmp_ps(p, zero, _CMP_GE_OQ);
+            int m = _mm256_movemask_ps(ge);
+            bits[i >> 3] = rev8[m];
+            np += __builtin_popcount((unsigned)m);
+            vpos = _mm256_add_ps(vpos, _mm256_and_ps(p, _mm256_cmp_ps(p, zero, _CMP_NLT_UQ)));
+            vall = _mm256_add_ps(vall, p);
+            vab = _mm256_add_ps(vab, _mm256_and_ps(p, absmask));
+        }
+        float a[8], b[8], c[8];
+        _mm256_storeu_ps(a, vpos); _mm256_storeu_ps(b, vall); _mm256_storeu_ps(c, vab);
+        for (int k = 0; k < 8; k++) { s->pos += a[k]; s->all += b[k]; *abs_sum += c[k]; }
+    }
+    s->npos += np;
+}
+#endif
+
+static void p1_task(void *arg, int t, int nt) {
+    p1_args *A = (p1_args *)arg;
+    int64_t a, b;
+    share(A->n, t, nt, 8, &a, &b);
+    A->part[t] = NULL;
+    A->abs_sum[t] = 0;
+    if (a >= b) return;
+    int64_t B = A->bucket, j0 = a / B, j1 = (b - 1) / B;
+    bsum *s = (bsum *)calloc((size_t)(j1 - j0 + 1), sizeof(bsum));
+    if (!s) { A->failed = 1; return; }
+    A->part[t] = s;
+    A->first[t] = j0;
+    memset(A->bits + (a >> 3), 0, (size_t)(((b + 7) >> 3) - (a >> 3)));
+    int simd = has_avx2();
+    double ab = 0;
+    for (int64_t j = j0; j <= j1; j++) {
+        int64_t lo = j * B > a ? j * B : a, hi = (j + 1) * B < b ? (j + 1) * B : b;
+        bsum *sj = &s[j - j0];
+#if SDK_X86
+        if (simd) {
+            /* scalar up to a byte boundary, AVX2 over whole bytes, scalar for the rest */
+            int64_t m0 = (lo + 7) & ~(int64_t)7, m1 = hi & ~(int64_t)7;
+            if (m0 < m1) {
+                p1_scalar(A->g, A->e, lo, m0, A->bits, sj, &ab);
+                p1_avx2(A->g, A->e, m0, m1, A->bits, sj, &ab);
+                p1_scalar(A->g, A->e, m1, hi, A->bits, sj, &ab);
+                continue;
+            }
+        }
+#endif
+        (void)simd;
+        p1_scalar(A->g, A->e, lo, hi, A->bits, sj, &ab);
+    }
+    A->abs_sum[t] = ab;
+}
+
+/* Pass 1 over all threads; returns the summed per-bucket sums (caller frees) or NULL. */
+static bsum *pass1(p1_args *A, int nt, int64_t nb, double *abs_sum) {
+    pthread_once(&rev_once, rev_init);
+    A->failed = 0;
+    parallel(nt, p1_task, A);
+    bsum *tot = (bsum *)calloc((size_t)(nb > 0 ? nb : 1), sizeof(bsum));
+    *abs_sum = 0;
+    for (int t = 0; t < nt; t++) {
+        if (!A->part[t]) continue;
+        int64_t a, b;
+        share(A->n, t, nt, 8, &a, &b);
+        int64_t j0 = A->first[t], j1 = (b - 1) / A->bucket;
+        for (int64_t j = j0; j <= j1 && tot; j++) {
+            tot[j].pos += A->part[t][j - j0].pos;
+            tot[j].all += A->part[t][j - j0].all;
+            tot[j].npos += A->part[t][j - j0].npos;
+        }
+        *abs_sum += A->abs_sum[t];
+        free(A->part[t]);
+    }
+    if (A->failed) { free(tot); return NULL; }
+    return tot;
+}
+
+/* ---- 1-bit: pass 2 (residual) and decode ------------------------------------------------------ */
+
+/* The two values q takes in a bucket, rounded as SignMeans.decompress: fl(fl(b * d) + mn). */
+typedef struct { float qp, qn; } qpair;
+
+static qpair q_of(float mp, float mn) {
+    float d = mp - mn;
+    qpair q = {1.0f * d + mn, 0.0f * d + mn};
+    return q;
+}
+
+typedef struct {
+    const float *g, *e_in;
+    float *e_out;
+    const uint8_t *bits;
+    float *out;
+    int64_t n, bucket;
+    const qpair *q;  /* per bucket */
+    int accumulate;
+} p2_args;
+
+#define RESIDUAL_LOOP                                                                  \
+    for (int64_t i = lo; i < hi; i++) {                                                \
+        float p = e_in ? g[i] + e_in[i] : g[i];                                        \
+        e_out[i] = p - (p >= 0.0f ? qp : qn);                                          \
+    }
+
+static void resid_scalar(const float *g, const float *e_in, float *e_out, int64_t lo, int64_t hi,
+                         float qp, float qn) { RESIDUAL_LOOP }
+#if SDK_X86
+AVX2 static void resid_avx2(const float *g, const float *e_in, float *e_out, int64_t lo, int64_t hi,
+                            float qp, float qn) { RESIDUAL_LOOP }
+#endif
+
+static void resid_task(void *arg, int t, int nt) {
+    p2_args *A = (p2_args *)arg;
+    int64_t a, b;
+    share(A->n, t, nt, 8, &a, &b);
+    int simd = has_avx2();
+    (void)simd;
+    for (int64_t j = a / A->bucket; a < b; j++) {
+        int64_t hi = (j + 1) * A->bucket < b ? (j + 1) * A->bucket : b;
+#if SDK_X86
+        if (simd) resid_avx2(A->g, A->e_in, A->e_out, a, hi, A->q[j].qp, A->q[j].qn);
+        else
+#endif
+            resid_scalar(A->g, A->e_in, A->e_out, a, hi, A->q[j].qp, A->q[j].qn);
+        a = hi;
+    }
+}
+
+static void decode_task(void *arg, int t, int nt) {
+    p2_args *A = (p2_args *)arg;
+    int64_t a, b;
+    share(A->n, t, nt, 8, &a, &b);
+    for (int64_t j = a / A->bucket; a < b; j++) {
+        int64_t hi = (j + 1) * A->bucket < b ? (j + 1) * A->bucket : b;
+        float qp = A->q[j].qp, qn = A->q[j].qn;
+        float *out = A->out;
+        const uint8_t *bits = A->bits;
+        if (A->accumulate)
+            for (int64_t i = a; i < hi; i++) out[i] += (bits[i >> 3] >> (7 - (i & 7))) & 1 ? qp : qn;
+        else
+            for (int64_t i = a; i < hi; i++) out[i] = (bits[i >> 3] >> (7 - (i & 7))) & 1 ? qp : qn;
+        a = hi;
+    }
+}
+
+void sdk_onebit_encode(const float *g, const float *e_in, float *e_out, int64_t n, int64_t bucket,
+                       float *means, uint8_t *bits) {
+    if (n <= 0) return;
+    if (bucket < 1 || bucket > n) bucket = n;
+    int64_t nb = (n + bucket - 1) / bucket;
+    int nt = threads_for(n);
+    p1_args A;
+    memset(&A, 0, sizeof A);
+    A.g = g; A.e = e_in; A.n = n; A.bucket = bucket; A.bits = bits;
+    double ab;
+    bsum *s = pass1(&A, nt, nb, &ab);
+    qpair *q = (qpair *)malloc((size_t)nb * sizeof(qpair));
+    for (int64_t j = 0; j < nb; j++) {
+        if (!s) { means[2 * j] = means[2 * j + 1] = NAN; continue; }
+        int64_t len = (j + 1) * bucket < n ? bucket : n - j * bucket;
+        int64_t nn = len - s[j].npos;
+        means[2 * j] = (float)(s[j].pos / (double)(s[j].npos > 0 ? s[j].npos : 1));
+        means[2 * j + 1] = (float)((s[j].all - s[j].pos) / (double)(nn > 0 ? nn : 1));
+        if (q) q[j] = q_of(means[2 * j], means[2 * j + 1]);
+    }
+    free(s);
+    if (e_out && q) {
+        p2_args P = {g, e_in, e_out, bits, NULL, n, bucket, q, 0};
+        parallel(nt, resid_task, &P);
+    }
+    free(q);
+}
+
+void sdk_onebit_decode(const float *means, const uint8_t *bits, int64_t n, int64_t bucket, float *out,
+                       int accumulate) {
+    if (n <= 0) return;
+    if (bucket < 1 || bucket > n) bucket = n;
+    int64_t nb = (n + bucket - 1) / bucket;
+    qpair *q = (qpair *)malloc((size_t)nb * sizeof(qpair));
+    if (!q) return;
+    for (int64_t j = 0; j < nb; j++) q[j] = q_of(means[2 * j], means[2 * j + 1]);
+    p2_args P = {NULL, NULL, NULL, bits, out, n, bucket, q, accumulate};
+    parallel(threads_for(n), decode_task, &P);
+    free(q);
+}
+
+float sdk_scaled_sign_encode(const float *g, const float *e_in, float *e_out, int64_t n, uint8_t *bits) {
+    if (n <= 0) return 0.0f;
+    int nt = threads_for(n);
+    p1_args A;
+    memset(&A, 0, sizeof A);
+    A.g = g; A.e = e_in; A.n = n; A.bucket = n; A.bits = bits;
+    double ab;
+    bsum *s = pass1(&A, nt, 1, &ab);
+    float scale = s ? (float)(ab / (double)n) : NAN;
+    free(s);
+    if (e_out) {
+        qpair q = {scale, -scale};
+        p2_args P = {g, e_in, e_out, bits, NULL, n, n, &q, 0};
+        parallel(nt, resid_task, &P);
+    }
+    return scale;
+}
+
+void sdk_scaled_sign_decode(float scale, const uint8_t *bits, int64_t n, float *out, int accumulate) {
+    if (n <= 0) return;
+    qpair q = {scale, -scale};
+    p2_args P = {NULL, NULL, NULL, bits, out, n, n, &q, accumulate};
+    parallel(threads_for(n), decode_task, &P);
+}
+
+/* ---- float16 / bfloat16 ---------------------------------------------------------------------- */
+
+/* Round to nearest even, subnormals and overflow to inf included (what F16C does). */
+static uint16_t f2h(float f) {
+    uint32_t x = f2u(f), sign = (x >> 16) & 0x8000;
+    x &= 0x7fffffff;
+    if (x > 0x7f800000) return (uint16_t)(sign | 0x7e00 | ((x >> 13) & 0x3ff));
+    if (x >= 0x477ff000) return (uint16_t)(sign | 0x7c00);  /* >= 65520 rounds to inf */
+    if (x < 0x38800000) {  /* below 2^-14: a half subnormal; adding 0.5 rounds at 2^-24 */
+        float a = u2f(x) + 0.5f;
+        return (uint16_t)(sign | (f2u(a) - 0x3f000000));
+    }
+    x += 0xc8000fffu + ((x >> 13) & 1);  /* rebias exponent by -112, round half to even */
+    return (uint16_t)(sign | (x >> 13));
+}
+
+static float h2f(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    if (e == 0) return u2f(sign | f2u((float)m * 5.9604644775390625e-8f));
+    if (e == 31) return u2f(sign | 0x7f800000 | (m << 13));
+    return u2f(sign | ((e + 112) << 23) | (m << 13));
+}
+
+/* torch's c10::BFloat16 rounding: NaN -> quiet NaN, else round half to even on the top 16 bits. */
+static uint16_t f2bf(float f) {
+    uint32_t u = f2u(f);
+    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16 & 0x8000) | 0x7fc0);
+    return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+
+typedef struct { const void *src; void *dst; int64_t n; float scale; int kind; } cvt_args;
+
+#if SDK_X86
+AVX2F16C static void f2h_f16c(const float *x, uint16_t *h, int64_t a, int64_t b, float scale) {
+    __m256 s = _mm256_set1_ps(scale);
+    for (; a + 8 <= b; a += 8)
+        _mm_storeu_si128((__m128i *)(h + a),
+                         _mm256_cvtps_ph(_mm256_mul_ps(_mm256_loadu_ps(x + a), s), _MM_FROUND_TO_NEAREST_INT));
+    for (; a < b; a++) h[a] = f2h(x[a] * scale);
+}
+
+AVX2F16C static void h2f_f16c(const uint16_t *h, float *x, int64_t a, int64_t b) {
+    for (; a + 8 <= b; a += 8) _mm256_storeu_ps(x + a, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + a))));
+    for (; a < b; a++) x[a] = h2f(h[a]);
+}
+
+AVX2 static void f2bf_avx2(const float *x, uint16_t *h, int64_t a, int64_t b, float scale) {
+    const __m256 s = _mm256_set1_ps(scale);
+    const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff);
+    const __m256i absm = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
+    const __m256i qnan = _mm256_set1_epi32(0x7fc0), signm = _mm256_set1_epi32(0x8000);
+    for (; a + 16 <= b; a += 16) {
+        __m256i r[2];
+        for (int k = 0; k < 2; k++) {
+            __m256i u = _mm256_castps_si256(_mm256_mul_ps(_mm256_loadu_ps(x + a + 8 * k), s));
+            __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
+            __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, bias), odd), 16);
+            __m256i isnan = _mm256_cmpgt_epi32(_mm256_and_si256(u, absm), inf);
+            __m256i nanv = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u, 16), signm), qnan);
+            r[k] = _mm256_blendv_epi8(rounded, nanv, isnan);
+        }
+        /* packus works per 128-bit lane: reorder the quadwords back into element order */
+        __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(r[0], r[1]), 0xd8);
+        _mm256_storeu_si256((__m256i *)(h + a), p);
+    }
+    for (; a < b; a++) h[a] = f2bf(x[a] * scale);
+}
+
+AVX2 static void bf2f_avx2(const uint16_t *h, float *x, int64_t a, int64_t b) {
+    for (; a + 8 <= b; a += 8) {
+        __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(h + a)));
+        _mm256_storeu_ps(x + a, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+    }
+    for (; a < b; a++) x[a] = u2f((uint32_t)h[a] << 16);
+}
+#endif
+
+static void cvt_task(void *arg, int t, int nt) {
+    cvt_args *A = (cvt_args *)arg;
+    int64_t a, b;
+    share(A->n, t, nt, 64, &a, &b);
+    const float *xf = (const float *)A->src;
+    const uint16_t *xh = (const uint16_t *)A->src;
+    float *of = (float *)A->dst;
+    uint16_t *oh = (uint16_t *)A->dst;
+    switch (A->kind) {
+    case 0:
+#if SDK_X86
+        if (has_f16c()) { f2h_f16c(xf, oh, a, b, A->scale); break; }
+#endif
+        for (int64_t i = a; i < b; i++) oh[i] = f2h(xf[i] * A->scale);
+        break;
+    case 1:
+#if SDK_X86
+        if (has_f16c()) { h2f_f16c(xh, of, a, b); break; }
+#endif
+        for (int64_t i = a; i < b; i++) of[i] = h2f(xh[i]);
+        break;
+    case 2:
+#if SDK_X86
+        if (has_avx2()) { f2bf_avx2(xf, oh, a, b, A->scale); break; }
+#endif
+        for (int64_t i = a; i < b; i++) oh[i] = f2bf(xf[i] * A->scale);
+        break;
+    default:
+#if SDK_X86
+        if (has_avx2()) { bf2f_avx2(xh, of, a, b); break; }
+#endif
+        for (int64_t i = a; i < b; i++) of[i] = u2f((uint32_t)xh[i] << 16);
+    }
+}
+
+static void convert(const void *src, void *dst, int64_t n, float scale, int kind) {
+    if (n <= 0) return;
+    cvt_args A = {src, dst, n, scale, kind};
+    parallel(threads_for(n), cvt_task, &A);
+}
+
+void sdk_f32_to_f16(const float *x, uint16_t *h, int64_t n, float scale) { convert(x, h, n, scale, 0); }
+void sdk_f16_to_f32(const uint16_t *h, float *x, int64_t n) { convert(h, x, n, 1.0f, 1); }
+void sdk_f32_to_bf16(const float *x, uint16_t *h, int64_t n, float scale) { convert(x, h, n, scale, 2); }
+void sdk_bf16_to_f32(const uint16_t *h, float *x, int64_t n) { convert(h, x, n, 1.0f, 3); }
+
+/* ---- QSGD ------------------------------------------------------------------------------------ */
+
+#define QCHUNK 65536  /* one random stream per chunk: results independent of the thread split */
+
+typedef struct { uint32_t s[4]; } xoshiro;
+
+static uint64_t splitmix64(uint64_t *x) {
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static void xo_seed(xoshiro *r, uint64_t seed, uint64_t chunk) {
+    uint64_t x = seed ^ (chunk * 0xd1342543de82ef95ull);
+    uint64_t a = splitmix64(&x), b = splitmix64(&x);
+    r->s[0] = (uint32_t)a; r->s[1] = (uint32_t)(a >> 32); r->s[2] = (uint32_t)b; r->s[3] = (uint32_t)(b >> 32);
+    if (!(r->s[0] | r->s[1] | r->s[2] | r->s[3])) r->s[0] = 1;  /* the all-zero state is stuck */
+}
+
+static inline uint32_t rotl32(uint32_t x, int k) { return (x << k) | (x >> (32 - k)); }
+
+/* xoshiro128+: u in [0, 1) from the top 24 bits. */
+static inline float xo_next(xoshiro *r) {
+    uint32_t *s = r->s, out = s[0] + s[3], t = s[1] << 9;
+    s[2] ^= s[0]; s[3] ^= s[1]; s[1] ^= s[2]; s[0] ^= s[3]; s[2] ^= t; s[3] = rotl32(s[3], 11);
+    return (float)(out >> 8) * 5.9604644775390625e-8f;
+}
+
+typedef struct {
+    const float *x;
+    int64_t n, bucket, nb;
+    int levels, bits;
+    uint64_t seed;
+    float *norms, *factor;
+    uint8_t *packed;
+    const float *scales;
+    float *out;
+    int accumulate;
+} q_args;
+
+static void qnorm_task(void *arg, int t, int nt) {
+    q_args *A = (q_args *)arg;
+    int64_t j0, j1;
+    share(A->nb, t, nt, 1, &j0, &j1);
+    for (int64_t j = j0; j < j1; j++) {
+        int64_t lo = j * A->bucket, hi = lo + A->bucket < A->n ? lo + A->bucket : A->n;
+        double ss = 0;
+        for (int64_t i = lo; i < hi; i++) ss += (double)A->x[i] * A->x[i];
+        float norm = (float)sqrt(ss);
+        A->norms[j] = norm;
+        /* as QSGD.compress: s / max(norm, tiny); an all-zero bucket quantizes to zero */
+        A->factor[j] = (float)A->levels / (norm > 1.17549435e-38f ? norm : 1.17549435e-38f);
+    }
+}
+
+/* Codes of 8 consecutive elements (or fewer at the end) into packed, layout of bits.pack. */
+static inline void put8(uint8_t *packed, int64_t n, int bits, int64_t i, const uint8_t *c, int cnt) {
+    if (8 % bits == 0) {
+        int per = 8 / bits;
+        for (int k = 0; k < cnt; k += per) {
+            uint8_t v = 0;
+            for (int m = 0; m < per; m++) v = (uint8_t)((v << bits) | (k + m < cnt ? c[k + m] : 0));
+            packed[(i + k) / per] = v;
+        }
+    } else {
+        int64_t plane = (n + 7) / 8;
+        for (int b = 0; b < bits; b++) {
+            uint8_t v = 0;
+            for (int m = 0; m < 8; m++) v = (uint8_t)((v << 1) | (m < cnt ? (c[m] >> b) & 1 : 0));
+            packed[b * plane + (i >> 3)] = v;
+        }
+    }
+}
+
+static inline void get8(const uint8_t *packed, int64_t n, int bits, int64_t i, uint8_t *c) {
+    if (8 % bits == 0) {
+        int per = 8 / bits, mask = (1 << bits) - 1;
+        for (int k = 0; k < 8; k++) {
+            int64_t e = i + k;
+            c[k] = (uint8_t)((packed[e / per] >> ((per - 1 - (int)(e % per)) * bits)) & mask);
+        }
+    } else {
+        int64_t plane = (n + 7) / 8;
+        for (int k = 0; k < 8; k++) c[k] = 0;
+        for (int b = 0; b < bits; b++) {
+            uint8_t v = packed[b * plane + (i >> 3)];
+            for (int k = 0; k < 8; k++) c[k] |= (uint8_t)(((v >> (7 - k)) & 1) << b);
+        }
+    }
+}
+
+static void qenc_task(void *arg, int t, int nt) {
+    q_args *A = (q_args *)arg;
+    int64_t a, b;
+    share(A->n, t, nt, QCHUNK, &a, &b);
+    const float s = (float)A->levels;
+    xoshiro r;
+    xo_seed(&r, A->seed, (uint64_t)(a / QCHUNK));  /* a is a chunk start: the loop reseeds it alike */
+    uint8_t c[8];
+    for (int64_t i = a; i < b; i += 8) {
+        if (i % QCHUNK == 0) xo_seed(&r, A->seed, (uint64_t)(i / QCHUNK));
+        int cnt = b - i < 8 ? (int)(b - i) : 8;
+        for (int k = 0; k < cnt; k++) {
+            float v = A->x[i + k];
+            float lvl = floorf(fabsf(v) * A->factor[(i + k) / A->bucket] + xo_next(&r));
+            if (lvl > s) lvl = s;
+            if (!(lvl >= 0.0f)) lvl = 0.0f;  /* NaN */
+            c[k] = (uint8_t)(signbit(v) ? A->levels - (int)lvl : A->levels + (int)lvl);
+        }
+        put8(A->packed, A->n, A->bits, i, c, cnt);
+    }
+}
+
+static void qdec_task(void *arg, int t, int nt) {
+    q_args *A = (q_args *)arg;
+    int64_t a, b;
+    share(A->n, t, nt, 8, &a, &b);
+    uint8_t c[8];
+    for (int64_t i = a; i < b; i += 8) {
+        int cnt = b - i < 8 ? (int)(b - i) : 8;
+        get8(A->packed, A->n, A->bits, i, c);
+        for (int k = 0; k < cnt; k++) {
+            float v = (float)((int)c[k] - A->levels) * A->scales[(i + k) / A->bucket];
+            if (A->accumulate) A->out[i + k] += v;
+            else A->out[i + k] = v;
+        }
+    }
+}
+
+void sdk_qsgd_encode(const float *x, int64_t n, int64_t bucket, int levels, int code_bits, uint64_t seed,
+                     float *norms, uint8_t *packed) {
+    if (n <= 0) return;
+    if (bucket < 1 || bucket > n) bucket = n;
+    int64_t nb = (n + bucket - 1) / bucket;
+    float *factor = (float *)malloc((size_t)nb * sizeof(float));
+    q_args A = {x, n, bucket, nb, levels, code_bits, seed, norms, factor, packed, NULL, NULL, 0};
+    if (!factor) {
+        for (int64_t j = 0; j < nb; j++) norms[j] = NAN;
+        return;
+    }
+    int nt = threads_for(n);
+    parallel(nb >= nt ? nt : 1, qnorm_task, &A);
+    parallel(nt, qenc_task, &A);
+    free(factor);
+}
+
+void sdk_qsgd_decode(const float *scales, const uint8_t *packed, int64_t n, int64_t bucket, int levels,
+                     int code_bits, float *out, int accumulate) {
+    if (n <= 0) return;
+    if (bucket < 1 || bucket > n) bucket = n;
+    q_args A = {NULL, n, bucket, (n + bucket - 1) / bucket, levels, code_bits, 0, NULL, NULL,
+                (uint8_t *)packed, scales, out, accumulate};
+    parallel(threads_for(n), qdec_task, &A);
+}
+
+/* ---- top-k by |x| ---------------------------------------------------------------------------- */
+
+/* |x|'s bits order like |x| itself (NaN above inf): select on integer keys, in two radix
+ * levels of 16 bits. Level 1 is a histogram over the whole vector; only the elements in the
+ * boundary bin are kept as candidates for level 2. */
+#define HBINS 32768
+
+typedef struct {
+    const float *x;
+    int64_t n, k, bin;
+    int64_t *hist[SDK_MAX_THREADS];
+    int64_t out_at[SDK_MAX_THREADS], cand_at[SDK_MAX_THREADS];
+    int64_t *idx, *cand;
+    float *val;
+} tk_args;
+
+static inline uint32_t key_of(float f) { return f2u(f) & 0x7fffffff; }
+
+static void tk_hist_task(void *arg, int t, int nt) {
+    tk_args *A = (tk_args *)arg;
+    int64_t a, b;
+    share(A->n, t, nt, 64, &a, &b);
+    int64_t *h = A->hist[t];
+    for (int64_t i = a; i < b; i++) h[key_of(A->x[i]) >> 16]++;
+}
+
+static void tk_pick_task(void *arg, int t, int nt) {
+    tk_args *A = (tk_args *)arg;
+    int64_t a, b;
+    share(A->n, t, nt, 64, &a, &b);
+    int64_t o = A->out_at[t], c = A->cand_at[t];
+    uint32_t bin = (uint32_t)A->bin;
+    for (int64_t i = a; i < b; i++) {
+        uint32_t hb = key_of(A->x[i]) >> 16;
+        if (hb > bin) { A->idx[o] = i; A->val[o++] = A->x[i]; }
+        else if (hb == bin) A->cand[c++] = i;
+    }
+}
+
+int sdk_topk(const float *x, int64_t n, int64_t k, int64_t *idx, float *val) {
+    if (k <= 0 || n <= 0) return 0;
+    if (k > n) k = n;
+    int nt = threads_for(n);
+    tk_args A;
+    memset(&A, 0, sizeof A);
+    A.x = x; A.n = n; A.k = k; A.idx = idx; A.val = val;
+    int64_t *hists = (int64_t *)calloc((size_t)nt * HBINS, sizeof(int64_t));
+    if (!hists) return -1;
+    for (int t = 0; t < nt; t++) A.hist[t] = hists + (size_t)t * HBINS;
+    parallel(nt, tk_hist_task, &A);
+    int64_t above = 0, bin = HBINS - 1;
+    for (; bin > 0; bin--) {
+        int64_t c = 0;
+        for (int t = 0; t < nt; t++) c += A.hist[t][bin];
+        if (above + c >= k) break;
+        above += c;
+    }
+    int64_t ncand = 0, o = 0;
+    for (int t = 0; t < nt; t++) {
+        A.out_at[t] = o;
+        A.cand_at[t] = ncand;
+        for (int64_t j = bin + 1; j < HBINS; j++) o += A.hist[t][j];
+        ncand += A.hist[t][bin];
+    }
+    free(hists);
+    A.bin = bin;
+    A.cand = (int64_t *)malloc((size_t)(ncand > 0 ? ncand : 1) * sizeof(int64_t));
+    if (!A.cand) return -1;
+    parallel(nt, tk_pick_task, &A);
+    /* level 2 over the candidates' low 16 bits; equal keys go by index (candidates are in order) */
+    int64_t need = k - above;
+    int64_t *h2 = (int64_t *)calloc(65536, sizeof(int64_t));
+    if (!h2) { free(A.cand); return -1; }
+    for (int64_t c = 0; c < ncand; c++) h2[key_of(x[A.cand[c]]) & 0xffff]++;
+    int64_t above2 = 0, low = 65535;
+    for (; low > 0; low--) {
+        if (above2 + h2[low] >= need) break;
+        above2 += h2[low];
+    }
+    int64_t ties = need - above2;
+    for (int64_t c = 0; c < ncand; c++) {
+        int64_t i = A.cand[c];
+        int64_t lk = key_of(x[i]) & 0xffff;
+        if (lk > low || (lk == low && ties-- > 0)) { idx[o] = i; val[o++] = x[i]; }
+    }
+    free(h2);
+    free(A.cand);
+    return 0;
+}

@@ -1,0 +1,58 @@
+/* Gradient-compression kernels on plain memory: no Python, no torch.
+ *
+ * Every array is contiguous; n counts elements. Layouts match spark_dl/compression exactly:
+ * sign bits are packed 8 per byte, first element in the most significant bit (bits.pack(x, 1)),
+ * buckets are consecutive runs of `bucket` elements with a shorter last one (SignMeans._split),
+ * QSGD codes are level + s packed by bits.pack(codes, code_bits).
+ * Vectors of at least SDK_PAR_MIN elements are split across sdk_set_threads() threads.
+ */
+#ifndef SPARK_DL_KERNELS_H
+#define SPARK_DL_KERNELS_H
+
+#include <stdint.h>
+
+#define SDK_PAR_MIN (1 << 20)
+#define SDK_MAX_THREADS 8
+
+void sdk_set_threads(int n);
+int sdk_get_threads(void);
+/* "avx2 f16c" or "scalar": which paths this CPU runs. */
+const char *sdk_features(void);
+/* 1 forces the scalar paths (tests compare them against the SIMD ones). */
+void sdk_force_scalar(int on);
+
+/* 1-bit with means (SignMeans), p = g + e_in (e_in may be NULL: zero). Writes means[2 * nb]
+ * (positive mean, negative mean per bucket) and bits[ceil(n / 8)]. When e_out is not NULL it
+ * receives p - q(p) with q decoded exactly as SignMeans.decompress does; e_out may be e_in. */
+void sdk_onebit_encode(const float *g, const float *e_in, float *e_out, int64_t n, int64_t bucket,
+                       float *means, uint8_t *bits);
+/* out[i] (+)= decoded value: b * (mp - mn) + mn in float32, as SignMeans.decompress. */
+void sdk_onebit_decode(const float *means, const uint8_t *bits, int64_t n, int64_t bucket, float *out,
+                       int accumulate);
+
+/* Scaled sign (ScaledSign): scale = sum|p| / n, returned; residual as above with q = +-scale. */
+float sdk_scaled_sign_encode(const float *g, const float *e_in, float *e_out, int64_t n, uint8_t *bits);
+void sdk_scaled_sign_decode(float scale, const uint8_t *bits, int64_t n, float *out, int accumulate);
+
+/* float32 -> float16 / bfloat16 of x * scale (scale = 1/world divides before the sum), round to
+ * nearest even; and back (exact). bf16 NaN becomes the quiet NaN 0x7FC0 (sign kept). */
+void sdk_f32_to_f16(const float *x, uint16_t *h, int64_t n, float scale);
+void sdk_f16_to_f32(const uint16_t *h, float *x, int64_t n);
+void sdk_f32_to_bf16(const float *x, uint16_t *h, int64_t n, float scale);
+void sdk_bf16_to_f32(const uint16_t *h, float *x, int64_t n);
+
+/* QSGD with `levels` = s and buckets of `bucket` elements: norms[nb] = ||v||_2, codes
+ * floor(s|v_i|/||v|| + u) clamped to s, signed, + s, packed in code_bits bits. u comes from
+ * xoshiro128+ streams seeded by (seed, 64K-element chunk), so results do not depend on threads.
+ * NaN inputs give code s (zero). */
+void sdk_qsgd_encode(const float *x, int64_t n, int64_t bucket, int levels, int code_bits, uint64_t seed,
+                     float *norms, uint8_t *packed);
+/* out[i] (+)= (code_i - s) * scales[bucket of i], scales = norms / s computed by the caller. */
+void sdk_qsgd_decode(const float *scales, const uint8_t *packed, int64_t n, int64_t bucket, int levels,
+                     int code_bits, float *out, int accumulate);
+
+/* The k entries of largest |x| (NaN counts as largest; ties broken by lower index): indices
+ * and values, in no particular order. Returns 0, or -1 when memory ran out. */
+int sdk_topk(const float *x, int64_t n, int64_t k, int64_t *idx, float *val);
+
+#endif

@@ -1,0 +1,157 @@
+/* spark_dl._native: the kernels of kernels.c for Python, on raw memory.
+ *
+ * Arrays arrive as (address, count) integers, e.g. tensor.data_ptr(): no torch headers and no
+ * libtorch, so one build serves every torch version and no tensor is copied. The Python wrapper
+ * (spark_dl/compression/native.py) checks dtypes, contiguity and sizes before calling; here an
+ * address is trusted. Each kernel runs with the GIL released.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "kernels.h"
+
+#define PTR(T, v) ((T)(uintptr_t)(v))
+
+static PyObject *onebit_encode(PyObject *self, PyObject *args) {
+    unsigned long long g, e_in, e_out, means, bits;
+    long long n, bucket;
+    if (!PyArg_ParseTuple(args, "KKKLLKK", &g, &e_in, &e_out, &n, &bucket, &means, &bits)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    sdk_onebit_encode(PTR(const float *, g), PTR(const float *, e_in), PTR(float *, e_out), n, bucket,
+                      PTR(float *, means), PTR(uint8_t *, bits));
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *onebit_decode(PyObject *self, PyObject *args) {
+    unsigned long long means, bits, out;
+    long long n, bucket;
+    int acc;
+    if (!PyArg_ParseTuple(args, "KKLLKp", &means, &bits, &n, &bucket, &out, &acc)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    sdk_onebit_decode(PTR(const float *, means), PTR(const uint8_t *, bits), n, bucket, PTR(float *, out), acc);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *scaled_sign_encode(PyObject *self, PyObject *args) {
+    unsigned long long g, e_in, e_out, bits;
+    long long n;
+    float scale;
+    if (!PyArg_ParseTuple(args, "KKKLK", &g, &e_in, &e_out, &n, &bits)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    scale = sdk_scaled_sign_encode(PTR(const float *, g), PTR(const float *, e_in), PTR(float *, e_out), n,
+                                   PTR(uint8_t *, bits));
+    Py_END_ALLOW_THREADS
+    return PyFloat_FromDouble(scale);
+}
+
+static PyObject *scaled_sign_decode(PyObject *self, PyObject *args) {
+    unsigned long long bits, out;
+    long long n;
+    float scale;
+    int acc;
+    if (!PyArg_ParseTuple(args, "fKLKp", &scale, &bits, &n, &out, &acc)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    sdk_scaled_sign_decode(scale, PTR(const uint8_t *, bits), n, PTR(float *, out), acc);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* kind: "f16" or "bf16"; to_half: 1 for float32 -> half (times scale), 0 for half -> float32. */
+static PyObject *convert(PyObject *self, PyObject *args) {
+    unsigned long long src, dst;
+    long long n;
+    float scale;
+    int bf16, to_half;
+    if (!PyArg_ParseTuple(args, "KKLfpp", &src, &dst, &n, &scale, &bf16, &to_half)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    if (to_half && bf16) sdk_f32_to_bf16(PTR(const float *, src), PTR(uint16_t *, dst), n, scale);
+    else if (to_half) sdk_f32_to_f16(PTR(const float *, src), PTR(uint16_t *, dst), n, scale);
+    else if (bf16) sdk_bf16_to_f32(PTR(const uint16_t *, src), PTR(float *, dst), n);
+    else sdk_f16_to_f32(PTR(const uint16_t *, src), PTR(float *, dst), n);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *qsgd_encode(PyObject *self, PyObject *args) {
+    unsigned long long x, seed, norms, packed;
+    long long n, bucket;
+    int levels, bits;
+    if (!PyArg_ParseTuple(args, "KLLiiKKK", &x, &n, &bucket, &levels, &bits, &seed, &norms, &packed)) return NULL;
+    if (levels < 1 || levels > 127 || bits < 1 || bits > 8) {
+        PyErr_SetString(PyExc_ValueError, "qsgd_encode: levels must be in 1..127 and bits in 1..8");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    sdk_qsgd_encode(PTR(const float *, x), n, bucket, levels, bits, seed, PTR(float *, norms),
+                    PTR(uint8_t *, packed));
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *qsgd_decode(PyObject *self, PyObject *args) {
+    unsigned long long scales, packed, out;
+    long long n, bucket;
+    int levels, bits, acc;
+    if (!PyArg_ParseTuple(args, "KKLLiiKp", &scales, &packed, &n, &bucket, &levels, &bits, &out, &acc))
+        return NULL;
+    if (levels < 1 || levels > 127 || bits < 1 || bits > 8) {
+        PyErr_SetString(PyExc_ValueError, "qsgd_decode: levels must be in 1..127 and bits in 1..8");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    sdk_qsgd_decode(PTR(const float *, scales), PTR(const uint8_t *, packed), n, bucket, levels, bits,
+                    PTR(float *, out), acc);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *topk(PyObject *self, PyObject *args) {
+    unsigned long long x, idx, val;
+    long long n, k;
+    int rc;
+    if (!PyArg_ParseTuple(args, "KLLKK", &x, &n, &k, &idx, &val)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    rc = sdk_topk(PTR(const float *, x), n, k, PTR(int64_t *, idx), PTR(float *, val));
+    Py_END_ALLOW_THREADS
+    if (rc) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *set_threads(PyObject *self, PyObject *args) {
+    int n;
+    if (!PyArg_ParseTuple(args, "i", &n)) return NULL;
+    sdk_set_threads(n);
+    return PyLong_FromLong(sdk_get_threads());
+}
+
+static PyObject *force_scalar(PyObject *self, PyObject *args) {
+    int on;
+    if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
+    sdk_force_scalar(on);
+    Py_RETURN_NONE;
+}
+
+static PyObject *features(PyObject *self, PyObject *noargs) { return PyUnicode_FromString(sdk_features()); }
+
+static PyMethodDef methods[] = {
+    {"onebit_encode", onebit_encode, METH_VARARGS, "(g, e_in, e_out, n, bucket, means, bits)"},
+    {"onebit_decode", onebit_decode, METH_VARARGS, "(means, bits, n, bucket, out, accumulate)"},
+    {"scaled_sign_encode", scaled_sign_encode, METH_VARARGS, "(g, e_in, e_out, n, bits) -> scale"},
+    {"scaled_sign_decode", scaled_sign_decode, METH_VARARGS, "(scale, bits, n, out, accumulate)"},
+    {"convert", convert, METH_VARARGS, "(src, dst, n, scale, bf16, to_half)"},
+    {"qsgd_encode", qsgd_encode, METH_VARARGS, "(x, n, bucket, levels, bits, seed, norms, packed)"},
+    {"qsgd_decode", qsgd_decode, METH_VARARGS, "(scales, packed, n, bucket, levels, bits, out, accumulate)"},
+    {"topk", topk, METH_VARARGS, "(x, n, k, idx, val)"},
+    {"set_threads", set_threads, METH_VARARGS, "threads for vectors of 1M+ elements; returns the value set"},
+    {"force_scalar", force_scalar, METH_VARARGS, "True: skip the AVX2/F16C paths"},
+    {"features", features, METH_NOARGS, "the SIMD paths this CPU runs"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "spark_dl._native",
+                                    "Gradient-compression kernels on raw memory (see native/kernels.h).", -1,
+                                    methods};
+
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }

@@ -1,0 +1,189 @@
+"""Thin wrapper over the C kernels of ``spark_dl._native`` (built from ``native/`` by pip).
+
+The compressors call these when :func:`enabled` says so (the extension imported, the tensor is
+on the CPU, ``SPARK_DL_NATIVE`` is not ``0``) and their torch code otherwise. The kernels work
+on tensor memory through ``data_ptr()``; this module makes inputs contiguous float32 (a copy
+only when they are not already) and allocates every output, so the C side never sees a size it
+was not promised.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    from spark_dl import _native as _ext
+except ImportError:  # no compiler at install time: the torch paths serve
+    _ext = None
+
+
+def available() -> bool:
+    """The extension was built and imported."""
+    return _ext is not None
+
+
+def enabled(*tensors: torch.Tensor) -> bool:
+    """Use the kernels for these tensors: extension present, not switched off, all on the CPU."""
+    if _ext is None or os.environ.get("SPARK_DL_NATIVE", "1") == "0":
+        return False
+    return all(t.device.type == "cpu" for t in tensors)
+
+
+def features() -> str:
+    """The SIMD paths this CPU runs ("avx2 f16c", "avx2" or "scalar")."""
+    return _ext.features() if _ext is not None else "none"
+
+
+def set_threads(n: int) -> int:
+    """Threads for vectors of 1M elements or more (default 2)."""
+    return _ext.set_threads(n)
+
+
+def force_scalar(on: bool) -> None:
+    """Skip the AVX2/F16C paths: lets tests hold them against the portable C."""
+    _ext.force_scalar(on)
+
+
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1).to(torch.float32).contiguous()
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _residual_in(e: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    if e is None or e.numel() != n or e.dtype != torch.float32 or e.device.type != "cpu":
+        return None
+    return e.reshape(-1).contiguous()
+
+
+def onebit_encode(g: torch.Tensor, bucket: int, e: torch.Tensor | None = None, residual: bool = False):
+    """SignMeans of p = g + e: (means[2 * buckets], bits, new residual or None).
+
+    With ``residual`` the new residual p - q(p) is written over ``e`` when ``e`` is a usable
+    contiguous float32 tensor of n elements (one pass fewer, no allocation), else into a new one.
+    """
+    x = _f32(g)
+    n = x.numel()
+    b = max(1, min(bucket, n)) if n else 1
+    nb = -(-n // b)
+    means = torch.empty(2 * nb, dtype=torch.float32)
+    bits = torch.empty((n + 7) // 8, dtype=torch.uint8)
+    e_in = _residual_in(e, n)
+    e_out = None
+    if residual:
+        e_out = e_in if e_in is not None and e_in.data_ptr() == _ptr(e) else torch.empty(n, dtype=torch.float32)
+    _ext.onebit_encode(x.data_ptr(), _ptr(e_in), _ptr(e_out), n, b, means.data_ptr(), bits.data_ptr())
+    return means, bits, e_out
+
+
+def onebit_decode(means: torch.Tensor, bits: torch.Tensor, n: int, bucket: int,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """q as float32 (accumulated into ``out``, a contiguous float32 tensor of n, when given)."""
+    b = max(1, min(bucket, n)) if n else 1
+    _check_sizes(means, 2 * (-(-n // b)), bits, (n + 7) // 8)
+    acc = out is not None
+    out = _out(out, n)
+    _ext.onebit_decode(means.data_ptr(), bits.data_ptr(), n, b, out.data_ptr(), acc)
+    return out
+
+
+def scaled_sign_encode(g: torch.Tensor, e: torch.Tensor | None = None, residual: bool = False):
+    """ScaledSign of p = g + e: (scale[1], bits, new residual or None); residual as onebit_encode."""
+    x = _f32(g)
+    n = x.numel()
+    bits = torch.empty((n + 7) // 8, dtype=torch.uint8)
+    e_in = _residual_in(e, n)
+    e_out = None
+    if residual:
+        e_out = e_in if e_in is not None and e_in.data_ptr() == _ptr(e) else torch.empty(n, dtype=torch.float32)
+    scale = _ext.scaled_sign_encode(x.data_ptr(), _ptr(e_in), _ptr(e_out), n, bits.data_ptr())
+    return torch.tensor([scale], dtype=torch.float32), bits, e_out
+
+
+def scaled_sign_decode(scale: torch.Tensor, bits: torch.Tensor, n: int,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+    _check_sizes(scale, 1, bits, (n + 7) // 8)
+    acc = out is not None
+    out = _out(out, n)
+    _ext.scaled_sign_decode(float(scale.reshape(-1)[0]), bits.data_ptr(), n, out.data_ptr(), acc)
+    return out
+
+
+def to_half(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """1-D float16/bfloat16 of x * scale (round to nearest even), e.g. scale = 1/world."""
+    src = _f32(x)
+    h = torch.empty(src.numel(), dtype=dtype)
+    _ext.convert(src.data_ptr(), h.data_ptr(), src.numel(), float(scale), _bf16(dtype), True)
+    return h
+
+
+def from_half(h: torch.Tensor) -> torch.Tensor:
+    """1-D float32 of a float16/bfloat16 tensor (exact)."""
+    src = h.reshape(-1).contiguous()
+    out = torch.empty(src.numel(), dtype=torch.float32)
+    _ext.convert(src.data_ptr(), out.data_ptr(), src.numel(), 1.0, _bf16(src.dtype), False)
+    return out
+
+
+def _bf16(dtype: torch.dtype) -> bool:
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"half conversion is to/from float16 or bfloat16, got {dtype}")
+    return dtype == torch.bfloat16
+
+
+def qsgd_encode(x: torch.Tensor, levels: int, bucket: int, code_bits: int, seed: int):
+    """(norms[buckets], packed codes) as QSGD.compress lays them out; ``bucket`` already <= n."""
+    v = _f32(x)
+    n = v.numel()
+    nb = -(-n // bucket) if n else 0
+    norms = torch.empty(nb, dtype=torch.float32)
+    nbytes = (n + 8 // code_bits - 1) // (8 // code_bits) if 8 % code_bits == 0 else code_bits * ((n + 7) // 8)
+    packed = torch.empty(nbytes, dtype=torch.uint8)
+    _ext.qsgd_encode(v.data_ptr(), n, bucket, levels, code_bits, seed & (2**64 - 1), norms.data_ptr(),
+                     packed.data_ptr())
+    return norms, packed
+
+
+def qsgd_decode(norms: torch.Tensor, packed: torch.Tensor, n: int, levels: int, bucket: int, code_bits: int,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """(code - s) * (norm / s) per element, rounded as QSGD.decompress."""
+    scales = (norms / levels).contiguous()  # torch's own division: the same float as the torch path
+    per = 8 // code_bits if 8 % code_bits == 0 else 0
+    _check_sizes(norms, -(-n // bucket) if n else 0, packed,
+                 (n + per - 1) // per if per else code_bits * ((n + 7) // 8))
+    acc = out is not None
+    out = _out(out, n)
+    _ext.qsgd_decode(scales.data_ptr(), packed.contiguous().data_ptr(), n, bucket, levels, code_bits,
+                     out.data_ptr(), acc)
+    return out
+
+
+def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int64 indices, values) of the k largest |x| (NaN largest; ties to the lower index)."""
+    v = _f32(x)
+    k = max(0, min(k, v.numel()))
+    idx = torch.empty(k, dtype=torch.int64)
+    val = torch.empty(k, dtype=torch.float32)
+    _ext.topk(v.data_ptr(), v.numel(), k, idx.data_ptr(), val.data_ptr())
+    return idx, val
+
+
+def _out(out: torch.Tensor | None, n: int) -> torch.Tensor:
+    if out is None:
+        return torch.empty(n, dtype=torch.float32)
+    if out.dtype != torch.float32 or out.numel() != n or not out.is_contiguous() or out.device.type != "cpu":
+        raise ValueError(f"out must be a contiguous float32 CPU tensor of {n} elements, "
+                         f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+    return out
+
+
+def _check_sizes(a: torch.Tensor, na: int, b: torch.Tensor, nb: int) -> None:
+    # The C side trusts sizes: a short payload must fail here, not read past its end.
+    if a.numel() != na or b.numel() != nb or not a.is_contiguous() or not b.is_contiguous():
+        raise ValueError(f"payload does not match its meta: expected {na} and {nb} elements, "
+                         f"got {a.numel()} and {b.numel()}")
+    if a.dtype != torch.float32 or b.dtype != torch.uint8:
+        raise ValueError(f"payload dtypes must be float32 and uint8, got {a.dtype} and {b.dtype}")

@@ -1,0 +1,244 @@
+"""The C kernels against the torch paths they replace, on the sizes where packing and threads
+change (0, 1, byte edges, bucket edges, 1M+ for the two-thread split), both SIMD and scalar C."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import spark_dl.compression as C
+from spark_dl.compression import native
+from spark_dl.compression.bits import pack, unpack
+from spark_dl.compression.memory import ErrorFeedback
+
+SIZES = [0, 1, 7, 8, 9, 1023, 1024, 1025, 4097, 1_000_003, (1 << 20) + 13]
+
+
+@pytest.fixture(params=["simd", "scalar"])
+def path(request):
+    native.force_scalar(request.param == "scalar")
+    yield request.param
+    native.force_scalar(False)
+
+
+@pytest.fixture
+def torch_path(monkeypatch):
+    """Calls the compressors' torch code in this process (the switch is read per call)."""
+    def run(fn, *args):
+        monkeypatch.setenv("SPARK_DL_NATIVE", "0")
+        try:
+            return fn(*args)
+        finally:
+            monkeypatch.delenv("SPARK_DL_NATIVE")
+    return run
+
+
+def rand(n, seed=0):
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed + n))
+
+
+def test_extension_is_built_and_used():
+    assert native.available() and native.enabled(torch.zeros(1))
+    assert native.features() in ("avx2 f16c", "avx2", "scalar")
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("bucket", [None, 7, 1024])
+def test_onebit_matches_torch(n, bucket, path, torch_path):
+    g = rand(n)
+    c = C.SignMeans(bucket)
+    means, bits = c.compress(g).tensors
+    ref_means, ref_bits = torch_path(c.compress, g).tensors
+    assert torch.equal(bits, ref_bits)  # bit order and padding exactly as bits.pack
+    # Means: C sums in double, torch in float: the same value to float rounding.
+    assert torch.allclose(means, ref_means, rtol=2e-5, atol=1e-6)
+    # Given the means, decoding is bit-for-bit the torch formula.
+    p = C.base.Payload([means, bits], c.compress(g).meta)
+    assert torch.equal(c.decompress(p), torch_path(c.decompress, p))
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_onebit_error_feedback_fused_equals_torch_feedback(n, path, torch_path):
+    fused = C.OneBit(bucket_size=1024)
+    for step in range(3):
+        g = rand(n, seed=step)
+        e_before = fused.residuals.memory.get("g")
+        e_before = None if e_before is None else e_before.clone()  # the kernel updates it in place
+        p = g + e_before if e_before is not None else g.clone()
+        payload = fused.compress(g, key="g")
+        means, bits = payload.tensors
+        assert torch.equal(bits, pack(p >= 0, 1))
+        # The stored residual is p - D(C(p)) with torch's own decompression of the payload.
+        q = torch_path(fused.decompress, payload)
+        assert torch.equal(fused.residuals.memory["g"], p - q)
+        # And the whole step agrees with the torch ErrorFeedback to float rounding.
+        ref = ErrorFeedback(C.SignMeans(1024))
+        if e_before is not None:
+            ref.residuals.store("g", e_before.clone())
+        ref_payload = torch_path(ref.compress, g, "g")
+        assert torch.allclose(means, ref_payload.tensors[0], rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_efsign_matches_torch(n, path, torch_path):
+    ef = C.EFSign()
+    ref = C.EFSign()
+    for step in range(2):
+        g = rand(n, seed=step)
+        scale, bits = ef.compress(g, key="k").tensors
+        ref_scale, ref_bits = torch_path(ref.compress, g, "k").tensors
+        assert torch.equal(bits, ref_bits)
+        assert torch.allclose(scale, ref_scale, rtol=2e-5)
+        ref.residuals.store("k", ef.residuals.memory["k"].clone())  # follow the native residual
+    payload = ef.compress(rand(n, seed=9), key="k")
+    assert torch.equal(ef.decompress(payload), torch_path(ef.decompress, payload))
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("make", [C.FP16, C.BF16])
+def test_half_conversion_is_torch_bit_for_bit(n, make, path, torch_path):
+    # Wide range: subnormal halves, overflow to inf, bf16 ties.
+    g = rand(n) * torch.logspace(-9, 6, max(n, 1))[:n]
+    c = make()
+    wire = c.compress(g).tensors[0]
+    ref = torch_path(c.compress, g).tensors[0]
+    assert wire.dtype == ref.dtype and torch.equal(wire.view(torch.int16), ref.view(torch.int16))
+    payload = c.compress(g)
+    assert torch.equal(c.decompress(payload), torch_path(c.decompress, payload))
+
+
+def test_half_conversion_divides_before_the_sum(path):
+    g = rand(100_003) * 1e5
+    for dtype in (torch.float16, torch.bfloat16):
+        got = native.to_half(g, dtype, scale=0.25)
+        assert torch.equal(got.view(torch.int16), (g * 0.25).to(dtype).view(torch.int16))
+
+
+def test_half_special_values(path):
+    x = torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 65504.0,
+                      65519.0, 65520.0, 2.0**-24, 2.0**-25, 3 * 2.0**-26, 1 + 2.0**-8, 1 + 3 * 2.0**-8] * 3)
+    for dtype in (torch.float16, torch.bfloat16):
+        got, ref = native.to_half(x, dtype), x.to(dtype)
+        nan = ref.isnan()
+        assert torch.equal(got.isnan(), nan)  # NaN stays NaN
+        assert torch.equal(got[~nan].view(torch.int16), ref[~nan].view(torch.int16))
+        assert torch.equal(native.from_half(got).isnan(), nan)
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("levels,bucket", [(7, 512), (1, None), (3, 100), (2, 8)])
+def test_qsgd_layout_norms_and_decode_match_torch(n, levels, bucket, path, torch_path):
+    g = rand(n)
+    c = C.QSGD(levels=levels, bucket_size=bucket, seed=1)
+    payload = c.compress(g)
+    norms, packed = payload.tensors
+    ref = torch_path(C.QSGD(levels=levels, bucket_size=bucket, seed=1).compress, g)
+    assert norms.shape == ref.tensors[0].shape and packed.shape == ref.tensors[1].shape
+    # C sums squares in double: within float rounding of the exact norm (torch's float sum of
+    # a million squares can be 1e-5 off, so hold both to the float64 norm).
+    padded = torch.cat([g, g.new_zeros(norms.numel() * payload.meta.bucket - n)]).double()
+    exact = torch.linalg.vector_norm(padded.view(norms.numel(), payload.meta.bucket), dim=1)
+    assert torch.allclose(norms.double(), exact, rtol=1e-6)
+    assert torch.allclose(ref.tensors[0].double(), exact, rtol=1e-4)
+    # Decoding the native payload: identical floats from both decoders.
+    q = c.decompress(payload)
+    assert torch.equal(q, torch_path(c.decompress, payload))
+    # Each level is floor or ceil of s|v|/||v|| with v's sign: the layout holds the right codes.
+    d = payload.meta.bucket
+    if n:
+        lvl = unpack(packed, n, c.code_bits).float() - levels
+        nb = norms.numel()
+        r = torch.cat([g, g.new_zeros(nb * d - n)]).view(nb, d).abs() * (levels / norms).unsqueeze(1)
+        r = r.view(-1)[:n]
+        assert ((lvl.abs() - r).abs() <= 1 + 1e-4).all()
+        assert ((lvl == 0) | (torch.sign(lvl) == torch.sign(g))).all()
+
+
+def test_qsgd_is_unbiased_and_reproducible():
+    g = rand(64)
+    draws = lambda seed: torch.stack([C.QSGD(7, None, seed=seed).decompress(C.QSGD(7, None, seed=seed).compress(g))
+                                      for _ in range(1)])
+    assert torch.equal(draws(3), draws(3)) and not torch.equal(draws(3), draws(4))
+    s = 2
+    c = C.QSGD(levels=s, bucket_size=None, seed=5)
+    qs = torch.stack([c.decompress(c.compress(g)) for _ in range(3000)])
+    # The standard error from the rounding probability itself: a tiny g_i that never rounds
+    # up in 3000 draws has a sample std of 0 but is still unbiased.
+    r = g.abs() * s / g.norm()
+    frac = r - r.floor()
+    se = g.norm() / s * (frac * (1 - frac)).sqrt() / math.sqrt(len(qs))
+    assert ((qs.mean(dim=0) - g).abs() <= 5 * se + 1e-6).all()
+
+
+def test_qsgd_does_not_depend_on_the_thread_count():
+    g = rand(3 << 20)
+    out = []
+    for t in (1, 2):
+        native.set_threads(t)
+        out.append(native.qsgd_encode(g, 7, 512, 4, seed=11))
+    native.set_threads(2)
+    assert torch.equal(out[0][1], out[1][1]) and torch.equal(out[0][0], out[1][0])
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("ratio", [0.01, 0.3, 1.0])
+def test_topk_selects_the_torch_set(n, ratio, torch_path):
+    g = rand(n)  # continuous values: no ties
+    c = C.TopK(ratio)
+    values, idx = c.compress(g).tensors
+    ref_values, ref_idx = torch_path(c.compress, g).tensors
+    assert idx.dtype == ref_idx.dtype
+    order, ref_order = idx.argsort(), ref_idx.argsort()
+    assert torch.equal(idx[order], ref_idx[ref_order])
+    assert torch.equal(values[order], ref_values[ref_order])
+
+
+def test_topk_ties_and_nan_are_defined():
+    x = torch.tensor([1.0, -1.0, 1.0, 0.5, float("nan"), -1.0])
+    idx, val = native.topk(x, 3)
+    assert sorted(idx.tolist()) == [0, 1, 4]  # NaN first, then equal |x| by lower index
+    idx, _ = native.topk(torch.zeros(10), 4)
+    assert sorted(idx.tolist()) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("n", [9, (1 << 20) + 5])
+def test_nan_and_inf_give_a_defined_result(n):
+    g = rand(n)
+    g[3], g[5], g[-1] = float("nan"), float("inf"), -float("inf")
+    means, bits, _ = native.onebit_encode(g, 1024)
+    assert torch.equal(bits, pack(g >= 0, 1))
+    assert means[:2].isnan().all()  # the bucket holding the NaN: both means NaN, as in torch
+    norms, packed = native.qsgd_encode(g, 7, 512, 4, seed=0)
+    assert norms[0].isnan()
+    codes = unpack(packed, n, 4)
+    assert (codes <= 14).all() and codes[3] == 7  # NaN quantizes to zero
+    assert sorted(native.topk(g, 3)[0].tolist()) == [3, 5, n - 1]  # NaN and +-inf are the largest
+
+
+def test_non_contiguous_input_is_made_contiguous(torch_path):
+    g = rand(4096).view(64, 64).t()
+    assert not g.is_contiguous()
+    for c in (C.SignMeans(100), C.FP16(), C.BF16()):
+        a, b = c.compress(g).tensors, torch_path(c.compress, g).tensors
+        assert all(torch.allclose(x.float(), y.float(), rtol=2e-5) for x, y in zip(a, b))
+    idx = C.TopK(0.1).compress(g).tensors[1]
+    ref_idx = torch_path(C.TopK(0.1).compress, g).tensors[1]
+    assert torch.equal(idx.sort().values, ref_idx.sort().values)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        native.onebit_decode(*native.onebit_encode(g, 64)[:2], 4096, 64, out=torch.zeros(4096).view(64, 64).t())
+
+
+def test_short_payload_is_refused_not_read_past():
+    means, bits, _ = native.onebit_encode(rand(100), 10)
+    with pytest.raises(ValueError, match="payload does not match"):
+        native.onebit_decode(means, bits[:-1], 100, 10)
+
+
+def test_decode_accumulates(path):
+    g = rand(5000)
+    means, bits, _ = native.onebit_encode(g, 256)
+    q = native.onebit_decode(means, bits, 5000, 256)
+    out = torch.ones(5000)
+    native.onebit_decode(means, bits, 5000, 256, out=out)
+    assert torch.equal(out, 1 + q)
