@@ -554,10 +554,10 @@ static inline void put8(uint8_t *packed, int64_t n, int bits, int64_t i, const u
     }
 }
 
-static inline void get8(const uint8_t *packed, int64_t n, int bits, int64_t i, uint8_t *c) {
+static inline void get8(const uint8_t *packed, int64_t n, int bits, int64_t i, uint8_t *c, int cnt) {
     if (8 % bits == 0) {
         int per = 8 / bits, mask = (1 << bits) - 1;
-        for (int k = 0; k < 8; k++) {
+        for (int k = 0; k < cnt; k++) {  /* not past cnt: the last byte may hold fewer codes */
             int64_t e = i + k;
             c[k] = (uint8_t)((packed[e / per] >> ((per - 1 - (int)(e % per)) * bits)) & mask);
         }
@@ -600,7 +600,7 @@ static void qdec_task(void *arg, int t, int nt) {
     uint8_t c[8];
     for (int64_t i = a; i < b; i += 8) {
         int cnt = b - i < 8 ? (int)(b - i) : 8;
-        get8(A->packed, A->n, A->bits, i, c);
+        get8(A->packed, A->n, A->bits, i, c, cnt);
         for (int k = 0; k < cnt; k++) {
             float v = (float)((int)c[k] - A->levels) * A->scales[(i + k) / A->bucket];
             if (A->accumulate) A->out[i + k] += v;

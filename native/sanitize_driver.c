@@ -1,0 +1,96 @@
+/* Runs every kernel of kernels.c on edge sizes, SIMD and scalar, one and two threads, so that
+ * native/check_sanitizers.sh can build it with -fsanitize=address,undefined and catch any
+ * out-of-bounds access or undefined behaviour. Exact-size heap buffers: ASan sees one byte over.
+ * Exit status 0 when every self-check holds. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+
+static int failures = 0;
+#define CHECK(c) do { if (!(c)) { fprintf(stderr, "check failed line %d n=%lld: %s\n", __LINE__, (long long)n, #c); failures++; } } while (0)
+
+static void *xalloc(size_t bytes) {
+    void *p = malloc(bytes ? bytes : 1);
+    if (!p) { perror("malloc"); exit(2); }
+    return p;
+}
+
+static void run(int64_t n) {
+    float *g = xalloc(n * sizeof(float)), *e = xalloc(n * sizeof(float)), *out = xalloc(n * sizeof(float));
+    uint16_t *h = xalloc(n * 2);
+    uint64_t st = 0x1234567 + (uint64_t)n;
+    for (int64_t i = 0; i < n; i++) {
+        st = st * 6364136223846793005ull + 1442695040888963407ull;
+        g[i] = (float)((int32_t)(st >> 32)) / 2147483648.0f;
+        e[i] = 0.01f * g[i];
+    }
+    if (n > 5) { g[1] = NAN; g[2] = INFINITY; g[3] = -INFINITY; g[4] = 0.0f; g[5] = -0.0f; }
+    int64_t buckets[] = {1, 7, 8, 1024, n};
+    for (int b = 0; b < 5; b++) {
+        int64_t B = buckets[b] < 1 ? 1 : buckets[b];
+        int64_t nb = n ? (n + B - 1) / B : 0;
+        float *means = xalloc(2 * nb * sizeof(float));
+        uint8_t *bits = xalloc((n + 7) / 8);
+        sdk_onebit_encode(g, e, out, n, B, means, bits);
+        sdk_onebit_encode(g, e, e, n, B, means, bits);
+        sdk_onebit_encode(g, NULL, NULL, n, B, means, bits);
+        sdk_onebit_decode(means, bits, n, B, out, 0);
+        sdk_onebit_decode(means, bits, n, B, out, 1);
+        free(means);
+        free(bits);
+    }
+    uint8_t *bits = xalloc((n + 7) / 8);
+    float scale = sdk_scaled_sign_encode(g, e, e, n, bits);
+    sdk_scaled_sign_decode(scale, bits, n, out, 1);
+    free(bits);
+
+    sdk_f32_to_f16(g, h, n, 0.5f);
+    sdk_f16_to_f32(h, out, n);
+    sdk_f32_to_bf16(g, h, n, 1.0f);
+    sdk_bf16_to_f32(h, out, n);
+    for (int64_t i = 6; i < n; i++) CHECK(fabsf(out[i] - g[i]) <= fabsf(g[i]) * 0.004f);
+
+    for (int bitsw = 1; bitsw <= 8; bitsw++) {
+        int levels = ((1 << bitsw) - 1) / 2 > 0 ? ((1 << bitsw) - 1) / 2 : 1;
+        if (2 * levels + 1 > (1 << bitsw)) continue;
+        int64_t B = 512 < n ? 512 : (n ? n : 1);
+        int64_t nb = n ? (n + B - 1) / B : 0;
+        int64_t nbytes = 8 % bitsw == 0 ? (n + 8 / bitsw - 1) / (8 / bitsw) : bitsw * ((n + 7) / 8);
+        float *norms = xalloc(nb * sizeof(float));
+        uint8_t *packed = xalloc(nbytes);
+        sdk_qsgd_encode(g, n, B, levels, bitsw, 42, norms, packed);
+        for (int64_t j = 0; j < nb; j++) norms[j] /= (float)levels;
+        sdk_qsgd_decode(norms, packed, n, B, levels, bitsw, out, 0);
+        free(norms);
+        free(packed);
+    }
+
+    int64_t ks[] = {0, 1, n / 100, n / 2, n};
+    for (int j = 0; j < 5; j++) {
+        int64_t k = ks[j] < n ? ks[j] : n;
+        int64_t *idx = xalloc(k * sizeof(int64_t));
+        float *val = xalloc(k * sizeof(float));
+        CHECK(sdk_topk(g, n, k, idx, val) == 0);
+        for (int64_t i = 0; i < k; i++) CHECK(idx[i] >= 0 && idx[i] < n);
+        free(idx);
+        free(val);
+    }
+    free(g); free(e); free(out); free(h);
+}
+
+int main(void) {
+    int64_t sizes[] = {0, 1, 7, 8, 9, 15, 16, 17, 1023, 1025, 65537, SDK_PAR_MIN + 9};
+    for (int scalar = 0; scalar < 2; scalar++) {
+        sdk_force_scalar(scalar);
+        for (int t = 1; t <= 2; t++) {
+            sdk_set_threads(t);
+            for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) run(sizes[i]);
+        }
+    }
+    sdk_force_scalar(0);
+    printf("%s: %d failed checks (%s)\n", failures ? "FAIL" : "ok", failures, sdk_features());
+    return failures != 0;
+}
