@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Sequence
+from typing import Callable, Sequence
 
 from spark_dl.examples.digits import COMPRESSIONS
 
@@ -79,7 +79,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _spark_session(args: argparse.Namespace):
+def _spark_session(args: argparse.Namespace, error: Callable[[str], None]):
     """The SparkSession to run on: spark-submit's, or one on --master / local[np] under plain python."""
     from pyspark.sql import SparkSession
 
@@ -90,10 +90,31 @@ def _spark_session(args: argparse.Namespace):
         spark = builder.getOrCreate()
         configured = spark.sparkContext.master
         if args.master and args.master != configured:
-            print(f"{PROG}: ignoring --master {args.master}: spark-submit set the master to {configured}; "
-                  f"pass --master to spark-submit instead", file=sys.stderr)
+            error(f"{PROG}: ignoring --master {args.master}: spark-submit set the master to {configured}; "
+                  "pass --master to spark-submit instead")
         return spark
     return builder.master(args.master or f"local[{args.np}]").getOrCreate()
+
+
+def _stderr_writer() -> Callable[[str], None]:
+    """A function printing a line on the stderr of the command the user ran.
+
+    spark-submit merges the Python driver's stderr into its own stdout, so under spark-submit the
+    line goes through the JVM's System.err instead, where `2>` and log collectors expect errors.
+    """
+    if "PYSPARK_GATEWAY_PORT" not in os.environ:
+        return lambda line: print(line, file=sys.stderr, flush=True)
+    from pyspark import SparkContext
+
+    SparkContext._ensure_initialized()
+    system_err = SparkContext._jvm.System.err
+
+    def write(line: str) -> None:
+        sys.stdout.flush()
+        system_err.println(line)
+        system_err.flush()
+
+    return write
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -103,18 +124,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     from spark_dl import HorovodRunner, LaunchRefused, SparkDLError
     from spark_dl.examples.digits import train_digits
 
-    spark = _spark_session(args) if args.np > 0 else None
+    error = _stderr_writer()
+    spark = _spark_session(args, error) if args.np > 0 else None
     try:
         result = HorovodRunner(np=args.np, tracking=None if args.tracking else False).run(
             train_digits, epochs=args.epochs, batch_size=args.batch_size, base_lr=args.lr,
             compression=args.compression, seed=args.seed,
         )
     except LaunchRefused as e:
-        print(f"{PROG}: run refused: {e}", file=sys.stderr)
+        error(f"{PROG}: run refused: {e}")
         return EXIT_FAILED
     except SparkDLError as e:
         # RankFailed's message already holds the rank, host, remote traceback and last lines.
-        print(f"{PROG}: training failed: {e}", file=sys.stderr)
+        error(f"{PROG}: training failed: {e}")
         return EXIT_FAILED
     finally:
         if spark is not None:
@@ -124,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"test accuracy: {accuracy:.4f} ({abs(args.np)} ranks, compression={args.compression}, "
           f"{args.epochs} epochs)")
     if accuracy < args.min_accuracy:
-        print(f"{PROG}: test accuracy {accuracy:.4f} is below --min-accuracy {args.min_accuracy}", file=sys.stderr)
+        error(f"{PROG}: test accuracy {accuracy:.4f} is below --min-accuracy {args.min_accuracy}")
         return EXIT_BELOW_MIN
     return EXIT_OK
 

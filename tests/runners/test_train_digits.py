@@ -1,0 +1,99 @@
+"""runners/train_digits.py as a user runs it: real spark-submit on a two-executor local cluster.
+
+Each spark-submit starts a JVM and a local cluster, so there are two of them; the checks that must
+not start Spark (--help, bad arguments, --np -N) run under plain python with SPARK_HOME pointing
+nowhere, so any attempt to start a JVM would fail them.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pyspark
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = str(ROOT / "runners" / "train_digits.py")
+CLUSTER = "local-cluster[2,1,1024]"
+OPTIONS = ("--np", "--epochs", "--batch-size", "--lr", "--compression", "--seed", "--min-accuracy",
+           "--no-tracking", "--master")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable,
+               SPARK_DL_TRACKING="0")
+    env.update(extra)
+    return env
+
+
+def _spark_submit(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    exe = shutil.which("spark-submit") or os.path.join(os.path.dirname(pyspark.__file__), "bin", "spark-submit")
+    cmd = [exe, "--master", CLUSTER, "--conf", "spark.executor.memory=768m", "--conf", "spark.ui.enabled=false",
+           SCRIPT, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=timeout)
+
+
+def _python(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    # No Spark for these: a JVM start would fail on the bogus SPARK_HOME.
+    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
+                          env=_env(SPARK_HOME="/nonexistent/spark"), cwd=ROOT, timeout=timeout)
+
+
+def _accuracy(stdout: str) -> float:
+    match = re.search(r"^test accuracy: ([0-9.]+)", stdout, re.MULTILINE)
+    assert match, f"no accuracy line in stdout:\n{stdout}"
+    return float(match.group(1))
+
+
+def test_help_lists_every_option_and_exit_codes():
+    proc = _python("--help", timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    for option in OPTIONS:
+        assert option in proc.stdout
+    for name in ("qsgd", "powersgd", "efsign", "topk"):
+        assert name in proc.stdout
+    assert "Exit codes" in proc.stdout
+
+
+def test_bad_arguments_exit_2_with_argparse_message():
+    for args, needle in [
+        (["--compression", "zip"], "invalid choice: 'zip'"),
+        (["--np", "0"], "must not be 0"),
+        (["--epochs", "two"], "--epochs"),
+        (["--min-accuracy", "1.5"], "between 0 and 1"),
+        (["--bogus"], "unrecognized arguments"),
+    ]:
+        proc = _python(*args, timeout=30)
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert needle in proc.stderr, (args, proc.stderr)
+
+
+def test_accuracy_below_minimum_exits_3_without_spark():
+    proc = _python("--np", "-2", "--epochs", "1", "--no-tracking", "--min-accuracy", "0.999")
+    assert proc.returncode == 3, proc.stderr
+    assert 0.0 < _accuracy(proc.stdout) < 0.999
+    assert "below --min-accuracy 0.999" in proc.stderr
+
+
+def test_spark_submit_trains_with_qsgd_on_local_cluster():
+    proc = _spark_submit("--np", "2", "--epochs", "3", "--compression", "qsgd", "--no-tracking",
+                         "--min-accuracy", "0.8")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _accuracy(proc.stdout) > 0.8
+    assert "2 ranks, compression=qsgd, 3 epochs" in proc.stdout
+
+
+def test_spark_submit_more_ranks_than_slots_exits_1_with_launch_refused_message():
+    # spark-submit merges Python's stderr into its stdout; the runner's errors must still reach
+    # spark-submit's stderr. spark-submit's master also wins over the script's --master.
+    proc = _spark_submit("--np", "5", "--no-tracking", "--master", "local[8]", timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "ignoring --master local[8]: spark-submit set the master to local-cluster[2,1,1024]" in proc.stderr
+    assert "train_digits.py: run refused: np=5 needs 5 task slots at once, but this cluster has only 2" in proc.stderr
+    # The typed error's message, not a Python or Py4J traceback.
+    assert "Traceback" not in proc.stderr
+    assert "Py4JJavaError" not in proc.stderr
+    assert "test accuracy" not in proc.stdout
