@@ -9,10 +9,11 @@ from functools import partial
 from typing import Any, Callable
 
 from . import channel, cluster
+from .data import DataFrameShards
 from .driver import VERBOSITIES, Failure, JobMonitor, Observer
 from .errors import JobFailed, LaunchRefused
 from .launch.layout import RankSpec
-from .launch.task import JobSpec, barrier_task, free_port, run_task
+from .launch.task import JobSpec, arrow_barrier_task, barrier_task, free_port, run_task
 from .script import Script, read_script
 from .serialize import serialize_job
 from .tracking.observer import Tracking, make_observer
@@ -89,11 +90,12 @@ class HorovodRunner:
 
     # ------------------------------------------------------------------------------------------
     def _run(self, main: Callable[..., Any], kwargs: dict[str, Any], all_results: bool) -> Any:
+        kwargs, data = _take_dataframe(kwargs, self.np)
         payload = serialize_job(main, kwargs)
         if self.np < 0:
             launcher: _Launcher = _LocalLauncher(-self.np)
         else:
-            launcher = _SparkLauncher.prepare(self.np)
+            launcher = _SparkLauncher.prepare(self.np, data)
         job_id = f"spark-dl-{uuid.uuid4().hex[:12]}"
         secret = channel.new_secret()
         tracker = make_observer(self.tracking, self.progress)
@@ -258,8 +260,9 @@ class _SparkLauncher(_Launcher):
 
     bind_host = "0.0.0.0"
 
-    def __init__(self, sc, np: int, ranks_per_task: int) -> None:
+    def __init__(self, sc, np: int, ranks_per_task: int, data: DataFrameShards | None = None) -> None:
         self.sc = sc
+        self.data = data
         self.world_size = np
         self.ranks_per_task = ranks_per_task
         self.num_tasks = np // ranks_per_task
@@ -270,7 +273,7 @@ class _SparkLauncher(_Launcher):
         self._cancelled = False
 
     @classmethod
-    def prepare(cls, np: int) -> "_SparkLauncher":
+    def prepare(cls, np: int, data: DataFrameShards | None = None) -> "_SparkLauncher":
         session = cluster.active_session(np)
         sc = session.sparkContext
         cluster.check_dynamic_allocation(sc)
@@ -281,7 +284,14 @@ class _SparkLauncher(_Launcher):
                 f"(one rank per GPU, {per_task} GPUs per task): use np={np - np % per_task or per_task}"
             )
         cluster.check_slots(sc, np, np // per_task)
-        return cls(sc, np, per_task)
+        if data is not None:
+            if per_task > 1:
+                raise LaunchRefused(
+                    "training on a DataFrame needs one rank per task; with several GPUs per task, "
+                    "set spark.task.resource.gpu.amount=1"
+                )
+            data.check_not_empty()
+        return cls(sc, np, per_task, data)
 
     def start(self, spec: JobSpec, monitor: JobMonitor) -> None:
         from pyspark import InheritableThread
@@ -296,8 +306,13 @@ class _SparkLauncher(_Launcher):
         sc = self.sc
         try:
             sc.setJobGroup(spec.job_id, f"spark-dl: {self.world_size} ranks", interruptOnCancel=True)
-            rdd = sc.parallelize(range(self.num_tasks), self.num_tasks)
-            rdd.barrier().mapPartitions(partial(barrier_task, spec)).collect()
+            if self.data is None:
+                rdd = sc.parallelize(range(self.num_tasks), self.num_tasks)
+                rdd.barrier().mapPartitions(partial(barrier_task, spec)).collect()
+            else:  # each task's partition holds its share of the rows, as Arrow batches
+                df = self.data.df.repartition(self.num_tasks)
+                task = partial(arrow_barrier_task, spec, self.data.arrow_schema())
+                df.mapInArrow(task, "status string", barrier=True).collect()
         except Exception as e:  # noqa: BLE001 - reported by the wait loop, unless we cancelled it
             if not self._cancelled:
                 self._error = "the Spark barrier stage failed: " + spark_error_summary(e)
@@ -323,6 +338,22 @@ class _SparkLauncher(_Launcher):
             f"only {started} of {self.num_tasks} barrier tasks started within {timeout:.0f} s: the cluster has "
             f"{s.total} task slots, {s.busy} busy with other jobs. Free slots, lower np, or raise start_timeout."
         )
+
+
+def _take_dataframe(kwargs: dict[str, Any], np: int) -> tuple[dict[str, Any], DataFrameShards | None]:
+    """Swap a :func:`spark_dl.data.shards` kwarg for what its rank reads; at most one per run."""
+    found = [k for k, v in kwargs.items() if isinstance(v, DataFrameShards)]
+    if not found:
+        return kwargs, None
+    if len(found) > 1:
+        raise LaunchRefused(f"kwargs {found} are all DataFrames to shard; a run trains on one (join them first)")
+    if np < 0:
+        raise LaunchRefused(
+            "training on a DataFrame reads each rank's rows in its Spark task: use np > 0 "
+            f"(np=-{-np} runs local processes that have no partitions to read)"
+        )
+    data = kwargs[found[0]]
+    return {**kwargs, found[0]: data.spec}, data
 
 
 def spark_error_summary(e: BaseException, max_lines: int = 30) -> str:

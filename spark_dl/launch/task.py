@@ -138,7 +138,8 @@ def _pump(stream, rank: int, name: str, sender: _Sender) -> None:
     stream.close()
 
 
-def run_task(spec: JobSpec, partition: int, host: str, rendezvous: Callable[[], list[RankSpec]]) -> list[dict]:
+def run_task(spec: JobSpec, partition: int, host: str, rendezvous: Callable[[], list[RankSpec]],
+             extra_env: dict[str, str] | None = None) -> list[dict]:
     """Run this task's share of the job and report everything to the driver.
 
     Never raises for a rank's failure: the driver learns of it over the channel and decides, so
@@ -182,6 +183,7 @@ def run_task(spec: JobSpec, partition: int, host: str, rendezvous: Callable[[], 
     for proc, r in zip(procs, ranks):
         env = r.env()
         env["SPARK_DL_JOB_ID"] = spec.job_id
+        env.update(extra_env or {})
         env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS") or omp_threads(r.local_size))
         boot = {
             "rank": r.rank,
@@ -222,8 +224,8 @@ def run_task(spec: JobSpec, partition: int, host: str, rendezvous: Callable[[], 
     return statuses
 
 
-def barrier_task(spec: JobSpec, _partition_rows) -> list:
-    """``mapPartitions`` body of the barrier stage."""
+def _in_barrier_task(spec: JobSpec, extra_env: dict[str, str] | None = None) -> list[dict]:
+    """Run this barrier task's ranks: rendezvous with the other tasks through ``allGather``."""
     from pyspark import BarrierTaskContext
 
     ctx = BarrierTaskContext.get()
@@ -238,4 +240,31 @@ def barrier_task(spec: JobSpec, _partition_rows) -> list:
         tasks = [TaskInfo(**{**json.loads(g), "gpus": tuple(json.loads(g)["gpus"])}) for g in gathered]
         return compute_layout(tasks, spec.ranks_per_task)[partition]
 
-    return [json.dumps(run_task(spec, partition, host, rendezvous))]
+    return run_task(spec, partition, host, rendezvous, extra_env)
+
+
+def barrier_task(spec: JobSpec, _partition_rows) -> list:
+    """``mapPartitions`` body of the barrier stage."""
+    return [json.dumps(_in_barrier_task(spec))]
+
+
+def arrow_barrier_task(spec: JobSpec, schema, batches):
+    """``mapInArrow`` body of the barrier stage of a run that trains on a DataFrame: this
+    partition's rows go to a local Arrow file that this task's rank reads."""
+    import shutil
+    import tempfile
+
+    import pyarrow as pa
+
+    from ..data import SHARD_ENV, write_partition
+
+    from pyspark import BarrierTaskContext
+
+    directory = tempfile.mkdtemp(prefix=f"{spec.job_id}-")
+    try:
+        path = os.path.join(directory, f"shard-{BarrierTaskContext.get().partitionId()}.arrow")
+        write_partition(batches, path, schema)
+        statuses = _in_barrier_task(spec, {SHARD_ENV: path})
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    yield pa.RecordBatch.from_pylist([{"status": json.dumps(statuses)}])

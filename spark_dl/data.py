@@ -1,0 +1,240 @@
+"""Train on a Spark DataFrame: each rank reads its shard from its own barrier task's partition.
+
+Driver: ``HorovodRunner(np=2).run(main, data=spark_dl.data.shards(df, ...))``. The DataFrame is
+repartitioned to one partition per barrier task; each task streams its partition's Arrow batches
+to a local Arrow file (no shared storage) and its rank gets a :class:`Shards` object in place of
+the DataFrame.
+
+Rank: ``for batch in data.batches(batch_size, epoch)`` yields ``{column: torch.Tensor}``. Every
+epoch is ONE global shuffle of all rows with a seed every rank shares, then cut into equal
+shards (Goyal et al.: per-worker shuffles sample differently from the large-batch SGD they
+stand for). The rows a rank needs are fetched from the ranks that hold them with one
+``all_to_all`` per batch, so a rank holds its own file (memory-mapped) plus one batch.
+Shards are equal on every rank (``"drop"`` the remainder or ``"pad"`` by wrapping around):
+uneven inputs would hang collectives at the end of an epoch.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from .errors import LaunchRefused
+
+SHARD_ENV = "SPARK_DL_SHARD"
+
+
+def shards(df: Any, columns: list[str] | None = None, *, shuffle: bool = True, seed: int = 0,
+           remainder: str = "drop") -> "DataFrameShards":
+    """Mark ``df`` to be sharded across the ranks of a run (pass the result as a kwarg)."""
+    return DataFrameShards(df, columns, shuffle, seed, remainder)
+
+
+def _check_type(name: str, dtype: Any) -> str:
+    from pyspark.sql import types as T
+
+    numeric = (T.ByteType, T.ShortType, T.IntegerType, T.LongType, T.FloatType, T.DoubleType, T.BooleanType)
+    if isinstance(dtype, numeric):
+        return "scalar"
+    if isinstance(dtype, T.ArrayType) and isinstance(dtype.elementType, numeric):
+        return "array"
+    try:
+        from pyspark.ml.linalg import VectorUDT
+
+        if isinstance(dtype, VectorUDT):
+            raise LaunchRefused(
+                f"column {name!r} is an ML Vector; convert it first: "
+                f"df.withColumn({name!r}, pyspark.ml.functions.vector_to_array({name!r}))"
+            )
+    except ImportError:
+        pass
+    raise LaunchRefused(
+        f"column {name!r} has type {dtype.simpleString()}, which spark-dl cannot turn into a tensor: "
+        "use numeric columns or arrays of numbers (e.g. images flattened to array<float>), or drop it with columns=[...]"
+    )
+
+
+class DataFrameShards:
+    """Driver-side marker: a DataFrame to shard across the ranks. Validated before launch."""
+
+    def __init__(self, df: Any, columns: list[str] | None, shuffle: bool, seed: int, remainder: str) -> None:
+        if remainder not in ("drop", "pad"):
+            raise LaunchRefused(f"remainder must be 'drop' or 'pad', got {remainder!r}")
+        names = list(df.columns)
+        columns = list(columns) if columns is not None else names
+        missing = [c for c in columns if c not in names]
+        if missing:
+            raise LaunchRefused(f"columns {missing} are not in the DataFrame (it has {names})")
+        fields = {f.name: f.dataType for f in df.schema.fields}
+        kinds = {c: _check_type(c, fields[c]) for c in columns}
+        self.df = df.select(*columns)
+        self.spec = Shards(columns=columns, kinds=kinds, shuffle=shuffle, seed=seed, remainder=remainder)
+
+    def arrow_schema(self):
+        from pyspark.sql.pandas.types import to_arrow_schema
+
+        return to_arrow_schema(self.df.schema)
+
+    def check_not_empty(self) -> None:
+        if self.df.isEmpty():
+            raise LaunchRefused("the DataFrame to train on is empty: there is nothing to shard")
+
+
+@dataclass
+class Shards:
+    """What ``main`` receives in place of the DataFrame: this rank's view of the sharded rows."""
+
+    columns: list[str]
+    kinds: dict[str, str]
+    shuffle: bool = True
+    seed: int = 0
+    remainder: str = "drop"
+    _state: dict = field(default_factory=dict, repr=False, compare=False)
+
+    # -- the world's rows ----------------------------------------------------------------------
+    def _open(self) -> dict:
+        if self._state:
+            return self._state
+        import pyarrow as pa
+        import torch
+        import torch.distributed as dist
+
+        path = os.environ.get(SHARD_ENV)
+        if path is None:
+            raise RuntimeError("no shard for this rank: pass spark_dl.data.shards(df) to HorovodRunner(np>0).run")
+        if not dist.is_initialized():
+            raise RuntimeError("call spark_dl.init() (or dist.init_process_group) before reading the data")
+        table = pa.ipc.open_file(pa.memory_map(path)).read_all()
+        group = dist.new_group(backend="gloo")  # row exchange stays on CPU whatever the model uses
+        counts = torch.zeros(dist.get_world_size(), dtype=torch.int64)
+        counts[dist.get_rank()] = table.num_rows
+        dist.all_reduce(counts, group=group)
+        self._state.update(table=table, group=group, counts=counts.tolist(), rank=dist.get_rank(),
+                           world=dist.get_world_size())
+        return self._state
+
+    @property
+    def total_rows(self) -> int:
+        """Rows in the whole DataFrame."""
+        return sum(self._open()["counts"])
+
+    def __len__(self) -> int:
+        """Rows this rank reads per epoch: the same on every rank."""
+        s = self._open()
+        n, w = sum(s["counts"]), s["world"]
+        return -(-n // w) if self.remainder == "pad" else n // w
+
+    def _order(self, epoch: int) -> list[int]:
+        """This rank's global row indices for ``epoch``: one shared shuffle, then its slice."""
+        import torch
+
+        s = self._open()
+        n, w, per = sum(s["counts"]), s["world"], len(self)
+        if self.shuffle:
+            perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch))
+        else:
+            perm = torch.arange(n)
+        if per * w > n:  # pad: wrap around to the start of the same permutation
+            perm = torch.cat([perm, perm[: per * w - n]])
+        return perm[s["rank"] * per:(s["rank"] + 1) * per].tolist()
+
+    # -- batches -------------------------------------------------------------------------------
+    def batches(self, batch_size: int, epoch: int = 0, drop_last: bool = False) -> Iterator[dict]:
+        """This rank's rows for ``epoch`` as ``{column: tensor}`` batches. Every rank must
+        iterate the same number of batches (it does: shards are equal), since each batch is
+        fetched with a collective."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        mine = self._order(epoch)
+        stop = len(mine) - len(mine) % batch_size if drop_last else len(mine)
+        for start in range(0, stop, batch_size):
+            yield self._fetch(mine[start:start + batch_size])
+
+    def _fetch(self, wanted: list[int]) -> dict:
+        """Exchange rows so this rank gets ``wanted`` (global indices), in that order."""
+        import pyarrow as pa
+        import torch
+        import torch.distributed as dist
+
+        s = self._open()
+        w, rank, counts = s["world"], s["rank"], s["counts"]
+        offsets = [sum(counts[:i]) for i in range(w)]
+        # every rank learns every rank's wanted indices (small: one batch of int64 each)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(w)]
+        dist.all_gather(sizes, torch.tensor([len(wanted)]), group=s["group"])
+        longest = max(int(x) for x in sizes)
+        mine = torch.full((longest,), -1, dtype=torch.int64)
+        mine[: len(wanted)] = torch.tensor(wanted, dtype=torch.int64)
+        everyone = [torch.empty(longest, dtype=torch.int64) for _ in range(w)]
+        dist.all_gather(everyone, mine, group=s["group"])
+
+        lo, hi = offsets[rank], offsets[rank] + counts[rank]
+        payloads = []
+        for d in range(w):
+            want = everyone[d][: int(sizes[d])]
+            local = want[(want >= lo) & (want < hi)] - lo
+            payloads.append(_ipc_bytes(s["table"].take(pa.array(local.numpy()))))
+        send = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8) if any(payloads) \
+            else torch.zeros(0, dtype=torch.uint8)
+        in_splits = [len(p) for p in payloads]
+        out_splits_t = torch.empty(w, dtype=torch.int64)
+        dist.all_to_all_single(out_splits_t, torch.tensor(in_splits, dtype=torch.int64), group=s["group"])
+        out_splits = out_splits_t.tolist()
+        recv = torch.empty(sum(out_splits), dtype=torch.uint8)
+        dist.all_to_all_single(recv, send, out_splits, in_splits, group=s["group"])
+
+        pieces, pos = [], 0
+        raw = recv.numpy().tobytes()
+        for src, size in enumerate(out_splits):
+            pieces.append((src, pa.ipc.open_stream(raw[pos:pos + size]).read_all()))
+            pos += size
+        # rows arrived grouped by source rank, each group in `wanted` order: restore that order
+        want = torch.tensor(wanted, dtype=torch.int64)
+        src_of = torch.bucketize(want, torch.tensor(offsets[1:], dtype=torch.int64), right=True)
+        table = pa.concat_tables([t for _, t in pieces])
+        position = torch.empty(len(wanted), dtype=torch.int64)
+        start = 0
+        for src, t in pieces:
+            idx = (src_of == src).nonzero().flatten()
+            position[idx] = torch.arange(start, start + t.num_rows)
+            start += t.num_rows
+        table = table.take(pa.array(position.numpy()))
+        return {c: _to_tensor(table.column(c), self.kinds[c], c) for c in self.columns}
+
+
+def _ipc_bytes(table) -> bytes:
+    import pyarrow as pa
+
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def _to_tensor(column, kind: str, name: str):
+    import numpy as np
+    import torch
+
+    column = column.combine_chunks() if hasattr(column, "combine_chunks") else column
+    if kind == "scalar":
+        if column.null_count:
+            raise ValueError(f"column {name!r} has nulls; fill or drop them before training")
+        return torch.from_numpy(np.array(column.to_numpy(zero_copy_only=False)))  # writable, as torch wants
+    lengths = np.diff(np.asarray(column.offsets))
+    if len(lengths) and (lengths != lengths[0]).any():
+        raise ValueError(f"array column {name!r} has rows of different lengths; pad them to one length")
+    values = np.array(column.flatten().to_numpy(zero_copy_only=False))
+    return torch.from_numpy(values.reshape(len(column), -1))
+
+
+def write_partition(batches: Iterator, path: str, schema) -> int:
+    """Barrier task: stream this partition's Arrow batches to a local Arrow file; return its rows.
+    An empty partition still gets a file with the schema (a rank with no rows serves none)."""
+    import pyarrow as pa
+
+    rows = 0
+    with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+        for batch in batches:
+            writer.write_batch(batch)
+            rows += batch.num_rows
+    return rows

@@ -1,0 +1,87 @@
+"""Training on a Spark DataFrame: shards from the barrier tasks' own partitions, equal sizes,
+one global shuffle per epoch, clear refusals."""
+from __future__ import annotations
+
+import pytest
+
+import spark_dl
+from spark_dl import HorovodRunner, LaunchRefused
+from spark_dl.data import shards
+
+
+def read_epochs(data, epochs, batch_size):
+    import os
+
+    spark_dl.init()
+    out = {"len": len(data), "total": data.total_rows, "epochs": [], "shard_file": os.environ.get("SPARK_DL_SHARD")}
+    for e in range(epochs):
+        ids, feats = [], []
+        for batch in data.batches(batch_size, epoch=e):
+            ids += batch["id"].tolist()
+            if "x" in batch:
+                feats.append(batch["x"])
+        out["epochs"].append(ids)
+        if feats:
+            out["x_shape"] = tuple(feats[0].shape[1:])
+            out["x_first"] = feats[0][0].tolist()
+            out["id_for_x_first"] = ids[0]
+    return out
+
+
+@pytest.fixture
+def df(spark):
+    from pyspark.sql import functions as F
+
+    # 103 rows in 7 partitions: more partitions than ranks, and not divisible by 2 or 3
+    return spark.range(103).repartition(7).select(
+        F.col("id"), F.array(F.col("id").cast("float"), (F.col("id") * 2).cast("float")).alias("x"),
+        (F.col("id") % 10).cast("int").alias("label"),
+    )
+
+
+def test_each_rank_reads_an_equal_shard_and_every_epoch_is_one_global_shuffle(df):
+    ranks = HorovodRunner(np=2).run_all(read_epochs, data=shards(df, ["id", "x"], seed=7), epochs=3, batch_size=16)
+    assert [r["len"] for r in ranks] == [51, 51] and ranks[0]["total"] == 103
+    for e in range(3):
+        a, b = ranks[0]["epochs"][e], ranks[1]["epochs"][e]
+        assert len(a) == len(b) == 51
+        assert not set(a) & set(b), "ranks must not share rows within an epoch"
+        assert len(set(a) | set(b)) == 102  # the remainder (one row) dropped
+    # a different global order each epoch, and not each rank shuffling its own fixed rows
+    assert ranks[0]["epochs"][0] != ranks[0]["epochs"][1]
+    assert set(ranks[0]["epochs"][0]) != set(ranks[0]["epochs"][1])
+    # array columns arrive as rows of a 2-D tensor, aligned with their ids
+    assert ranks[0]["x_shape"] == (2,)
+    i = ranks[0]["id_for_x_first"]
+    assert ranks[0]["x_first"] == [float(i), float(2 * i)]
+    # the rows came from the task's own partition file, not through the driver
+    assert all(r["shard_file"].endswith(".arrow") for r in ranks)
+
+
+def test_pad_repeats_rows_so_no_row_is_lost(df):
+    ranks = HorovodRunner(np=3).run_all(read_epochs, data=shards(df, ["id", "x"], remainder="pad"), epochs=1,
+                                        batch_size=50)
+    assert [r["len"] for r in ranks] == [35, 35, 35]
+    seen = [i for r in ranks for i in r["epochs"][0]]
+    assert set(seen) == set(range(103)) and len(seen) == 105
+
+
+def test_fewer_partitions_than_ranks(spark):
+    one = spark.range(10).coalesce(1)
+    ranks = HorovodRunner(np=2).run_all(read_epochs, data=shards(one, shuffle=False), epochs=1, batch_size=4)
+    a, b = ranks[0]["epochs"][0], ranks[1]["epochs"][0]
+    assert len(a) == len(b) == 5 and sorted(a + b) == list(range(10))
+    # without shuffling, an epoch reads the rows in the same order every time
+    again = HorovodRunner(np=2).run_all(read_epochs, data=shards(one, shuffle=False), epochs=2, batch_size=4)
+    assert again[0]["epochs"][0] == again[0]["epochs"][1]
+
+
+def test_bad_dataframes_are_refused_before_launch(spark, df):
+    with pytest.raises(LaunchRefused, match="empty"):
+        HorovodRunner(np=2).run(read_epochs, data=shards(spark.range(0)), epochs=1, batch_size=4)
+    with pytest.raises(LaunchRefused, match=r"column 'name' has type string"):
+        shards(spark.createDataFrame([("a", 1)], ["name", "n"]))
+    with pytest.raises(LaunchRefused, match=r"\['nope'\] are not in the DataFrame"):
+        shards(df, ["nope"])
+    with pytest.raises(LaunchRefused, match="np > 0"):
+        HorovodRunner(np=-2).run(read_epochs, data=shards(df), epochs=1, batch_size=4)
