@@ -14,6 +14,7 @@ README = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
 
 EXAMPLES = [
     ("## Quick start", 0),
+    ("## Training on a Spark DataFrame", 0),
     ("## Horovod-compatible API", 0),
     ("## Gradient compression", 0),
     ("## Tracking with MLflow", 0),
