@@ -232,3 +232,34 @@ def test_log_model_from_rank0_is_loadable(tracking_uri):
     assert info.signature is not None and tuple(info.signature.inputs.to_dict()[0]["tensor-spec"]["shape"]) == (-1, 4)
     state = mlflow.pytorch.load_state_dict(f"runs:/{run.info.run_id}/weights")
     assert torch.allclose(state["0.weight"], expected[0].weight + 1.0)
+
+
+def compressed_train(steps):
+    import torch
+
+    import spark_dl
+    import spark_dl.horovod as hvd
+    from spark_dl.compression import QSGD
+
+    hvd.init()
+    torch.manual_seed(hvd.rank())
+    model = torch.nn.Linear(1000, 10)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters(), compression=QSGD())
+    for step in range(steps):
+        loss = model(torch.randn(8, 1000)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        spark_dl.log_metrics({"loss": loss.item()}, step=step)
+
+
+def test_communication_metrics_of_a_compressed_run(tracking_uri):
+    HorovodRunner(np=-2, progress=False).run(compressed_train, steps=20)
+    run = _only_run()
+    for key in ("comm/bytes_sent_per_step", "comm/compression_ratio", "comm/allreduce_s_per_step",
+                "perf/step_time_s", "perf/steps_per_s"):
+        assert key in run.data.metrics, key
+    # QSGD at 4.06 bits per element: about 7.9x fewer bytes than fp32 on the wire
+    assert 7.0 < run.data.metrics["comm/compression_ratio"] < 8.5
+    assert run.data.metrics["comm/bytes_sent_per_step"] > 0
