@@ -273,19 +273,47 @@ static void resid_task(void *arg, int t, int nt) {
     }
 }
 
+static void dec_scalar(const uint8_t *bits, float *out, int64_t a, int64_t b, float qp, float qn, int acc) {
+    if (acc)
+        for (int64_t i = a; i < b; i++) out[i] += (bits[i >> 3] >> (7 - (i & 7))) & 1 ? qp : qn;
+    else
+        for (int64_t i = a; i < b; i++) out[i] = (bits[i >> 3] >> (7 - (i & 7))) & 1 ? qp : qn;
+}
+
+#if SDK_X86
+/* Whole bytes: each byte broadcast to 8 lanes, lane j tests bit 7 - j, and selects qp or qn. */
+AVX2 static void dec_avx2(const uint8_t *bits, float *out, int64_t a, int64_t b, float qp, float qn, int acc) {
+    const __m256i lanebit = _mm256_setr_epi32(128, 64, 32, 16, 8, 4, 2, 1);
+    const __m256 vp = _mm256_set1_ps(qp), vn = _mm256_set1_ps(qn);
+    for (int64_t i = a; i < b; i += 8) {
+        __m256i m = _mm256_and_si256(_mm256_set1_epi32(bits[i >> 3]), lanebit);
+        __m256 q = _mm256_blendv_ps(vn, vp, _mm256_castsi256_ps(_mm256_cmpeq_epi32(m, lanebit)));
+        if (acc) q = _mm256_add_ps(_mm256_loadu_ps(out + i), q);
+        _mm256_storeu_ps(out + i, q);
+    }
+}
+#endif
+
 static void decode_task(void *arg, int t, int nt) {
     p2_args *A = (p2_args *)arg;
     int64_t a, b;
     share(A->n, t, nt, 8, &a, &b);
+    int simd = has_avx2();
+    (void)simd;
     for (int64_t j = a / A->bucket; a < b; j++) {
         int64_t hi = (j + 1) * A->bucket < b ? (j + 1) * A->bucket : b;
         float qp = A->q[j].qp, qn = A->q[j].qn;
-        float *out = A->out;
-        const uint8_t *bits = A->bits;
-        if (A->accumulate)
-            for (int64_t i = a; i < hi; i++) out[i] += (bits[i >> 3] >> (7 - (i & 7))) & 1 ? qp : qn;
-        else
-            for (int64_t i = a; i < hi; i++) out[i] = (bits[i >> 3] >> (7 - (i & 7))) & 1 ? qp : qn;
+#if SDK_X86
+        int64_t m0 = (a + 7) & ~(int64_t)7, m1 = hi & ~(int64_t)7;
+        if (simd && m0 < m1) {
+            dec_scalar(A->bits, A->out, a, m0, qp, qn, A->accumulate);
+            dec_avx2(A->bits, A->out, m0, m1, qp, qn, A->accumulate);
+            dec_scalar(A->bits, A->out, m1, hi, qp, qn, A->accumulate);
+            a = hi;
+            continue;
+        }
+#endif
+        dec_scalar(A->bits, A->out, a, hi, qp, qn, A->accumulate);
         a = hi;
     }
 }
@@ -483,7 +511,9 @@ void sdk_bf16_to_f32(const uint16_t *h, float *x, int64_t n) { convert(h, x, n, 
 
 #define QCHUNK 65536  /* one random stream per chunk: results independent of the thread split */
 
-typedef struct { uint32_t s[4]; } xoshiro;
+/* Eight xoshiro128+ generators side by side (lane l draws element 8m + l): the lane loops
+ * vectorize, and the stream depends only on (seed, chunk). */
+typedef struct { uint32_t s0[8], s1[8], s2[8], s3[8]; } xoshiro8;
 
 static uint64_t splitmix64(uint64_t *x) {
     uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
@@ -492,21 +522,46 @@ static uint64_t splitmix64(uint64_t *x) {
     return z ^ (z >> 31);
 }
 
-static void xo_seed(xoshiro *r, uint64_t seed, uint64_t chunk) {
+static void xo_seed(xoshiro8 *r, uint64_t seed, uint64_t chunk) {
     uint64_t x = seed ^ (chunk * 0xd1342543de82ef95ull);
-    uint64_t a = splitmix64(&x), b = splitmix64(&x);
-    r->s[0] = (uint32_t)a; r->s[1] = (uint32_t)(a >> 32); r->s[2] = (uint32_t)b; r->s[3] = (uint32_t)(b >> 32);
-    if (!(r->s[0] | r->s[1] | r->s[2] | r->s[3])) r->s[0] = 1;  /* the all-zero state is stuck */
+    for (int l = 0; l < 8; l++) {
+        uint64_t a = splitmix64(&x), b = splitmix64(&x);
+        r->s0[l] = (uint32_t)a; r->s1[l] = (uint32_t)(a >> 32); r->s2[l] = (uint32_t)b; r->s3[l] = (uint32_t)(b >> 32);
+        if (!(r->s0[l] | r->s1[l] | r->s2[l] | r->s3[l])) r->s0[l] = 1;  /* the all-zero state is stuck */
+    }
 }
 
-static inline uint32_t rotl32(uint32_t x, int k) { return (x << k) | (x >> (32 - k)); }
+/* Eight uniforms in [0, 1) from the top 24 bits of each lane's output. */
+#define XO_NEXT8(r, u)                                                                       \
+    for (int l = 0; l < 8; l++) {                                                            \
+        uint32_t out = r->s0[l] + r->s3[l], t = r->s1[l] << 9;                               \
+        r->s2[l] ^= r->s0[l]; r->s3[l] ^= r->s1[l]; r->s1[l] ^= r->s2[l]; r->s0[l] ^= r->s3[l]; \
+        r->s2[l] ^= t; r->s3[l] = (r->s3[l] << 11) | (r->s3[l] >> 21);                       \
+        u[l] = (float)(int32_t)(out >> 8) * 5.9604644775390625e-8f;                          \
+    }
 
-/* xoshiro128+: u in [0, 1) from the top 24 bits. */
-static inline float xo_next(xoshiro *r) {
-    uint32_t *s = r->s, out = s[0] + s[3], t = s[1] << 9;
-    s[2] ^= s[0]; s[3] ^= s[1]; s[1] ^= s[2]; s[0] ^= s[3]; s[2] ^= t; s[3] = rotl32(s[3], 11);
-    return (float)(out >> 8) * 5.9604644775390625e-8f;
+/* Codes of 8 elements sharing the factor f: floor(|v| f + u) by truncation (the sum is >= 0),
+ * clamped to s; NaN quantizes to zero. */
+#define QCODES8(x, f, u, L, c)                                                               \
+    for (int l = 0; l < 8; l++) {                                                            \
+        float tv = fabsf(x[l]) * f + u[l];                                                   \
+        int lvl = tv < (float)L ? (int)tv : L;                                               \
+        lvl = tv == tv ? lvl : 0;                                                            \
+        c[l] = (uint8_t)(signbit(x[l]) ? L - lvl : L + lvl);                                 \
+    }
+
+static void qgroup_scalar(xoshiro8 *r, const float *x, float f, int L, uint8_t *c) {
+    float u[8];
+    XO_NEXT8(r, u)
+    QCODES8(x, f, u, L, c)
 }
+#if SDK_X86
+AVX2 static void qgroup_avx2(xoshiro8 *r, const float *x, float f, int L, uint8_t *c) {
+    float u[8];
+    XO_NEXT8(r, u)
+    QCODES8(x, f, u, L, c)
+}
+#endif
 
 typedef struct {
     const float *x;
@@ -526,8 +581,18 @@ static void qnorm_task(void *arg, int t, int nt) {
     share(A->nb, t, nt, 1, &j0, &j1);
     for (int64_t j = j0; j < j1; j++) {
         int64_t lo = j * A->bucket, hi = lo + A->bucket < A->n ? lo + A->bucket : A->n;
+        /* 8 float lanes, flushed into a double every 64 squares per lane: vectorizes, and the
+         * norm stays within float rounding of the exact one */
         double ss = 0;
-        for (int64_t i = lo; i < hi; i++) ss += (double)A->x[i] * A->x[i];
+        int64_t i = lo;
+        while (hi - i >= 8) {
+            float acc[8] = {0};
+            int64_t stop = hi - i >= 512 ? i + 512 : i + (hi - i) / 8 * 8;
+            for (; i < stop; i += 8)
+                for (int l = 0; l < 8; l++) acc[l] += A->x[i + l] * A->x[i + l];
+            for (int l = 0; l < 8; l++) ss += acc[l];
+        }
+        for (; i < hi; i++) ss += (double)A->x[i] * A->x[i];
         float norm = (float)sqrt(ss);
         A->norms[j] = norm;
         /* as QSGD.compress: s / max(norm, tiny); an all-zero bucket quantizes to zero */
@@ -537,7 +602,9 @@ static void qnorm_task(void *arg, int t, int nt) {
 
 /* Codes of 8 consecutive elements (or fewer at the end) into packed, layout of bits.pack. */
 static inline void put8(uint8_t *packed, int64_t n, int bits, int64_t i, const uint8_t *c, int cnt) {
-    if (8 % bits == 0) {
+    if (bits == 4 && cnt == 8) {
+        for (int k = 0; k < 4; k++) packed[(i >> 1) + k] = (uint8_t)(c[2 * k] << 4 | c[2 * k + 1]);
+    } else if (8 % bits == 0) {
         int per = 8 / bits;
         for (int k = 0; k < cnt; k += per) {
             uint8_t v = 0;
@@ -555,7 +622,9 @@ static inline void put8(uint8_t *packed, int64_t n, int bits, int64_t i, const u
 }
 
 static inline void get8(const uint8_t *packed, int64_t n, int bits, int64_t i, uint8_t *c, int cnt) {
-    if (8 % bits == 0) {
+    if (bits == 4 && cnt == 8) {
+        for (int k = 0; k < 4; k++) { c[2 * k] = packed[(i >> 1) + k] >> 4; c[2 * k + 1] = packed[(i >> 1) + k] & 15; }
+    } else if (8 % bits == 0) {
         int per = 8 / bits, mask = (1 << bits) - 1;
         for (int k = 0; k < cnt; k++) {  /* not past cnt: the last byte may hold fewer codes */
             int64_t e = i + k;
@@ -575,19 +644,38 @@ static void qenc_task(void *arg, int t, int nt) {
     q_args *A = (q_args *)arg;
     int64_t a, b;
     share(A->n, t, nt, QCHUNK, &a, &b);
-    const float s = (float)A->levels;
-    xoshiro r;
+    const int L = A->levels;
+    const int64_t B = A->bucket;
+    int simd = has_avx2();
+    (void)simd;
+    xoshiro8 r;
     xo_seed(&r, A->seed, (uint64_t)(a / QCHUNK));  /* a is a chunk start: the loop reseeds it alike */
     uint8_t c[8];
+    float x[8], f[8];
     for (int64_t i = a; i < b; i += 8) {
         if (i % QCHUNK == 0) xo_seed(&r, A->seed, (uint64_t)(i / QCHUNK));
         int cnt = b - i < 8 ? (int)(b - i) : 8;
-        for (int k = 0; k < cnt; k++) {
-            float v = A->x[i + k];
-            float lvl = floorf(fabsf(v) * A->factor[(i + k) / A->bucket] + xo_next(&r));
-            if (lvl > s) lvl = s;
-            if (!(lvl >= 0.0f)) lvl = 0.0f;  /* NaN */
-            c[k] = (uint8_t)(signbit(v) ? A->levels - (int)lvl : A->levels + (int)lvl);
+        int64_t j = i / B;
+        if (cnt == 8 && (i + 7) / B == j) {  /* the common case: 8 elements of one bucket */
+#if SDK_X86
+            if (simd) qgroup_avx2(&r, A->x + i, A->factor[j], L, c);
+            else
+#endif
+                qgroup_scalar(&r, A->x + i, A->factor[j], L, c);
+        } else {  /* a bucket edge or the end: per-element factors, zero padding */
+            float u[8];
+            xoshiro8 *rp = &r;
+            XO_NEXT8(rp, u)
+            for (int k = 0; k < 8; k++) {
+                x[k] = k < cnt ? A->x[i + k] : 0.0f;
+                f[k] = k < cnt ? A->factor[(i + k) / B] : 0.0f;
+            }
+            for (int k = 0; k < 8; k++) {
+                float tv = fabsf(x[k]) * f[k] + u[k];
+                int lvl = tv < (float)L ? (int)tv : L;
+                lvl = tv == tv ? lvl : 0;
+                c[k] = (uint8_t)(signbit(x[k]) ? L - lvl : L + lvl);
+            }
         }
         put8(A->packed, A->n, A->bits, i, c, cnt);
     }
@@ -598,11 +686,21 @@ static void qdec_task(void *arg, int t, int nt) {
     int64_t a, b;
     share(A->n, t, nt, 8, &a, &b);
     uint8_t c[8];
+    int64_t j = a / A->bucket, end = (j + 1) * A->bucket;
+    float sc = A->scales[j];
     for (int64_t i = a; i < b; i += 8) {
         int cnt = b - i < 8 ? (int)(b - i) : 8;
         get8(A->packed, A->n, A->bits, i, c, cnt);
+        if (cnt == 8 && i + 8 <= end) {
+            float v[8];
+            for (int k = 0; k < 8; k++) v[k] = (float)((int)c[k] - A->levels) * sc;
+            if (A->accumulate) for (int k = 0; k < 8; k++) A->out[i + k] += v[k];
+            else for (int k = 0; k < 8; k++) A->out[i + k] = v[k];
+            continue;
+        }
         for (int k = 0; k < cnt; k++) {
-            float v = (float)((int)c[k] - A->levels) * A->scales[(i + k) / A->bucket];
+            if (i + k == end) { sc = A->scales[++j]; end += A->bucket; }
+            float v = (float)((int)c[k] - A->levels) * sc;
             if (A->accumulate) A->out[i + k] += v;
             else A->out[i + k] = v;
         }
