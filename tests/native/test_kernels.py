@@ -242,3 +242,13 @@ def test_decode_accumulates(path):
     out = torch.ones(5000)
     native.onebit_decode(means, bits, 5000, 256, out=out)
     assert torch.equal(out, 1 + q)
+
+
+def test_extension_links_no_torch():
+    # One build must serve any torch version: the module may only need libc/pthread/CPython.
+    import subprocess
+
+    from spark_dl import _native
+
+    deps = subprocess.run(["ldd", _native.__file__], capture_output=True, text=True, check=True).stdout
+    assert "torch" not in deps and "c10" not in deps, deps
