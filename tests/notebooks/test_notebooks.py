@@ -6,6 +6,7 @@ test. Then a key output of each notebook is checked.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import sys
@@ -19,10 +20,9 @@ REPO = Path(__file__).resolve().parents[2]
 NOTEBOOKS = REPO / "notebooks"
 NAMES = ["quickstart", "compression", "dataframe"]
 
-sys.path.insert(0, str(NOTEBOOKS))
-import build  # noqa: E402  (notebooks/build.py)
-
-sys.path.remove(str(NOTEBOOKS))
+_spec = importlib.util.spec_from_file_location("spark_dl_notebooks_build", NOTEBOOKS / "build.py")
+build = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(build)
 
 
 def stdout_of(nb) -> str:
