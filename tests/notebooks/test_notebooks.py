@@ -22,6 +22,7 @@ NAMES = ["quickstart", "compression", "dataframe"]
 
 _spec = importlib.util.spec_from_file_location("spark_dl_notebooks_build", NOTEBOOKS / "build.py")
 build = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = build  # its dataclasses look their module up
 _spec.loader.exec_module(build)
 
 
