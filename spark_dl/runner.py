@@ -144,8 +144,10 @@ class HorovodRunner:
         try:
             launcher.start(spec, monitor)
             self._wait(monitor, launcher)
-        except KeyboardInterrupt:
-            monitor.fail(Failure(None, "interrupted on the driver (KeyboardInterrupt)"))
+        except BaseException as e:  # Ctrl-C, or a failure on the driver itself: stop every rank first
+            why = "interrupted on the driver (KeyboardInterrupt)" if isinstance(e, KeyboardInterrupt) \
+                else f"the driver failed: {type(e).__name__}: {e}"
+            monitor.fail(Failure(None, why))
             self._finish(monitor, launcher, server)
             raise
         error = self._finish(monitor, launcher, server)
