@@ -31,6 +31,7 @@ def train(epochs: int, lr: float, batch_size: int, seed: int = 0) -> dict:
     torch.manual_seed(seed)
     model = DDP(torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4)))
     opt = torch.optim.SGD(model.parameters(), lr=lr * ctx.world_size, momentum=0.9)  # linear scaling
+    step = 0
     for epoch in range(epochs):
         perm = torch.randperm(len(xs), generator=torch.Generator().manual_seed(seed + epoch))
         for i in range(0, len(xs), batch_size):
@@ -39,6 +40,8 @@ def train(epochs: int, lr: float, batch_size: int, seed: int = 0) -> dict:
             opt.zero_grad()
             loss.backward()
             opt.step()
+            spark_dl.log_metrics({"loss": loss.item()}, step=step)  # to the driver's MLflow run: cheap
+            step += 1
         spark_dl.log_to_driver(f"epoch {epoch}: loss {loss.item():.4f}")
     with torch.no_grad():
         accuracy = (model(test_x).argmax(1) == test_y).float().mean().item()
@@ -70,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     result = HorovodRunner(np=args.np).run(train, epochs=args.epochs, lr=args.lr, batch_size=args.batch_size)
     print(f"trained on {result['world_size']} ranks in {time.monotonic() - start:.1f} s: "
           f"final loss {result['final_loss']:.4f}, test accuracy {result['test_accuracy']:.3f}")
+    import mlflow
+
+    print(f"params, per-step loss and rank logs are in MLflow at {mlflow.get_tracking_uri()} "
+          "(`mlflow ui` to browse; SPARK_DL_TRACKING=0 turns tracking off)")
     if spark is not None:
         spark.stop()
     return 0 if result["test_accuracy"] > 0.9 else 1
