@@ -18,7 +18,7 @@ from nbclient import NotebookClient
 
 REPO = Path(__file__).resolve().parents[2]
 NOTEBOOKS = REPO / "notebooks"
-NAMES = ["quickstart", "compression", "dataframe"]
+NAMES = ["quickstart", "compression", "dataframe", "large_batch"]
 
 _spec = importlib.util.spec_from_file_location("spark_dl_notebooks_build", NOTEBOOKS / "build.py")
 build = importlib.util.module_from_spec(_spec)
@@ -96,6 +96,36 @@ def test_dataframe_runs(kernel_env):
     assert "(718 rows on this rank)" in out  # 1437 rows, 2 ranks, remainder dropped
     accuracy = re.search(r"test accuracy: ([\d.]+)", out)
     assert accuracy and float(accuracy.group(1)) > 0.9, out
+
+
+def test_large_batch_runs(kernel_env):
+    nb = execute("large_batch", kernel_env)
+    out = stdout_of(nb)
+    assert "local[2]" in out and "18 runs in" in out, out
+    rows = {
+        (m.group(1), int(m.group(2))): (int(m.group(3)), float(m.group(4)), float(m.group(5)), float(m.group(6)))
+        for m in re.finditer(r"^(no-scaling|linear\+warmup|linear)\s+(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+) ± ([\d.]+)$",
+                             out, re.M)
+    }
+    methods, batches = ["no-scaling", "linear", "linear+warmup"], [32, 128, 512]
+    assert list(rows) == [(m, b) for m in methods for b in batches], out
+    # fixed epochs: 16x the batch, 16x fewer steps (1437 rows, 2 ranks, remainders dropped)
+    assert [rows["linear", b][0] for b in batches] == [440, 110, 20]
+    # lr: base 0.03 at batch 32; linear scaling multiplies it by batch / 32
+    assert [rows["no-scaling", b][1] for b in batches] == [0.03, 0.03, 0.03]
+    assert [rows["linear+warmup", b][1] for b in batches] == [0.03, 0.12, 0.48]
+    error = {k: v[2] for k, v in rows.items()}
+    assert all(e < 0.5 for e in error.values()), rows
+    # at k = 1 the three methods are the same run
+    assert error["no-scaling", 32] == error["linear", 32] == error["linear+warmup", 32] < 0.05
+    # Figure 1's shape: unscaled, the error climbs with the batch; linear scaling + warmup keeps it
+    # near the small-batch error, and well below no scaling at the largest batch
+    assert error["no-scaling", 512] > error["no-scaling", 32] + 0.05, rows
+    assert error["linear+warmup", 512] < error["no-scaling", 512] - 0.05, rows
+    assert error["linear+warmup", 512] < error["linear+warmup", 32] + 0.03, rows
+    images = [out for cell in nb.cells if cell.cell_type == "code"
+              for out in cell.outputs if "image/png" in out.get("data", {})]
+    assert len(images) == 1
 
 
 @pytest.mark.parametrize("name", NAMES)
