@@ -34,7 +34,12 @@ def md(text: str) -> Cell:
 
 
 def code(text: str, databricks: str | None = None) -> Cell:
-    return Cell("code", text.strip("\n"), databricks.strip("\n") if databricks is not None else None)
+    """A code cell; its Databricks variant is ``databricks``, or by default the same code without
+    IPython magics (``%matplotlib inline``), which a Databricks source file cannot hold."""
+    text = text.strip("\n")
+    if databricks is None and any(line.startswith("%") for line in text.splitlines()):
+        databricks = "\n".join(line for line in text.splitlines() if not line.startswith("%"))
+    return Cell("code", text, databricks.strip("\n") if databricks is not None else None)
 
 
 def session_cell(app: str) -> Cell:
@@ -248,21 +253,6 @@ all-reduces of the run (log scale).
 '''),
     code('''
 %matplotlib inline
-import matplotlib.pyplot as plt
-
-names = [r["compression"] for r in results]
-fig, (ax_acc, ax_bytes) = plt.subplots(1, 2, figsize=(10, 3.5))
-ax_acc.bar(names, [r["accuracy"] for r in results], color="tab:blue")
-ax_acc.set_ylim(0, 1)
-ax_acc.set_ylabel("test accuracy")
-ax_acc.set_title(f"accuracy after {EPOCHS} epochs")
-ax_bytes.bar(names, [r["bytes_sent"] / 1e6 for r in results], color="tab:orange")
-ax_bytes.set_yscale("log")
-ax_bytes.set_ylabel("MB sent per rank")
-ax_bytes.set_title("gradient bytes sent")
-fig.tight_layout()
-plt.show()
-''', databricks='''
 import matplotlib.pyplot as plt
 
 names = [r["compression"] for r in results]
@@ -510,22 +500,6 @@ climbs. **Linear** scaling gives back the step size, but at the largest batch th
 """),
     code("""
 %matplotlib inline
-import matplotlib.pyplot as plt
-
-fig, ax = plt.subplots(figsize=(6, 4))
-for m in METHODS:
-    mean = [table[m, b][0] for b in BATCHES]
-    std = [table[m, b][1] for b in BATCHES]
-    ax.errorbar(BATCHES, mean, yerr=std, marker="o", capsize=4, label=m)
-ax.set_xscale("log", base=2)
-ax.set_xticks(BATCHES, [str(b) for b in BATCHES])
-ax.set_xlabel("global minibatch size")
-ax.set_ylabel("test error")
-ax.set_title("digits MLP, 10 epochs, 2 ranks")
-ax.legend()
-fig.tight_layout()
-plt.show()
-""", databricks="""
 import matplotlib.pyplot as plt
 
 fig, ax = plt.subplots(figsize=(6, 4))
