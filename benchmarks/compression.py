@@ -47,11 +47,17 @@ def gradient(numel: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(rows, numel // rows, generator=torch.Generator().manual_seed(seed))
 
 
-def codec_table(numel: int, repeats: int) -> None:
-    g = gradient(numel)
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def codec_table(numel: int, repeats: int, device: str = "cpu") -> None:
+    g = gradient(numel).to(device)
     fp32 = g.numel() * 4
+    where = torch.cuda.get_device_name(g.device) if g.is_cuda else f"{torch.get_num_threads()} CPU thread(s)"
     print(f"\nEncode + decode, one {tuple(g.shape)} float32 gradient ({g.numel() / 1e6:.1f}M elements), "
-          f"{torch.get_num_threads()} thread(s)")
+          f"{where}")
     print(f"{'compressor':<15}{'bits/elem':>10}{'bytes/step':>14}{'vs fp32':>9}"
           f"{'encode ms':>11}{'decode ms':>11}{'GB/s':>7}")
     for name in COMPRESSORS:
@@ -59,10 +65,13 @@ def codec_table(numel: int, repeats: int) -> None:
         c.compress(g, key="g")  # warm: PowerSGD's Q, allocator
         enc, dec = [], []
         for _ in range(repeats):
+            _sync(device)
             t0 = time.perf_counter()
             p = c.compress(g, key="g")
+            _sync(device)
             t1 = time.perf_counter()
             c.decompress(p)
+            _sync(device)
             dec.append(time.perf_counter() - t1)
             enc.append(t1 - t0)
         e, d = statistics.median(enc), statistics.median(dec)
@@ -176,6 +185,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--skip-network", action="store_true")
+    parser.add_argument("--device", default="cpu", help="where part 1 encodes/decodes: cpu or cuda")
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--master", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -185,7 +195,7 @@ def main() -> None:
         rank_main(args)
         return
     torch.set_num_threads(args.threads)
-    codec_table(args.numel, args.steps)
+    codec_table(args.numel, args.steps, args.device)
     if not args.skip_network:
         network_table(args)
 

@@ -63,8 +63,17 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> str:
     if backend is None:
         backend = "nccl" if has_gpu else "gloo"
     if has_gpu:
+        count = torch.cuda.device_count()
+        local_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if backend == "nccl" and "SPARK_DL_CUDA_DEVICE" not in os.environ and local_size > count:
+            # NCCL refuses two ranks on one GPU, but only after a long, cryptic collective setup.
+            raise RuntimeError(
+                f"{local_size} ranks on this host but only {count} GPU(s) visible: NCCL needs one GPU "
+                f"per rank. Use at most {count} rank(s) per host (np), give each task its own GPU "
+                "(spark.task.resource.gpu.amount), or call spark_dl.init(backend='gloo')."
+            )
         device = int(os.environ.get("SPARK_DL_CUDA_DEVICE", os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device % torch.cuda.device_count())
+        torch.cuda.set_device(device % count)
     kwargs: dict[str, Any] = {"backend": backend}
     if timeout_s is not None:
         kwargs["timeout"] = timedelta(seconds=timeout_s)

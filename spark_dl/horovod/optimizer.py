@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import compression as _compression
-from .basics import Adasum, Average, ReduceOp, Sum, _check
+from .basics import Adasum, Average, ReduceOp, Sum, _check, comm_device
 from .compression import Compression
 from .fusion import BucketReducer, fusion_threshold, plan_buckets
 
@@ -100,7 +100,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         average = self._hvd_op == Average
         if average and self._hvd_predivide != 1.0:
             flat.mul_(1.0 / self._hvd_predivide)
-        out = _compression.reduce(flat, self._hvd_compressor, average=average, name=name, group=self._hvd_group)
+        dev = comm_device()
+        work = flat if flat.device == dev else flat.to(dev)  # e.g. CUDA gradients over Gloo
+        out = _compression.reduce(work, self._hvd_compressor, average=average, name=name, group=self._hvd_group)
+        out = out if out.device == flat.device else out.to(flat.device)
         if average and self._hvd_predivide != 1.0:
             out.mul_(self._hvd_predivide)
         return out

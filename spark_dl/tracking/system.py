@@ -1,15 +1,16 @@
 """Per-host system metrics, sampled on the executors and sent through the job's channel.
 
 One sampler per host: the task that runs the host's local rank 0 starts it. It reads psutil (and
-GPU memory/utilization through ``torch.cuda`` when torch is already loaded and sees GPUs) every
+GPU utilization/memory through NVML or ``nvidia-smi`` where the host has NVIDIA GPUs) every
 ``SPARK_DL_SYSTEM_METRICS_INTERVAL`` seconds (default 5; 0 turns it off). The driver logs the
 samples as ``system/<host>/<metric>`` with the sample index as the step.
 """
 from __future__ import annotations
 
 import os
+import shutil
 import socket
-import sys
+import subprocess
 import threading
 import time
 from typing import Any, Callable
@@ -33,16 +34,63 @@ def sample(psutil: Any) -> dict[str, float]:
         "memory_percent": float(vm.percent),
         "memory_used_gb": (vm.total - vm.available) / 1e9,
     }
-    torch = sys.modules.get("torch")  # never import torch (and create a CUDA context) just for this
-    if torch is not None:
-        try:
-            if torch.cuda.is_available():
-                for i in range(torch.cuda.device_count()):
-                    out[f"gpu{i}_utilization_percent"] = float(torch.cuda.utilization(i))
-                    out[f"gpu{i}_memory_used_gb"] = float(torch.cuda.device_memory_used(i)) / 1e9
-        except Exception:  # noqa: BLE001 - needs pynvml / a recent torch: skip GPU readings
-            pass
+    out.update(gpu_sample())
     return out
+
+
+_nvml: Any = None  # the initialised pynvml module, False once it proved unusable
+
+
+def _nvml_sample() -> dict[str, float] | None:
+    global _nvml
+    if _nvml is None:
+        try:
+            import pynvml  # nvidia-ml-py
+
+            pynvml.nvmlInit()
+            _nvml = pynvml
+        except Exception:  # noqa: BLE001 - not installed, or no driver
+            _nvml = False
+    if not _nvml:
+        return None
+    out = {}
+    for i in range(_nvml.nvmlDeviceGetCount()):
+        h = _nvml.nvmlDeviceGetHandleByIndex(i)
+        mem = _nvml.nvmlDeviceGetMemoryInfo(h)
+        out[f"gpu{i}_utilization_percent"] = float(_nvml.nvmlDeviceGetUtilizationRates(h).gpu)
+        out[f"gpu{i}_memory_used_gb"] = mem.used / 1e9
+        out[f"gpu{i}_memory_percent"] = 100.0 * mem.used / mem.total if mem.total else 0.0
+    return out
+
+
+def _smi_sample() -> dict[str, float] | None:
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    res = subprocess.run([smi, "--query-gpu=index,utilization.gpu,memory.used,memory.total",
+                          "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10)
+    if res.returncode != 0:
+        return None
+    out = {}
+    for line in res.stdout.strip().splitlines():
+        idx, util, used, total = (f.strip() for f in line.split(","))
+        out[f"gpu{idx}_utilization_percent"] = float(util)
+        out[f"gpu{idx}_memory_used_gb"] = float(used) * 2**20 / 1e9  # MiB
+        out[f"gpu{idx}_memory_percent"] = 100.0 * float(used) / float(total) if float(total) else 0.0
+    return out
+
+
+def gpu_sample(use_nvml: bool = True) -> dict[str, float]:
+    """Utilization and memory of every GPU of this host, through NVML (``nvidia-ml-py``) or else
+    ``nvidia-smi``; empty without either. Neither creates a CUDA context, so it is safe in the
+    Spark task process, which never loads torch."""
+    try:
+        got = _nvml_sample() if use_nvml else None
+        if got is None:
+            got = _smi_sample()
+        return got or {}
+    except Exception:  # noqa: BLE001 - a monitoring hiccup must never touch the job
+        return {}
 
 
 class Sampler:

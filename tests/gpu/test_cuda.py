@@ -1,0 +1,192 @@
+"""CUDA and NCCL paths on a real GPU: compressors on device tensors, ``spark_dl.init`` choosing
+NCCL and binding the rank's GPU, the Horovod optimizer's reducer thread and CUDA streams, the
+compressed collectives and the DDP hook on NCCL, GPU system metrics, and the clear error when
+more ranks than GPUs would share one under NCCL.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import spark_dl.compression as C
+from spark_dl import HorovodRunner
+from spark_dl.errors import JobFailed
+
+CUDA = torch.device("cuda", 0)
+
+
+def _grad(n: int = 10_000, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("make", [C.FP16, C.BF16])
+def test_casts_on_cuda_match_cpu_bit_for_bit(make):
+    g = _grad()
+    cpu = make().decompress(make().compress(g, key="g"))
+    gpu = make().decompress(make().compress(g.to(CUDA), key="g"))
+    assert gpu.device.type == "cuda"
+    assert torch.equal(gpu.cpu(), cpu)
+
+
+def test_onebit_on_cuda_matches_cpu():
+    g = _grad(4096 + 7)
+    cpu, gpu = C.OneBit(), C.OneBit()
+    out_c = cpu.decompress(cpu.compress(g, key="g"))
+    out_g = gpu.decompress(gpu.compress(g.to(CUDA), key="g"))
+    assert torch.equal(torch.sign(out_g.cpu()), torch.sign(out_c))  # the same sign bits
+    torch.testing.assert_close(out_g.cpu(), out_c, rtol=1e-5, atol=1e-6)  # means: reduction order only
+
+
+def test_qsgd_on_cuda_is_unbiased():
+    g = _grad(512).to(CUDA)
+    q = C.QSGD(levels=3, bucket_size=128, seed=1)
+    mean = torch.stack([q.decompress(q.compress(g, key="g")) for _ in range(2000)]).mean(0)
+    # per element the variance is at most (norm/s)^2 / 4 per draw: 5 standard errors
+    bound = 5 * g.view(-1, 128).norm(dim=1).repeat_interleave(128) / 3 / 2 / 2000 ** 0.5
+    assert bool(((mean - g).abs() <= bound).all())
+
+
+def test_topk_and_powersgd_on_cuda():
+    g = _grad(10_000).to(CUDA)
+    top = C.TopK(0.01)
+    out = top.decompress(top.compress(g, key="g"))
+    assert out.device.type == "cuda" and int((out != 0).sum()) == 100
+    assert torch.equal(out.abs().topk(100).values, g.abs().topk(100).values)
+    m = (torch.randn(256, 3, device=CUDA) @ torch.randn(3, 128, device=CUDA))  # rank 3
+    p = C.PowerSGD(rank=4, start_iter=0)
+    errs = [float((p.round(m, "m", lambda t: None)[0] - m).norm() / m.norm()) for _ in range(3)]
+    assert errs[-1] < 1e-3, errs
+
+
+def gpu_rank_main(steps: int = 30):
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import spark_dl.compression as C
+    import spark_dl.horovod as hvd
+    from spark_dl.horovod.basics import comm_device
+
+    hvd.init()
+    out = {"backend": dist.get_backend(), "device": torch.cuda.current_device(),
+           "comm": str(comm_device())}
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 64, generator=gen).cuda()
+    y = (x @ torch.randn(64, 1, generator=gen).cuda()).squeeze(1) / 8  # unit variance
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
+                                   torch.nn.ReLU(), torch.nn.Linear(256, 1)).cuda()
+
+    # World size 1 averages to the identity: the Horovod optimizer must give exactly the plain
+    # optimizer's trajectory, which it only does if the reducer thread waits for backward's stream.
+    ref = model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(steps):
+        ref_opt.zero_grad()
+        F.mse_loss(ref(x).squeeze(1), y).backward()
+        ref_opt.step()
+    ref_params = torch.cat([p.detach().reshape(-1) for p in ref.parameters()])
+
+    losses = {}
+    for name, comp in [("none", hvd.Compression.none), ("fp16", hvd.Compression.fp16),
+                       ("qsgd", C.QSGD()), ("onebit", C.OneBit()), ("powersgd", C.PowerSGD(rank=2))]:
+        m = model()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                       named_parameters=m.named_parameters(), compression=comp)
+        side = torch.cuda.Stream()
+        first = None
+        for _ in range(steps):
+            opt.zero_grad()
+            with torch.cuda.stream(side):  # backward on a side stream, as AMP / user code may
+                loss = F.mse_loss(m(x).squeeze(1), y)
+                loss.backward()
+            torch.cuda.current_stream().wait_stream(side)
+            opt.step()
+            first = float(loss) if first is None else first
+        losses[name] = (first, float(F.mse_loss(m(x).squeeze(1), y)))
+        if name == "none":
+            got = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+            out["none_matches_plain_sgd"] = bool(torch.equal(got, ref_params))
+    out["losses"] = losses
+
+    # compressed collectives straight on NCCL, and the DDP hook
+    g = torch.randn(10_001, device="cuda")
+    out["allreduce"] = {k: float((C.allreduce(g, c, name="g") - g).abs().max())
+                        for k, c in [("fp16", C.FP16()), ("onebit", C.OneBit()), ("qsgd", C.QSGD(seed=0)),
+                                     ("topk", C.ErrorFeedback(C.TopK(0.5)))]}
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    net = DDP(model(), device_ids=[torch.cuda.current_device()])
+    state, hook = C.make_ddp_hook(C.FP16())
+    net.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for _ in range(steps):
+        opt.zero_grad()
+        F.mse_loss(net(x).squeeze(1), y).backward()
+        opt.step()
+    out["ddp_loss"] = float(F.mse_loss(net(x).squeeze(1), y))
+    return out
+
+
+def test_rank_on_gpu_uses_nccl_and_the_horovod_optimizer_is_exact():
+    out = HorovodRunner(np=-1).run(gpu_rank_main)
+    assert out["backend"] == "nccl" and out["device"] == 0 and out["comm"] == "cuda:0"
+    assert out["none_matches_plain_sgd"]
+    for name, (first, last) in out["losses"].items():
+        assert last < 0.5 * first, out["losses"]
+    assert out["allreduce"]["fp16"] < 1e-2
+    assert out["allreduce"]["onebit"] < 10 and out["allreduce"]["qsgd"] < 10  # compressed, finite
+    assert out["allreduce"]["topk"] < 10
+    assert out["ddp_loss"] < 0.5 * out["losses"]["none"][0]
+
+
+@pytest.mark.parametrize("use_nvml", [True, False])
+def test_gpu_system_metrics_without_a_cuda_context(use_nvml):
+    from spark_dl.tracking.system import gpu_sample
+
+    got = gpu_sample(use_nvml=use_nvml)
+    assert {"gpu0_utilization_percent", "gpu0_memory_used_gb", "gpu0_memory_percent"} <= set(got), got
+    assert 0 <= got["gpu0_memory_percent"] <= 100
+
+
+def two_ranks_default():
+    import spark_dl
+
+    spark_dl.init()
+
+
+def test_more_ranks_than_gpus_under_nccl_is_a_clear_error():
+    n = torch.cuda.device_count()
+    with pytest.raises(JobFailed, match="NCCL needs one GPU per rank"):
+        HorovodRunner(np=-(n + 1)).run(two_ranks_default)
+
+
+def gloo_on_gpu_main():
+    import torch
+    import torch.nn.functional as F
+
+    import spark_dl
+    import spark_dl.compression as C
+    import spark_dl.horovod as hvd
+
+    spark_dl.init(backend="gloo")  # two ranks sharing one GPU: communicate through host memory
+    hvd.init()
+    torch.manual_seed(0)
+    m = torch.nn.Linear(32, 1).cuda()
+    hvd.broadcast_parameters(m.state_dict(), root_rank=0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                   named_parameters=m.named_parameters(), compression=C.QSGD(seed=0))
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(hvd.rank())).cuda()
+    for _ in range(5):
+        opt.zero_grad()
+        F.mse_loss(m(x), x[:, :1]).backward()
+        opt.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in m.parameters()]).cpu()
+    return flat
+
+
+def test_two_ranks_share_a_gpu_over_gloo_and_agree():
+    a, b = HorovodRunner(np=-2).run_all(gloo_on_gpu_main)
+    assert torch.equal(a, b)
