@@ -575,28 +575,63 @@ typedef struct {
     int accumulate;
 } q_args;
 
+/* Sum of squares of x[lo, hi) in 8 float lanes, flushed into a double every 64 squares per
+ * lane: vectorizes, and the norm stays within float rounding of the exact one. */
+static float qnorm_of(const float *x, int64_t lo, int64_t hi) {
+    double ss = 0;
+    int64_t i = lo;
+    while (hi - i >= 8) {
+        float acc[8] = {0};
+        int64_t stop = hi - i >= 512 ? i + 512 : i + (hi - i) / 8 * 8;
+        for (; i < stop; i += 8)
+            for (int l = 0; l < 8; l++) acc[l] += x[i + l] * x[i + l];
+        for (int l = 0; l < 8; l++) ss += acc[l];
+    }
+    for (; i < hi; i++) ss += (double)x[i] * x[i];
+    return (float)sqrt(ss);
+}
+
+#if SDK_X86
+/* qnorm_of with the same lane sums, in registers (mul then add: -ffp-contract=off holds). */
+AVX2 static float qnorm_avx2(const float *x, int64_t lo, int64_t hi) {
+    double ss = 0;
+    int64_t i = lo;
+    while (hi - i >= 8) {
+        __m256 acc = _mm256_setzero_ps();
+        int64_t stop = hi - i >= 512 ? i + 512 : i + (hi - i) / 8 * 8;
+        for (; i < stop; i += 8) {
+            __m256 v = _mm256_loadu_ps(x + i);
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+        }
+        float a[8];
+        _mm256_storeu_ps(a, acc);
+        for (int l = 0; l < 8; l++) ss += a[l];
+    }
+    for (; i < hi; i++) ss += (double)x[i] * x[i];
+    return (float)sqrt(ss);
+}
+#endif
+
+static float qnorm(const float *x, int64_t lo, int64_t hi) {
+#if SDK_X86
+    if (has_avx2()) return qnorm_avx2(x, lo, hi);
+#endif
+    return qnorm_of(x, lo, hi);
+}
+
+/* as QSGD.compress: s / max(norm, tiny); an all-zero bucket quantizes to zero */
+static float qfactor(int levels, float norm) {
+    return (float)levels / (norm > 1.17549435e-38f ? norm : 1.17549435e-38f);
+}
+
 static void qnorm_task(void *arg, int t, int nt) {
     q_args *A = (q_args *)arg;
     int64_t j0, j1;
     share(A->nb, t, nt, 1, &j0, &j1);
     for (int64_t j = j0; j < j1; j++) {
         int64_t lo = j * A->bucket, hi = lo + A->bucket < A->n ? lo + A->bucket : A->n;
-        /* 8 float lanes, flushed into a double every 64 squares per lane: vectorizes, and the
-         * norm stays within float rounding of the exact one */
-        double ss = 0;
-        int64_t i = lo;
-        while (hi - i >= 8) {
-            float acc[8] = {0};
-            int64_t stop = hi - i >= 512 ? i + 512 : i + (hi - i) / 8 * 8;
-            for (; i < stop; i += 8)
-                for (int l = 0; l < 8; l++) acc[l] += A->x[i + l] * A->x[i + l];
-            for (int l = 0; l < 8; l++) ss += acc[l];
-        }
-        for (; i < hi; i++) ss += (double)A->x[i] * A->x[i];
-        float norm = (float)sqrt(ss);
-        A->norms[j] = norm;
-        /* as QSGD.compress: s / max(norm, tiny); an all-zero bucket quantizes to zero */
-        A->factor[j] = (float)A->levels / (norm > 1.17549435e-38f ? norm : 1.17549435e-38f);
+        A->norms[j] = qnorm(A->x, lo, hi);
+        A->factor[j] = qfactor(A->levels, A->norms[j]);
     }
 }
 
@@ -640,35 +675,91 @@ static inline void get8(const uint8_t *packed, int64_t n, int bits, int64_t i, u
     }
 }
 
-static void qenc_task(void *arg, int t, int nt) {
-    q_args *A = (q_args *)arg;
-    int64_t a, b;
-    share(A->n, t, nt, QCHUNK, &a, &b);
+#if SDK_X86
+/* 4-bit codes, AVX2 throughout: the 8 generators live in registers; lane arithmetic is the
+ * scalar path's (xoshiro128+, fl(fl(|x| f) + u), truncation, clamp, NaN -> 0), so the codes
+ * are bit-for-bit those of qenc_range. Returns where it stopped: the end, or a group that
+ * crosses a bucket edge or the end (left to the scalar code). */
+AVX2 static int64_t qenc4_avx2(q_args *A, xoshiro8 *r, int64_t i, int64_t hi, const float *factor,
+                               int64_t fj) {
+    const int64_t B = A->bucket;
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 Lf = _mm256_set1_ps((float)A->levels), unit = _mm256_set1_ps(5.9604644775390625e-8f);
+    const __m256i Li = _mm256_set1_epi32(A->levels);
+    const __m256i pick = _mm256_setr_epi8(0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                          0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    __m256i s0 = _mm256_loadu_si256((const __m256i *)r->s0), s1 = _mm256_loadu_si256((const __m256i *)r->s1);
+    __m256i s2 = _mm256_loadu_si256((const __m256i *)r->s2), s3 = _mm256_loadu_si256((const __m256i *)r->s3);
+    int64_t j = i / B, edge = (j + 1) * B;  /* no division per group: it cost more than the rest */
+    __m256 f = _mm256_set1_ps(factor[j - fj]);
+    for (; i + 8 <= hi; i += 8) {
+        if (i >= edge) {
+            j = i / B;
+            edge = (j + 1) * B;
+            f = _mm256_set1_ps(factor[j - fj]);
+        }
+        if (i + 8 > edge) break;
+        if (i % QCHUNK == 0) {
+            xo_seed(r, A->seed, (uint64_t)(i / QCHUNK));
+            s0 = _mm256_loadu_si256((const __m256i *)r->s0); s1 = _mm256_loadu_si256((const __m256i *)r->s1);
+            s2 = _mm256_loadu_si256((const __m256i *)r->s2); s3 = _mm256_loadu_si256((const __m256i *)r->s3);
+        }
+        __m256i out = _mm256_add_epi32(s0, s3), t = _mm256_slli_epi32(s1, 9);
+        s2 = _mm256_xor_si256(s2, s0); s3 = _mm256_xor_si256(s3, s1);
+        s1 = _mm256_xor_si256(s1, s2); s0 = _mm256_xor_si256(s0, s3);
+        s2 = _mm256_xor_si256(s2, t);
+        s3 = _mm256_or_si256(_mm256_slli_epi32(s3, 11), _mm256_srli_epi32(s3, 21));
+        __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(out, 8)), unit);
+        __m256 x = _mm256_loadu_ps(A->x + i);
+        __m256 tv = _mm256_add_ps(_mm256_mul_ps(_mm256_and_ps(x, absmask), f), u);
+        __m256i lvl = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(Li),
+            _mm256_castsi256_ps(_mm256_cvttps_epi32(tv)), _mm256_cmp_ps(tv, Lf, _CMP_LT_OQ)));
+        lvl = _mm256_andnot_si256(_mm256_castps_si256(_mm256_cmp_ps(tv, tv, _CMP_UNORD_Q)), lvl);
+        __m256i sg = _mm256_srai_epi32(_mm256_castps_si256(x), 31);  /* -1 where the sign bit is set */
+        __m256i c = _mm256_add_epi32(Li, _mm256_sub_epi32(_mm256_xor_si256(lvl, sg), sg));
+        /* lanes (2k, 2k+1) -> one byte c[2k] << 4 | c[2k+1] at the bottom of each 64-bit lane */
+        __m256i pr = _mm256_or_si256(_mm256_slli_epi64(c, 4), _mm256_srli_epi64(c, 32));
+        pr = _mm256_shuffle_epi8(pr, pick);
+        uint16_t lo2 = (uint16_t)_mm256_extract_epi16(pr, 0), hi2 = (uint16_t)_mm256_extract_epi16(pr, 8);
+        uint8_t *dst = A->packed + (i >> 1);
+        dst[0] = (uint8_t)lo2; dst[1] = (uint8_t)(lo2 >> 8); dst[2] = (uint8_t)hi2; dst[3] = (uint8_t)(hi2 >> 8);
+    }
+    _mm256_storeu_si256((__m256i *)r->s0, s0); _mm256_storeu_si256((__m256i *)r->s1, s1);
+    _mm256_storeu_si256((__m256i *)r->s2, s2); _mm256_storeu_si256((__m256i *)r->s3, s3);
+    return i;
+}
+#endif
+
+/* Encodes [lo, hi) of the thread's share; factor[j - fj] is bucket j's factor. */
+static void qenc_range(q_args *A, xoshiro8 *r, int64_t lo, int64_t hi, const float *factor, int64_t fj) {
     const int L = A->levels;
     const int64_t B = A->bucket;
     int simd = has_avx2();
     (void)simd;
-    xoshiro8 r;
-    xo_seed(&r, A->seed, (uint64_t)(a / QCHUNK));  /* a is a chunk start: the loop reseeds it alike */
     uint8_t c[8];
     float x[8], f[8];
-    for (int64_t i = a; i < b; i += 8) {
-        if (i % QCHUNK == 0) xo_seed(&r, A->seed, (uint64_t)(i / QCHUNK));
-        int cnt = b - i < 8 ? (int)(b - i) : 8;
+    for (int64_t i = lo; i < hi; i += 8) {
+#if SDK_X86
+        if (simd && A->bits == 4 && A->levels <= 7) {
+            i = qenc4_avx2(A, r, i, hi, factor, fj);
+            if (i >= hi) break;
+        }
+#endif
+        if (i % QCHUNK == 0) xo_seed(r, A->seed, (uint64_t)(i / QCHUNK));
+        int cnt = hi - i < 8 ? (int)(hi - i) : 8;
         int64_t j = i / B;
         if (cnt == 8 && (i + 7) / B == j) {  /* the common case: 8 elements of one bucket */
 #if SDK_X86
-            if (simd) qgroup_avx2(&r, A->x + i, A->factor[j], L, c);
+            if (simd) qgroup_avx2(r, A->x + i, factor[j - fj], L, c);
             else
 #endif
-                qgroup_scalar(&r, A->x + i, A->factor[j], L, c);
+                qgroup_scalar(r, A->x + i, factor[j - fj], L, c);
         } else {  /* a bucket edge or the end: per-element factors, zero padding */
             float u[8];
-            xoshiro8 *rp = &r;
-            XO_NEXT8(rp, u)
+            XO_NEXT8(r, u)
             for (int k = 0; k < 8; k++) {
                 x[k] = k < cnt ? A->x[i + k] : 0.0f;
-                f[k] = k < cnt ? A->factor[(i + k) / B] : 0.0f;
+                f[k] = k < cnt ? factor[(i + k) / B - fj] : 0.0f;
             }
             for (int k = 0; k < 8; k++) {
                 float tv = fabsf(x[k]) * f[k] + u[k];
@@ -678,6 +769,41 @@ static void qenc_task(void *arg, int t, int nt) {
             }
         }
         put8(A->packed, A->n, A->bits, i, c, cnt);
+    }
+}
+
+#define QFUSE_ELEMS 16384  /* buckets up to this size: norm and codes in one pass over memory */
+
+static void qenc_task(void *arg, int t, int nt) {
+    q_args *A = (q_args *)arg;
+    int64_t a, b;
+    share(A->n, t, nt, QCHUNK, &a, &b);
+    if (a >= b) return;
+    xoshiro8 r;
+    xo_seed(&r, A->seed, (uint64_t)(a / QCHUNK));  /* a is a chunk start: the loop reseeds it alike */
+    const int64_t B = A->bucket;
+    if (A->factor) {  /* norms already computed by qnorm_task */
+        qenc_range(A, &r, a, b, A->factor, 0);
+        return;
+    }
+    /* Blocks of about QFUSE_ELEMS elements (whole buckets when the bucket divides it), cut at
+     * multiples of 8 so groups and random draws fall as in one sweep: the block's norms are
+     * computed first, reading it from memory once, then its codes from cache. A bucket cut by
+     * a block or thread boundary is normed by both sides alike; norms[j] is written by the
+     * block that holds its start. */
+    int64_t target = (QFUSE_ELEMS / B) * B;
+    target = (target + 7) & ~(int64_t)7;
+    float local[QFUSE_ELEMS + 2];
+    for (int64_t lo = a, hi; lo < b; lo = hi) {
+        hi = lo + target < b ? lo + target : b;
+        int64_t jb = lo / B, jl = (hi - 1) / B;
+        for (int64_t j = jb; j <= jl; j++) {
+            int64_t blo = j * B, bhi = blo + B < A->n ? blo + B : A->n;
+            float norm = qnorm(A->x, blo, bhi);
+            if (blo >= lo) A->norms[j] = norm;
+            local[j - jb] = qfactor(A->levels, norm);
+        }
+        qenc_range(A, &r, lo, hi, local, jb);
     }
 }
 
@@ -712,16 +838,18 @@ void sdk_qsgd_encode(const float *x, int64_t n, int64_t bucket, int levels, int 
     if (n <= 0) return;
     if (bucket < 1 || bucket > n) bucket = n;
     int64_t nb = (n + bucket - 1) / bucket;
-    float *factor = (float *)malloc((size_t)nb * sizeof(float));
-    q_args A = {x, n, bucket, nb, levels, code_bits, seed, norms, factor, packed, NULL, NULL, 0};
-    if (!factor) {
-        for (int64_t j = 0; j < nb; j++) norms[j] = NAN;
-        return;
-    }
+    q_args A = {x, n, bucket, nb, levels, code_bits, seed, norms, NULL, packed, NULL, NULL, 0};
     int nt = threads_for(n);
-    parallel(nb >= nt ? nt : 1, qnorm_task, &A);
+    if (bucket > QFUSE_ELEMS) {  /* big buckets: a norm pass, then a code pass */
+        A.factor = (float *)malloc((size_t)nb * sizeof(float));
+        if (!A.factor) {
+            for (int64_t j = 0; j < nb; j++) norms[j] = NAN;
+            return;
+        }
+        parallel(nb >= nt ? nt : 1, qnorm_task, &A);
+    }
     parallel(nt, qenc_task, &A);
-    free(factor);
+    free(A.factor);
 }
 
 void sdk_qsgd_decode(const float *scales, const uint8_t *packed, int64_t n, int64_t bucket, int levels,

@@ -12,7 +12,7 @@
 #include <stdint.h>
 
 #define SDK_PAR_MIN (1 << 20)
-#define SDK_MAX_THREADS 8
+#define SDK_MAX_THREADS 32
 
 void sdk_set_threads(int n);
 int sdk_get_threads(void);

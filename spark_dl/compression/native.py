@@ -23,10 +23,17 @@ def available() -> bool:
     return _ext is not None
 
 
+_pinned: int | None = None  # threads fixed by set_threads(n); None: follow torch
+
+
 def enabled(*tensors: torch.Tensor) -> bool:
     """Use the kernels for these tensors: extension present, not switched off, all on the CPU."""
     if _ext is None or os.environ.get("SPARK_DL_NATIVE", "1") == "0":
         return False
+    if _pinned is None:
+        # as many threads as torch's intra-op pool: the launcher sizes it per rank to the host's
+        # cores / local ranks, so kernels and torch ops never oversubscribe the machine
+        _ext.set_threads(torch.get_num_threads())
     return all(t.device.type == "cpu" for t in tensors)
 
 
@@ -35,9 +42,12 @@ def features() -> str:
     return _ext.features() if _ext is not None else "none"
 
 
-def set_threads(n: int) -> int:
-    """Threads for vectors of 1M elements or more (default 2)."""
-    return _ext.set_threads(n)
+def set_threads(n: int | None) -> int:
+    """Threads for vectors of 1M elements or more; ``None`` (the default) follows
+    ``torch.get_num_threads()``. Returns the count now in effect (at most 32)."""
+    global _pinned
+    _pinned = n
+    return _ext.set_threads(torch.get_num_threads() if n is None else n)
 
 
 def force_scalar(on: bool) -> None:

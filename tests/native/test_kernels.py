@@ -171,14 +171,25 @@ def test_qsgd_is_unbiased_and_reproducible():
     assert ((qs.mean(dim=0) - g).abs() <= 5 * se + 1e-6).all()
 
 
-def test_qsgd_does_not_depend_on_the_thread_count():
+@pytest.mark.parametrize("bucket", [512, 100, 7, 40000])
+def test_qsgd_codes_do_not_depend_on_threads_or_simd(bucket):
+    """The same seed gives the same codes with 1, 2 or 5 threads, AVX2 or portable C: the random
+    streams are per 64K chunk, and norms of buckets cut by a thread or block edge are computed
+    alike on both sides."""
     g = rand(3 << 20)
+    g[12345] = float("nan")
     out = []
-    for t in (1, 2):
-        native.set_threads(t)
-        out.append(native.qsgd_encode(g, 7, 512, 4, seed=11))
-    native.set_threads(2)
-    assert torch.equal(out[0][1], out[1][1]) and torch.equal(out[0][0], out[1][0])
+    try:
+        for t, scalar in ((1, False), (2, False), (5, False), (2, True)):
+            native.set_threads(t)
+            native.force_scalar(scalar)
+            out.append(native.qsgd_encode(g, 7, bucket, 4, seed=11))
+    finally:
+        native.set_threads(None)
+        native.force_scalar(False)
+    for norms, packed in out[1:]:
+        assert torch.equal(packed, out[0][1])
+        assert torch.equal(norms.nan_to_num(-1.0), out[0][0].nan_to_num(-1.0))
 
 
 @pytest.mark.parametrize("n", SIZES)
