@@ -414,7 +414,7 @@ static uint16_t f2bf(float f) {
     return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
 }
 
-typedef struct { const void *src; void *dst; int64_t n; float scale; int kind; } cvt_args;
+typedef struct { const void *src; void *dst; int64_t n; float scale; int kind, acc; } cvt_args;
 
 #if SDK_X86
 AVX2F16C static void f2h_f16c(const float *x, uint16_t *h, int64_t a, int64_t b, float scale) {
@@ -425,7 +425,14 @@ AVX2F16C static void f2h_f16c(const float *x, uint16_t *h, int64_t a, int64_t b,
     for (; a < b; a++) h[a] = f2h(x[a] * scale);
 }
 
-AVX2F16C static void h2f_f16c(const uint16_t *h, float *x, int64_t a, int64_t b) {
+AVX2F16C static void h2f_f16c(const uint16_t *h, float *x, int64_t a, int64_t b, int acc) {
+    if (acc) {
+        for (; a + 8 <= b; a += 8)
+            _mm256_storeu_ps(x + a, _mm256_add_ps(_mm256_loadu_ps(x + a),
+                                                  _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + a)))));
+        for (; a < b; a++) x[a] += h2f(h[a]);
+        return;
+    }
     for (; a + 8 <= b; a += 8) _mm256_storeu_ps(x + a, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + a))));
     for (; a < b; a++) x[a] = h2f(h[a]);
 }
@@ -452,12 +459,13 @@ AVX2 static void f2bf_avx2(const float *x, uint16_t *h, int64_t a, int64_t b, fl
     for (; a < b; a++) h[a] = f2bf(x[a] * scale);
 }
 
-AVX2 static void bf2f_avx2(const uint16_t *h, float *x, int64_t a, int64_t b) {
+AVX2 static void bf2f_avx2(const uint16_t *h, float *x, int64_t a, int64_t b, int acc) {
     for (; a + 8 <= b; a += 8) {
         __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(h + a)));
-        _mm256_storeu_ps(x + a, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+        __m256 f = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        _mm256_storeu_ps(x + a, acc ? _mm256_add_ps(_mm256_loadu_ps(x + a), f) : f);
     }
-    for (; a < b; a++) x[a] = u2f((uint32_t)h[a] << 16);
+    for (; a < b; a++) x[a] = acc ? x[a] + u2f((uint32_t)h[a] << 16) : u2f((uint32_t)h[a] << 16);
 }
 #endif
 
@@ -478,9 +486,10 @@ static void cvt_task(void *arg, int t, int nt) {
         break;
     case 1:
 #if SDK_X86
-        if (has_f16c()) { h2f_f16c(xh, of, a, b); break; }
+        if (has_f16c()) { h2f_f16c(xh, of, a, b, A->acc); break; }
 #endif
-        for (int64_t i = a; i < b; i++) of[i] = h2f(xh[i]);
+        if (A->acc) for (int64_t i = a; i < b; i++) of[i] += h2f(xh[i]);
+        else for (int64_t i = a; i < b; i++) of[i] = h2f(xh[i]);
         break;
     case 2:
 #if SDK_X86
@@ -490,22 +499,23 @@ static void cvt_task(void *arg, int t, int nt) {
         break;
     default:
 #if SDK_X86
-        if (has_avx2()) { bf2f_avx2(xh, of, a, b); break; }
+        if (has_avx2()) { bf2f_avx2(xh, of, a, b, A->acc); break; }
 #endif
-        for (int64_t i = a; i < b; i++) of[i] = u2f((uint32_t)xh[i] << 16);
+        if (A->acc) for (int64_t i = a; i < b; i++) of[i] += u2f((uint32_t)xh[i] << 16);
+        else for (int64_t i = a; i < b; i++) of[i] = u2f((uint32_t)xh[i] << 16);
     }
 }
 
-static void convert(const void *src, void *dst, int64_t n, float scale, int kind) {
+static void convert(const void *src, void *dst, int64_t n, float scale, int kind, int acc) {
     if (n <= 0) return;
-    cvt_args A = {src, dst, n, scale, kind};
+    cvt_args A = {src, dst, n, scale, kind, acc};
     parallel(threads_for(n), cvt_task, &A);
 }
 
-void sdk_f32_to_f16(const float *x, uint16_t *h, int64_t n, float scale) { convert(x, h, n, scale, 0); }
-void sdk_f16_to_f32(const uint16_t *h, float *x, int64_t n) { convert(h, x, n, 1.0f, 1); }
-void sdk_f32_to_bf16(const float *x, uint16_t *h, int64_t n, float scale) { convert(x, h, n, scale, 2); }
-void sdk_bf16_to_f32(const uint16_t *h, float *x, int64_t n) { convert(h, x, n, 1.0f, 3); }
+void sdk_f32_to_f16(const float *x, uint16_t *h, int64_t n, float scale) { convert(x, h, n, scale, 0, 0); }
+void sdk_f16_to_f32(const uint16_t *h, float *x, int64_t n, int accumulate) { convert(h, x, n, 1.0f, 1, accumulate); }
+void sdk_f32_to_bf16(const float *x, uint16_t *h, int64_t n, float scale) { convert(x, h, n, scale, 2, 0); }
+void sdk_bf16_to_f32(const uint16_t *h, float *x, int64_t n, int accumulate) { convert(h, x, n, 1.0f, 3, accumulate); }
 
 /* ---- QSGD ------------------------------------------------------------------------------------ */
 

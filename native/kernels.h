@@ -37,9 +37,9 @@ void sdk_scaled_sign_decode(float scale, const uint8_t *bits, int64_t n, float *
 /* float32 -> float16 / bfloat16 of x * scale (scale = 1/world divides before the sum), round to
  * nearest even; and back (exact). bf16 NaN becomes the quiet NaN 0x7FC0 (sign kept). */
 void sdk_f32_to_f16(const float *x, uint16_t *h, int64_t n, float scale);
-void sdk_f16_to_f32(const uint16_t *h, float *x, int64_t n);
+void sdk_f16_to_f32(const uint16_t *h, float *x, int64_t n, int accumulate);  /* x (+)= h */
 void sdk_f32_to_bf16(const float *x, uint16_t *h, int64_t n, float scale);
-void sdk_bf16_to_f32(const uint16_t *h, float *x, int64_t n);
+void sdk_bf16_to_f32(const uint16_t *h, float *x, int64_t n, int accumulate);
 
 /* QSGD with `levels` = s and buckets of `bucket` elements: norms[nb] = ||v||_2, codes
  * floor(s|v_i|/||v|| + u) clamped to s, signed, + s, packed in code_bits bits. u comes from

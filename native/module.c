@@ -63,13 +63,13 @@ static PyObject *convert(PyObject *self, PyObject *args) {
     unsigned long long src, dst;
     long long n;
     float scale;
-    int bf16, to_half;
-    if (!PyArg_ParseTuple(args, "KKLfpp", &src, &dst, &n, &scale, &bf16, &to_half)) return NULL;
+    int bf16, to_half, accumulate = 0;
+    if (!PyArg_ParseTuple(args, "KKLfpp|p", &src, &dst, &n, &scale, &bf16, &to_half, &accumulate)) return NULL;
     Py_BEGIN_ALLOW_THREADS
     if (to_half && bf16) sdk_f32_to_bf16(PTR(const float *, src), PTR(uint16_t *, dst), n, scale);
     else if (to_half) sdk_f32_to_f16(PTR(const float *, src), PTR(uint16_t *, dst), n, scale);
-    else if (bf16) sdk_bf16_to_f32(PTR(const uint16_t *, src), PTR(float *, dst), n);
-    else sdk_f16_to_f32(PTR(const uint16_t *, src), PTR(float *, dst), n);
+    else if (bf16) sdk_bf16_to_f32(PTR(const uint16_t *, src), PTR(float *, dst), n, accumulate);
+    else sdk_f16_to_f32(PTR(const uint16_t *, src), PTR(float *, dst), n, accumulate);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -140,7 +140,7 @@ static PyMethodDef methods[] = {
     {"onebit_decode", onebit_decode, METH_VARARGS, "(means, bits, n, bucket, out, accumulate)"},
     {"scaled_sign_encode", scaled_sign_encode, METH_VARARGS, "(g, e_in, e_out, n, bits) -> scale"},
     {"scaled_sign_decode", scaled_sign_decode, METH_VARARGS, "(scale, bits, n, out, accumulate)"},
-    {"convert", convert, METH_VARARGS, "(src, dst, n, scale, bf16, to_half)"},
+    {"convert", convert, METH_VARARGS, "(src, dst, n, scale, bf16, to_half[, accumulate]): half -> float32 may add into dst"},
     {"qsgd_encode", qsgd_encode, METH_VARARGS, "(x, n, bucket, levels, bits, seed, norms, packed)"},
     {"qsgd_decode", qsgd_decode, METH_VARARGS, "(scales, packed, n, bucket, levels, bits, out, accumulate)"},
     {"topk", topk, METH_VARARGS, "(x, n, k, idx, val)"},

@@ -48,9 +48,11 @@ static void run(int64_t n) {
     free(bits);
 
     sdk_f32_to_f16(g, h, n, 0.5f);
-    sdk_f16_to_f32(h, out, n);
+    sdk_f16_to_f32(h, out, n, 0);
+    sdk_f16_to_f32(h, out, n, 1);
     sdk_f32_to_bf16(g, h, n, 1.0f);
-    sdk_bf16_to_f32(h, out, n);
+    sdk_bf16_to_f32(h, out, n, 1);
+    sdk_bf16_to_f32(h, out, n, 0);
     for (int64_t i = 6; i < n; i++) CHECK(fabsf(out[i] - g[i]) <= fabsf(g[i]) * 0.004f);
 
     for (int bitsw = 1; bitsw <= 8; bitsw++) {

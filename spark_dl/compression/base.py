@@ -49,7 +49,8 @@ class Payload:
 
 
 class Compressor:
-    """Base class. Subclasses implement :meth:`compress`, :meth:`decompress`, :meth:`bits_per_element`.
+    """Base class. Subclasses implement :meth:`compress`, :meth:`decompress`, :meth:`bits_per_element`,
+    and may override :meth:`decompress_into` with a fused path.
 
     ``summable``: all_reduce(SUM) of the wire tensors of W payloads, then :meth:`decompress`,
     equals the sum of the W decompressions, so the payload can ride an ordinary all_reduce.
@@ -64,6 +65,16 @@ class Compressor:
 
     def decompress(self, payload: Payload) -> torch.Tensor:
         raise NotImplementedError
+
+    def decompress_into(self, payload: Payload, out: torch.Tensor, accumulate: bool = False) -> None:
+        """Write (``accumulate``: add) the decompressed values into ``out``, a contiguous 1-D
+        float32 tensor of the payload's numel. What the collectives call to sum W payloads: the
+        native kernels do it in one pass with no temporary; this default decompresses first."""
+        v = self.decompress(payload).reshape(-1)
+        if accumulate:
+            out.add_(v)
+        else:
+            out.copy_(v)
 
     def bits_per_element(self) -> float:
         """Nominal wire bits per element of a large fp32 tensor."""

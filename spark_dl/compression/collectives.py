@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .base import Compressor, Payload
-from .fp import NoneCompressor
+from .fp import NoneCompressor, _Cast
 from .powersgd import PowerSGD
 from .stats import stats
 
@@ -61,8 +61,12 @@ def _all_reduce(t: torch.Tensor, group: Any, world: int) -> None:
         stats.add_bytes(_ring_bytes(t.numel() * t.element_size(), world))
 
 
-def _summable(x: torch.Tensor, c: Compressor, name: Any, group: Any, world: int) -> torch.Tensor:
-    payload = c.compress(x, key=name)
+def _summable(x: torch.Tensor, c: Compressor, name: Any, group: Any, world: int,
+              scale: float = 1.0) -> torch.Tensor:
+    if scale != 1.0:
+        payload = c.compress_scaled(x, scale, key=name)  # fp16/bf16: the kernel divides as it casts
+    else:
+        payload = c.compress(x, key=name)
     for t in payload.tensors:
         _all_reduce(t, group, world)
     return c.decompress(payload)
@@ -96,9 +100,10 @@ def _scatter_reduce_allgather(x: torch.Tensor, c: Compressor, name: Any, group: 
         copies = [own if i == me else from_bytes(incoming[i, :sizes[me]], own) for i in range(world)]
     else:
         copies = [own]
-    reduced = c.decompress(copies[0]).to(torch.float32)
-    for p in copies[1:]:
-        reduced += c.decompress(p)
+    # Decode-accumulate into one buffer: the native kernels add each payload in one pass.
+    reduced = torch.empty(chunks[me].numel(), dtype=torch.float32, device=x.device)
+    for i, p in enumerate(copies):
+        c.decompress_into(p, reduced, accumulate=i > 0)
     mine = to_bytes(c.compress(reduced.to(x.dtype), key=(name, "server")))
     if world == 1:
         return c.decompress(from_bytes(mine, own)).reshape(x.shape)
@@ -107,8 +112,13 @@ def _scatter_reduce_allgather(x: torch.Tensor, c: Compressor, name: Any, group: 
     gathered = torch.empty(world, width, dtype=torch.uint8, device=x.device)
     _all_gather(gathered.view(-1), padded, group)
     stats.add_bytes((world - 1) * width)
-    out = [c.decompress(from_bytes(gathered[j, :sizes[j]], sent[j])) for j in range(world)]
-    return torch.cat([o.reshape(-1) for o in out]).reshape(x.shape)
+    out = torch.empty(x.numel(), dtype=torch.float32, device=x.device)
+    offset = 0
+    for j in range(world):
+        n_j = chunks[j].numel()
+        c.decompress_into(from_bytes(gathered[j, :sizes[j]], sent[j]), out[offset:offset + n_j])
+        offset += n_j
+    return out.to(x.dtype).reshape(x.shape)
 
 
 def allreduce(tensor: torch.Tensor, compression: Compressor | None = None, *,
@@ -135,6 +145,12 @@ def allreduce(tensor: torch.Tensor, compression: Compressor | None = None, *,
     start = time.perf_counter()
     average = op == "average"
     integer = not (tensor.is_floating_point() or tensor.is_complex())
+    if tensor.numel() > 0 and average and isinstance(c, _Cast):
+        # divide before the sum (no fp16 overflow) inside the cast: no pass of its own
+        out = _summable(tensor, c, name, group, world, scale=1.0 / world)
+        stats.add_call(tensor.numel(), _ring_bytes(tensor.numel() * tensor.element_size(), world),
+                       time.perf_counter() - start)
+        return out.to(tensor.dtype).reshape(tensor.shape)
     x = tensor / world if average and not integer else tensor
     if tensor.numel() == 0:
         out = x.clone()

@@ -40,6 +40,21 @@ class _Cast(Compressor):
             return native.from_half(wire).reshape(payload.meta.shape)
         return wire.to(payload.meta.dtype).reshape(payload.meta.shape)
 
+    def decompress_into(self, payload: Payload, out: torch.Tensor, accumulate: bool = False) -> None:
+        wire = payload.tensors[0]
+        if payload.meta.dtype == torch.float32 and wire.dtype == self.wire_dtype and native.enabled(wire, out):
+            native.from_half(wire, out, accumulate)
+        else:
+            super().decompress_into(payload, out, accumulate)
+
+    def compress_scaled(self, tensor: torch.Tensor, scale: float, key: Key = None) -> Payload:
+        """``compress(tensor * scale)`` in one pass: how ``allreduce`` divides by the world size
+        before the sum (no fp16 overflow) without a pass of its own."""
+        check_float(tensor, type(self).__name__)
+        if tensor.dtype == torch.float32 and native.enabled(tensor):
+            return Payload([native.to_half(tensor, self.wire_dtype, scale)], Meta(tensor.shape, tensor.dtype))
+        return self.compress(tensor * scale, key)
+
     def bits_per_element(self) -> float:
         return 16.0
 

@@ -86,6 +86,13 @@ class ErrorFeedback(Compressor):
         out = self.compressor.decompress(Payload(payload.tensors, meta.inner))
         return out.to(meta.dtype).reshape(meta.shape)
 
+    def decompress_into(self, payload: Payload, out: torch.Tensor, accumulate: bool = False) -> None:
+        meta: _EFMeta = payload.meta
+        if meta.dtype == torch.float32:  # the inner payload holds exactly these float32 values
+            self.compressor.decompress_into(Payload(payload.tensors, meta.inner), out, accumulate)
+        else:
+            super().decompress_into(payload, out, accumulate)
+
     def bits_per_element(self) -> float:
         return self.compressor.bits_per_element()
 

@@ -90,11 +90,12 @@ def onebit_encode(g: torch.Tensor, bucket: int, e: torch.Tensor | None = None, r
 
 
 def onebit_decode(means: torch.Tensor, bits: torch.Tensor, n: int, bucket: int,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """q as float32 (accumulated into ``out``, a contiguous float32 tensor of n, when given)."""
+                  out: torch.Tensor | None = None, accumulate: bool | None = None) -> torch.Tensor:
+    """q as float32, written into ``out`` (a contiguous float32 tensor of n) when given, or
+    added to it with ``accumulate`` (the default when ``out`` is given)."""
     b = max(1, min(bucket, n)) if n else 1
     _check_sizes(means, 2 * (-(-n // b)), bits, (n + 7) // 8)
-    acc = out is not None
+    acc = out is not None if accumulate is None else accumulate
     out = _out(out, n)
     _ext.onebit_decode(means.data_ptr(), bits.data_ptr(), n, b, out.data_ptr(), acc)
     return out
@@ -114,9 +115,9 @@ def scaled_sign_encode(g: torch.Tensor, e: torch.Tensor | None = None, residual:
 
 
 def scaled_sign_decode(scale: torch.Tensor, bits: torch.Tensor, n: int,
-                       out: torch.Tensor | None = None) -> torch.Tensor:
+                       out: torch.Tensor | None = None, accumulate: bool | None = None) -> torch.Tensor:
     _check_sizes(scale, 1, bits, (n + 7) // 8)
-    acc = out is not None
+    acc = out is not None if accumulate is None else accumulate
     out = _out(out, n)
     _ext.scaled_sign_decode(float(scale.reshape(-1)[0]), bits.data_ptr(), n, out.data_ptr(), acc)
     return out
@@ -130,11 +131,11 @@ def to_half(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Te
     return h
 
 
-def from_half(h: torch.Tensor) -> torch.Tensor:
-    """1-D float32 of a float16/bfloat16 tensor (exact)."""
+def from_half(h: torch.Tensor, out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+    """1-D float32 of a float16/bfloat16 tensor (exact), into ``out`` or added to it."""
     src = h.reshape(-1).contiguous()
-    out = torch.empty(src.numel(), dtype=torch.float32)
-    _ext.convert(src.data_ptr(), out.data_ptr(), src.numel(), 1.0, _bf16(src.dtype), False)
+    out = _out(out, src.numel())
+    _ext.convert(src.data_ptr(), out.data_ptr(), src.numel(), 1.0, _bf16(src.dtype), False, accumulate)
     return out
 
 
@@ -158,13 +159,13 @@ def qsgd_encode(x: torch.Tensor, levels: int, bucket: int, code_bits: int, seed:
 
 
 def qsgd_decode(norms: torch.Tensor, packed: torch.Tensor, n: int, levels: int, bucket: int, code_bits: int,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, accumulate: bool | None = None) -> torch.Tensor:
     """(code - s) * (norm / s) per element, rounded as QSGD.decompress."""
     scales = (norms / levels).contiguous()  # torch's own division: the same float as the torch path
     per = 8 // code_bits if 8 % code_bits == 0 else 0
     _check_sizes(norms, -(-n // bucket) if n else 0, packed,
                  (n + per - 1) // per if per else code_bits * ((n + 7) // 8))
-    acc = out is not None
+    acc = out is not None if accumulate is None else accumulate
     out = _out(out, n)
     _ext.qsgd_decode(scales.data_ptr(), packed.contiguous().data_ptr(), n, bucket, levels, code_bits,
                      out.data_ptr(), acc)

@@ -85,5 +85,13 @@ class QSGD(Compressor):
         out = level.view(nb, d).mul_((norms / s).unsqueeze(1)).view(-1)[:n]
         return restore(out, meta)
 
+    def decompress_into(self, payload: Payload, out: torch.Tensor, accumulate: bool = False) -> None:
+        norms, packed = payload.tensors
+        meta: _QMeta = payload.meta
+        if native.enabled(norms, packed, out) and self.code_bits <= 8:
+            native.qsgd_decode(norms, packed, meta.numel, self.levels, meta.bucket, self.code_bits, out, accumulate)
+        else:
+            super().decompress_into(payload, out, accumulate)
+
     def bits_per_element(self) -> float:
         return self.code_bits + (32.0 / self.bucket_size if self.bucket_size else 0.0)

@@ -78,6 +78,14 @@ class SignMeans(Compressor):
             row += rows.shape[0]
         return restore(out, meta)
 
+    def decompress_into(self, payload: Payload, out: torch.Tensor, accumulate: bool = False) -> None:
+        means, bits = payload.tensors
+        n = payload.meta.numel
+        if native.enabled(means, bits, out):
+            native.onebit_decode(means, bits, n, self._bucket(n), out, accumulate)
+        else:
+            super().decompress_into(payload, out, accumulate)
+
     def bits_per_element(self) -> float:
         return 1.0 if self.bucket_size is None else 1.0 + 64.0 / self.bucket_size
 
@@ -107,6 +115,13 @@ class ScaledSign(Compressor):
             return restore(native.scaled_sign_decode(scale, bits, meta.numel), meta)
         signs = unpack(bits, meta.numel, 1).to(torch.float32).mul_(2).sub_(1)
         return restore(signs.mul_(scale), meta)
+
+    def decompress_into(self, payload: Payload, out: torch.Tensor, accumulate: bool = False) -> None:
+        scale, bits = payload.tensors
+        if native.enabled(scale, bits, out):
+            native.scaled_sign_decode(scale, bits, payload.meta.numel, out, accumulate)
+        else:
+            super().decompress_into(payload, out, accumulate)
 
     def bits_per_element(self) -> float:
         return 1.0

@@ -263,3 +263,39 @@ def test_extension_links_no_torch():
 
     deps = subprocess.run(["ldd", _native.__file__], capture_output=True, text=True, check=True).stdout
     assert "torch" not in deps and "c10" not in deps, deps
+
+
+DECODERS = [
+    ("fp16", lambda: C.FP16()), ("bf16", lambda: C.BF16()), ("onebit", lambda: C.OneBit(256)),
+    ("signmeans", lambda: C.SignMeans(100)), ("efsign", lambda: C.EFSign()),
+    ("qsgd", lambda: C.QSGD(levels=7, bucket_size=512, seed=3)),
+    ("qsgd-2bit", lambda: C.QSGD(levels=1, bucket_size=64, seed=3)),
+]
+
+
+@pytest.mark.parametrize("n", [1, 9, 1025, (1 << 20) + 13])
+@pytest.mark.parametrize("name,make", DECODERS, ids=[d[0] for d in DECODERS])
+def test_decompress_into_writes_and_accumulates_like_decompress(name, make, n, path, torch_path):
+    """decompress_into (what the collectives sum W payloads with) matches decompress bit-for-bit,
+    natively (one fused pass, no temporary) and on the torch path."""
+    g = rand(n)
+    c = make()
+    payload = c.compress(g, key="g")
+    ref = torch_path(c.decompress, payload).reshape(-1)
+    base = rand(n, seed=99)
+    for run in (lambda f, *a: f(*a), torch_path):
+        out = torch.full((n,), float("nan"))
+        run(c.decompress_into, payload, out)
+        assert torch.equal(out, ref)
+        acc = base.clone()
+        run(c.decompress_into, payload, acc, True)
+        assert torch.equal(acc, base + ref)
+
+
+@pytest.mark.parametrize("make", [C.FP16, C.BF16])
+def test_compress_scaled_divides_inside_the_cast(make, path, torch_path):
+    g = rand((1 << 20) + 13) * 1000
+    native_p = make().compress_scaled(g, 1 / 3)
+    torch_p = torch_path(make().compress_scaled, g, 1 / 3)
+    assert torch.equal(native_p.tensors[0], torch_p.tensors[0])
+    assert torch.equal(native_p.tensors[0], (g * (1 / 3)).to(make.wire_dtype))
