@@ -817,6 +817,36 @@ static void qenc_task(void *arg, int t, int nt) {
     }
 }
 
+#if SDK_X86
+/* 4-bit codes -> (code - s) * scale, 8 at a time while a group stays in one bucket; the scalar
+ * path's float operations, so bit-for-bit the same. Returns where it stopped. */
+AVX2 static int64_t qdec4_avx2(const q_args *A, int64_t i, int64_t b, int64_t *jp, int64_t *endp) {
+    const __m128i dup = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m256i shift = _mm256_setr_epi32(4, 0, 4, 0, 4, 0, 4, 0), nib = _mm256_set1_epi32(15);
+    const __m256i L = _mm256_set1_epi32(A->levels);
+    int64_t j = *jp, end = *endp;
+    __m256 sc = _mm256_set1_ps(A->scales[j]);
+    for (; i + 8 <= b; i += 8) {
+        if (i >= end) {
+            j = i / A->bucket;
+            end = (j + 1) * A->bucket;
+            sc = _mm256_set1_ps(A->scales[j]);
+        }
+        if (i + 8 > end) break;
+        uint32_t w;
+        memcpy(&w, A->packed + (i >> 1), 4);
+        __m256i c = _mm256_cvtepu8_epi32(_mm_shuffle_epi8(_mm_cvtsi32_si128((int)w), dup));
+        c = _mm256_and_si256(_mm256_srlv_epi32(c, shift), nib);
+        __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(c, L)), sc);
+        if (A->accumulate) v = _mm256_add_ps(_mm256_loadu_ps(A->out + i), v);
+        _mm256_storeu_ps(A->out + i, v);
+    }
+    *jp = j;
+    *endp = end;
+    return i;
+}
+#endif
+
 static void qdec_task(void *arg, int t, int nt) {
     q_args *A = (q_args *)arg;
     int64_t a, b;
@@ -824,7 +854,21 @@ static void qdec_task(void *arg, int t, int nt) {
     uint8_t c[8];
     int64_t j = a / A->bucket, end = (j + 1) * A->bucket;
     float sc = A->scales[j];
+    int simd = has_avx2() && A->bits == 4;
+    (void)simd;
     for (int64_t i = a; i < b; i += 8) {
+#if SDK_X86
+        if (simd) {
+            i = qdec4_avx2(A, i, b, &j, &end);
+            if (i >= b) break;
+            sc = A->scales[j];
+            if (i >= end) {  /* the next group starts a new bucket but runs past b */
+                j = i / A->bucket;
+                end = (j + 1) * A->bucket;
+                sc = A->scales[j];
+            }
+        }
+#endif
         int cnt = b - i < 8 ? (int)(b - i) : 8;
         get8(A->packed, A->n, A->bits, i, c, cnt);
         if (cnt == 8 && i + 8 <= end) {

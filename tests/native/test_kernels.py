@@ -270,6 +270,8 @@ DECODERS = [
     ("signmeans", lambda: C.SignMeans(100)), ("efsign", lambda: C.EFSign()),
     ("qsgd", lambda: C.QSGD(levels=7, bucket_size=512, seed=3)),
     ("qsgd-2bit", lambda: C.QSGD(levels=1, bucket_size=64, seed=3)),
+    ("qsgd-b100", lambda: C.QSGD(levels=7, bucket_size=100, seed=3)),
+    ("qsgd-b3", lambda: C.QSGD(levels=5, bucket_size=3, seed=3)),
 ]
 
 
