@@ -24,7 +24,11 @@ import sys
 import tempfile
 import time
 
-import torch
+# As in the launcher's rank processes (inherited by this script's ranks): huge pages for big
+# CPU tensors. Read by torch at its first big allocation, so before the import.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+import torch  # noqa: E402
 
 COMPRESSORS = ["fp32", "fp16", "bf16", "onebit", "efsign", "qsgd-4bit", "topk-1%+ef",
                "randomk-1%+ef", "powersgd-r4"]
