@@ -96,7 +96,7 @@ def rank_main(args: argparse.Namespace) -> None:
                             rank=args.rank, world_size=2, timeout=timedelta(seconds=600))
     g = gradient(args.numel, seed=args.rank)
     results = {}
-    for name in COMPRESSORS:
+    for name in args.compressors.split(","):
         c = make(name)
         C.allreduce(g, c, name="g")  # warm-up: connections, buffers, PowerSGD's Q
         times, sent = [], []
@@ -108,6 +108,28 @@ def rank_main(args: argparse.Namespace) -> None:
             times.append(time.perf_counter() - t0)
             sent.append(C.stats.bytes_sent - before)
         results[name] = {"step_s": statistics.median(times), "bytes": statistics.median(sent)}
+    # The bare collectives the compressed path uses, on QSGD-4bit-sized buffers: what the link
+    # and Gloo cost without any encoding.
+    width = -(-make("qsgd-4bit").compress(g.reshape(-1)[: args.numel // 2]).nbytes // 8) * 8
+    raw = {
+        "all_to_all": lambda: dist.all_to_all_single(torch.empty(2 * width, dtype=torch.uint8),
+                                                     torch.zeros(2 * width, dtype=torch.uint8)),
+        "all_gather": lambda: dist.all_gather_into_tensor(torch.empty(2 * width, dtype=torch.uint8),
+                                                          torch.zeros(width, dtype=torch.uint8)),
+        "all_reduce": lambda: dist.all_reduce(torch.zeros(2 * width // 4)),
+        "isend/irecv": lambda: [w.wait() for w in dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, torch.zeros(width, dtype=torch.uint8), 1 - args.rank),
+            dist.P2POp(dist.irecv, torch.empty(width, dtype=torch.uint8), 1 - args.rank)])],
+    }
+    for name, op in raw.items():
+        op()
+        times = []
+        for _ in range(args.steps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            op()
+            times.append(time.perf_counter() - t0)
+        results["raw " + name] = {"step_s": statistics.median(times), "bytes": width}
     if args.rank == 0:
         with open(args.out, "w") as f:
             json.dump(results, f)
@@ -156,7 +178,7 @@ def network_table(args: argparse.Namespace) -> None:
             cmd = ["ip", "netns", "exec", ns[r], sys.executable, os.path.abspath(__file__),
                    "--rank", str(r), "--master", addr[0], "--port", "29533", "--out", out,
                    "--numel", str(args.numel), "--steps", str(args.steps),
-                   "--threads", str(args.threads)]
+                   "--threads", str(args.threads), "--compressors", args.compressors]
             procs.append(subprocess.Popen(cmd, env=env))
         codes = [p.wait(timeout=1800) for p in procs]
         if any(codes):
@@ -175,7 +197,7 @@ def network_table(args: argparse.Namespace) -> None:
     print(f"\n2-rank all-reduce of {args.numel / 1e6:.1f}M float32 over a {args.rate_mbit} Mbit/s veth "
           f"(tc tbf), Gloo, {args.threads} thread(s) per rank, median of {args.steps} steps")
     print(f"{'compressor':<15}{'bytes sent':>14}{'step s':>9}{'vs fp32':>9}{'ideal s':>9}{'step/ideal':>11}")
-    for name in COMPRESSORS:
+    for name in [n for n in results if n in COMPRESSORS or n.startswith("raw ")]:
         r = results[name]
         ideal = r["bytes"] / rate
         print(f"{name:<15}{int(r['bytes']):>14,}{r['step_s']:>9.3f}{base / r['step_s']:>8.1f}x"
@@ -189,6 +211,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--skip-network", action="store_true")
+    parser.add_argument("--compressors", default=",".join(COMPRESSORS),
+                        help="comma-separated subset (fp32 first: the ratios are against it)")
     parser.add_argument("--device", default="cpu", help="where part 1 encodes/decodes: cpu or cuda")
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--master", help=argparse.SUPPRESS)

@@ -9,7 +9,9 @@
   and sums the W copies, recompresses the sum (a second memory ``(name, "server")``) and an
   ``all_gather`` gives every rank every reduced chunk. Each rank sends about 2 (W-1)/W of one
   compressed copy of the tensor: O(size), not O(W size). Every rank decompresses the same
-  payloads, so the result is identical on all ranks.
+  payloads, so the result is identical on all ranks. Chunks of more than ``PIECE_ELEMS``
+  elements travel in pieces with asynchronous collectives, so encoding and decoding overlap
+  the transfers.
 
 Payloads travel as one uint8 buffer each; the receiver unpacks it with the layout of its own
 payload for the same chunk (see :mod:`spark_dl.compression.base`), so no sizes are exchanged.
@@ -72,52 +74,87 @@ def _summable(x: torch.Tensor, c: Compressor, name: Any, group: Any, world: int,
     return c.decompress(payload)
 
 
-def _all_gather(out: torch.Tensor, piece: torch.Tensor, group: Any) -> None:
+def _all_gather(out: torch.Tensor, piece: torch.Tensor, group: Any) -> Any:
     # torch >= 2.13 names it all_gather_single; older releases all_gather_into_tensor.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, piece, group=group)
+    return gather(out, piece, group=group, async_op=True)
+
+
+PIECE_ELEMS = 1 << 21  # chunks above this are sent in pieces, pipelined (at most MAX_PIECES)
+MAX_PIECES = 8
+
+
+def _pieces(numel: int) -> int:
+    return max(1, min(MAX_PIECES, numel // PIECE_ELEMS))
 
 
 def _scatter_reduce_allgather(x: torch.Tensor, c: Compressor, name: Any, group: Any,
                               world: int) -> torch.Tensor:
     me = dist.get_rank(group) if world > 1 else 0
-    chunks = torch.tensor_split(x.reshape(-1), world)
-    sent = [c.compress(ch, key=(name, "worker", j)) for j, ch in enumerate(chunks)]
-    buffers = [to_bytes(p) for p in sent]
-    sizes = [b.numel() for b in buffers]
-    own = sent[me]
-    # Chunks differ by at most one element, so their payloads by a few bytes: pad every
-    # payload to one 8-aligned width (aligned views, equal splits) and use the single-tensor
-    # all_to_all and all_gather that Gloo and NCCL both provide.
-    width = -(-max(sizes) // 8) * 8
-    if world > 1:
+    chunks = torch.tensor_split(x.reshape(-1), world)  # rank j owns chunk j
+    if world == 1:
+        own = c.compress(chunks[0], key=(name, "worker", 0))
+        reduced = torch.empty(x.numel(), dtype=torch.float32, device=x.device)
+        c.decompress_into(own, reduced)
+        mine = c.compress(reduced.to(x.dtype), key=(name, "server"))
+        return c.decompress(mine).reshape(x.shape)
+    # Large chunks go in K pieces, pipelined: while piece k is on the wire (async collectives
+    # run on the backend's threads) piece k+1 is encoded, and piece k is decoded while later
+    # pieces travel. Every rank issues the same collectives in the same order.
+    K = _pieces(chunks[0].numel())
+    parts = [torch.tensor_split(ch, K) for ch in chunks]  # parts[j][k]
+    starts = [[0] * K for _ in range(world)]
+    for j in range(world):
+        for k in range(1, K):
+            starts[j][k] = starts[j][k - 1] + parts[j][k - 1].numel()
+
+    def key(role: str, *ids: int) -> Any:  # per piece only when there are pieces
+        return (name, role, *ids) if K > 1 else (name, role, *ids[:-1])
+
+    scattered = []
+    for k in range(K):
+        sent = [c.compress(parts[j][k], key=key("worker", j, k)) for j in range(world)]
+        buffers = [to_bytes(p) for p in sent]
+        sizes = [b.numel() for b in buffers]
+        # Pieces of different chunks differ by at most one element, so their payloads by a few
+        # bytes: one 8-aligned width for all (aligned views, equal splits) lets the single-tensor
+        # all_to_all and all_gather that Gloo and NCCL both provide carry them.
+        width = -(-max(sizes) // 8) * 8
         outgoing = torch.zeros(world, width, dtype=torch.uint8, device=x.device)
         for j, b in enumerate(buffers):
             outgoing[j, :sizes[j]] = b
         incoming = torch.empty_like(outgoing)
-        dist.all_to_all_single(incoming, outgoing, group=group)
+        work = dist.all_to_all_single(incoming, outgoing, group=group, async_op=True)
         stats.add_bytes((world - 1) * width)
-        copies = [own if i == me else from_bytes(incoming[i, :sizes[me]], own) for i in range(world)]
-    else:
-        copies = [own]
-    # Decode-accumulate into one buffer: the native kernels add each payload in one pass.
+        scattered.append((sent, sizes, width, incoming, outgoing, work))
+
     reduced = torch.empty(chunks[me].numel(), dtype=torch.float32, device=x.device)
-    for i, p in enumerate(copies):
-        c.decompress_into(p, reduced, accumulate=i > 0)
-    mine = to_bytes(c.compress(reduced.to(x.dtype), key=(name, "server")))
-    if world == 1:
-        return c.decompress(from_bytes(mine, own)).reshape(x.shape)
-    padded = torch.zeros(width, dtype=torch.uint8, device=x.device)
-    padded[:mine.numel()] = mine
-    gathered = torch.empty(world, width, dtype=torch.uint8, device=x.device)
-    _all_gather(gathered.view(-1), padded, group)
-    stats.add_bytes((world - 1) * width)
+    gathering = []
+    for k, (sent, sizes, width, incoming, _outgoing, work) in enumerate(scattered):
+        work.wait()
+        own = sent[me]
+        piece = reduced[starts[me][k]:starts[me][k] + parts[me][k].numel()]
+        # Decode-accumulate into one buffer: the native kernels add each payload in one pass.
+        for i in range(world):
+            p = own if i == me else from_bytes(incoming[i, :sizes[me]], own)
+            c.decompress_into(p, piece, accumulate=i > 0)
+        mine = to_bytes(c.compress(piece.to(x.dtype), key=key("server", k)))
+        padded = torch.zeros(width, dtype=torch.uint8, device=x.device)
+        padded[:mine.numel()] = mine
+        gathered = torch.empty(world, width, dtype=torch.uint8, device=x.device)
+        g_work = _all_gather(gathered.view(-1), padded, group)
+        stats.add_bytes((world - 1) * width)
+        gathering.append((sent, sizes, gathered, padded, g_work))
+
     out = torch.empty(x.numel(), dtype=torch.float32, device=x.device)
-    offset = 0
-    for j in range(world):
-        n_j = chunks[j].numel()
-        c.decompress_into(from_bytes(gathered[j, :sizes[j]], sent[j]), out[offset:offset + n_j])
-        offset += n_j
+    chunk_at = [0] * world
+    for j in range(1, world):
+        chunk_at[j] = chunk_at[j - 1] + chunks[j - 1].numel()
+    for k, (sent, sizes, gathered, _padded, g_work) in enumerate(gathering):
+        g_work.wait()
+        for j in range(world):
+            at = chunk_at[j] + starts[j][k]
+            c.decompress_into(from_bytes(gathered[j, :sizes[j]], sent[j]), out[at:at + parts[j][k].numel()])
     return out.to(x.dtype).reshape(x.shape)
 
 
