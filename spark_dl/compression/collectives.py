@@ -188,11 +188,16 @@ def allreduce(tensor: torch.Tensor, compression: Compressor | None = None, *,
         stats.add_call(tensor.numel(), _ring_bytes(tensor.numel() * tensor.element_size(), world),
                        time.perf_counter() - start)
         return out.to(tensor.dtype).reshape(tensor.shape)
+    if tensor.numel() > 0 and isinstance(c, PowerSGD):
+        # the 1/W scale rides PowerSGD's own pass that adds the residual: no pass of its own
+        scale = 1.0 / world if average and not integer else 1.0
+        out = c.round(tensor, name, lambda t: _all_reduce(t, group, world), scale=scale)[0]  # the sum
+        stats.add_call(tensor.numel(), _ring_bytes(tensor.numel() * tensor.element_size(), world),
+                       time.perf_counter() - start)
+        return out.to(tensor.dtype).reshape(tensor.shape)
     x = tensor / world if average and not integer else tensor
     if tensor.numel() == 0:
         out = x.clone()
-    elif isinstance(c, PowerSGD):
-        out = c.round(x, name, lambda t: _all_reduce(t, group, world))[0]  # the sum
     elif c.summable:
         out = _summable(x, c, name, group, world)
     else:

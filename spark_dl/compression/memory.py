@@ -38,6 +38,16 @@ class Residuals:
             p.add_(e)
         return p
 
+    def add_scaled(self, tensor: torch.Tensor, key: Key, scale: float = 1.0) -> torch.Tensor:
+        """``e[key] + scale * tensor`` in float32, computed in e's memory when it fits (the
+        caller then owns it: it must store a new residual for ``key``), else a new tensor."""
+        e = self.memory.get(key)
+        if (e is not None and e.shape == tensor.shape and e.device == tensor.device
+                and e.dtype == torch.float32 and e.is_contiguous()):
+            del self.memory[key]
+            return e.add_(tensor, alpha=scale)
+        return tensor.to(torch.float32).mul(scale) if scale != 1.0 else tensor.to(torch.float32, copy=True)
+
     def store(self, key: Key, residual: torch.Tensor) -> None:
         self.memory[key] = residual
 

@@ -97,18 +97,18 @@ class PowerSGD(Compressor):
         return q
 
     def round(self, tensor: torch.Tensor, key: Key, all_reduce: AllReduce = _no_op,
-              world: int = 1) -> tuple[torch.Tensor, Payload]:
-        """One PowerSGD step for ``tensor``; ``all_reduce`` sums a tensor in place across ranks.
-
-        Returns the average over ranks of the approximations and this rank's payload.
+              world: int = 1, scale: float = 1.0) -> tuple[torch.Tensor, Payload]:
+        """One PowerSGD step for ``scale * tensor``; ``all_reduce`` sums a tensor in place across
+        ranks. Returns the average over ranks of the approximations and this rank's payload.
         """
         check_float(tensor, "PowerSGD")
         meta = self._plan(tensor, key)
         if not meta.compressed:
-            wire = flat32(tensor).clone()
+            wire = flat32(tensor).mul(scale) if scale != 1.0 else flat32(tensor).clone()
             all_reduce(wire)
             return restore(wire / world, meta), Payload([wire], meta)
-        m = self.residuals.add(tensor, key)
+        # M = e + scale * g, in the residual's own memory when it has one: one pass, no copy
+        m = self.residuals.add_scaled(tensor, key, scale)
         n = meta.rows * meta.cols
         if m.numel() != n:
             m = torch.cat([m.reshape(-1), m.new_zeros(n - m.numel())])
