@@ -100,123 +100,156 @@ static void rev_init(void) {
     }
 }
 
+/* ---- deterministic sums ---------------------------------------------------------------------
+ *
+ * Every sum the kernels report (1-bit means, the EF-sign scale, QSGD norms) is defined so that
+ * the torch path (spark_dl/compression/sums.py) computes the same double, bit for bit, whatever
+ * the thread count or SIMD path:
+ *   - a bucket is cut into pieces at multiples of RBLOCK elements (global indices);
+ *   - a piece is summed in 8 double lanes, element i into lane (i - piece start) % 8, each lane
+ *     from 0.0 in index order, then the lanes from 0.0 in lane order;
+ *   - a bucket's sum is its pieces' sums added from 0.0 in index order.
+ * Floats convert to double exactly (squares too), so only the order of the additions matters,
+ * and that order is fixed above. Threads cut their shares at multiples of RBLOCK. */
+#define RBLOCK 65536
+
+static double lanes8(const double *a) {
+    double s = 0.0;
+    for (int l = 0; l < 8; l++) s += a[l];
+    return s;
+}
+
 /* ---- 1-bit: pass 1 (signs + bucket sums) ---------------------------------------------------- */
 
-typedef struct { double pos, all; int64_t npos; } bsum;
+typedef struct { double pos, all, ab; int64_t npos; } bsum;
 
 typedef struct {
     const float *g, *e;
     int64_t n, bucket;
     uint8_t *bits;
-    int scaled;          /* 1: one |p| sum for the whole vector instead of bucket sums */
     bsum *part[SDK_MAX_THREADS];  /* thread t: sums for buckets a/bucket .. (b-1)/bucket */
-    int64_t first[SDK_MAX_THREADS];
-    double abs_sum[SDK_MAX_THREADS];
+    bsum *cont[SDK_MAX_THREADS];  /* pieces of its first bucket when that began in thread t-1 */
+    int64_t ncont[SDK_MAX_THREADS];
     int failed;
 } p1_args;
 
-/* Scalar: elements [i, j) of one bucket into s; sign bits or-ed into bits (zeroed by caller). */
-static void p1_scalar(const float *g, const float *e, int64_t i, int64_t j, uint8_t *bits, bsum *s,
-                      double *abs_sum) {
-    double pos = 0, all = 0, ab = 0;
+/* Signs of p = g + e over one piece [lo, hi) or-ed into bits (zeroed by the caller), and the
+ * piece's sums of max(p, 0) (NaN kept: torch's clamp keeps it), p and |p|, and its count of
+ * p >= 0. Lanes as in the comment above. */
+static void piece_scalar(const float *g, const float *e, int64_t lo, int64_t hi, uint8_t *bits, bsum *out) {
+    double P[8] = {0}, Al[8] = {0}, Ab[8] = {0};
     int64_t np = 0;
-    for (; i < j; i++) {
+    for (int64_t i = lo; i < hi; i++) {
         float p = e ? g[i] + e[i] : g[i];
-        int ge = p >= 0.0f;
+        int ge = p >= 0.0f, l = (int)((i - lo) & 7);
         bits[i >> 3] |= (uint8_t)(ge << (7 - (i & 7)));
-        pos += !(p < 0.0f) ? p : 0.0f;  /* NaN too: torch's clamp(min=0) keeps it, the mean is NaN */
-        all += p;
-        ab += fabsf(p);
+        P[l] += !(p < 0.0f) ? (double)p : 0.0;
+        Al[l] += (double)p;
+        Ab[l] += (double)fabsf(p);
         np += ge;
     }
-    s->pos += pos; s->all += all; s->npos += np; *abs_sum += ab;
+    out->pos = lanes8(P); out->all = lanes8(Al); out->ab = lanes8(Ab); out->npos = np;
 }
 
 #if SDK_X86
-/* AVX2: whole bytes [i, j) (multiples of 8) of one bucket. Float lane sums are flushed into
- * doubles every 128 vectors, so a bucket of millions keeps double-like accuracy. */
-AVX2 static void p1_avx2(const float *g, const float *e, int64_t i, int64_t j, uint8_t *bits, bsum *s,
-                         double *abs_sum) {
+/* The same piece, lo a multiple of 8 (whole sign bytes): lanes 0-3 and 4-7 in two registers. */
+AVX2 static void piece_avx2(const float *g, const float *e, int64_t lo, int64_t hi, uint8_t *bits, bsum *out) {
     const __m256 zero = _mm256_setzero_ps();
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    int64_t np = 0;
-    while (i < j) {
-        int64_t stop = j - i > 1024 ? i + 1024 : j;
-        __m256 vpos = zero, vall = zero, vab = zero;
-        for (; i < stop; i += 8) {
-            __m256 p = _mm256_loadu_ps(g + i);
-            if (e) p = _mm256_add_ps(p, _mm256_loadu_ps(e + i));
-            __m256 ge = _mm256_cmp_ps(p, zero, _CMP_GE_OQ);
-            int m = _mm256_movemask_ps(ge);
-            bits[i >> 3] = rev8[m];
-            np += __builtin_popcount((unsigned)m);
-            vpos = _mm256_add_ps(vpos, _mm256_and_ps(p, _mm256_cmp_ps(p, zero, _CMP_NLT_UQ)));
-            vall = _mm256_add_ps(vall, p);
-            vab = _mm256_add_ps(vab, _mm256_and_ps(p, absmask));
-        }
-        float a[8], b[8], c[8];
-        _mm256_storeu_ps(a, vpos); _mm256_storeu_ps(b, vall); _mm256_storeu_ps(c, vab);
-        for (int k = 0; k < 8; k++) { s->pos += a[k]; s->all += b[k]; *abs_sum += c[k]; }
+    __m256d p0 = _mm256_setzero_pd(), p1 = p0, a0 = p0, a1 = p0, b0 = p0, b1 = p0;
+    int64_t np = 0, i = lo;
+    for (; i + 8 <= hi; i += 8) {
+        __m256 p = _mm256_loadu_ps(g + i);
+        if (e) p = _mm256_add_ps(p, _mm256_loadu_ps(e + i));
+        int m = _mm256_movemask_ps(_mm256_cmp_ps(p, zero, _CMP_GE_OQ));
+        bits[i >> 3] = rev8[m];
+        np += __builtin_popcount((unsigned)m);
+        __m256 pos = _mm256_and_ps(p, _mm256_cmp_ps(p, zero, _CMP_NLT_UQ));
+        __m256 ab = _mm256_and_ps(p, absmask);
+        p0 = _mm256_add_pd(p0, _mm256_cvtps_pd(_mm256_castps256_ps128(pos)));
+        p1 = _mm256_add_pd(p1, _mm256_cvtps_pd(_mm256_extractf128_ps(pos, 1)));
+        a0 = _mm256_add_pd(a0, _mm256_cvtps_pd(_mm256_castps256_ps128(p)));
+        a1 = _mm256_add_pd(a1, _mm256_cvtps_pd(_mm256_extractf128_ps(p, 1)));
+        b0 = _mm256_add_pd(b0, _mm256_cvtps_pd(_mm256_castps256_ps128(ab)));
+        b1 = _mm256_add_pd(b1, _mm256_cvtps_pd(_mm256_extractf128_ps(ab, 1)));
     }
-    s->npos += np;
+    double P[8], Al[8], Ab[8];
+    _mm256_storeu_pd(P, p0); _mm256_storeu_pd(P + 4, p1);
+    _mm256_storeu_pd(Al, a0); _mm256_storeu_pd(Al + 4, a1);
+    _mm256_storeu_pd(Ab, b0); _mm256_storeu_pd(Ab + 4, b1);
+    for (; i < hi; i++) {  /* the tail continues the lanes */
+        float p = e ? g[i] + e[i] : g[i];
+        int ge = p >= 0.0f, l = (int)((i - lo) & 7);
+        bits[i >> 3] |= (uint8_t)(ge << (7 - (i & 7)));
+        P[l] += !(p < 0.0f) ? (double)p : 0.0;
+        Al[l] += (double)p;
+        Ab[l] += (double)fabsf(p);
+        np += ge;
+    }
+    out->pos = lanes8(P); out->all = lanes8(Al); out->ab = lanes8(Ab); out->npos = np;
 }
 #endif
 
 static void p1_task(void *arg, int t, int nt) {
     p1_args *A = (p1_args *)arg;
     int64_t a, b;
-    share(A->n, t, nt, 8, &a, &b);
+    share(A->n, t, nt, RBLOCK, &a, &b);
     A->part[t] = NULL;
-    A->abs_sum[t] = 0;
+    A->cont[t] = NULL;
+    A->ncont[t] = 0;
     if (a >= b) return;
     int64_t B = A->bucket, j0 = a / B, j1 = (b - 1) / B;
     bsum *s = (bsum *)calloc((size_t)(j1 - j0 + 1), sizeof(bsum));
-    if (!s) { A->failed = 1; return; }
+    int cont = j0 * B < a;
+    bsum *cl = cont ? (bsum *)malloc((size_t)((b - a) / RBLOCK + 2) * sizeof(bsum)) : NULL;
+    if (!s || (cont && !cl)) { free(s); free(cl); A->failed = 1; return; }
     A->part[t] = s;
-    A->first[t] = j0;
+    A->cont[t] = cl;
     memset(A->bits + (a >> 3), 0, (size_t)(((b + 7) >> 3) - (a >> 3)));
     int simd = has_avx2();
-    double ab = 0;
-    for (int64_t j = j0; j <= j1; j++) {
-        int64_t lo = j * B > a ? j * B : a, hi = (j + 1) * B < b ? (j + 1) * B : b;
-        bsum *sj = &s[j - j0];
+    (void)simd;
+    for (int64_t lo = a, hi; lo < b; lo = hi) {
+        int64_t j = lo / B;
+        hi = (j + 1) * B < b ? (j + 1) * B : b;
+        int64_t blk = (lo / RBLOCK + 1) * RBLOCK;
+        if (blk < hi) hi = blk;
+        bsum ps;
 #if SDK_X86
-        if (simd) {
-            /* scalar up to a byte boundary, AVX2 over whole bytes, scalar for the rest */
-            int64_t m0 = (lo + 7) & ~(int64_t)7, m1 = hi & ~(int64_t)7;
-            if (m0 < m1) {
-                p1_scalar(A->g, A->e, lo, m0, A->bits, sj, &ab);
-                p1_avx2(A->g, A->e, m0, m1, A->bits, sj, &ab);
-                p1_scalar(A->g, A->e, m1, hi, A->bits, sj, &ab);
-                continue;
-            }
-        }
+        if (simd && (lo & 7) == 0) piece_avx2(A->g, A->e, lo, hi, A->bits, &ps);
+        else
 #endif
-        (void)simd;
-        p1_scalar(A->g, A->e, lo, hi, A->bits, sj, &ab);
+            piece_scalar(A->g, A->e, lo, hi, A->bits, &ps);
+        if (cont && j == j0) {
+            cl[A->ncont[t]++] = ps;
+        } else {
+            bsum *sj = &s[j - j0];
+            sj->pos += ps.pos; sj->all += ps.all; sj->ab += ps.ab; sj->npos += ps.npos;
+        }
     }
-    A->abs_sum[t] = ab;
 }
 
-/* Pass 1 over all threads; returns the summed per-bucket sums (caller frees) or NULL. */
-static bsum *pass1(p1_args *A, int nt, int64_t nb, double *abs_sum) {
+/* Pass 1 over all threads; returns the per-bucket sums in the order defined above (caller
+ * frees) or NULL. */
+static bsum *pass1(p1_args *A, int nt, int64_t nb) {
     pthread_once(&rev_once, rev_init);
     A->failed = 0;
     parallel(nt, p1_task, A);
     bsum *tot = (bsum *)calloc((size_t)(nb > 0 ? nb : 1), sizeof(bsum));
-    *abs_sum = 0;
     for (int t = 0; t < nt; t++) {
         if (!A->part[t]) continue;
         int64_t a, b;
-        share(A->n, t, nt, 8, &a, &b);
-        int64_t j0 = A->first[t], j1 = (b - 1) / A->bucket;
-        for (int64_t j = j0; j <= j1 && tot; j++) {
-            tot[j].pos += A->part[t][j - j0].pos;
-            tot[j].all += A->part[t][j - j0].all;
-            tot[j].npos += A->part[t][j - j0].npos;
+        share(A->n, t, nt, RBLOCK, &a, &b);
+        int64_t j0 = a / A->bucket, j1 = (b - 1) / A->bucket;
+        for (int64_t k = 0; k < A->ncont[t] && tot; k++) {  /* bucket j0's pieces, in order */
+            bsum *c = &A->cont[t][k];
+            tot[j0].pos += c->pos; tot[j0].all += c->all; tot[j0].ab += c->ab; tot[j0].npos += c->npos;
         }
-        *abs_sum += A->abs_sum[t];
+        for (int64_t j = A->cont[t] ? j0 + 1 : j0; j <= j1 && tot; j++) {
+            bsum *c = &A->part[t][j - j0];
+            tot[j].pos += c->pos; tot[j].all += c->all; tot[j].ab += c->ab; tot[j].npos += c->npos;
+        }
         free(A->part[t]);
+        free(A->cont[t]);
     }
     if (A->failed) { free(tot); return NULL; }
     return tot;
@@ -327,8 +360,7 @@ void sdk_onebit_encode(const float *g, const float *e_in, float *e_out, int64_t 
     p1_args A;
     memset(&A, 0, sizeof A);
     A.g = g; A.e = e_in; A.n = n; A.bucket = bucket; A.bits = bits;
-    double ab;
-    bsum *s = pass1(&A, nt, nb, &ab);
+    bsum *s = pass1(&A, nt, nb);
     qpair *q = (qpair *)malloc((size_t)nb * sizeof(qpair));
     for (int64_t j = 0; j < nb; j++) {
         if (!s) { means[2 * j] = means[2 * j + 1] = NAN; continue; }
@@ -365,9 +397,8 @@ float sdk_scaled_sign_encode(const float *g, const float *e_in, float *e_out, in
     p1_args A;
     memset(&A, 0, sizeof A);
     A.g = g; A.e = e_in; A.n = n; A.bucket = n; A.bits = bits;
-    double ab;
-    bsum *s = pass1(&A, nt, 1, &ab);
-    float scale = s ? (float)(ab / (double)n) : NAN;
+    bsum *s = pass1(&A, nt, 1);
+    float scale = s ? (float)(s[0].ab / (double)n) : NAN;
     free(s);
     if (e_out) {
         qpair q = {scale, -scale};
@@ -585,48 +616,51 @@ typedef struct {
     int accumulate;
 } q_args;
 
-/* Sum of squares of x[lo, hi) in 8 float lanes, flushed into a double every 64 squares per
- * lane: vectorizes, and the norm stays within float rounding of the exact one. */
-static float qnorm_of(const float *x, int64_t lo, int64_t hi) {
-    double ss = 0;
-    int64_t i = lo;
-    while (hi - i >= 8) {
-        float acc[8] = {0};
-        int64_t stop = hi - i >= 512 ? i + 512 : i + (hi - i) / 8 * 8;
-        for (; i < stop; i += 8)
-            for (int l = 0; l < 8; l++) acc[l] += x[i + l] * x[i + l];
-        for (int l = 0; l < 8; l++) ss += acc[l];
+/* Sum of squares of one piece [lo, hi) in 8 double lanes (see "deterministic sums"). */
+static double sumsq_scalar(const float *x, int64_t lo, int64_t hi) {
+    double a[8] = {0};
+    for (int64_t i = lo; i < hi; i++) {
+        double v = (double)x[i];
+        a[(i - lo) & 7] += v * v;
     }
-    for (; i < hi; i++) ss += (double)x[i] * x[i];
-    return (float)sqrt(ss);
+    return lanes8(a);
 }
 
 #if SDK_X86
-/* qnorm_of with the same lane sums, in registers (mul then add: -ffp-contract=off holds). */
-AVX2 static float qnorm_avx2(const float *x, int64_t lo, int64_t hi) {
-    double ss = 0;
+AVX2 static double sumsq_avx2(const float *x, int64_t lo, int64_t hi) {
+    __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
     int64_t i = lo;
-    while (hi - i >= 8) {
-        __m256 acc = _mm256_setzero_ps();
-        int64_t stop = hi - i >= 512 ? i + 512 : i + (hi - i) / 8 * 8;
-        for (; i < stop; i += 8) {
-            __m256 v = _mm256_loadu_ps(x + i);
-            acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
-        }
-        float a[8];
-        _mm256_storeu_ps(a, acc);
-        for (int l = 0; l < 8; l++) ss += a[l];
+    for (; i + 8 <= hi; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        __m256d v0 = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), v1 = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+        a0 = _mm256_add_pd(a0, _mm256_mul_pd(v0, v0));
+        a1 = _mm256_add_pd(a1, _mm256_mul_pd(v1, v1));
     }
-    for (; i < hi; i++) ss += (double)x[i] * x[i];
-    return (float)sqrt(ss);
+    double a[8];
+    _mm256_storeu_pd(a, a0);
+    _mm256_storeu_pd(a + 4, a1);
+    for (; i < hi; i++) {
+        double v = (double)x[i];
+        a[(i - lo) & 7] += v * v;
+    }
+    return lanes8(a);
 }
 #endif
 
+/* ||x[lo, hi)||: pieces cut at multiples of RBLOCK, added in order; sqrt in double. */
 static float qnorm(const float *x, int64_t lo, int64_t hi) {
+    double ss = 0.0;
+    int simd = has_avx2();
+    (void)simd;
+    for (int64_t p = lo, e; p < hi; p = e) {
+        e = (p / RBLOCK + 1) * RBLOCK;
+        if (e > hi) e = hi;
 #if SDK_X86
-    if (has_avx2()) return qnorm_avx2(x, lo, hi);
+        if (simd) { ss += sumsq_avx2(x, p, e); continue; }
 #endif
-    return qnorm_of(x, lo, hi);
+        ss += sumsq_scalar(x, p, e);
+    }
+    return (float)sqrt(ss);
 }
 
 /* as QSGD.compress: s / max(norm, tiny); an all-zero bucket quantizes to zero */

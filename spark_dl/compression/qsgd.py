@@ -10,6 +10,7 @@ import torch
 from .base import Compressor, Key, Meta, Payload, check_float, flat32, restore
 from . import native
 from .bits import pack, unpack
+from .sums import bucket_sums
 from .rng import generator, process_rank
 
 
@@ -60,7 +61,8 @@ class QSGD(Compressor):
         if nb * d != n:
             x = torch.cat([x, x.new_zeros(nb * d - n)])
         v = x.view(nb, d)
-        norms = torch.linalg.vector_norm(v, dim=1)
+        # float64 squares summed in the order sums.py fixes (the C kernel's too): bit-for-bit norms
+        norms = bucket_sums(flat32(tensor).double().square(), d).sqrt().float()
         # |v_i| s / ||v|| in [0, s]; an all-zero bucket quantizes to zero.
         scaled = v.abs().mul_((s / norms.clamp_min(torch.finfo(torch.float32).tiny)).unsqueeze(1))
         self._calls += 1

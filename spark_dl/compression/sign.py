@@ -8,6 +8,7 @@ import torch
 from .base import Compressor, Key, Meta, Payload, check_float, flat32, restore
 from . import native
 from .bits import pack, unpack
+from .sums import bucket_counts, bucket_sums
 from .memory import ErrorFeedback, _EFMeta
 
 
@@ -55,14 +56,18 @@ class SignMeans(Compressor):
             return Payload([means, bits], _SignMeta(tensor.shape, tensor.dtype))
         x = flat32(tensor)
         pos = x >= 0
-        means = []
-        for rows, prow in zip(self._split(x), self._split(pos)):
-            n_pos = prow.sum(1)
-            s_pos = rows.clamp(min=0).sum(1)  # the sum over g_i >= 0 (zeros add nothing)
-            s_neg = rows.sum(1) - s_pos
-            means.append(torch.stack([s_pos / n_pos.clamp(min=1), s_neg / (rows.shape[1] - n_pos).clamp(min=1)], 1))
-        flat_means = torch.cat(means).reshape(-1) if means else x.new_zeros(0)
-        return Payload([flat_means, pack(pos, 1)], _SignMeta(tensor.shape, tensor.dtype))
+        n, b = x.numel(), self._bucket(x.numel())
+        # Sums in float64 in the order sums.py fixes (the C kernel's too): bit-for-bit means.
+        xd = x.double()
+        s_pos = bucket_sums(xd.clamp(min=0), b)  # the sum over g_i >= 0 (zeros add nothing; NaN kept)
+        s_neg = bucket_sums(xd, b) - s_pos
+        n_pos = bucket_counts(pos, b)
+        lengths = torch.full_like(n_pos, b)
+        if n % b:
+            lengths[-1] = n % b
+        means = torch.stack([(s_pos / n_pos.clamp(min=1)).float(),
+                             (s_neg / (lengths - n_pos).clamp(min=1)).float()], 1)
+        return Payload([means.reshape(-1), pack(pos, 1)], _SignMeta(tensor.shape, tensor.dtype))
 
     def decompress(self, payload: Payload) -> torch.Tensor:
         means, bits = payload.tensors
@@ -105,7 +110,9 @@ class ScaledSign(Compressor):
             scale, bits, _ = native.scaled_sign_encode(tensor)
             return Payload([scale, bits], Meta(tensor.shape, tensor.dtype))
         x = flat32(tensor)
-        scale = (x.abs().sum() / max(x.numel(), 1)).reshape(1)
+        n = x.numel()
+        total = bucket_sums(x.double().abs(), n) if n else x.new_zeros(1, dtype=torch.float64)
+        scale = (total / max(n, 1)).float().reshape(1)
         return Payload([scale, pack(x >= 0, 1)], Meta(tensor.shape, tensor.dtype))
 
     def decompress(self, payload: Payload) -> torch.Tensor:

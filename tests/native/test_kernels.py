@@ -51,8 +51,8 @@ def test_onebit_matches_torch(n, bucket, path, torch_path):
     means, bits = c.compress(g).tensors
     ref_means, ref_bits = torch_path(c.compress, g).tensors
     assert torch.equal(bits, ref_bits)  # bit order and padding exactly as bits.pack
-    # Means: C sums in double, torch in float: the same value to float rounding.
-    assert torch.allclose(means, ref_means, rtol=2e-5, atol=1e-6)
+    # Means: both sum in float64 in the order spark_dl/compression/sums.py fixes: bit-for-bit.
+    assert torch.equal(means, ref_means)
     # Given the means, decoding is bit-for-bit the torch formula.
     p = C.base.Payload([means, bits], c.compress(g).meta)
     assert torch.equal(c.decompress(p), torch_path(c.decompress, p))
@@ -72,12 +72,13 @@ def test_onebit_error_feedback_fused_equals_torch_feedback(n, path, torch_path):
         # The stored residual is p - D(C(p)) with torch's own decompression of the payload.
         q = torch_path(fused.decompress, payload)
         assert torch.equal(fused.residuals.memory["g"], p - q)
-        # And the whole step agrees with the torch ErrorFeedback to float rounding.
+        # And the whole step is the torch ErrorFeedback's, bit for bit: payload and residual.
         ref = ErrorFeedback(C.SignMeans(1024))
         if e_before is not None:
             ref.residuals.store("g", e_before.clone())
         ref_payload = torch_path(ref.compress, g, "g")
-        assert torch.allclose(means, ref_payload.tensors[0], rtol=2e-5, atol=1e-6)
+        assert torch.equal(means, ref_payload.tensors[0]) and torch.equal(bits, ref_payload.tensors[1])
+        assert torch.equal(ref.residuals.memory["g"], fused.residuals.memory["g"])
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -89,7 +90,7 @@ def test_efsign_matches_torch(n, path, torch_path):
         scale, bits = ef.compress(g, key="k").tensors
         ref_scale, ref_bits = torch_path(ref.compress, g, "k").tensors
         assert torch.equal(bits, ref_bits)
-        assert torch.allclose(scale, ref_scale, rtol=2e-5)
+        assert torch.equal(scale, ref_scale)
         ref.residuals.store("k", ef.residuals.memory["k"].clone())  # follow the native residual
     payload = ef.compress(rand(n, seed=9), key="k")
     assert torch.equal(ef.decompress(payload), torch_path(ef.decompress, payload))
@@ -135,12 +136,12 @@ def test_qsgd_layout_norms_and_decode_match_torch(n, levels, bucket, path, torch
     norms, packed = payload.tensors
     ref = torch_path(C.QSGD(levels=levels, bucket_size=bucket, seed=1).compress, g)
     assert norms.shape == ref.tensors[0].shape and packed.shape == ref.tensors[1].shape
-    # C sums squares in double: within float rounding of the exact norm (torch's float sum of
-    # a million squares can be 1e-5 off, so hold both to the float64 norm).
+    # Norms: float64 squares summed in the order sums.py fixes, in C and in torch: bit-for-bit,
+    # and within float rounding of the exact norm.
+    assert torch.equal(norms, ref.tensors[0])
     padded = torch.cat([g, g.new_zeros(norms.numel() * payload.meta.bucket - n)]).double()
     exact = torch.linalg.vector_norm(padded.view(norms.numel(), payload.meta.bucket), dim=1)
     assert torch.allclose(norms.double(), exact, rtol=1e-6)
-    assert torch.allclose(ref.tensors[0].double(), exact, rtol=1e-4)
     # Decoding the native payload: identical floats from both decoders.
     q = c.decompress(payload)
     assert torch.equal(q, torch_path(c.decompress, payload))
@@ -232,7 +233,7 @@ def test_non_contiguous_input_is_made_contiguous(torch_path):
     assert not g.is_contiguous()
     for c in (C.SignMeans(100), C.FP16(), C.BF16()):
         a, b = c.compress(g).tensors, torch_path(c.compress, g).tensors
-        assert all(torch.allclose(x.float(), y.float(), rtol=2e-5) for x, y in zip(a, b))
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
     idx = C.TopK(0.1).compress(g).tensors[1]
     ref_idx = torch_path(C.TopK(0.1).compress, g).tensors[1]
     assert torch.equal(idx.sort().values, ref_idx.sort().values)
@@ -301,3 +302,25 @@ def test_compress_scaled_divides_inside_the_cast(make, path, torch_path):
     torch_p = torch_path(make().compress_scaled, g, 1 / 3)
     assert torch.equal(native_p.tensors[0], torch_p.tensors[0])
     assert torch.equal(native_p.tensors[0], (g * (1 / 3)).to(make.wire_dtype))
+
+
+@pytest.mark.parametrize("n,bucket", [(3 << 20, 1024), (3 << 20, 100), (3 << 20, 200_000), (3 << 20, None),
+                                      ((1 << 20) + 13, 65536 * 3), (1000, 7)])
+def test_sums_are_bit_for_bit_with_any_threads_or_simd(n, bucket, torch_path):
+    """1-bit means, the EF-sign scale and QSGD norms: the same bits from the torch path and from
+    C with 1, 2 or 5 threads, AVX2 or portable (the order of additions is fixed, sums.py)."""
+    g = rand(n) * torch.logspace(-3, 3, n)  # magnitudes that make float sums order-sensitive
+    ref = [torch_path(C.SignMeans(bucket).compress, g).tensors[0],
+           torch_path(C.ScaledSign().compress, g).tensors[0],
+           torch_path(C.QSGD(levels=7, bucket_size=bucket, seed=0).compress, g).tensors[0]]
+    try:
+        for t, scalar in ((1, False), (2, False), (5, False), (3, True)):
+            native.set_threads(t)
+            native.force_scalar(scalar)
+            got = [C.SignMeans(bucket).compress(g).tensors[0], C.ScaledSign().compress(g).tensors[0],
+                   C.QSGD(levels=7, bucket_size=bucket, seed=0).compress(g).tensors[0]]
+            for name, a, b in zip(("means", "scale", "norms"), got, ref):
+                assert torch.equal(a, b), (name, t, scalar)
+    finally:
+        native.set_threads(None)
+        native.force_scalar(False)
