@@ -130,6 +130,7 @@ typedef struct {
     bsum *part[SDK_MAX_THREADS];  /* thread t: sums for buckets a/bucket .. (b-1)/bucket */
     bsum *cont[SDK_MAX_THREADS];  /* pieces of its first bucket when that began in thread t-1 */
     int64_t ncont[SDK_MAX_THREADS];
+    int scaled;  /* 1: EF-sign, which needs only the |p| sums */
     int failed;
 } p1_args;
 
@@ -153,7 +154,8 @@ static void piece_scalar(const float *g, const float *e, int64_t lo, int64_t hi,
 
 #if SDK_X86
 /* The same piece, lo a multiple of 8 (whole sign bytes): lanes 0-3 and 4-7 in two registers. */
-AVX2 static void piece_avx2(const float *g, const float *e, int64_t lo, int64_t hi, uint8_t *bits, bsum *out) {
+AVX2 static void piece_avx2(const float *g, const float *e, int64_t lo, int64_t hi, uint8_t *bits, bsum *out,
+                            int scaled) {
     const __m256 zero = _mm256_setzero_ps();
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     __m256d p0 = _mm256_setzero_pd(), p1 = p0, a0 = p0, a1 = p0, b0 = p0, b1 = p0;
@@ -164,14 +166,17 @@ AVX2 static void piece_avx2(const float *g, const float *e, int64_t lo, int64_t 
         int m = _mm256_movemask_ps(_mm256_cmp_ps(p, zero, _CMP_GE_OQ));
         bits[i >> 3] = rev8[m];
         np += __builtin_popcount((unsigned)m);
-        __m256 pos = _mm256_and_ps(p, _mm256_cmp_ps(p, zero, _CMP_NLT_UQ));
-        __m256 ab = _mm256_and_ps(p, absmask);
-        p0 = _mm256_add_pd(p0, _mm256_cvtps_pd(_mm256_castps256_ps128(pos)));
-        p1 = _mm256_add_pd(p1, _mm256_cvtps_pd(_mm256_extractf128_ps(pos, 1)));
-        a0 = _mm256_add_pd(a0, _mm256_cvtps_pd(_mm256_castps256_ps128(p)));
-        a1 = _mm256_add_pd(a1, _mm256_cvtps_pd(_mm256_extractf128_ps(p, 1)));
-        b0 = _mm256_add_pd(b0, _mm256_cvtps_pd(_mm256_castps256_ps128(ab)));
-        b1 = _mm256_add_pd(b1, _mm256_cvtps_pd(_mm256_extractf128_ps(ab, 1)));
+        if (scaled) {  /* EF-sign needs only sum |p|; 1-bit only the other two */
+            __m256 ab = _mm256_and_ps(p, absmask);
+            b0 = _mm256_add_pd(b0, _mm256_cvtps_pd(_mm256_castps256_ps128(ab)));
+            b1 = _mm256_add_pd(b1, _mm256_cvtps_pd(_mm256_extractf128_ps(ab, 1)));
+        } else {
+            __m256 pos = _mm256_and_ps(p, _mm256_cmp_ps(p, zero, _CMP_NLT_UQ));
+            p0 = _mm256_add_pd(p0, _mm256_cvtps_pd(_mm256_castps256_ps128(pos)));
+            p1 = _mm256_add_pd(p1, _mm256_cvtps_pd(_mm256_extractf128_ps(pos, 1)));
+            a0 = _mm256_add_pd(a0, _mm256_cvtps_pd(_mm256_castps256_ps128(p)));
+            a1 = _mm256_add_pd(a1, _mm256_cvtps_pd(_mm256_extractf128_ps(p, 1)));
+        }
     }
     double P[8], Al[8], Ab[8];
     _mm256_storeu_pd(P, p0); _mm256_storeu_pd(P + 4, p1);
@@ -215,7 +220,7 @@ static void p1_task(void *arg, int t, int nt) {
         if (blk < hi) hi = blk;
         bsum ps;
 #if SDK_X86
-        if (simd && (lo & 7) == 0) piece_avx2(A->g, A->e, lo, hi, A->bits, &ps);
+        if (simd && (lo & 7) == 0) piece_avx2(A->g, A->e, lo, hi, A->bits, &ps, A->scaled);
         else
 #endif
             piece_scalar(A->g, A->e, lo, hi, A->bits, &ps);
@@ -396,7 +401,7 @@ float sdk_scaled_sign_encode(const float *g, const float *e_in, float *e_out, in
     int nt = threads_for(n);
     p1_args A;
     memset(&A, 0, sizeof A);
-    A.g = g; A.e = e_in; A.n = n; A.bucket = n; A.bits = bits;
+    A.g = g; A.e = e_in; A.n = n; A.bucket = n; A.bits = bits; A.scaled = 1;
     bsum *s = pass1(&A, nt, 1);
     float scale = s ? (float)(s[0].ab / (double)n) : NAN;
     free(s);
@@ -972,8 +977,42 @@ static void tk_hist_task(void *arg, int t, int nt) {
     int64_t a, b;
     share(A->n, t, nt, 64, &a, &b);
     int64_t *h = A->hist[t];
-    for (int64_t i = a; i < b; i++) h[key_of(A->x[i]) >> 16]++;
+    /* Gradients crowd a few hundred bins: four 32-bit sub-histograms break the chains of
+     * increments to one bin (store-to-load stalls); flushed before they could overflow. */
+    uint32_t *sub = (uint32_t *)calloc(4 * HBINS, sizeof(uint32_t));
+    if (!sub) {
+        for (int64_t i = a; i < b; i++) h[key_of(A->x[i]) >> 16]++;
+        return;
+    }
+    for (int64_t i = a; i < b;) {
+        int64_t stop = b - i > ((int64_t)1 << 30) ? i + ((int64_t)1 << 30) : b;
+        for (; i + 4 <= stop; i += 4) {
+            sub[key_of(A->x[i]) >> 16]++;
+            sub[HBINS + (key_of(A->x[i + 1]) >> 16)]++;
+            sub[2 * HBINS + (key_of(A->x[i + 2]) >> 16)]++;
+            sub[3 * HBINS + (key_of(A->x[i + 3]) >> 16)]++;
+        }
+        for (; i < stop; i++) sub[key_of(A->x[i]) >> 16]++;
+        for (int j = 0; j < HBINS; j++) {
+            h[j] += (int64_t)sub[j] + sub[HBINS + j] + sub[2 * HBINS + j] + sub[3 * HBINS + j];
+            sub[j] = sub[HBINS + j] = sub[2 * HBINS + j] = sub[3 * HBINS + j] = 0;
+        }
+    }
+    free(sub);
 }
+
+#if SDK_X86
+/* Skips groups of 8 whose keys are all below the boundary bin (almost all of them for k << n);
+ * returns the first index of a group that has one at or above it, or of the tail. */
+AVX2 static int64_t tk_skip_avx2(const float *x, int64_t i, int64_t b, uint32_t bin) {
+    const __m256i absm = _mm256_set1_epi32(0x7fffffff), lim = _mm256_set1_epi32((int)bin - 1);
+    for (; i + 8 <= b; i += 8) {
+        __m256i k = _mm256_srli_epi32(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + i)), absm), 16);
+        if (_mm256_movemask_epi8(_mm256_cmpgt_epi32(k, lim))) break;  /* keys < 2^15: signed compare is fine */
+    }
+    return i;
+}
+#endif
 
 static void tk_pick_task(void *arg, int t, int nt) {
     tk_args *A = (tk_args *)arg;
@@ -981,6 +1020,20 @@ static void tk_pick_task(void *arg, int t, int nt) {
     share(A->n, t, nt, 64, &a, &b);
     int64_t o = A->out_at[t], c = A->cand_at[t];
     uint32_t bin = (uint32_t)A->bin;
+#if SDK_X86
+    if (has_avx2() && bin > 0) {
+        for (int64_t i = a; i < b;) {
+            i = tk_skip_avx2(A->x, i, b, bin);
+            int64_t stop = i + 8 < b ? i + 8 : b;
+            for (; i < stop; i++) {
+                uint32_t hb = key_of(A->x[i]) >> 16;
+                if (hb > bin) { A->idx[o] = i; A->val[o++] = A->x[i]; }
+                else if (hb == bin) A->cand[c++] = i;
+            }
+        }
+        return;
+    }
+#endif
     for (int64_t i = a; i < b; i++) {
         uint32_t hb = key_of(A->x[i]) >> 16;
         if (hb > bin) { A->idx[o] = i; A->val[o++] = A->x[i]; }
