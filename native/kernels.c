@@ -555,36 +555,21 @@ void sdk_bf16_to_f32(const uint16_t *h, float *x, int64_t n, int accumulate) { c
 
 /* ---- QSGD ------------------------------------------------------------------------------------ */
 
-#define QCHUNK 65536  /* one random stream per chunk: results independent of the thread split */
+#define QCHUNK 65536  /* threads cut their shares here */
 
-/* Eight xoshiro128+ generators side by side (lane l draws element 8m + l): the lane loops
- * vectorize, and the stream depends only on (seed, chunk). */
-typedef struct { uint32_t s0[8], s1[8], s2[8], s3[8]; } xoshiro8;
-
-static uint64_t splitmix64(uint64_t *x) {
-    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
+/* The rounding noise is counter-based: element i's uniform is a hash of (i, seed), so it does
+ * not depend on threads or SIMD, and the torch path (spark_dl/compression/rng.py,
+ * counter_uniform) computes the same floats. x = i_lo * 0x9E3779B1 + k0 + i_hi * 0x85EBCA77
+ * (mod 2^32), h = fmix32(fmix32(x) ^ k1) (MurmurHash3's finalizer), u = (h >> 8) * 2^-24. */
+static inline uint32_t fmix32(uint32_t h) {
+    h ^= h >> 16; h *= 0x85EBCA6Bu; h ^= h >> 13; h *= 0xC2B2AE35u; h ^= h >> 16;
+    return h;
 }
 
-static void xo_seed(xoshiro8 *r, uint64_t seed, uint64_t chunk) {
-    uint64_t x = seed ^ (chunk * 0xd1342543de82ef95ull);
-    for (int l = 0; l < 8; l++) {
-        uint64_t a = splitmix64(&x), b = splitmix64(&x);
-        r->s0[l] = (uint32_t)a; r->s1[l] = (uint32_t)(a >> 32); r->s2[l] = (uint32_t)b; r->s3[l] = (uint32_t)(b >> 32);
-        if (!(r->s0[l] | r->s1[l] | r->s2[l] | r->s3[l])) r->s0[l] = 1;  /* the all-zero state is stuck */
-    }
+static inline float qrand(uint64_t i, uint64_t seed) {
+    uint32_t x = (uint32_t)i * 0x9E3779B1u + (uint32_t)seed + (uint32_t)(i >> 32) * 0x85EBCA77u;
+    return (float)(fmix32(fmix32(x) ^ (uint32_t)(seed >> 32)) >> 8) * 5.9604644775390625e-8f;
 }
-
-/* Eight uniforms in [0, 1) from the top 24 bits of each lane's output. */
-#define XO_NEXT8(r, u)                                                                       \
-    for (int l = 0; l < 8; l++) {                                                            \
-        uint32_t out = r->s0[l] + r->s3[l], t = r->s1[l] << 9;                               \
-        r->s2[l] ^= r->s0[l]; r->s3[l] ^= r->s1[l]; r->s1[l] ^= r->s2[l]; r->s0[l] ^= r->s3[l]; \
-        r->s2[l] ^= t; r->s3[l] = (r->s3[l] << 11) | (r->s3[l] >> 21);                       \
-        u[l] = (float)(int32_t)(out >> 8) * 5.9604644775390625e-8f;                          \
-    }
 
 /* Codes of 8 elements sharing the factor f: floor(|v| f + u) by truncation (the sum is >= 0),
  * clamped to s; NaN quantizes to zero. */
@@ -596,18 +581,11 @@ static void xo_seed(xoshiro8 *r, uint64_t seed, uint64_t chunk) {
         c[l] = (uint8_t)(signbit(x[l]) ? L - lvl : L + lvl);                                 \
     }
 
-static void qgroup_scalar(xoshiro8 *r, const float *x, float f, int L, uint8_t *c) {
+static void qgroup_scalar(uint64_t i, uint64_t seed, const float *x, float f, int L, uint8_t *c) {
     float u[8];
-    XO_NEXT8(r, u)
+    for (int l = 0; l < 8; l++) u[l] = qrand(i + (uint64_t)l, seed);
     QCODES8(x, f, u, L, c)
 }
-#if SDK_X86
-AVX2 static void qgroup_avx2(xoshiro8 *r, const float *x, float f, int L, uint8_t *c) {
-    float u[8];
-    XO_NEXT8(r, u)
-    QCODES8(x, f, u, L, c)
-}
-#endif
 
 typedef struct {
     const float *x;
@@ -670,7 +648,8 @@ static float qnorm(const float *x, int64_t lo, int64_t hi) {
 
 /* as QSGD.compress: s / max(norm, tiny); an all-zero bucket quantizes to zero */
 static float qfactor(int levels, float norm) {
-    return (float)levels / (norm > 1.17549435e-38f ? norm : 1.17549435e-38f);
+    /* clamp_min keeps NaN (a bucket holding NaN): its codes are then all zero, as in torch */
+    return (float)levels / (norm > 1.17549435e-38f || norm != norm ? norm : 1.17549435e-38f);
 }
 
 static void qnorm_task(void *arg, int t, int nt) {
@@ -725,20 +704,28 @@ static inline void get8(const uint8_t *packed, int64_t n, int bits, int64_t i, u
 }
 
 #if SDK_X86
-/* 4-bit codes, AVX2 throughout: the 8 generators live in registers; lane arithmetic is the
- * scalar path's (xoshiro128+, fl(fl(|x| f) + u), truncation, clamp, NaN -> 0), so the codes
- * are bit-for-bit those of qenc_range. Returns where it stopped: the end, or a group that
- * crosses a bucket edge or the end (left to the scalar code). */
-AVX2 static int64_t qenc4_avx2(q_args *A, xoshiro8 *r, int64_t i, int64_t hi, const float *factor,
-                               int64_t fj) {
+/* 4-bit codes, AVX2 throughout: the hash noise 8 lanes at a time; lane arithmetic is the
+ * scalar path's (fl(fl(|x| f) + u), truncation, clamp, NaN -> 0), so the codes are bit-for-bit
+ * those of qenc_range. Returns where it stopped: the end, or a group that crosses a bucket edge
+ * or the end (left to the scalar code). Groups start at multiples of 8, so i_hi is one per group. */
+AVX2 static inline __m256i fmix32x8(__m256i h) {
+    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+    h = _mm256_mullo_epi32(h, _mm256_set1_epi32((int)0x85EBCA6Bu));
+    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 13));
+    h = _mm256_mullo_epi32(h, _mm256_set1_epi32((int)0xC2B2AE35u));
+    return _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+}
+
+AVX2 static int64_t qenc4_avx2(q_args *A, int64_t i, int64_t hi, const float *factor, int64_t fj) {
     const int64_t B = A->bucket;
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const __m256 Lf = _mm256_set1_ps((float)A->levels), unit = _mm256_set1_ps(5.9604644775390625e-8f);
     const __m256i Li = _mm256_set1_epi32(A->levels);
     const __m256i pick = _mm256_setr_epi8(0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
                                           0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
-    __m256i s0 = _mm256_loadu_si256((const __m256i *)r->s0), s1 = _mm256_loadu_si256((const __m256i *)r->s1);
-    __m256i s2 = _mm256_loadu_si256((const __m256i *)r->s2), s3 = _mm256_loadu_si256((const __m256i *)r->s3);
+    const __m256i golden = _mm256_set1_epi32((int)0x9E3779B1u);
+    const __m256i lane = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), golden);
+    const __m256i k1 = _mm256_set1_epi32((int)(uint32_t)(A->seed >> 32));
     int64_t j = i / B, edge = (j + 1) * B;  /* no division per group: it cost more than the rest */
     __m256 f = _mm256_set1_ps(factor[j - fj]);
     for (; i + 8 <= hi; i += 8) {
@@ -748,17 +735,9 @@ AVX2 static int64_t qenc4_avx2(q_args *A, xoshiro8 *r, int64_t i, int64_t hi, co
             f = _mm256_set1_ps(factor[j - fj]);
         }
         if (i + 8 > edge) break;
-        if (i % QCHUNK == 0) {
-            xo_seed(r, A->seed, (uint64_t)(i / QCHUNK));
-            s0 = _mm256_loadu_si256((const __m256i *)r->s0); s1 = _mm256_loadu_si256((const __m256i *)r->s1);
-            s2 = _mm256_loadu_si256((const __m256i *)r->s2); s3 = _mm256_loadu_si256((const __m256i *)r->s3);
-        }
-        __m256i out = _mm256_add_epi32(s0, s3), t = _mm256_slli_epi32(s1, 9);
-        s2 = _mm256_xor_si256(s2, s0); s3 = _mm256_xor_si256(s3, s1);
-        s1 = _mm256_xor_si256(s1, s2); s0 = _mm256_xor_si256(s0, s3);
-        s2 = _mm256_xor_si256(s2, t);
-        s3 = _mm256_or_si256(_mm256_slli_epi32(s3, 11), _mm256_srli_epi32(s3, 21));
-        __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(out, 8)), unit);
+        uint32_t base = (uint32_t)i * 0x9E3779B1u + (uint32_t)A->seed + (uint32_t)((uint64_t)i >> 32) * 0x85EBCA77u;
+        __m256i h = fmix32x8(_mm256_xor_si256(fmix32x8(_mm256_add_epi32(_mm256_set1_epi32((int)base), lane)), k1));
+        __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)), unit);
         __m256 x = _mm256_loadu_ps(A->x + i);
         __m256 tv = _mm256_add_ps(_mm256_mul_ps(_mm256_and_ps(x, absmask), f), u);
         __m256i lvl = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(Li),
@@ -773,14 +752,12 @@ AVX2 static int64_t qenc4_avx2(q_args *A, xoshiro8 *r, int64_t i, int64_t hi, co
         uint8_t *dst = A->packed + (i >> 1);
         dst[0] = (uint8_t)lo2; dst[1] = (uint8_t)(lo2 >> 8); dst[2] = (uint8_t)hi2; dst[3] = (uint8_t)(hi2 >> 8);
     }
-    _mm256_storeu_si256((__m256i *)r->s0, s0); _mm256_storeu_si256((__m256i *)r->s1, s1);
-    _mm256_storeu_si256((__m256i *)r->s2, s2); _mm256_storeu_si256((__m256i *)r->s3, s3);
     return i;
 }
 #endif
 
 /* Encodes [lo, hi) of the thread's share; factor[j - fj] is bucket j's factor. */
-static void qenc_range(q_args *A, xoshiro8 *r, int64_t lo, int64_t hi, const float *factor, int64_t fj) {
+static void qenc_range(q_args *A, int64_t lo, int64_t hi, const float *factor, int64_t fj) {
     const int L = A->levels;
     const int64_t B = A->bucket;
     int simd = has_avx2();
@@ -790,23 +767,18 @@ static void qenc_range(q_args *A, xoshiro8 *r, int64_t lo, int64_t hi, const flo
     for (int64_t i = lo; i < hi; i += 8) {
 #if SDK_X86
         if (simd && A->bits == 4 && A->levels <= 7) {
-            i = qenc4_avx2(A, r, i, hi, factor, fj);
+            i = qenc4_avx2(A, i, hi, factor, fj);
             if (i >= hi) break;
         }
 #endif
-        if (i % QCHUNK == 0) xo_seed(r, A->seed, (uint64_t)(i / QCHUNK));
         int cnt = hi - i < 8 ? (int)(hi - i) : 8;
         int64_t j = i / B;
         if (cnt == 8 && (i + 7) / B == j) {  /* the common case: 8 elements of one bucket */
-#if SDK_X86
-            if (simd) qgroup_avx2(r, A->x + i, factor[j - fj], L, c);
-            else
-#endif
-                qgroup_scalar(r, A->x + i, factor[j - fj], L, c);
+            qgroup_scalar((uint64_t)i, A->seed, A->x + i, factor[j - fj], L, c);
         } else {  /* a bucket edge or the end: per-element factors, zero padding */
             float u[8];
-            XO_NEXT8(r, u)
             for (int k = 0; k < 8; k++) {
+                u[k] = qrand((uint64_t)(i + k), A->seed);
                 x[k] = k < cnt ? A->x[i + k] : 0.0f;
                 f[k] = k < cnt ? factor[(i + k) / B - fj] : 0.0f;
             }
@@ -828,15 +800,13 @@ static void qenc_task(void *arg, int t, int nt) {
     int64_t a, b;
     share(A->n, t, nt, QCHUNK, &a, &b);
     if (a >= b) return;
-    xoshiro8 r;
-    xo_seed(&r, A->seed, (uint64_t)(a / QCHUNK));  /* a is a chunk start: the loop reseeds it alike */
     const int64_t B = A->bucket;
     if (A->factor) {  /* norms already computed by qnorm_task */
-        qenc_range(A, &r, a, b, A->factor, 0);
+        qenc_range(A, a, b, A->factor, 0);
         return;
     }
     /* Blocks of about QFUSE_ELEMS elements (whole buckets when the bucket divides it), cut at
-     * multiples of 8 so groups and random draws fall as in one sweep: the block's norms are
+     * multiples of 8 so groups fall as in one sweep: the block's norms are
      * computed first, reading it from memory once, then its codes from cache. A bucket cut by
      * a block or thread boundary is normed by both sides alike; norms[j] is written by the
      * block that holds its start. */
@@ -852,7 +822,7 @@ static void qenc_task(void *arg, int t, int nt) {
             if (blo >= lo) A->norms[j] = norm;
             local[j - jb] = qfactor(A->levels, norm);
         }
-        qenc_range(A, &r, lo, hi, local, jb);
+        qenc_range(A, lo, hi, local, jb);
     }
 }
 

@@ -43,7 +43,7 @@ void sdk_bf16_to_f32(const uint16_t *h, float *x, int64_t n, int accumulate);
 
 /* QSGD with `levels` = s and buckets of `bucket` elements: norms[nb] = ||v||_2, codes
  * floor(s|v_i|/||v|| + u) clamped to s, signed, + s, packed in code_bits bits. u comes from
- * xoshiro128+ streams seeded by (seed, 64K-element chunk), so results do not depend on threads.
+ * a counter-based hash of (element index, seed), so results do not depend on threads (see kernels.c).
  * NaN inputs give code s (zero). */
 void sdk_qsgd_encode(const float *x, int64_t n, int64_t bucket, int levels, int code_bits, uint64_t seed,
                      float *norms, uint8_t *packed);

@@ -11,7 +11,7 @@ from .base import Compressor, Key, Meta, Payload, check_float, flat32, restore
 from . import native
 from .bits import pack, unpack
 from .sums import bucket_sums
-from .rng import generator, process_rank
+from .rng import counter_uniform, generator, process_rank
 
 
 @dataclass
@@ -50,10 +50,10 @@ class QSGD(Compressor):
         check_float(tensor, "QSGD")
         n, s = tensor.numel(), self.levels
         d = max(min(self.bucket_size or n, n), 1)
+        self._calls += 1
+        # Rounding noise: a hash of (element index, seed), the same on both paths (rng.py).
+        seed = generator(torch.device("cpu"), "qsgd", self.seed, process_rank(), self._calls).initial_seed()
         if native.enabled(tensor) and self.code_bits <= 8:
-            # Same norms and layout; the rounding noise comes from the kernel's own seeded stream.
-            self._calls += 1
-            seed = generator(torch.device("cpu"), "qsgd", self.seed, process_rank(), self._calls).initial_seed()
             norms, packed = native.qsgd_encode(tensor, s, d, self.code_bits, seed)
             return Payload([norms, packed], _QMeta(tensor.shape, tensor.dtype, d))
         x = flat32(tensor)
@@ -65,10 +65,12 @@ class QSGD(Compressor):
         norms = bucket_sums(flat32(tensor).double().square(), d).sqrt().float()
         # |v_i| s / ||v|| in [0, s]; an all-zero bucket quantizes to zero.
         scaled = v.abs().mul_((s / norms.clamp_min(torch.finfo(torch.float32).tiny)).unsqueeze(1))
-        self._calls += 1
-        g = generator(x.device, "qsgd", self.seed, process_rank(), self._calls)
-        # floor(r + u), u ~ U[0, 1): rounds r up with probability frac(r), so E = r.
-        level = scaled.add_(torch.rand(scaled.shape, generator=g, device=x.device)).floor_().clamp_(max=s)
+        u = torch.empty(nb * d, dtype=torch.float32, device=x.device)
+        for start in range(0, nb * d, 1 << 20):  # in slices: the hash's int64 temporaries stay small
+            part = u[start:start + (1 << 20)]
+            part.copy_(counter_uniform(start, part.numel(), seed, x.device))
+        # floor(r + u), u ~ U[0, 1): rounds r up with probability frac(r), so E = r; NaN -> 0.
+        level = scaled.add_(u.view(nb, d)).floor_().clamp_(max=s).nan_to_num_(nan=0.0)
         # Signed level in [-s, s], shifted to a code in [0, 2s]; copysign keeps it one pass.
         code = level.copysign_(v).add_(s).to(torch.uint8)
         wire = [norms, pack(code.view(-1)[:n], self.code_bits)]

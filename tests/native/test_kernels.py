@@ -139,6 +139,8 @@ def test_qsgd_layout_norms_and_decode_match_torch(n, levels, bucket, path, torch
     # Norms: float64 squares summed in the order sums.py fixes, in C and in torch: bit-for-bit,
     # and within float rounding of the exact norm.
     assert torch.equal(norms, ref.tensors[0])
+    # Codes: the rounding noise is a hash of (index, seed) on both paths: the same payload.
+    assert torch.equal(packed, ref.tensors[1])
     padded = torch.cat([g, g.new_zeros(norms.numel() * payload.meta.bucket - n)]).double()
     exact = torch.linalg.vector_norm(padded.view(norms.numel(), payload.meta.bucket), dim=1)
     assert torch.allclose(norms.double(), exact, rtol=1e-6)
@@ -324,3 +326,15 @@ def test_sums_are_bit_for_bit_with_any_threads_or_simd(n, bucket, torch_path):
     finally:
         native.set_threads(None)
         native.force_scalar(False)
+
+
+def test_qsgd_payload_is_the_torch_payload_with_nan_inf_and_many_calls(path, torch_path):
+    g = rand((1 << 20) + 13)
+    g[[5, 70000, 1 << 19]] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    g[1000:1512] = 0.0  # an all-zero bucket
+    a, b = C.QSGD(levels=7, bucket_size=512, seed=4), C.QSGD(levels=7, bucket_size=512, seed=4)
+    for _ in range(3):  # the call counter moves the seed alike on both paths
+        pa, pb = a.compress(g), torch_path(b.compress, g)
+        assert torch.equal(pa.tensors[1], pb.tensors[1])
+        assert torch.equal(pa.tensors[0].nan_to_num(-1.0), pb.tensors[0].nan_to_num(-1.0))
+    assert not torch.equal(C.QSGD(seed=4).compress(g).tensors[1], C.QSGD(seed=5).compress(g).tensors[1])
