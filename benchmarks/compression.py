@@ -94,7 +94,12 @@ def rank_main(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{args.port}",
                             rank=args.rank, world_size=2, timeout=timedelta(seconds=600))
-    g = gradient(args.numel, seed=args.rank)
+    g = gradient(args.numel, seed=args.rank).to(args.device)
+    if g.is_cuda:  # Gloo moves CUDA tensors through host memory; compression runs on the GPU
+        sync = torch.cuda.synchronize
+    else:
+        def sync() -> None:
+            pass
     results = {}
     for name in args.compressors.split(","):
         c = make(name)
@@ -103,8 +108,10 @@ def rank_main(args: argparse.Namespace) -> None:
         for _ in range(args.steps):
             dist.barrier()
             before = C.stats.bytes_sent
+            sync()
             t0 = time.perf_counter()
             C.allreduce(g, c, name="g")
+            sync()
             times.append(time.perf_counter() - t0)
             sent.append(C.stats.bytes_sent - before)
         results[name] = {"step_s": statistics.median(times), "bytes": statistics.median(sent)}
@@ -178,7 +185,8 @@ def network_table(args: argparse.Namespace) -> None:
             cmd = ["ip", "netns", "exec", ns[r], sys.executable, os.path.abspath(__file__),
                    "--rank", str(r), "--master", addr[0], "--port", "29533", "--out", out,
                    "--numel", str(args.numel), "--steps", str(args.steps),
-                   "--threads", str(args.threads), "--compressors", args.compressors]
+                   "--threads", str(args.threads), "--compressors", args.compressors,
+                   "--device", args.device]
             procs.append(subprocess.Popen(cmd, env=env))
         codes = [p.wait(timeout=1800) for p in procs]
         if any(codes):
@@ -194,8 +202,10 @@ def network_table(args: argparse.Namespace) -> None:
         os.unlink(out)
     rate = args.rate_mbit * 1e6 / 8
     base = results["fp32"]["step_s"]
+    where = f"{args.threads} thread(s) per rank" if args.device == "cpu" else \
+        f"gradients and compression on {args.device} (both ranks share it), Gloo through host memory"
     print(f"\n2-rank all-reduce of {args.numel / 1e6:.1f}M float32 over a {args.rate_mbit} Mbit/s veth "
-          f"(tc tbf), Gloo, {args.threads} thread(s) per rank, median of {args.steps} steps")
+          f"(tc tbf), Gloo, {where}, median of {args.steps} steps")
     print(f"{'compressor':<15}{'bytes sent':>14}{'step s':>9}{'vs fp32':>9}{'ideal s':>9}{'step/ideal':>11}")
     for name in [n for n in results if n in COMPRESSORS or n.startswith("raw ")]:
         r = results[name]
@@ -213,7 +223,7 @@ def main() -> None:
     parser.add_argument("--skip-network", action="store_true")
     parser.add_argument("--compressors", default=",".join(COMPRESSORS),
                         help="comma-separated subset (fp32 first: the ratios are against it)")
-    parser.add_argument("--device", default="cpu", help="where part 1 encodes/decodes: cpu or cuda")
+    parser.add_argument("--device", default="cpu", help="where gradients live and are (de)compressed: cpu or cuda")
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--master", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)

@@ -560,7 +560,7 @@ void sdk_bf16_to_f32(const uint16_t *h, float *x, int64_t n, int accumulate) { c
 /* The rounding noise is counter-based: element i's uniform is a hash of (i, seed), so it does
  * not depend on threads or SIMD, and the torch path (spark_dl/compression/rng.py,
  * counter_uniform) computes the same floats. x = i_lo * 0x9E3779B1 + k0 + i_hi * 0x85EBCA77
- * (mod 2^32), h = fmix32(fmix32(x) ^ k1) (MurmurHash3's finalizer), u = (h >> 8) * 2^-24. */
+ * (mod 2^32), h = fmix32(x) ^ k1 (MurmurHash3's finalizer), u = (h >> 8) * 2^-24. */
 static inline uint32_t fmix32(uint32_t h) {
     h ^= h >> 16; h *= 0x85EBCA6Bu; h ^= h >> 13; h *= 0xC2B2AE35u; h ^= h >> 16;
     return h;
@@ -568,7 +568,7 @@ static inline uint32_t fmix32(uint32_t h) {
 
 static inline float qrand(uint64_t i, uint64_t seed) {
     uint32_t x = (uint32_t)i * 0x9E3779B1u + (uint32_t)seed + (uint32_t)(i >> 32) * 0x85EBCA77u;
-    return (float)(fmix32(fmix32(x) ^ (uint32_t)(seed >> 32)) >> 8) * 5.9604644775390625e-8f;
+    return (float)((fmix32(x) ^ (uint32_t)(seed >> 32)) >> 8) * 5.9604644775390625e-8f;
 }
 
 /* Codes of 8 elements sharing the factor f: floor(|v| f + u) by truncation (the sum is >= 0),
@@ -736,7 +736,7 @@ AVX2 static int64_t qenc4_avx2(q_args *A, int64_t i, int64_t hi, const float *fa
         }
         if (i + 8 > edge) break;
         uint32_t base = (uint32_t)i * 0x9E3779B1u + (uint32_t)A->seed + (uint32_t)((uint64_t)i >> 32) * 0x85EBCA77u;
-        __m256i h = fmix32x8(_mm256_xor_si256(fmix32x8(_mm256_add_epi32(_mm256_set1_epi32((int)base), lane)), k1));
+        __m256i h = _mm256_xor_si256(fmix32x8(_mm256_add_epi32(_mm256_set1_epi32((int)base), lane)), k1);
         __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)), unit);
         __m256 x = _mm256_loadu_ps(A->x + i);
         __m256 tv = _mm256_add_ps(_mm256_mul_ps(_mm256_and_ps(x, absmask), f), u);

@@ -101,6 +101,8 @@ def _scatter_reduce_allgather(x: torch.Tensor, c: Compressor, name: Any, group: 
     # Large chunks go in K pieces, pipelined: while piece k is on the wire (async collectives
     # run on the backend's threads) piece k+1 is encoded, and piece k is decoded while later
     # pieces travel. Every rank issues the same collectives in the same order.
+    # Gloo cannot move CUDA tensors in every collective: stage CUDA wire bytes through host memory.
+    wire = torch.device("cpu") if x.is_cuda and dist.get_backend(group) == "gloo" else x.device
     K = _pieces(chunks[0].numel())
     parts = [torch.tensor_split(ch, K) for ch in chunks]  # parts[j][k]
     starts = [[0] * K for _ in range(world)]
@@ -120,7 +122,7 @@ def _scatter_reduce_allgather(x: torch.Tensor, c: Compressor, name: Any, group: 
         # bytes: one 8-aligned width for all (aligned views, equal splits) lets the single-tensor
         # all_to_all and all_gather that Gloo and NCCL both provide carry them.
         width = -(-max(sizes) // 8) * 8
-        outgoing = torch.zeros(world, width, dtype=torch.uint8, device=x.device)
+        outgoing = torch.zeros(world, width, dtype=torch.uint8, device=wire)
         for j, b in enumerate(buffers):
             outgoing[j, :sizes[j]] = b
         incoming = torch.empty_like(outgoing)
@@ -132,6 +134,7 @@ def _scatter_reduce_allgather(x: torch.Tensor, c: Compressor, name: Any, group: 
     gathering = []
     for k, (sent, sizes, width, incoming, _outgoing, work) in enumerate(scattered):
         work.wait()
+        incoming = incoming.to(x.device)
         own = sent[me]
         piece = reduced[starts[me][k]:starts[me][k] + parts[me][k].numel()]
         # Decode-accumulate into one buffer: the native kernels add each payload in one pass.
@@ -139,9 +142,9 @@ def _scatter_reduce_allgather(x: torch.Tensor, c: Compressor, name: Any, group: 
             p = own if i == me else from_bytes(incoming[i, :sizes[me]], own)
             c.decompress_into(p, piece, accumulate=i > 0)
         mine = to_bytes(c.compress(piece.to(x.dtype), key=key("server", k)))
-        padded = torch.zeros(width, dtype=torch.uint8, device=x.device)
+        padded = torch.zeros(width, dtype=torch.uint8, device=wire)
         padded[:mine.numel()] = mine
-        gathered = torch.empty(world, width, dtype=torch.uint8, device=x.device)
+        gathered = torch.empty(world, width, dtype=torch.uint8, device=wire)
         g_work = _all_gather(gathered.view(-1), padded, group)
         stats.add_bytes((world - 1) * width)
         gathering.append((sent, sizes, gathered, padded, g_work))
@@ -152,6 +155,7 @@ def _scatter_reduce_allgather(x: torch.Tensor, c: Compressor, name: Any, group: 
         chunk_at[j] = chunk_at[j - 1] + chunks[j - 1].numel()
     for k, (sent, sizes, gathered, _padded, g_work) in enumerate(gathering):
         g_work.wait()
+        gathered = gathered.to(x.device)
         for j in range(world):
             at = chunk_at[j] + starts[j][k]
             c.decompress_into(from_bytes(gathered[j, :sizes[j]], sent[j]), out[at:at + parts[j][k].numel()])

@@ -45,5 +45,5 @@ def counter_uniform(start: int, count: int, seed: int, device: torch.device | st
     i = torch.arange(start, start + count, dtype=torch.int64, device=device)
     k0, k1 = seed & _M32, (seed >> 32) & _M32
     x = (_mul32(i & _M32, 0x9E3779B1) + k0 + _mul32(i >> 32, 0x85EBCA77)) & _M32
-    h = _fmix32(_fmix32(x) ^ k1)
+    h = _fmix32(x) ^ k1
     return (h >> 8).to(torch.float32) * 2.0 ** -24

@@ -7,20 +7,26 @@ from digits import train_digits
 from spark_dl import HorovodRunner
 
 
+SEEDS = (42, 7)
+
+
 def compressed_runs():
     from spark_dl.compression import QSGD, OneBit, PowerSGD
 
     runs = {}
-    for label, compressor in [("none", None), ("qsgd", QSGD()), ("powersgd", PowerSGD()), ("onebit", OneBit())]:
-        runs[label] = train_digits(compression=compressor, epochs=20, base_lr=0.1)
+    for seed in SEEDS:  # two initialisations: one run's accuracy moves by a few of 360 test digits
+        for label, make in [("none", lambda: None), ("qsgd", lambda: QSGD(seed=seed)), ("powersgd", PowerSGD),
+                            ("onebit", OneBit)]:
+            runs[label, seed] = train_digits(compression=make(), epochs=20, base_lr=0.1, seed=seed)
     return runs
 
 
 def test_compressed_training_matches_uncompressed_accuracy(spark):
     ranks = HorovodRunner(np=2).run_all(compressed_runs)
-    for label in ("none", "qsgd", "powersgd", "onebit"):
-        assert ranks[0][label]["params_sha1"] == ranks[1][label]["params_sha1"], label
-    base = ranks[0]["none"]["accuracy"]
-    assert base > 0.95
+    labels = ("none", "qsgd", "powersgd", "onebit")
+    for key in ranks[0]:
+        assert ranks[0][key]["params_sha1"] == ranks[1][key]["params_sha1"], key
+    mean = {label: sum(ranks[0][label, s]["accuracy"] for s in SEEDS) / len(SEEDS) for label in labels}
+    assert mean["none"] > 0.95
     for label in ("qsgd", "powersgd", "onebit"):  # 1-bit with its built-in error feedback
-        assert abs(ranks[0][label]["accuracy"] - base) <= 0.01, (label, ranks[0][label]["accuracy"], base)
+        assert abs(mean[label] - mean["none"]) <= 0.01, (label, mean)
