@@ -50,20 +50,6 @@ def _no_op(t: torch.Tensor) -> None:
     return None
 
 
-def _orthonormalize(p: torch.Tensor) -> torch.Tensor:
-    """An orthonormal basis of P's columns (n x r, r small). Cholesky QR: one r x r Gram matrix
-    and a triangular solve instead of a Householder QR, which on a GPU costs more than the rest of
-    the step; falls back to QR when P^T P is not numerically positive definite."""
-    if p.shape[1] == 0:
-        return p
-    p64 = p.double()
-    chol, info = torch.linalg.cholesky_ex(p64.t() @ p64)
-    if int(info) == 0 and bool(torch.isfinite(chol).all()):
-        q = torch.linalg.solve_triangular(chol, p64.t(), upper=False).t()
-        return q.to(p.dtype).contiguous()
-    return torch.linalg.qr(p, mode="reduced").Q.contiguous()
-
-
 class PowerSGD(Compressor):
     """See the module docstring. ``rank`` r, ``start_iter`` uncompressed steps per tensor first,
     ``warm_start`` reuses last step's Q (else a fresh random Q each step), error feedback always.
@@ -131,7 +117,7 @@ class PowerSGD(Compressor):
         # 3x (M Q) and 4.5x (M^T P) faster on one CPU core than the tall forms.
         p = (self._q(key, meta, m.device).t() @ m.t()).t().contiguous()
         all_reduce(p)
-        p = _orthonormalize(p)
+        p = torch.linalg.qr(p, mode="reduced").Q.contiguous()
         q_local = (p.t() @ m).t().contiguous()
         q = q_local.clone()
         all_reduce(q)
