@@ -136,8 +136,8 @@ class ScaledSign(Compressor):
 
 def _fused_ef(ef: ErrorFeedback, tensor: torch.Tensor, key: Key, encode) -> Payload:
     """ErrorFeedback.compress in the C kernels' two passes: p = g + e, signs and sums, then the
-    new residual p - q(p) written over the old one. The torch path's payload and residual, up to
-    the float rounding of the means (summed in double here)."""
+    new residual p - q(p) written over the old one. The torch path's payload and residual, bit for
+    bit (both sum the means in the order sums.py fixes)."""
     check_float(tensor, type(ef).__name__)
     e = ef.residuals.memory.get(key)
     if e is not None and (e.shape != tensor.shape or e.device != tensor.device):
