@@ -594,7 +594,7 @@ typedef struct {
     uint64_t seed;
     float *norms, *factor;
     uint8_t *packed;
-    const float *scales;
+    const float *scales;  /* decode: the norms; each bucket's scale is norm / s, as torch divides */
     float *out;
     int accumulate;
 } q_args;
@@ -834,12 +834,12 @@ AVX2 static int64_t qdec4_avx2(const q_args *A, int64_t i, int64_t b, int64_t *j
     const __m256i shift = _mm256_setr_epi32(4, 0, 4, 0, 4, 0, 4, 0), nib = _mm256_set1_epi32(15);
     const __m256i L = _mm256_set1_epi32(A->levels);
     int64_t j = *jp, end = *endp;
-    __m256 sc = _mm256_set1_ps(A->scales[j]);
+    __m256 sc = _mm256_set1_ps(A->scales[j] / (float)A->levels);
     for (; i + 8 <= b; i += 8) {
         if (i >= end) {
             j = i / A->bucket;
             end = (j + 1) * A->bucket;
-            sc = _mm256_set1_ps(A->scales[j]);
+            sc = _mm256_set1_ps(A->scales[j] / (float)A->levels);
         }
         if (i + 8 > end) break;
         uint32_t w;
@@ -862,7 +862,7 @@ static void qdec_task(void *arg, int t, int nt) {
     share(A->n, t, nt, 8, &a, &b);
     uint8_t c[8];
     int64_t j = a / A->bucket, end = (j + 1) * A->bucket;
-    float sc = A->scales[j];
+    float sc = A->scales[j] / (float)A->levels;
     int simd = has_avx2() && A->bits == 4;
     (void)simd;
     for (int64_t i = a; i < b; i += 8) {
@@ -870,11 +870,11 @@ static void qdec_task(void *arg, int t, int nt) {
         if (simd) {
             i = qdec4_avx2(A, i, b, &j, &end);
             if (i >= b) break;
-            sc = A->scales[j];
+            sc = A->scales[j] / (float)A->levels;
             if (i >= end) {  /* the next group starts a new bucket but runs past b */
                 j = i / A->bucket;
                 end = (j + 1) * A->bucket;
-                sc = A->scales[j];
+                sc = A->scales[j] / (float)A->levels;
             }
         }
 #endif
@@ -888,7 +888,7 @@ static void qdec_task(void *arg, int t, int nt) {
             continue;
         }
         for (int k = 0; k < cnt; k++) {
-            if (i + k == end) { sc = A->scales[++j]; end += A->bucket; }
+            if (i + k == end) { sc = A->scales[++j] / (float)A->levels; end += A->bucket; }
             float v = (float)((int)c[k] - A->levels) * sc;
             if (A->accumulate) A->out[i + k] += v;
             else A->out[i + k] = v;
@@ -915,12 +915,12 @@ void sdk_qsgd_encode(const float *x, int64_t n, int64_t bucket, int levels, int 
     free(A.factor);
 }
 
-void sdk_qsgd_decode(const float *scales, const uint8_t *packed, int64_t n, int64_t bucket, int levels,
+void sdk_qsgd_decode(const float *norms, const uint8_t *packed, int64_t n, int64_t bucket, int levels,
                      int code_bits, float *out, int accumulate) {
     if (n <= 0) return;
     if (bucket < 1 || bucket > n) bucket = n;
     q_args A = {NULL, n, bucket, (n + bucket - 1) / bucket, levels, code_bits, 0, NULL, NULL,
-                (uint8_t *)packed, scales, out, accumulate};
+                (uint8_t *)packed, norms, out, accumulate};
     parallel(threads_for(n), qdec_task, &A);
 }
 

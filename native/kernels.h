@@ -47,8 +47,8 @@ void sdk_bf16_to_f32(const uint16_t *h, float *x, int64_t n, int accumulate);
  * NaN inputs give code s (zero). */
 void sdk_qsgd_encode(const float *x, int64_t n, int64_t bucket, int levels, int code_bits, uint64_t seed,
                      float *norms, uint8_t *packed);
-/* out[i] (+)= (code_i - s) * scales[bucket of i], scales = norms / s computed by the caller. */
-void sdk_qsgd_decode(const float *scales, const uint8_t *packed, int64_t n, int64_t bucket, int levels,
+/* out[i] (+)= (code_i - s) * (norms[bucket of i] / s), the division in float32 as torch's. */
+void sdk_qsgd_decode(const float *norms, const uint8_t *packed, int64_t n, int64_t bucket, int levels,
                      int code_bits, float *out, int accumulate);
 
 /* The k entries of largest |x| (NaN counts as largest; ties broken by lower index): indices

@@ -142,7 +142,7 @@ static PyMethodDef methods[] = {
     {"scaled_sign_decode", scaled_sign_decode, METH_VARARGS, "(scale, bits, n, out, accumulate)"},
     {"convert", convert, METH_VARARGS, "(src, dst, n, scale, bf16, to_half[, accumulate]): half -> float32 may add into dst"},
     {"qsgd_encode", qsgd_encode, METH_VARARGS, "(x, n, bucket, levels, bits, seed, norms, packed)"},
-    {"qsgd_decode", qsgd_decode, METH_VARARGS, "(scales, packed, n, bucket, levels, bits, out, accumulate)"},
+    {"qsgd_decode", qsgd_decode, METH_VARARGS, "(norms, packed, n, bucket, levels, bits, out, accumulate)"},
     {"topk", topk, METH_VARARGS, "(x, n, k, idx, val)"},
     {"set_threads", set_threads, METH_VARARGS, "threads for vectors of 1M+ elements; returns the value set"},
     {"force_scalar", force_scalar, METH_VARARGS, "True: skip the AVX2/F16C paths"},

@@ -161,13 +161,14 @@ def qsgd_encode(x: torch.Tensor, levels: int, bucket: int, code_bits: int, seed:
 def qsgd_decode(norms: torch.Tensor, packed: torch.Tensor, n: int, levels: int, bucket: int, code_bits: int,
                 out: torch.Tensor | None = None, accumulate: bool | None = None) -> torch.Tensor:
     """(code - s) * (norm / s) per element, rounded as QSGD.decompress."""
-    scales = (norms / levels).contiguous()  # torch's own division: the same float as the torch path
+    # The kernel divides norm / s itself, in float32 as torch does: a torch op here would wake
+    # torch's thread pool, whose spinning threads then compete with the kernel's own.
     per = 8 // code_bits if 8 % code_bits == 0 else 0
     _check_sizes(norms, -(-n // bucket) if n else 0, packed,
                  (n + per - 1) // per if per else code_bits * ((n + 7) // 8))
     acc = out is not None if accumulate is None else accumulate
     out = _out(out, n)
-    _ext.qsgd_decode(scales.data_ptr(), packed.contiguous().data_ptr(), n, bucket, levels, code_bits,
+    _ext.qsgd_decode(norms.contiguous().data_ptr(), packed.contiguous().data_ptr(), n, bucket, levels, code_bits,
                      out.data_ptr(), acc)
     return out
 
