@@ -137,10 +137,11 @@ typedef struct {
 /* Signs of p = g + e over one piece [lo, hi) or-ed into bits (zeroed by the caller), and the
  * piece's sums of max(p, 0) (NaN kept: torch's clamp keeps it), p and |p|, and its count of
  * p >= 0. Lanes as in the comment above. */
-static void piece_scalar(const float *g, const float *e, int64_t lo, int64_t hi, uint8_t *bits, bsum *out) {
-    double P[8] = {0}, Al[8] = {0}, Ab[8] = {0};
+/* Elements [i, hi) of the piece that starts at lo, into its lanes (also the SIMD path's tail). */
+static int64_t piece_lanes(const float *g, const float *e, int64_t lo, int64_t i, int64_t hi, uint8_t *bits,
+                           double *P, double *Al, double *Ab) {
     int64_t np = 0;
-    for (int64_t i = lo; i < hi; i++) {
+    for (; i < hi; i++) {
         float p = e ? g[i] + e[i] : g[i];
         int ge = p >= 0.0f, l = (int)((i - lo) & 7);
         bits[i >> 3] |= (uint8_t)(ge << (7 - (i & 7)));
@@ -149,6 +150,12 @@ static void piece_scalar(const float *g, const float *e, int64_t lo, int64_t hi,
         Ab[l] += (double)fabsf(p);
         np += ge;
     }
+    return np;
+}
+
+static void piece_scalar(const float *g, const float *e, int64_t lo, int64_t hi, uint8_t *bits, bsum *out) {
+    double P[8] = {0}, Al[8] = {0}, Ab[8] = {0};
+    int64_t np = piece_lanes(g, e, lo, lo, hi, bits, P, Al, Ab);
     out->pos = lanes8(P); out->all = lanes8(Al); out->ab = lanes8(Ab); out->npos = np;
 }
 
@@ -182,15 +189,7 @@ AVX2 static void piece_avx2(const float *g, const float *e, int64_t lo, int64_t 
     _mm256_storeu_pd(P, p0); _mm256_storeu_pd(P + 4, p1);
     _mm256_storeu_pd(Al, a0); _mm256_storeu_pd(Al + 4, a1);
     _mm256_storeu_pd(Ab, b0); _mm256_storeu_pd(Ab + 4, b1);
-    for (; i < hi; i++) {  /* the tail continues the lanes */
-        float p = e ? g[i] + e[i] : g[i];
-        int ge = p >= 0.0f, l = (int)((i - lo) & 7);
-        bits[i >> 3] |= (uint8_t)(ge << (7 - (i & 7)));
-        P[l] += !(p < 0.0f) ? (double)p : 0.0;
-        Al[l] += (double)p;
-        Ab[l] += (double)fabsf(p);
-        np += ge;
-    }
+    np += piece_lanes(g, e, lo, i, hi, bits, P, Al, Ab);  /* the tail continues the lanes */
     out->pos = lanes8(P); out->all = lanes8(Al); out->ab = lanes8(Ab); out->npos = np;
 }
 #endif
@@ -600,13 +599,18 @@ typedef struct {
 } q_args;
 
 /* Sum of squares of one piece [lo, hi) in 8 double lanes (see "deterministic sums"). */
-static double sumsq_scalar(const float *x, int64_t lo, int64_t hi) {
-    double a[8] = {0};
-    for (int64_t i = lo; i < hi; i++) {
+/* Squares of [i, hi) of the piece that starts at lo, into its lanes; then the lanes' sum. */
+static double sumsq_lanes(const float *x, int64_t lo, int64_t i, int64_t hi, double *a) {
+    for (; i < hi; i++) {
         double v = (double)x[i];
         a[(i - lo) & 7] += v * v;
     }
     return lanes8(a);
+}
+
+static double sumsq_scalar(const float *x, int64_t lo, int64_t hi) {
+    double a[8] = {0};
+    return sumsq_lanes(x, lo, lo, hi, a);
 }
 
 #if SDK_X86
@@ -622,11 +626,7 @@ AVX2 static double sumsq_avx2(const float *x, int64_t lo, int64_t hi) {
     double a[8];
     _mm256_storeu_pd(a, a0);
     _mm256_storeu_pd(a + 4, a1);
-    for (; i < hi; i++) {
-        double v = (double)x[i];
-        a[(i - lo) & 7] += v * v;
-    }
-    return lanes8(a);
+    return sumsq_lanes(x, lo, i, hi, a);  /* the tail continues the lanes */
 }
 #endif
 

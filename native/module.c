@@ -91,17 +91,17 @@ static PyObject *qsgd_encode(PyObject *self, PyObject *args) {
 }
 
 static PyObject *qsgd_decode(PyObject *self, PyObject *args) {
-    unsigned long long scales, packed, out;
+    unsigned long long norms, packed, out;
     long long n, bucket;
     int levels, bits, acc;
-    if (!PyArg_ParseTuple(args, "KKLLiiKp", &scales, &packed, &n, &bucket, &levels, &bits, &out, &acc))
+    if (!PyArg_ParseTuple(args, "KKLLiiKp", &norms, &packed, &n, &bucket, &levels, &bits, &out, &acc))
         return NULL;
     if (levels < 1 || levels > 127 || bits < 1 || bits > 8) {
         PyErr_SetString(PyExc_ValueError, "qsgd_decode: levels must be in 1..127 and bits in 1..8");
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    sdk_qsgd_decode(PTR(const float *, scales), PTR(const uint8_t *, packed), n, bucket, levels, bits,
+    sdk_qsgd_decode(PTR(const float *, norms), PTR(const uint8_t *, packed), n, bucket, levels, bits,
                     PTR(float *, out), acc);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;

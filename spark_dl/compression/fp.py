@@ -28,11 +28,7 @@ class _Cast(Compressor):
     summable = True
 
     def compress(self, tensor: torch.Tensor, key: Key = None) -> Payload:
-        check_float(tensor, type(self).__name__)
-        if tensor.dtype == torch.float32 and native.enabled(tensor):
-            return Payload([native.to_half(tensor, self.wire_dtype)], Meta(tensor.shape, tensor.dtype))
-        wire = tensor.reshape(-1).to(self.wire_dtype, copy=True)
-        return Payload([wire], Meta(tensor.shape, tensor.dtype))
+        return self.compress_scaled(tensor, 1.0, key)
 
     def decompress(self, payload: Payload) -> torch.Tensor:
         wire = payload.tensors[0]
@@ -53,7 +49,9 @@ class _Cast(Compressor):
         check_float(tensor, type(self).__name__)
         if tensor.dtype == torch.float32 and native.enabled(tensor):
             return Payload([native.to_half(tensor, self.wire_dtype, scale)], Meta(tensor.shape, tensor.dtype))
-        return self.compress(tensor * scale, key)
+        scaled = tensor * scale if scale != 1.0 else tensor
+        wire = scaled.reshape(-1).to(self.wire_dtype, copy=True)
+        return Payload([wire], Meta(tensor.shape, tensor.dtype))
 
     def bits_per_element(self) -> float:
         return 16.0

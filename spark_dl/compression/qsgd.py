@@ -56,13 +56,12 @@ class QSGD(Compressor):
         if native.enabled(tensor) and self.code_bits <= 8:
             norms, packed = native.qsgd_encode(tensor, s, d, self.code_bits, seed)
             return Payload([norms, packed], _QMeta(tensor.shape, tensor.dtype, d))
-        x = flat32(tensor)
+        flat = flat32(tensor)
         nb = -(-n // d)
-        if nb * d != n:
-            x = torch.cat([x, x.new_zeros(nb * d - n)])
+        x = torch.cat([flat, flat.new_zeros(nb * d - n)]) if nb * d != n else flat
         v = x.view(nb, d)
         # float64 squares summed in the order sums.py fixes (the C kernel's too): bit-for-bit norms
-        norms = bucket_sums(flat32(tensor).double().square(), d).sqrt().float()
+        norms = bucket_sums(flat.double().square(), d).sqrt().float()
         # |v_i| s / ||v|| in [0, s]; an all-zero bucket quantizes to zero.
         scaled = v.abs().mul_((s / norms.clamp_min(torch.finfo(torch.float32).tiny)).unsqueeze(1))
         u = torch.empty(nb * d, dtype=torch.float32, device=x.device)
