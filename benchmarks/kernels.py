@@ -13,7 +13,12 @@ counts the fp32 bytes read (decoders: the fp32 bytes they produce), so every row
 torch's thread count and with 1; torch with ``torch.get_num_threads()``.
 
 "kernel ms" calls ``spark_dl._native`` directly with every output allocated once. "vs copy" uses
-the kernel time. Like the launcher's ranks, this process sets ``THP_MEM_ALLOC_ENABLE=1`` (huge
+the kernel time. Where a row misses the goal, the script checks whether any code could meet it
+here: 5x the torch path leaves torch ms / 5 for the first-touch page faults of the memory the row
+returns (measured: filling a fresh tensor minus filling an existing one) and for the bytes the row
+must read and write at the least; if that traffic would need a faster rate than the fastest memory
+pass measured in the run (``copy_``, ``sum``, an in-place ``mul_``, and every kernel here), the row
+says the goal is out of reach. Like the launcher's ranks, this process sets ``THP_MEM_ALLOC_ENABLE=1`` (huge
 pages for big tensors), so fresh outputs cost both paths far fewer page faults.
 """
 from __future__ import annotations
@@ -53,7 +58,8 @@ def torch_path(fn):
 
 
 def cases(g: torch.Tensor):
-    """(name, operation) pairs; each operation uses whichever path the switch selects.
+    """(name, operation, bytes moved, fresh bytes) rows; each operation uses whichever path the
+    switch selects.
 
     Encoders are the compressor calls. Decoders are timed as the collectives use them:
     ``decompress_into(payload, acc, accumulate=True)`` adds one rank's payload into the
@@ -67,21 +73,23 @@ def cases(g: torch.Tensor):
     p_sign, p_ss, p_q = sm.compress(g), ss.compress(g), qsgd.compress(g)
     p16, pbf = fp16.compress(g), bf16.compress(g)
     acc = torch.zeros_like(g)
+    # Per row also: the bytes per element it must read plus write at the least, and the bytes per
+    # element of fresh memory it returns (first-touch page faults).
     return [
-        ("1-bit+EF encode", lambda: onebit.compress(g, key="g")),
-        ("EF-sign encode", lambda: efsign.compress(g, key="g")),
-        ("fp16 encode /W", lambda: fp16.compress_scaled(g, 0.5)),
-        ("bf16 encode /W", lambda: bf16.compress_scaled(g, 0.5)),
-        ("QSGD-4bit encode", lambda: qsgd.compress(g)),
-        ("top-k 1% encode", lambda: tk.compress(g)),
-        ("1-bit decode+acc", lambda: sm.decompress_into(p_sign, acc, True)),
-        ("EF-sign dec+acc", lambda: ss.decompress_into(p_ss, acc, True)),
-        ("fp16 decode+acc", lambda: fp16.decompress_into(p16, acc, True)),
-        ("bf16 decode+acc", lambda: bf16.decompress_into(pbf, acc, True)),
-        ("QSGD decode+acc", lambda: qsgd.decompress_into(p_q, acc, True)),
-        ("1-bit decode (new)", lambda: sm.decompress(p_sign)),
-        ("fp16 decode (new)", lambda: fp16.decompress(p16)),
-        ("QSGD decode (new)", lambda: qsgd.decompress(p_q)),
+        ("1-bit+EF encode", lambda: onebit.compress(g, key="g"), 12.125, 0.125),
+        ("EF-sign encode", lambda: efsign.compress(g, key="g"), 12.125, 0.125),
+        ("fp16 encode /W", lambda: fp16.compress_scaled(g, 0.5), 6, 2),
+        ("bf16 encode /W", lambda: bf16.compress_scaled(g, 0.5), 6, 2),
+        ("QSGD-4bit encode", lambda: qsgd.compress(g), 4.5, 0.5),
+        ("top-k 1% encode", lambda: tk.compress(g), 4, 0.12),
+        ("1-bit decode+acc", lambda: sm.decompress_into(p_sign, acc, True), 8.125, 0),
+        ("EF-sign dec+acc", lambda: ss.decompress_into(p_ss, acc, True), 8.125, 0),
+        ("fp16 decode+acc", lambda: fp16.decompress_into(p16, acc, True), 10, 0),
+        ("bf16 decode+acc", lambda: bf16.decompress_into(pbf, acc, True), 10, 0),
+        ("QSGD decode+acc", lambda: qsgd.decompress_into(p_q, acc, True), 8.5, 0),
+        ("1-bit decode (new)", lambda: sm.decompress(p_sign), 4.125, 4),
+        ("fp16 decode (new)", lambda: fp16.decompress(p16), 6, 4),
+        ("QSGD decode (new)", lambda: qsgd.decompress(p_q), 4.5, 4),
     ]
 
 
@@ -138,11 +146,21 @@ def main() -> None:
     print(f"{args.numel / 1e6:.0f}M float32 ({gb * 1e3:.0f} MB), native paths: {native.features()}, "
           f"torch threads: {torch.get_num_threads()}")
     print(f"copy_: {t_copy * 1e3:.1f} ms, {gb / t_copy:.1f} GB/s\n")
+    # How fast this machine moves memory, as generously as we can measure it: the best rate of
+    # plain torch passes (bytes read + written) and, below, of every kernel.
+    acc = torch.zeros_like(g)
+    rates = {"copy_": 2 * gb / t_copy,  # gb: the fp32 input's size; copy_ reads and writes it
+             "sum": gb / best(lambda: g.sum(), 3 * args.repeats),
+             "mul_ in place": 2 * gb / best(lambda: acc.mul_(1.0), 3 * args.repeats)}
+    # First-touch cost of fresh memory: filling a new tensor minus filling an existing one.
+    t_fill = best(lambda: dst.fill_(1.0), 3 * args.repeats)
+    t_fault = max(0.0, best(lambda: torch.empty_like(g).fill_(1.0), 3 * args.repeats) - t_fill)
+    print("memory passes (GB/s read + written): " + ", ".join(f"{k} {v:.0f}" for k, v in rates.items())
+          + f"; a fresh {gb * 1e3:.0f} MB output costs {t_fault * 1e3:.1f} ms of page faults\n")
     raw, _buffers = kernels(g)  # _buffers: the outputs the raw calls write into stay alive
     threads = torch.get_num_threads()
-    print(f"{'operation':<19}{'torch ms':>9}{'native ms':>10}{'1 thread':>9}{'vs torch':>9}"
-          f"{'kernel ms':>10}{'GB/s':>6}{'vs copy':>8}  goal (>=5x torch, >=40% copy)")
-    for name, op in cases(g):
+    rows = []
+    for name, op, moved, fresh in cases(g):
         t_torch = best(torch_path(op), args.repeats)
         native.set_threads(1)
         t_one = best(op, args.repeats)
@@ -152,10 +170,24 @@ def main() -> None:
         # copy bandwidth drifts on a shared machine: compare with a copy timed next to the kernel
         t_copy = best(lambda: dst.copy_(g), args.repeats)
         native.set_threads(None)
-        met = "met" if t_torch / t_nat >= 5 and t_copy / t_k >= 0.4 else "not met"
+        rates[name] = moved / 4 * gb / t_k
+        rows.append((name, t_torch, t_one, t_nat, t_k, t_copy, moved, fresh))
+    fastest = max(rates.values())
+    print(f"{'operation':<19}{'torch ms':>9}{'native ms':>10}{'1 thread':>9}{'vs torch':>9}"
+          f"{'kernel ms':>10}{'GB/s':>6}{'vs copy':>8}  goal (>=5x torch, >=40% copy)")
+    for name, t_torch, t_one, t_nat, t_k, t_copy, moved, fresh in rows:
+        # 5x the torch path leaves t_torch / 5 for the page faults of the output and the memory
+        # traffic; the rate that traffic would need, against the fastest pass seen in this run.
+        budget = t_torch / 5 - t_fault * fresh / 4
+        need = moved / 4 * gb / budget if budget > 0 else float("inf")
+        if t_torch / t_nat >= 5 and t_copy / t_k >= 0.4:
+            verdict = "met"
+        elif need > fastest:
+            verdict = f"not met; out of reach: 5x needs {need:.0f} GB/s, the fastest pass here {fastest:.0f}"
+        else:
+            verdict = "not met"
         print(f"{name:<19}{t_torch * 1e3:>9.1f}{t_nat * 1e3:>10.1f}{t_one * 1e3:>9.1f}{t_torch / t_nat:>8.1f}x"
-              f"{t_k * 1e3:>10.1f}{gb / t_k:>6.1f}{t_copy / t_k:>8.0%}  {met}")
-
+              f"{t_k * 1e3:>10.1f}{gb / t_k:>6.1f}{t_copy / t_k:>8.0%}  {verdict}")
 
 if __name__ == "__main__":
     main()
