@@ -124,9 +124,8 @@ class PowerSGD(Compressor):
         # e = M - P^ Qw^T, in place: no second n x m temporary.
         self.residuals.store(key, m.addmm_(p, q_local.t(), alpha=-1).view(-1)[:meta.numel].view(meta.shape))
         self.qs[key] = q
-        approx = (p @ q.t()).view(-1)[:meta.numel]
-        if world != 1:
-            approx.div_(world)
+        # The 1/W of the average rides on the small factor: no pass over the n x m output.
+        approx = (p @ (q / world if world != 1 else q).t()).view(-1)[:meta.numel]
         return restore(approx, meta), Payload([p, q_local], meta)
 
     def compress(self, tensor: torch.Tensor, key: Key = None) -> Payload:
