@@ -149,8 +149,10 @@ def rank_main(args: argparse.Namespace) -> None:
             op()
             sync()
             times.append(time.perf_counter() - t0)
-        # ideal times: PowerSGD's two rounds (160 KB) for its rows, the buffer's own size otherwise
-        nbytes = 80_000 if "80KB" in name else 160_000 if "PowerSGD" in name or "gradient" in name else width
+        # ideal times: PowerSGD's two rounds for its rows (r (n + m) floats each way: 160 KB for
+        # 5000 x 5000 at rank 4), the buffer's own size otherwise
+        psgd_bytes = 4 * 4 * sum(g.shape)
+        nbytes = 80_000 if "80KB" in name else psgd_bytes if "PowerSGD" in name or "gradient" in name else width
         results["raw " + name] = {"step_s": statistics.median(times), "bytes": nbytes}
     if args.rank == 0:
         with open(args.out, "w") as f:

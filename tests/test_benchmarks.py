@@ -1,0 +1,52 @@
+"""The benchmark scripts still run, at toy sizes: the README quotes their output, so a change that
+breaks one must fail here rather than in the next person's measurement. Nothing here looks at a
+time; the comparisons themselves belong to the scripts."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from spark_dl.compression import native
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNEL_ROWS = ["1-bit+EF encode", "EF-sign encode", "fp16 encode /W", "bf16 encode /W", "QSGD-4bit encode",
+               "top-k 1% encode", "1-bit decode+acc", "EF-sign dec+acc", "fp16 decode+acc", "bf16 decode+acc",
+               "QSGD decode+acc", "1-bit decode (new)", "fp16 decode (new)", "QSGD decode (new)"]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_kernels_benchmark_prints_a_verdict_per_row():
+    done = _run("benchmarks/kernels.py", "--numel", "100003", "--repeats", "1")
+    if not native.available():
+        assert done.returncode != 0 and "spark_dl._native is not built" in done.stderr
+        return
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert any(line.startswith("memory passes (GB/s read + written): copy_") for line in lines)
+    for row in KERNEL_ROWS:
+        line = next(line for line in lines if line.startswith(row))
+        assert line.rstrip().endswith("met") or "out of reach" in line, line
+
+
+def test_compression_benchmark_runs_both_parts_or_says_why_not():
+    done = _run("benchmarks/compression.py", "--numel", "40000", "--steps", "1",
+                "--compressors", "fp32,qsgd-4bit,powersgd-r4")
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    for name in ("fp32", "fp16", "onebit", "qsgd-4bit", "topk-1%+ef", "powersgd-r4"):
+        assert any(line.startswith(name + " ") for line in out.splitlines()), name
+    if "Skipping the shaped-link all-reduce" in out:  # not root, no iproute2, or no namespaces here
+        return
+    table = out[out.index("2-rank all-reduce"):]
+    for name in ("fp32", "qsgd-4bit", "powersgd-r4", "raw PowerSGD compute only", "raw read the gradient once"):
+        assert any(line.startswith(name + " ") for line in table.splitlines()), name
+    # 200 x 200 at rank 4: P and Q are 200 x 4 floats each, PowerSGD's ideal bytes
+    powersgd = next(line for line in table.splitlines() if line.startswith("powersgd-r4 "))
+    assert powersgd.split()[1] == "6,400"
+    assert "PowerSGD's floor on cpu" in table
