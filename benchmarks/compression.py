@@ -139,6 +139,9 @@ def rank_main(args: argparse.Namespace) -> None:
     # PowerSGD's floor: its round reads the whole gradient at least twice (M Q, and M^T P after
     # the first all-reduce), however its products are computed.
     raw["read the gradient once"] = lambda: g.sum()
+    # ideal times: PowerSGD's two rounds for its rows (r (n + m) floats each way: 160 KB for
+    # 5000 x 5000 at rank 4), the buffer's own size otherwise
+    psgd_bytes = 4 * psgd.rank * sum(g.shape)
     for name, op in raw.items():
         op()
         times = []
@@ -149,9 +152,6 @@ def rank_main(args: argparse.Namespace) -> None:
             op()
             sync()
             times.append(time.perf_counter() - t0)
-        # ideal times: PowerSGD's two rounds for its rows (r (n + m) floats each way: 160 KB for
-        # 5000 x 5000 at rank 4), the buffer's own size otherwise
-        psgd_bytes = 4 * 4 * sum(g.shape)
         nbytes = 80_000 if "80KB" in name else psgd_bytes if "PowerSGD" in name or "gradient" in name else width
         results["raw " + name] = {"step_s": statistics.median(times), "bytes": nbytes}
     if args.rank == 0:
