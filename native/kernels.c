@@ -131,7 +131,7 @@ typedef struct {
     bsum *cont[SDK_MAX_THREADS];  /* pieces of its first bucket when that began in thread t-1 */
     int64_t ncont[SDK_MAX_THREADS];
     int scaled;  /* 1: EF-sign, which needs only the |p| sums */
-    int failed;
+    float *e_out;  /* fused residual (1-bit, buckets <= RBLOCK): see p1_task */
 } p1_args;
 
 /* Signs of p = g + e over one piece [lo, hi) or-ed into bits (zeroed by the caller), and the
@@ -194,21 +194,55 @@ AVX2 static void piece_avx2(const float *g, const float *e, int64_t lo, int64_t 
 }
 #endif
 
+/* The two values q takes in a bucket, rounded as SignMeans.decompress: fl(fl(b * d) + mn). */
+typedef struct { float qp, qn; } qpair;
+
+static qpair q_of(float mp, float mn) {
+    float d = mp - mn;
+    qpair q = {1.0f * d + mn, 0.0f * d + mn};
+    return q;
+}
+
+/* A bucket's (positive mean, negative mean) from its sums, as SignMeans computes them. */
+static void means_of(const bsum *s, int64_t len, float *mp, float *mn) {
+    int64_t nn = len - s->npos;
+    *mp = (float)(s->pos / (double)(s->npos > 0 ? s->npos : 1));
+    *mn = (float)((s->all - s->pos) / (double)(nn > 0 ? nn : 1));
+}
+
+#define RESIDUAL_LOOP                                                                  \
+    for (int64_t i = lo; i < hi; i++) {                                                \
+        float p = e_in ? g[i] + e_in[i] : g[i];                                        \
+        e_out[i] = p - (p >= 0.0f ? qp : qn);                                          \
+    }
+
+static void resid_scalar(const float *g, const float *e_in, float *e_out, int64_t lo, int64_t hi,
+                         float qp, float qn) { RESIDUAL_LOOP }
+#if SDK_X86
+AVX2 static void resid_avx2(const float *g, const float *e_in, float *e_out, int64_t lo, int64_t hi,
+                            float qp, float qn) { RESIDUAL_LOOP }
+#endif
+
+static void resid_range(const float *g, const float *e_in, float *e_out, int64_t lo, int64_t hi, qpair q) {
+#if SDK_X86
+    if (has_avx2()) { resid_avx2(g, e_in, e_out, lo, hi, q.qp, q.qn); return; }
+#endif
+    resid_scalar(g, e_in, e_out, lo, hi, q.qp, q.qn);
+}
+
+/* With e_out set (1-bit with buckets of at most RBLOCK elements), a bucket that lies whole in
+ * this thread's share gets its residual as soon as its sums are complete, while its g and e are
+ * still in cache: one pass over memory instead of two. The sums, hence the means, are the ones
+ * pass1 assembles; buckets cut by a share boundary get theirs after the join. */
 static void p1_task(void *arg, int t, int nt) {
     p1_args *A = (p1_args *)arg;
     int64_t a, b;
     share(A->n, t, nt, RBLOCK, &a, &b);
-    A->part[t] = NULL;
-    A->cont[t] = NULL;
     A->ncont[t] = 0;
     if (a >= b) return;
-    int64_t B = A->bucket, j0 = a / B, j1 = (b - 1) / B;
-    bsum *s = (bsum *)calloc((size_t)(j1 - j0 + 1), sizeof(bsum));
+    int64_t B = A->bucket, j0 = a / B;
+    bsum *s = A->part[t], *cl = A->cont[t];
     int cont = j0 * B < a;
-    bsum *cl = cont ? (bsum *)malloc((size_t)((b - a) / RBLOCK + 2) * sizeof(bsum)) : NULL;
-    if (!s || (cont && !cl)) { free(s); free(cl); A->failed = 1; return; }
-    A->part[t] = s;
-    A->cont[t] = cl;
     memset(A->bits + (a >> 3), 0, (size_t)(((b + 7) >> 3) - (a >> 3)));
     int simd = has_avx2();
     (void)simd;
@@ -228,6 +262,12 @@ static void p1_task(void *arg, int t, int nt) {
         } else {
             bsum *sj = &s[j - j0];
             sj->pos += ps.pos; sj->all += ps.all; sj->ab += ps.ab; sj->npos += ps.npos;
+            int64_t end = (j + 1) * B < A->n ? (j + 1) * B : A->n;
+            if (A->e_out && hi == end) {  /* bucket j is complete, and began in this share */
+                float mp, mn;
+                means_of(sj, end - j * B, &mp, &mn);
+                resid_range(A->g, A->e, A->e_out, j * B, end, q_of(mp, mn));
+            }
         }
     }
 }
@@ -236,39 +276,46 @@ static void p1_task(void *arg, int t, int nt) {
  * frees) or NULL. */
 static bsum *pass1(p1_args *A, int nt, int64_t nb) {
     pthread_once(&rev_once, rev_init);
-    A->failed = 0;
+    /* every buffer up front: a failed allocation must stop the encoder before any residual is
+     * written */
+    int failed = 0;
+    for (int t = 0; t < nt; t++) {
+        int64_t a, b;
+        share(A->n, t, nt, RBLOCK, &a, &b);
+        A->part[t] = NULL;
+        A->cont[t] = NULL;
+        if (a >= b || failed) continue;
+        int64_t j0 = a / A->bucket, j1 = (b - 1) / A->bucket;
+        A->part[t] = (bsum *)calloc((size_t)(j1 - j0 + 1), sizeof(bsum));
+        if (j0 * A->bucket < a) A->cont[t] = (bsum *)malloc((size_t)((b - a) / RBLOCK + 2) * sizeof(bsum));
+        failed = !A->part[t] || (j0 * A->bucket < a && !A->cont[t]);
+    }
+    bsum *tot = failed ? NULL : (bsum *)calloc((size_t)(nb > 0 ? nb : 1), sizeof(bsum));
+    if (!tot) {
+        for (int t = 0; t < nt; t++) { free(A->part[t]); free(A->cont[t]); }
+        return NULL;
+    }
     parallel(nt, p1_task, A);
-    bsum *tot = (bsum *)calloc((size_t)(nb > 0 ? nb : 1), sizeof(bsum));
     for (int t = 0; t < nt; t++) {
         if (!A->part[t]) continue;
         int64_t a, b;
         share(A->n, t, nt, RBLOCK, &a, &b);
         int64_t j0 = a / A->bucket, j1 = (b - 1) / A->bucket;
-        for (int64_t k = 0; k < A->ncont[t] && tot; k++) {  /* bucket j0's pieces, in order */
+        for (int64_t k = 0; k < A->ncont[t]; k++) {  /* bucket j0's pieces, in order */
             bsum *c = &A->cont[t][k];
             tot[j0].pos += c->pos; tot[j0].all += c->all; tot[j0].ab += c->ab; tot[j0].npos += c->npos;
         }
-        for (int64_t j = A->cont[t] ? j0 + 1 : j0; j <= j1 && tot; j++) {
+        for (int64_t j = A->cont[t] ? j0 + 1 : j0; j <= j1; j++) {
             bsum *c = &A->part[t][j - j0];
             tot[j].pos += c->pos; tot[j].all += c->all; tot[j].ab += c->ab; tot[j].npos += c->npos;
         }
         free(A->part[t]);
         free(A->cont[t]);
     }
-    if (A->failed) { free(tot); return NULL; }
     return tot;
 }
 
 /* ---- 1-bit: pass 2 (residual) and decode ------------------------------------------------------ */
-
-/* The two values q takes in a bucket, rounded as SignMeans.decompress: fl(fl(b * d) + mn). */
-typedef struct { float qp, qn; } qpair;
-
-static qpair q_of(float mp, float mn) {
-    float d = mp - mn;
-    qpair q = {1.0f * d + mn, 0.0f * d + mn};
-    return q;
-}
 
 typedef struct {
     const float *g, *e_in;
@@ -280,32 +327,13 @@ typedef struct {
     int accumulate;
 } p2_args;
 
-#define RESIDUAL_LOOP                                                                  \
-    for (int64_t i = lo; i < hi; i++) {                                                \
-        float p = e_in ? g[i] + e_in[i] : g[i];                                        \
-        e_out[i] = p - (p >= 0.0f ? qp : qn);                                          \
-    }
-
-static void resid_scalar(const float *g, const float *e_in, float *e_out, int64_t lo, int64_t hi,
-                         float qp, float qn) { RESIDUAL_LOOP }
-#if SDK_X86
-AVX2 static void resid_avx2(const float *g, const float *e_in, float *e_out, int64_t lo, int64_t hi,
-                            float qp, float qn) { RESIDUAL_LOOP }
-#endif
-
 static void resid_task(void *arg, int t, int nt) {
     p2_args *A = (p2_args *)arg;
     int64_t a, b;
     share(A->n, t, nt, 8, &a, &b);
-    int simd = has_avx2();
-    (void)simd;
     for (int64_t j = a / A->bucket; a < b; j++) {
         int64_t hi = (j + 1) * A->bucket < b ? (j + 1) * A->bucket : b;
-#if SDK_X86
-        if (simd) resid_avx2(A->g, A->e_in, A->e_out, a, hi, A->q[j].qp, A->q[j].qn);
-        else
-#endif
-            resid_scalar(A->g, A->e_in, A->e_out, a, hi, A->q[j].qp, A->q[j].qn);
+        resid_range(A->g, A->e_in, A->e_out, a, hi, A->q[j]);
         a = hi;
     }
 }
@@ -364,18 +392,28 @@ void sdk_onebit_encode(const float *g, const float *e_in, float *e_out, int64_t 
     p1_args A;
     memset(&A, 0, sizeof A);
     A.g = g; A.e = e_in; A.n = n; A.bucket = bucket; A.bits = bits;
+    int fused = e_out && bucket <= RBLOCK;  /* a bucket then spans at most two shares */
+    A.e_out = fused ? e_out : NULL;
     bsum *s = pass1(&A, nt, nb);
-    qpair *q = (qpair *)malloc((size_t)nb * sizeof(qpair));
+    int s_ok = s != NULL;
+    qpair *q = fused ? NULL : (qpair *)malloc((size_t)nb * sizeof(qpair));
     for (int64_t j = 0; j < nb; j++) {
         if (!s) { means[2 * j] = means[2 * j + 1] = NAN; continue; }
         int64_t len = (j + 1) * bucket < n ? bucket : n - j * bucket;
-        int64_t nn = len - s[j].npos;
-        means[2 * j] = (float)(s[j].pos / (double)(s[j].npos > 0 ? s[j].npos : 1));
-        means[2 * j + 1] = (float)((s[j].all - s[j].pos) / (double)(nn > 0 ? nn : 1));
+        means_of(&s[j], len, &means[2 * j], &means[2 * j + 1]);
         if (q) q[j] = q_of(means[2 * j], means[2 * j + 1]);
     }
     free(s);
-    if (e_out && q) {
+    if (fused && s_ok) {
+        /* the buckets cut by a share boundary, whose sums came together only now */
+        for (int t = 1; t < nt; t++) {
+            int64_t a, b;
+            share(n, t, nt, RBLOCK, &a, &b);
+            if (a >= b || a % bucket == 0) continue;
+            int64_t j = a / bucket, end = (j + 1) * bucket < n ? (j + 1) * bucket : n;
+            resid_range(g, e_in, e_out, j * bucket, end, q_of(means[2 * j], means[2 * j + 1]));
+        }
+    } else if (e_out && q) {
         p2_args P = {g, e_in, e_out, bits, NULL, n, bucket, q, 0};
         parallel(nt, resid_task, &P);
     }

@@ -81,6 +81,26 @@ def test_onebit_error_feedback_fused_equals_torch_feedback(n, path, torch_path):
         assert torch.equal(ref.residuals.memory["g"], fused.residuals.memory["g"])
 
 
+@pytest.mark.parametrize("n", [(1 << 20) + 13, 3_000_017])
+@pytest.mark.parametrize("bucket", [7, 1000, 65536, 65537, 100_000])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_onebit_residual_in_the_same_pass_with_buckets_cut_by_threads(n, bucket, threads, path, torch_path):
+    """Buckets of up to 65,536 elements get their residual while still in cache (one pass); those
+    cut by a thread's share boundary after the join; larger buckets in a second pass. Every way,
+    payload and residual are the torch ErrorFeedback's, bit for bit, whatever the threads."""
+    native.set_threads(threads)
+    try:
+        fused, ref = C.OneBit(bucket_size=bucket), ErrorFeedback(C.SignMeans(bucket))
+        for step in range(2):
+            g = rand(n, seed=step)
+            payload = fused.compress(g, key="g")
+            ref_payload = torch_path(ref.compress, g, "g")
+            assert all(torch.equal(a, b) for a, b in zip(payload.tensors, ref_payload.tensors))
+            assert torch.equal(fused.residuals.memory["g"], ref.residuals.memory["g"])
+    finally:
+        native.set_threads(None)
+
+
 @pytest.mark.parametrize("n", SIZES)
 def test_efsign_matches_torch(n, path, torch_path):
     ef = C.EFSign()
