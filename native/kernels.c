@@ -22,6 +22,11 @@
 
 static int g_threads = 2;
 static int g_scalar = 0;
+static int g_fail_alloc = 0;  /* tests: every allocation in the kernels fails */
+
+void sdk_fail_allocations(int on) { g_fail_alloc = on; }
+static void *k_malloc(size_t n) { return g_fail_alloc ? NULL : malloc(n); }
+static void *k_calloc(size_t n, size_t size) { return g_fail_alloc ? NULL : calloc(n, size); }
 
 void sdk_set_threads(int n) { g_threads = n < 1 ? 1 : (n > SDK_MAX_THREADS ? SDK_MAX_THREADS : n); }
 int sdk_get_threads(void) { return g_threads; }
@@ -286,11 +291,11 @@ static bsum *pass1(p1_args *A, int nt, int64_t nb) {
         A->cont[t] = NULL;
         if (a >= b || failed) continue;
         int64_t j0 = a / A->bucket, j1 = (b - 1) / A->bucket;
-        A->part[t] = (bsum *)calloc((size_t)(j1 - j0 + 1), sizeof(bsum));
-        if (j0 * A->bucket < a) A->cont[t] = (bsum *)malloc((size_t)((b - a) / RBLOCK + 2) * sizeof(bsum));
+        A->part[t] = (bsum *)k_calloc((size_t)(j1 - j0 + 1), sizeof(bsum));
+        if (j0 * A->bucket < a) A->cont[t] = (bsum *)k_malloc((size_t)((b - a) / RBLOCK + 2) * sizeof(bsum));
         failed = !A->part[t] || (j0 * A->bucket < a && !A->cont[t]);
     }
-    bsum *tot = failed ? NULL : (bsum *)calloc((size_t)(nb > 0 ? nb : 1), sizeof(bsum));
+    bsum *tot = failed ? NULL : (bsum *)k_calloc((size_t)(nb > 0 ? nb : 1), sizeof(bsum));
     if (!tot) {
         for (int t = 0; t < nt; t++) { free(A->part[t]); free(A->cont[t]); }
         return NULL;
@@ -383,9 +388,9 @@ static void decode_task(void *arg, int t, int nt) {
     }
 }
 
-void sdk_onebit_encode(const float *g, const float *e_in, float *e_out, int64_t n, int64_t bucket,
-                       float *means, uint8_t *bits) {
-    if (n <= 0) return;
+int sdk_onebit_encode(const float *g, const float *e_in, float *e_out, int64_t n, int64_t bucket,
+                      float *means, uint8_t *bits) {
+    if (n <= 0) return 0;
     if (bucket < 1 || bucket > n) bucket = n;
     int64_t nb = (n + bucket - 1) / bucket;
     int nt = threads_for(n);
@@ -394,17 +399,18 @@ void sdk_onebit_encode(const float *g, const float *e_in, float *e_out, int64_t 
     A.g = g; A.e = e_in; A.n = n; A.bucket = bucket; A.bits = bits;
     int fused = e_out && bucket <= RBLOCK;  /* a bucket then spans at most two shares */
     A.e_out = fused ? e_out : NULL;
+    /* every allocation before the first write: out of memory leaves bits, means and e as they were */
+    qpair *q = e_out && !fused ? (qpair *)k_malloc((size_t)nb * sizeof(qpair)) : NULL;
+    if (e_out && !fused && !q) return -1;
     bsum *s = pass1(&A, nt, nb);
-    int s_ok = s != NULL;
-    qpair *q = fused ? NULL : (qpair *)malloc((size_t)nb * sizeof(qpair));
+    if (!s) { free(q); return -1; }
     for (int64_t j = 0; j < nb; j++) {
-        if (!s) { means[2 * j] = means[2 * j + 1] = NAN; continue; }
         int64_t len = (j + 1) * bucket < n ? bucket : n - j * bucket;
         means_of(&s[j], len, &means[2 * j], &means[2 * j + 1]);
         if (q) q[j] = q_of(means[2 * j], means[2 * j + 1]);
     }
     free(s);
-    if (fused && s_ok) {
+    if (fused) {
         /* the buckets cut by a share boundary, whose sums came together only now */
         for (int t = 1; t < nt; t++) {
             int64_t a, b;
@@ -413,41 +419,46 @@ void sdk_onebit_encode(const float *g, const float *e_in, float *e_out, int64_t 
             int64_t j = a / bucket, end = (j + 1) * bucket < n ? (j + 1) * bucket : n;
             resid_range(g, e_in, e_out, j * bucket, end, q_of(means[2 * j], means[2 * j + 1]));
         }
-    } else if (e_out && q) {
+    } else if (q) {
         p2_args P = {g, e_in, e_out, bits, NULL, n, bucket, q, 0};
         parallel(nt, resid_task, &P);
     }
     free(q);
+    return 0;
 }
 
-void sdk_onebit_decode(const float *means, const uint8_t *bits, int64_t n, int64_t bucket, float *out,
-                       int accumulate) {
-    if (n <= 0) return;
+int sdk_onebit_decode(const float *means, const uint8_t *bits, int64_t n, int64_t bucket, float *out,
+                      int accumulate) {
+    if (n <= 0) return 0;
     if (bucket < 1 || bucket > n) bucket = n;
     int64_t nb = (n + bucket - 1) / bucket;
-    qpair *q = (qpair *)malloc((size_t)nb * sizeof(qpair));
-    if (!q) return;
+    qpair *q = (qpair *)k_malloc((size_t)nb * sizeof(qpair));
+    if (!q) return -1;
     for (int64_t j = 0; j < nb; j++) q[j] = q_of(means[2 * j], means[2 * j + 1]);
     p2_args P = {NULL, NULL, NULL, bits, out, n, bucket, q, accumulate};
     parallel(threads_for(n), decode_task, &P);
     free(q);
+    return 0;
 }
 
-float sdk_scaled_sign_encode(const float *g, const float *e_in, float *e_out, int64_t n, uint8_t *bits) {
-    if (n <= 0) return 0.0f;
+int sdk_scaled_sign_encode(const float *g, const float *e_in, float *e_out, int64_t n, uint8_t *bits,
+                           float *scale) {
+    *scale = 0.0f;
+    if (n <= 0) return 0;
     int nt = threads_for(n);
     p1_args A;
     memset(&A, 0, sizeof A);
     A.g = g; A.e = e_in; A.n = n; A.bucket = n; A.bits = bits; A.scaled = 1;
     bsum *s = pass1(&A, nt, 1);
-    float scale = s ? (float)(s[0].ab / (double)n) : NAN;
+    if (!s) return -1;
+    *scale = (float)(s[0].ab / (double)n);
     free(s);
     if (e_out) {
-        qpair q = {scale, -scale};
+        qpair q = {*scale, -*scale};
         p2_args P = {g, e_in, e_out, bits, NULL, n, n, &q, 0};
         parallel(nt, resid_task, &P);
     }
-    return scale;
+    return 0;
 }
 
 void sdk_scaled_sign_decode(float scale, const uint8_t *bits, int64_t n, float *out, int accumulate) {
@@ -934,23 +945,21 @@ static void qdec_task(void *arg, int t, int nt) {
     }
 }
 
-void sdk_qsgd_encode(const float *x, int64_t n, int64_t bucket, int levels, int code_bits, uint64_t seed,
-                     float *norms, uint8_t *packed) {
-    if (n <= 0) return;
+int sdk_qsgd_encode(const float *x, int64_t n, int64_t bucket, int levels, int code_bits, uint64_t seed,
+                    float *norms, uint8_t *packed) {
+    if (n <= 0) return 0;
     if (bucket < 1 || bucket > n) bucket = n;
     int64_t nb = (n + bucket - 1) / bucket;
     q_args A = {x, n, bucket, nb, levels, code_bits, seed, norms, NULL, packed, NULL, NULL, 0};
     int nt = threads_for(n);
     if (bucket > QFUSE_ELEMS) {  /* big buckets: a norm pass, then a code pass */
-        A.factor = (float *)malloc((size_t)nb * sizeof(float));
-        if (!A.factor) {
-            for (int64_t j = 0; j < nb; j++) norms[j] = NAN;
-            return;
-        }
+        A.factor = (float *)k_malloc((size_t)nb * sizeof(float));
+        if (!A.factor) return -1;
         parallel(nb >= nt ? nt : 1, qnorm_task, &A);
     }
     parallel(nt, qenc_task, &A);
     free(A.factor);
+    return 0;
 }
 
 void sdk_qsgd_decode(const float *norms, const uint8_t *packed, int64_t n, int64_t bucket, int levels,
@@ -987,7 +996,7 @@ static void tk_hist_task(void *arg, int t, int nt) {
     int64_t *h = A->hist[t];
     /* Gradients crowd a few hundred bins: four 32-bit sub-histograms break the chains of
      * increments to one bin (store-to-load stalls); flushed before they could overflow. */
-    uint32_t *sub = (uint32_t *)calloc(4 * HBINS, sizeof(uint32_t));
+    uint32_t *sub = (uint32_t *)k_calloc(4 * HBINS, sizeof(uint32_t));
     if (!sub) {
         for (int64_t i = a; i < b; i++) h[key_of(A->x[i]) >> 16]++;
         return;
@@ -1056,7 +1065,7 @@ int sdk_topk(const float *x, int64_t n, int64_t k, int64_t *idx, float *val) {
     tk_args A;
     memset(&A, 0, sizeof A);
     A.x = x; A.n = n; A.k = k; A.idx = idx; A.val = val;
-    int64_t *hists = (int64_t *)calloc((size_t)nt * HBINS, sizeof(int64_t));
+    int64_t *hists = (int64_t *)k_calloc((size_t)nt * HBINS, sizeof(int64_t));
     if (!hists) return -1;
     for (int t = 0; t < nt; t++) A.hist[t] = hists + (size_t)t * HBINS;
     parallel(nt, tk_hist_task, &A);
@@ -1076,12 +1085,12 @@ int sdk_topk(const float *x, int64_t n, int64_t k, int64_t *idx, float *val) {
     }
     free(hists);
     A.bin = bin;
-    A.cand = (int64_t *)malloc((size_t)(ncand > 0 ? ncand : 1) * sizeof(int64_t));
+    A.cand = (int64_t *)k_malloc((size_t)(ncand > 0 ? ncand : 1) * sizeof(int64_t));
     if (!A.cand) return -1;
     parallel(nt, tk_pick_task, &A);
     /* level 2 over the candidates' low 16 bits; equal keys go by index (candidates are in order) */
     int64_t need = k - above;
-    int64_t *h2 = (int64_t *)calloc(65536, sizeof(int64_t));
+    int64_t *h2 = (int64_t *)k_calloc(65536, sizeof(int64_t));
     if (!h2) { free(A.cand); return -1; }
     for (int64_t c = 0; c < ncand; c++) h2[key_of(x[A.cand[c]]) & 0xffff]++;
     int64_t above2 = 0, low = 65535;

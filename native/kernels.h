@@ -20,18 +20,25 @@ int sdk_get_threads(void);
 const char *sdk_features(void);
 /* 1 forces the scalar paths (tests compare them against the SIMD ones). */
 void sdk_force_scalar(int on);
+/* 1 makes every allocation inside the kernels fail (tests of the out-of-memory paths). */
+void sdk_fail_allocations(int on);
+
+/* Kernels that allocate return 0, or -1 when memory ran out. The encoders allocate everything
+ * before their first write, so a -1 leaves the residual (and every other output) as it was; the
+ * decoders before touching `out`, so an accumulator is never half added to. */
 
 /* 1-bit with means (SignMeans), p = g + e_in (e_in may be NULL: zero). Writes means[2 * nb]
  * (positive mean, negative mean per bucket) and bits[ceil(n / 8)]. When e_out is not NULL it
  * receives p - q(p) with q decoded exactly as SignMeans.decompress does; e_out may be e_in. */
-void sdk_onebit_encode(const float *g, const float *e_in, float *e_out, int64_t n, int64_t bucket,
-                       float *means, uint8_t *bits);
+int sdk_onebit_encode(const float *g, const float *e_in, float *e_out, int64_t n, int64_t bucket,
+                      float *means, uint8_t *bits);
 /* out[i] (+)= decoded value: b * (mp - mn) + mn in float32, as SignMeans.decompress. */
-void sdk_onebit_decode(const float *means, const uint8_t *bits, int64_t n, int64_t bucket, float *out,
-                       int accumulate);
+int sdk_onebit_decode(const float *means, const uint8_t *bits, int64_t n, int64_t bucket, float *out,
+                      int accumulate);
 
-/* Scaled sign (ScaledSign): scale = sum|p| / n, returned; residual as above with q = +-scale. */
-float sdk_scaled_sign_encode(const float *g, const float *e_in, float *e_out, int64_t n, uint8_t *bits);
+/* Scaled sign (ScaledSign): *scale = sum|p| / n; residual as above with q = +-scale. */
+int sdk_scaled_sign_encode(const float *g, const float *e_in, float *e_out, int64_t n, uint8_t *bits,
+                           float *scale);
 void sdk_scaled_sign_decode(float scale, const uint8_t *bits, int64_t n, float *out, int accumulate);
 
 /* float32 -> float16 / bfloat16 of x * scale (scale = 1/world divides before the sum), round to
@@ -45,8 +52,8 @@ void sdk_bf16_to_f32(const uint16_t *h, float *x, int64_t n, int accumulate);
  * floor(s|v_i|/||v|| + u) clamped to s, signed, + s, packed in code_bits bits. u comes from
  * a counter-based hash of (element index, seed), so results do not depend on threads (see kernels.c).
  * NaN inputs give code s (zero). */
-void sdk_qsgd_encode(const float *x, int64_t n, int64_t bucket, int levels, int code_bits, uint64_t seed,
-                     float *norms, uint8_t *packed);
+int sdk_qsgd_encode(const float *x, int64_t n, int64_t bucket, int levels, int code_bits, uint64_t seed,
+                    float *norms, uint8_t *packed);
 /* out[i] (+)= (code_i - s) * (norms[bucket of i] / s), the division in float32 as torch's. */
 void sdk_qsgd_decode(const float *norms, const uint8_t *packed, int64_t n, int64_t bucket, int levels,
                      int code_bits, float *out, int accumulate);

@@ -12,25 +12,35 @@
 
 #define PTR(T, v) ((T)(uintptr_t)(v))
 
+/* -1 from a kernel: memory ran out before it wrote anything. */
+static PyObject *no_memory(const char *kernel) {
+    PyErr_Format(PyExc_MemoryError, "spark_dl._native.%s: out of memory (nothing was written; free memory, "
+                 "or run the torch path with SPARK_DL_NATIVE=0)", kernel);
+    return NULL;
+}
+
 static PyObject *onebit_encode(PyObject *self, PyObject *args) {
     unsigned long long g, e_in, e_out, means, bits;
     long long n, bucket;
+    int rc;
     if (!PyArg_ParseTuple(args, "KKKLLKK", &g, &e_in, &e_out, &n, &bucket, &means, &bits)) return NULL;
     Py_BEGIN_ALLOW_THREADS
-    sdk_onebit_encode(PTR(const float *, g), PTR(const float *, e_in), PTR(float *, e_out), n, bucket,
-                      PTR(float *, means), PTR(uint8_t *, bits));
+    rc = sdk_onebit_encode(PTR(const float *, g), PTR(const float *, e_in), PTR(float *, e_out), n, bucket,
+                           PTR(float *, means), PTR(uint8_t *, bits));
     Py_END_ALLOW_THREADS
+    if (rc) return no_memory("onebit_encode");
     Py_RETURN_NONE;
 }
 
 static PyObject *onebit_decode(PyObject *self, PyObject *args) {
     unsigned long long means, bits, out;
     long long n, bucket;
-    int acc;
+    int acc, rc;
     if (!PyArg_ParseTuple(args, "KKLLKp", &means, &bits, &n, &bucket, &out, &acc)) return NULL;
     Py_BEGIN_ALLOW_THREADS
-    sdk_onebit_decode(PTR(const float *, means), PTR(const uint8_t *, bits), n, bucket, PTR(float *, out), acc);
+    rc = sdk_onebit_decode(PTR(const float *, means), PTR(const uint8_t *, bits), n, bucket, PTR(float *, out), acc);
     Py_END_ALLOW_THREADS
+    if (rc) return no_memory("onebit_decode");
     Py_RETURN_NONE;
 }
 
@@ -38,11 +48,13 @@ static PyObject *scaled_sign_encode(PyObject *self, PyObject *args) {
     unsigned long long g, e_in, e_out, bits;
     long long n;
     float scale;
+    int rc;
     if (!PyArg_ParseTuple(args, "KKKLK", &g, &e_in, &e_out, &n, &bits)) return NULL;
     Py_BEGIN_ALLOW_THREADS
-    scale = sdk_scaled_sign_encode(PTR(const float *, g), PTR(const float *, e_in), PTR(float *, e_out), n,
-                                   PTR(uint8_t *, bits));
+    rc = sdk_scaled_sign_encode(PTR(const float *, g), PTR(const float *, e_in), PTR(float *, e_out), n,
+                                PTR(uint8_t *, bits), &scale);
     Py_END_ALLOW_THREADS
+    if (rc) return no_memory("scaled_sign_encode");
     return PyFloat_FromDouble(scale);
 }
 
@@ -77,16 +89,17 @@ static PyObject *convert(PyObject *self, PyObject *args) {
 static PyObject *qsgd_encode(PyObject *self, PyObject *args) {
     unsigned long long x, seed, norms, packed;
     long long n, bucket;
-    int levels, bits;
+    int levels, bits, rc;
     if (!PyArg_ParseTuple(args, "KLLiiKKK", &x, &n, &bucket, &levels, &bits, &seed, &norms, &packed)) return NULL;
     if (levels < 1 || levels > 127 || bits < 1 || bits > 8) {
         PyErr_SetString(PyExc_ValueError, "qsgd_encode: levels must be in 1..127 and bits in 1..8");
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    sdk_qsgd_encode(PTR(const float *, x), n, bucket, levels, bits, seed, PTR(float *, norms),
-                    PTR(uint8_t *, packed));
+    rc = sdk_qsgd_encode(PTR(const float *, x), n, bucket, levels, bits, seed, PTR(float *, norms),
+                         PTR(uint8_t *, packed));
     Py_END_ALLOW_THREADS
+    if (rc) return no_memory("qsgd_encode");
     Py_RETURN_NONE;
 }
 
@@ -115,7 +128,7 @@ static PyObject *topk(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     rc = sdk_topk(PTR(const float *, x), n, k, PTR(int64_t *, idx), PTR(float *, val));
     Py_END_ALLOW_THREADS
-    if (rc) return PyErr_NoMemory();
+    if (rc) return no_memory("topk");
     Py_RETURN_NONE;
 }
 
@@ -133,6 +146,13 @@ static PyObject *force_scalar(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *fail_allocations(PyObject *self, PyObject *args) {
+    int on;
+    if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
+    sdk_fail_allocations(on);
+    Py_RETURN_NONE;
+}
+
 static PyObject *features(PyObject *self, PyObject *noargs) { return PyUnicode_FromString(sdk_features()); }
 
 static PyMethodDef methods[] = {
@@ -146,6 +166,7 @@ static PyMethodDef methods[] = {
     {"topk", topk, METH_VARARGS, "(x, n, k, idx, val)"},
     {"set_threads", set_threads, METH_VARARGS, "threads for vectors of 1M+ elements; returns the value set"},
     {"force_scalar", force_scalar, METH_VARARGS, "True: skip the AVX2/F16C paths"},
+    {"fail_allocations", fail_allocations, METH_VARARGS, "True: every allocation in the kernels fails (tests)"},
     {"features", features, METH_NOARGS, "the SIMD paths this CPU runs"},
     {NULL, NULL, 0, NULL},
 };

@@ -34,16 +34,17 @@ static void run(int64_t n) {
         int64_t nb = n ? (n + B - 1) / B : 0;
         float *means = xalloc(2 * nb * sizeof(float));
         uint8_t *bits = xalloc((n + 7) / 8);
-        sdk_onebit_encode(g, e, out, n, B, means, bits);
-        sdk_onebit_encode(g, e, e, n, B, means, bits);
-        sdk_onebit_encode(g, NULL, NULL, n, B, means, bits);
-        sdk_onebit_decode(means, bits, n, B, out, 0);
-        sdk_onebit_decode(means, bits, n, B, out, 1);
+        CHECK(sdk_onebit_encode(g, e, out, n, B, means, bits) == 0);
+        CHECK(sdk_onebit_encode(g, e, e, n, B, means, bits) == 0);
+        CHECK(sdk_onebit_encode(g, NULL, NULL, n, B, means, bits) == 0);
+        CHECK(sdk_onebit_decode(means, bits, n, B, out, 0) == 0);
+        CHECK(sdk_onebit_decode(means, bits, n, B, out, 1) == 0);
         free(means);
         free(bits);
     }
     uint8_t *bits = xalloc((n + 7) / 8);
-    float scale = sdk_scaled_sign_encode(g, e, e, n, bits);
+    float scale;
+    CHECK(sdk_scaled_sign_encode(g, e, e, n, bits, &scale) == 0);
     sdk_scaled_sign_decode(scale, bits, n, out, 1);
     free(bits);
 
@@ -63,7 +64,7 @@ static void run(int64_t n) {
         int64_t nbytes = 8 % bitsw == 0 ? (n + 8 / bitsw - 1) / (8 / bitsw) : bitsw * ((n + 7) / 8);
         float *norms = xalloc(nb * sizeof(float));
         uint8_t *packed = xalloc(nbytes);
-        sdk_qsgd_encode(g, n, B, levels, bitsw, 42, norms, packed);
+        CHECK(sdk_qsgd_encode(g, n, B, levels, bitsw, 42, norms, packed) == 0);
         for (int64_t j = 0; j < nb; j++) norms[j] /= (float)levels;
         sdk_qsgd_decode(norms, packed, n, B, levels, bitsw, out, 0);
         free(norms);
@@ -83,6 +84,27 @@ static void run(int64_t n) {
     free(g); free(e); free(out); free(h);
 }
 
+/* With every allocation failing, the kernels that allocate report -1 and leave their in/out
+ * buffers (residual, accumulator) untouched. */
+static void oom(int64_t n) {
+    float *g = xalloc(n * sizeof(float)), *e = xalloc(n * sizeof(float)), *e0 = xalloc(n * sizeof(float));
+    float *means = xalloc(2 * n * sizeof(float)), *norms = xalloc(n * sizeof(float)), scale;
+    uint8_t *bits = xalloc((n + 7) / 8), *packed = xalloc(n);
+    int64_t *idx = xalloc(n * sizeof(int64_t));
+    for (int64_t i = 0; i < n; i++) { g[i] = (float)(i % 13) - 6.0f; e[i] = e0[i] = 0.25f * (float)(i % 5); }
+    memset(bits, 0, (n + 7) / 8);
+    sdk_fail_allocations(1);
+    CHECK(sdk_onebit_encode(g, e, e, n, 1024, means, bits) == -1);       /* fused: one pass */
+    CHECK(sdk_onebit_encode(g, e, e, n, 100000, means, bits) == -1);     /* two passes */
+    CHECK(sdk_scaled_sign_encode(g, e, e, n, bits, &scale) == -1);
+    CHECK(sdk_onebit_decode(means, bits, n, 1024, e, 1) == -1);
+    CHECK(sdk_qsgd_encode(g, n, 100000, 7, 4, 1, norms, packed) == -1);
+    CHECK(sdk_topk(g, n, n / 10 + 1, idx, norms) == -1);
+    sdk_fail_allocations(0);
+    CHECK(memcmp(e, e0, n * sizeof(float)) == 0);
+    free(g); free(e); free(e0); free(means); free(norms); free(bits); free(packed); free(idx);
+}
+
 int main(void) {
     int64_t sizes[] = {0, 1, 7, 8, 9, 15, 16, 17, 1023, 1025, 65537, SDK_PAR_MIN + 9};
     for (int scalar = 0; scalar < 2; scalar++) {
@@ -93,6 +115,8 @@ int main(void) {
         }
     }
     sdk_force_scalar(0);
+    oom(300001);
+    oom(SDK_PAR_MIN + 9);
     printf("%s: %d failed checks (%s)\n", failures ? "FAIL" : "ok", failures, sdk_features());
     return failures != 0;
 }

@@ -55,6 +55,12 @@ def force_scalar(on: bool) -> None:
     _ext.force_scalar(on)
 
 
+def fail_allocations(on: bool) -> None:
+    """Make every allocation inside the kernels fail: lets tests reach the out-of-memory paths,
+    which raise MemoryError and leave residuals and accumulators as they were."""
+    _ext.fail_allocations(on)
+
+
 def _f32(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1).to(torch.float32).contiguous()
 

@@ -135,9 +135,11 @@ class ScaledSign(Compressor):
 
 
 def _fused_ef(ef: ErrorFeedback, tensor: torch.Tensor, key: Key, encode) -> Payload:
-    """ErrorFeedback.compress in the C kernels' two passes: p = g + e, signs and sums, then the
-    new residual p - q(p) written over the old one. The torch path's payload and residual, bit for
-    bit (both sum the means in the order sums.py fixes)."""
+    """ErrorFeedback.compress in the C kernels: p = g + e, signs and sums, and the new residual
+    p - q(p) written over the old one (one pass over memory for 1-bit's buckets, two for EF-sign,
+    whose scale covers the whole tensor). The torch path's payload and residual, bit for bit (both
+    sum the means in the order sums.py fixes). Out of memory in a kernel raises MemoryError before
+    anything is written: the residual stays."""
     check_float(tensor, type(ef).__name__)
     e = ef.residuals.memory.get(key)
     if e is not None and (e.shape != tensor.shape or e.device != tensor.device):

@@ -278,6 +278,46 @@ def test_decode_accumulates(path):
     assert torch.equal(out, 1 + q)
 
 
+@pytest.mark.parametrize("make", [lambda: C.OneBit(1024), lambda: C.OneBit(100_000), C.EFSign],
+                         ids=["onebit-one-pass", "onebit-two-passes", "efsign"])
+def test_out_of_memory_in_an_encoder_is_a_clear_error_and_keeps_the_residual(make):
+    n = (1 << 20) + 13
+    c = make()
+    c.compress(rand(n, seed=1), key="g")  # a residual worth keeping
+    before = c.residuals.memory["g"].clone()
+    native.fail_allocations(True)
+    try:
+        with pytest.raises(MemoryError, match="out of memory .*SPARK_DL_NATIVE=0"):
+            c.compress(rand(n), key="g")
+    finally:
+        native.fail_allocations(False)
+    assert torch.equal(c.residuals.memory["g"], before)
+    ref = ErrorFeedback(type(c.compressor)(*([c.compressor.bucket_size] if isinstance(c, C.OneBit) else [])))
+    ref.residuals.store("g", before.clone())
+    payload = c.compress(rand(n), key="g")  # the next step is the step that would have run
+    assert all(torch.equal(a, b) for a, b in zip(payload.tensors, ref.compress(rand(n), "g").tensors))
+
+
+def test_out_of_memory_in_other_kernels_raises_and_leaves_the_accumulator():
+    n = (1 << 20) + 13
+    g = rand(n)
+    onebit = C.SignMeans(1024)
+    payload = onebit.compress(g)
+    acc = rand(n, seed=5)
+    before = acc.clone()
+    native.fail_allocations(True)
+    try:
+        with pytest.raises(MemoryError, match="onebit_decode: out of memory"):
+            onebit.decompress_into(payload, acc, True)
+        with pytest.raises(MemoryError, match="qsgd_encode: out of memory"):
+            C.QSGD(bucket_size=100_000, seed=1).compress(g)  # big buckets: a norm pass first
+        with pytest.raises(MemoryError, match="topk: out of memory"):
+            C.TopK(0.01).compress(g)
+    finally:
+        native.fail_allocations(False)
+    assert torch.equal(acc, before)
+
+
 def test_extension_links_no_torch():
     # One build must serve any torch version: the module may only need libc/pthread/CPython.
     import subprocess
