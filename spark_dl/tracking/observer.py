@@ -189,9 +189,10 @@ class TrackingObserver:
                 out.extend((clean_name(k), v, ts, step) for k, v in values.items())
             if all_ranks or rec_all:
                 out.extend((f"{clean_name(k)}/rank{rank}", v, ts, step) for k, v in values.items())
-        # speed over this batch (~50 ms of steps): one point per batch, not per step
+        # speed over this batch (~50 ms of steps): one point per batch, not per step; the first
+        # batch measures from its own first record, so a run that fits in one batch has one too
         t, step, values, _ = records[-1]
-        last = self._last.get(rank)
+        last = self._last.get(rank) or (records[0][0], records[0][1])
         self._last[rank] = (t, step)
         steps_per_s = None
         if last is not None and step > last[1] and t > last[0]:

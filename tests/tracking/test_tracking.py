@@ -234,6 +234,15 @@ def test_log_model_from_rank0_is_loadable(tracking_uri):
     assert torch.allclose(state["0.weight"], expected[0].weight + 1.0)
 
 
+def test_a_run_short_enough_for_one_batch_still_has_its_speed(tracking_uri):
+    # No sleep: the 5 steps of rank 0 reach the driver in one ~50 ms batch, which must measure
+    # its speed from its own first record (this made the compressed-run test below flaky).
+    HorovodRunner(np=-2, progress=False).run(train, steps=5, lr=0.1)
+    run = _only_run()
+    assert {"perf/step_time_s", "perf/steps_per_s"} <= set(run.data.metrics)
+    assert run.data.metrics["perf/step_time_s"] > 0
+
+
 def compressed_train(steps):
     import torch
 
