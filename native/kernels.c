@@ -1108,3 +1108,90 @@ int sdk_topk(const float *x, int64_t n, int64_t k, int64_t *idx, float *val) {
     free(A.cand);
     return 0;
 }
+
+/* ---- PowerSGD's output: a rank-r product ------------------------------------------------------
+ *
+ * out = P Q^T over the rows x cols matrix whose first numel elements are stored, P rows x r and
+ * Q cols x r row-major. torch's GEMM with an inner dimension of 4 runs at a fraction of memory
+ * speed; this is one streaming write. Each element is s = p0 q0, then s = fma(pk, qk, s) for k
+ * ascending: the same bits on the AVX2+FMA and scalar (fmaf) paths and for any thread count. */
+
+typedef struct {
+    const float *p, *qT;
+    int64_t numel, rows, cols;
+    int r;
+    float *out;
+} lr_args;
+
+static int has_fma(void) {
+#if SDK_X86
+    return has_avx2() && __builtin_cpu_supports("fma");
+#else
+    return 0;
+#endif
+}
+
+static void lr_range_scalar(const lr_args *A, int64_t i, int64_t j0, int64_t j1) {
+    const float *p = A->p + i * A->r;
+    float *o = A->out + i * A->cols;
+    for (int64_t j = j0; j < j1; j++) {
+        float s = p[0] * A->qT[j];
+        for (int k = 1; k < A->r; k++) s = fmaf(p[k], A->qT[k * A->cols + j], s);
+        o[j] = s;
+    }
+}
+
+#if SDK_X86
+__attribute__((target("avx2,fma"))) static void lr_row_avx2(const lr_args *A, int64_t i, int64_t len) {
+    const int64_t C = A->cols, end = len & ~(int64_t)7;
+    const float *p = A->p + i * A->r;
+    float *o = A->out + i * C;
+    if (A->r == 4) {  /* the default rank: all four factors in registers */
+        const __m256 p0 = _mm256_set1_ps(p[0]), p1 = _mm256_set1_ps(p[1]), p2 = _mm256_set1_ps(p[2]);
+        const __m256 p3 = _mm256_set1_ps(p[3]);
+        const float *q0 = A->qT, *q1 = q0 + C, *q2 = q1 + C, *q3 = q2 + C;
+        for (int64_t j = 0; j < end; j += 8) {
+            __m256 s = _mm256_mul_ps(p0, _mm256_loadu_ps(q0 + j));
+            s = _mm256_fmadd_ps(p1, _mm256_loadu_ps(q1 + j), s);
+            s = _mm256_fmadd_ps(p2, _mm256_loadu_ps(q2 + j), s);
+            s = _mm256_fmadd_ps(p3, _mm256_loadu_ps(q3 + j), s);
+            _mm256_storeu_ps(o + j, s);
+        }
+    } else {
+        for (int64_t j = 0; j < end; j += 8) {
+            __m256 s = _mm256_mul_ps(_mm256_set1_ps(p[0]), _mm256_loadu_ps(A->qT + j));
+            for (int k = 1; k < A->r; k++)
+                s = _mm256_fmadd_ps(_mm256_set1_ps(p[k]), _mm256_loadu_ps(A->qT + k * C + j), s);
+            _mm256_storeu_ps(o + j, s);
+        }
+    }
+    lr_range_scalar(A, i, end, len);
+}
+#endif
+
+static void lr_task(void *arg, int t, int nt) {
+    lr_args *A = (lr_args *)arg;
+    int64_t a, b;
+    share(A->rows, t, nt, 1, &a, &b);
+    for (int64_t i = a; i < b; i++) {
+        int64_t left = A->numel - i * A->cols, len = left < A->cols ? left : A->cols;
+        if (len <= 0) break;
+#if SDK_X86
+        if (has_fma()) { lr_row_avx2(A, i, len); continue; }
+#endif
+        lr_range_scalar(A, i, 0, len);
+    }
+}
+
+int sdk_lowrank_product(const float *p, const float *q, int64_t numel, int64_t rows, int64_t cols, int r,
+                        float *out) {
+    if (numel <= 0) return 0;
+    float *qT = (float *)k_malloc((size_t)r * (size_t)cols * sizeof(float));
+    if (!qT) return -1;
+    for (int64_t j = 0; j < cols; j++)
+        for (int k = 0; k < r; k++) qT[k * cols + j] = q[j * r + k];
+    lr_args A = {p, qT, numel, rows, cols, r, out};
+    parallel(threads_for(numel), lr_task, &A);
+    free(qT);
+    return 0;
+}

@@ -62,4 +62,10 @@ void sdk_qsgd_decode(const float *norms, const uint8_t *packed, int64_t n, int64
  * and values, in no particular order. Returns 0, or -1 when memory ran out. */
 int sdk_topk(const float *x, int64_t n, int64_t k, int64_t *idx, float *val);
 
+/* PowerSGD's output: out = P Q^T, the first numel elements of the rows x cols product
+ * (numel <= rows * cols, 1 <= r), P rows x r and Q cols x r row-major. Each element is p0 q0
+ * then fma(pk, qk, .) for k ascending, on every path and thread count. Returns 0 or -1. */
+int sdk_lowrank_product(const float *p, const float *q, int64_t numel, int64_t rows, int64_t cols, int r,
+                        float *out);
+
 #endif

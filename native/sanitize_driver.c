@@ -81,6 +81,20 @@ static void run(int64_t n) {
         free(idx);
         free(val);
     }
+    /* PowerSGD's output as a rows x cols product of n elements (padding rows not stored) */
+    if (n > 0) {
+        int64_t rows = 1;
+        while (rows * rows < n) rows++;
+        int64_t cols = (n + rows - 1) / rows;
+        for (int r = 1; r <= 5; r += 3) {
+            float *p = xalloc(rows * r * sizeof(float)), *q = xalloc(cols * r * sizeof(float));
+            for (int64_t i = 0; i < rows * r; i++) p[i] = g[i % n];
+            for (int64_t i = 0; i < cols * r; i++) q[i] = e[i % n];
+            CHECK(sdk_lowrank_product(p, q, n, rows, cols, r, out) == 0);
+            free(p);
+            free(q);
+        }
+    }
     free(g); free(e); free(out); free(h);
 }
 
@@ -100,6 +114,7 @@ static void oom(int64_t n) {
     CHECK(sdk_onebit_decode(means, bits, n, 1024, e, 1) == -1);
     CHECK(sdk_qsgd_encode(g, n, 100000, 7, 4, 1, norms, packed) == -1);
     CHECK(sdk_topk(g, n, n / 10 + 1, idx, norms) == -1);
+    CHECK(sdk_lowrank_product(g, e0, n, 1, n, 1, norms) == -1);
     sdk_fail_allocations(0);
     CHECK(memcmp(e, e0, n * sizeof(float)) == 0);
     free(g); free(e); free(e0); free(means); free(norms); free(bits); free(packed); free(idx);

@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from . import native
 from .base import Compressor, Key, Meta, Payload, check_float, flat32, restore
 from .memory import Residuals, key_matches
 from .rng import generator
@@ -125,7 +126,11 @@ class PowerSGD(Compressor):
         self.residuals.store(key, m.addmm_(p, q_local.t(), alpha=-1).view(-1)[:meta.numel].view(meta.shape))
         self.qs[key] = q
         # The 1/W of the average rides on the small factor: no pass over the n x m output.
-        approx = (p @ (q / world if world != 1 else q).t()).view(-1)[:meta.numel]
+        q_avg = q / world if world != 1 else q
+        if native.enabled(p, q_avg):  # one streaming write; torch's GEMM at k = r is far slower
+            approx = native.lowrank_product(p, q_avg, meta.numel)
+        else:
+            approx = (p @ q_avg.t()).view(-1)[:meta.numel]
         return restore(approx, meta), Payload([p, q_local], meta)
 
     def compress(self, tensor: torch.Tensor, key: Key = None) -> Payload:

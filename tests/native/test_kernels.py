@@ -318,6 +318,45 @@ def test_out_of_memory_in_other_kernels_raises_and_leaves_the_accumulator():
     assert torch.equal(acc, before)
 
 
+@pytest.mark.parametrize("rows,cols,numel,r", [(1, 1, 1, 1), (10, 3, 28, 2), (50, 37, 50 * 37, 4),
+                                               (64, 64, 4000, 5), (300, 301, 300 * 301 - 5, 9),
+                                               (1100, 1001, 1100 * 1001, 4)])
+def test_powersgd_lowrank_product_is_p_q_transposed_whatever_threads_or_simd(rows, cols, numel, r, path):
+    p = rand(rows * r).view(rows, r)
+    q = rand(cols * r, seed=7).view(cols, r)
+    ref = (p.double() @ q.double().t()).reshape(-1)[:numel]
+    outs = []
+    for threads in (1, 3):
+        native.set_threads(threads)
+        try:
+            outs.append(native.lowrank_product(p, q, numel))
+        finally:
+            native.set_threads(None)
+    assert torch.equal(outs[0], outs[1])
+    assert (outs[0].double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    with pytest.raises(ValueError, match="do not make"):
+        native.lowrank_product(p, q, rows * cols + 1)
+
+
+def test_powersgd_output_is_the_same_across_paths_and_out_of_memory_is_clear():
+    g = rand(300 * 200).view(300, 200)
+    outs = []
+    for scalar in (False, True):
+        native.force_scalar(scalar)
+        try:
+            c = C.PowerSGD(rank=4, start_iter=0, seed=1)
+            outs.append(c.round(g, "g", world=2, scale=0.5)[0])
+        finally:
+            native.force_scalar(False)
+    assert torch.equal(outs[0], outs[1])  # the rounding order is the kernel's own, on both paths
+    native.fail_allocations(True)
+    try:
+        with pytest.raises(MemoryError, match="lowrank_product: out of memory"):
+            native.lowrank_product(rand(8).view(4, 2), rand(6).view(3, 2), 12)
+    finally:
+        native.fail_allocations(False)
+
+
 def test_extension_links_no_torch():
     # One build must serve any torch version: the module may only need libc/pthread/CPython.
     import subprocess
