@@ -27,6 +27,7 @@ from .basics import (
     size,
 )
 from .compression import Compression
+from .exchange import alltoall, grouped_allreduce, grouped_allreduce_, reducescatter
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .ops import (
     allgather,
@@ -51,7 +52,7 @@ __all__ = [
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
     "Compression",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
-    "allgather", "allgather_async",
+    "allgather", "allgather_async", "grouped_allreduce", "grouped_allreduce_", "alltoall", "reducescatter",
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
     "poll", "synchronize", "barrier",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",

@@ -1,0 +1,192 @@
+"""Horovod's slice-exchanging collectives, ``alltoall`` and ``reducescatter``, on one
+``torch.distributed.all_to_all_single`` each (Gloo and NCCL both have it, uneven splits included).
+
+Both slice along dimension 0 and are differentiable, with Horovod's backward rules: alltoall's
+gradient travels back by the reverse alltoall, reducescatter's by an allgather.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from spark_dl.compression import FP16
+
+from . import compression as _compression
+from .basics import Average, ReduceOp, Sum, _check, rank, size
+from .compression import Compression
+from .ops import _on_comm_device, allgather_parts, resolve_op
+
+
+def _splits_list(splits: Any, rows: int) -> list[int]:
+    world = size()
+    if splits is None:
+        if rows % world:
+            raise ValueError(
+                f"alltoall without splits divides dimension 0 equally among the {world} ranks, but it "
+                f"has {rows} rows: pass splits=[rows for rank 0, rank 1, ...] summing to {rows}."
+            )
+        return [rows // world] * world
+    out = [int(s) for s in (splits.tolist() if torch.is_tensor(splits) else splits)]
+    if len(out) != world or any(s < 0 for s in out) or sum(out) != rows:
+        raise ValueError(
+            f"alltoall splits must be {world} non-negative row counts (one per rank) summing to "
+            f"dimension 0 ({rows}); got {out}."
+        )
+    return out
+
+
+def _alltoall(tensor: torch.Tensor, splits: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """Exchange the row counts, then the rows; returns (received rows, rows from each rank)."""
+    x = _on_comm_device(tensor.detach()).contiguous()
+    sent = torch.tensor(splits, dtype=torch.int64, device=x.device)
+    got = torch.empty_like(sent)
+    dist.all_to_all_single(got, sent)
+    received = [int(v) for v in got.tolist()]
+    out = x.new_empty((sum(received),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x, output_split_sizes=received, input_split_sizes=splits)
+    return out.to(tensor.device), received
+
+
+class _Alltoall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, splits):
+        out, received = _alltoall(tensor, splits)
+        ctx.received = received
+        return out, torch.tensor(received, dtype=torch.int32)
+
+    @staticmethod
+    def backward(ctx, grad, _splits_grad):
+        # the rows went from splits to received; their gradients go the other way
+        return _alltoall(grad, ctx.received)[0], None
+
+
+def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None) -> Any:
+    """Send ``splits[r]`` consecutive rows of ``tensor`` (dimension 0) to rank r and return the
+    rows every rank sent here, in rank order. Without ``splits`` the rows are divided equally.
+
+    Returns the received tensor, or, when ``splits`` is given, ``(tensor, received_splits)``
+    with the int32 row counts that came from each rank, as Horovod does. Ranks may send
+    different numbers of rows; the other dimensions must agree.
+    """
+    _check()
+    if tensor.dim() == 0:
+        raise ValueError("alltoall needs a tensor with at least one dimension (it slices dimension 0)")
+    out, received = _Alltoall.apply(tensor, _splits_list(splits, tensor.shape[0]))
+    return out if splits is None else (out, received)
+
+
+def _reducescatter(tensor: torch.Tensor, op: ReduceOp, half: bool, prescale: float,
+                   postscale: float) -> torch.Tensor:
+    world, me = size(), rank()
+    x = _on_comm_device(tensor.detach())
+    if prescale != 1.0:
+        x = x * prescale
+    n = x.shape[0]
+    rows = [n // world + (1 if r < n % world else 0) for r in range(world)]  # torch.tensor_split's cut
+    wire = x.to(torch.float16) if half else x
+    mine = rows[me]
+    got = wire.new_empty((world * mine,) + tuple(x.shape[1:]))
+    # every rank sends each rank that rank's slice and receives W copies of its own: the
+    # reduction is then local, and each rank sends (W - 1) / W of the tensor, as a ring would
+    dist.all_to_all_single(got, wire.contiguous(), output_split_sizes=[mine] * world, input_split_sizes=rows)
+    parts = got.view((world, mine) + tuple(x.shape[1:])).to(x.dtype)
+    if op in (Average, Sum):
+        out = parts.sum(0)
+        if op == Average:
+            out = out / world if out.is_floating_point() else torch.div(out, world, rounding_mode="trunc")
+    elif op == ReduceOp.Min:
+        out = parts.amin(0)
+    elif op == ReduceOp.Max:
+        out = parts.amax(0)
+    else:
+        out = parts.prod(0)
+    if postscale != 1.0:
+        out = out * postscale
+    return out.to(tensor.device)
+
+
+class _Reducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, op, half, prescale, postscale):
+        ctx.args = (op, prescale, postscale)
+        return _reducescatter(tensor, op, half, prescale, postscale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        op, prescale, postscale = ctx.args
+        if op not in (Average, Sum):
+            raise RuntimeError(f"reducescatter with op={op.name} has no gradient (Horovod defines Average and Sum)")
+        full = torch.cat(allgather_parts(grad)).to(grad.device)
+        scale = prescale * postscale / (size() if op == Average else 1)
+        return full * scale if scale != 1.0 else full, None, None, None, None
+
+
+def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: Any = Compression.none,
+                  op: Any = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+    """Reduce ``tensor`` over all ranks (``op``: Average by default, Sum, Min, Max, Product) and
+    return this rank's slice of the result along dimension 0: rank r gets the r-th of
+    ``torch.tensor_split(result, size())`` (the first ``rows % size`` ranks one row more).
+
+    ``compression``: ``Compression.none`` or ``Compression.fp16`` (slices travel as float16 and
+    are reduced in the tensor's dtype). Differentiable for Average and Sum.
+    """
+    _check()
+    op = resolve_op(op)
+    if tensor.dim() == 0:
+        raise ValueError("reducescatter needs a tensor with at least one dimension (it slices dimension 0)")
+    compressor = _compression.resolve(compression)
+    half = not _compression.is_none(compressor)
+    if half and not (isinstance(compressor, FP16) and tensor.is_floating_point()):
+        raise ValueError("reducescatter takes compression=hvd.Compression.none or hvd.Compression.fp16 "
+                         "(fp16 for floating-point tensors)")
+    return _Reducescatter.apply(tensor, op, half, prescale_factor, postscale_factor)
+
+
+def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                      compression: Any = Compression.none, op: Any = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list[torch.Tensor]:
+    """:func:`~spark_dl.horovod.allreduce` of every tensor in ``tensors`` as one operation:
+    tensors of one dtype and device travel fused in a single collective. Returns new tensors;
+    differentiable (then each tensor is reduced on its own, as the autograd graph needs)."""
+    from .ops import allreduce
+
+    _check()
+    op = resolve_op(op, average)
+    tensors = list(tensors)
+    if any(t.requires_grad for t in tensors):
+        return [allreduce(t, name=None if name is None else f"{name}.{i}", compression=compression, op=op,
+                          prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+                for i, t in enumerate(tensors)]
+    outs = [t.detach().clone() for t in tensors]
+    grouped_allreduce_(outs, name=name, compression=compression, op=op, prescale_factor=prescale_factor,
+                       postscale_factor=postscale_factor)
+    return outs
+
+
+def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                       compression: Any = Compression.none, op: Any = None,
+                       prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list[torch.Tensor]:
+    """In-place :func:`grouped_allreduce`: one fused collective per dtype and device; returns
+    ``tensors``."""
+    from .ops import _reduce_into
+
+    _check()
+    op = resolve_op(op, average)
+    compressor = _compression.resolve(compression)
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        if not torch.is_tensor(t):
+            raise TypeError(f"grouped_allreduce takes a list of tensors, got a {type(t).__name__}")
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    with torch.no_grad():
+        for j, group in enumerate(groups.values()):
+            flat = _on_comm_device(torch.cat([t.reshape(-1) for t in group]))
+            key = None if name is None else f"{name}.group{j}"
+            flat = _reduce_into(flat, op, key, compressor, prescale_factor, postscale_factor)
+            offset = 0
+            for t in group:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+    return list(tensors)

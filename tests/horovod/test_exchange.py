@@ -1,0 +1,127 @@
+"""alltoall, reducescatter and grouped_allreduce on two real ranks (Gloo), against exact values.
+
+One launch runs every check; each rank returns what it saw and the driver compares.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spark_dl import HorovodRunner
+
+
+def exchange_main():
+    import torch
+
+    import spark_dl.horovod as hvd
+    from spark_dl.compression import QSGD
+
+    hvd.init()
+    r = hvd.rank()
+    out = {}
+    x = torch.arange(8.0).view(4, 2) + 100 * r
+    out["a2a_equal"] = hvd.alltoall(x).tolist()
+    y = torch.arange(4.0 if r == 0 else 2.0).view(-1, 1) + 100 * r  # rank 0: 4 rows, rank 1: 2
+    got, received = hvd.alltoall(y, splits=[1, 3] if r == 0 else torch.tensor([2, 0]))
+    out["a2a_uneven"], out["a2a_received"] = got.view(-1).tolist(), received.tolist()
+    out["a2a_received_dtype"] = str(received.dtype)
+    g = y.clone().requires_grad_()
+    z, _ = hvd.alltoall(g, splits=[1, 3] if r == 0 else [2, 0])
+    (z * (r + 1)).sum().backward()  # rows that went to rank d get gradient d + 1
+    out["a2a_grad"] = g.grad.view(-1).tolist()
+    for bad in ([0, 0], [5, -1], [1, 2, 1]):  # wrong on both ranks: a rank that raised alone would leave the other waiting
+        try:
+            hvd.alltoall(y, splits=bad)
+        except ValueError as e:
+            out.setdefault("a2a_errors", []).append(str(e))
+    try:
+        hvd.alltoall(torch.arange(3.0))
+    except ValueError as e:
+        out["a2a_unequal_error"] = str(e)
+
+    t = torch.arange(10.0).view(5, 2) * (r + 1)
+    out["rs_avg"] = hvd.reducescatter(t).tolist()
+    out["rs_sum"] = hvd.reducescatter(t, op=hvd.Sum).tolist()
+    out["rs_max"] = hvd.reducescatter(t, op=hvd.Max).tolist()
+    out["rs_fp16"] = hvd.reducescatter(t, compression=hvd.Compression.fp16, op=hvd.Sum).tolist()
+    out["rs_int"] = hvd.reducescatter(torch.arange(6).view(6, 1) * (r + 1), op=hvd.Average).view(-1).tolist()
+    out["rs_scaled"] = hvd.reducescatter(t, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5).tolist()
+    w = t.clone().requires_grad_()
+    hvd.reducescatter(w, op=hvd.Sum).sum().backward()
+    out["rs_grad_sum"] = w.grad.view(-1).tolist()
+    w.grad = None
+    hvd.reducescatter(w).sum().backward()
+    out["rs_grad_avg"] = w.grad.view(-1).tolist()
+    try:
+        hvd.reducescatter(t, compression=QSGD())
+    except ValueError as e:
+        out["rs_compression_error"] = str(e)
+
+    a, b, c = torch.tensor([1.0, 2.0]) * (r + 1), torch.ones(2, 3) * (r + 1), torch.tensor([3, 4]) * (r + 1)
+    ga, gb, gc = hvd.grouped_allreduce([a, b, c], op=hvd.Sum)
+    out["grouped_sum"] = [ga.tolist(), gb.tolist(), gc.tolist()]
+    out["grouped_inputs_kept"] = a.tolist() == [float(r + 1), 2.0 * (r + 1)]
+    out["grouped_avg"] = [v.tolist() for v in hvd.grouped_allreduce([a, b], name="g")]
+    same = hvd.grouped_allreduce_([a, b, c], op=hvd.Sum)
+    out["grouped_inplace"] = [a.tolist(), b.tolist(), c.tolist(), same[0] is a]
+    d = (torch.ones(3) * (r + 1)).requires_grad_()
+    (hvd.grouped_allreduce([d], op=hvd.Sum)[0] * 2).sum().backward()
+    out["grouped_grad"] = d.grad.tolist()
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return HorovodRunner(np=-2).run_all(exchange_main)
+
+
+def test_alltoall_equal_and_uneven_splits(ranks):
+    r0, r1 = ranks
+    # equal: rank r receives the r-th half of every rank's rows, in rank order
+    assert r0["a2a_equal"] == [[0, 1], [2, 3], [100, 101], [102, 103]]
+    assert r1["a2a_equal"] == [[4, 5], [6, 7], [104, 105], [106, 107]]
+    assert r0["a2a_uneven"] == [0, 100, 101] and r0["a2a_received"] == [1, 2]
+    assert r1["a2a_uneven"] == [1, 2, 3] and r1["a2a_received"] == [3, 0]
+    assert r0["a2a_received_dtype"] == "torch.int32"
+
+
+def test_alltoall_gradient_goes_back_the_way_the_rows_came(ranks):
+    r0, r1 = ranks
+    assert r0["a2a_grad"] == [1.0, 2.0, 2.0, 2.0]  # row 0 went to rank 0, rows 1-3 to rank 1
+    assert r1["a2a_grad"] == [1.0, 1.0]
+
+
+def test_alltoall_bad_splits_are_clear_errors(ranks):
+    for r in ranks:
+        errors = r["a2a_errors"]
+        assert len(errors) == 3 and all("summing to dimension 0" in e for e in errors)
+        assert "divides dimension 0 equally among the 2 ranks" in r["a2a_unequal_error"]
+
+
+def test_reducescatter_values(ranks):
+    r0, r1 = ranks
+    full = torch.arange(10.0).view(5, 2)
+    # rank 0 gets the first 3 rows (5 = 3 + 2, as torch.tensor_split cuts), rank 1 the last 2
+    assert r0["rs_sum"] == (3 * full[:3]).tolist() and r1["rs_sum"] == (3 * full[3:]).tolist()
+    assert r0["rs_avg"] == (1.5 * full[:3]).tolist() and r1["rs_avg"] == (1.5 * full[3:]).tolist()
+    assert r0["rs_max"] == (2 * full[:3]).tolist() and r1["rs_max"] == (2 * full[3:]).tolist()
+    assert r0["rs_fp16"] == r0["rs_sum"] and r1["rs_fp16"] == r1["rs_sum"]  # small integers: exact
+    assert r0["rs_scaled"] == r0["rs_sum"]
+    assert r0["rs_int"] == [0, 1, 3] and r1["rs_int"] == [4, 6, 7]  # (1 + 2) i / 2, truncated
+
+
+def test_reducescatter_gradient_is_an_allgather(ranks):
+    for r in ranks:
+        assert r["rs_grad_sum"] == [1.0] * 10
+        assert r["rs_grad_avg"] == [0.5] * 10
+        assert "Compression.none or hvd.Compression.fp16" in r["rs_compression_error"]
+
+
+def test_grouped_allreduce(ranks):
+    for r in ranks:
+        assert r["grouped_sum"] == [[3.0, 6.0], [[3.0] * 3] * 2, [9, 12]]
+        assert r["grouped_inputs_kept"]
+        assert r["grouped_avg"] == [[1.5, 3.0], [[1.5] * 3] * 2]
+        assert r["grouped_inplace"] == [[3.0, 6.0], [[3.0] * 3] * 2, [9, 12], True]
+        # Horovod's rule, as for allreduce: the gradient is the Sum-allreduce of every rank's 2s
+        assert r["grouped_grad"] == [4.0] * 3
