@@ -27,7 +27,16 @@ from .basics import (
     size,
 )
 from .compression import Compression
-from .exchange import alltoall, grouped_allreduce, grouped_allreduce_, reducescatter
+from .exchange import (
+    alltoall,
+    alltoall_async,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+    reducescatter,
+    reducescatter_async,
+)
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .ops import (
     allgather,
@@ -52,7 +61,9 @@ __all__ = [
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
     "Compression",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
-    "allgather", "allgather_async", "grouped_allreduce", "grouped_allreduce_", "alltoall", "reducescatter",
+    "allgather", "allgather_async", "grouped_allreduce", "grouped_allreduce_",
+    "grouped_allreduce_async", "grouped_allreduce_async_", "alltoall", "alltoall_async", "reducescatter",
+    "reducescatter_async",
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
     "poll", "synchronize", "barrier",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",

@@ -190,3 +190,46 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
                 t.copy_(flat[offset:offset + t.numel()].view_as(t))
                 offset += t.numel()
     return list(tensors)
+
+
+# ---- asynchronous forms -------------------------------------------------------------------------
+# Handles for poll()/synchronize() like Horovod's. These complete before they return (the row
+# counts must be exchanged before the rows can be), so poll() is True at once.
+
+def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None) -> int:
+    """Start an :func:`alltoall`; ``synchronize(handle)`` returns what :func:`alltoall` would
+    (``(tensor, received_splits)`` when ``splits`` is given)."""
+    from .ops import _register
+
+    result = alltoall(tensor.detach(), splits, name)
+    return _register(None, lambda: result)
+
+
+def reducescatter_async(tensor: torch.Tensor, name: str | None = None, compression: Any = Compression.none,
+                        op: Any = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
+    """Start a :func:`reducescatter`; ``synchronize(handle)`` returns this rank's slice."""
+    from .ops import _register
+
+    result = reducescatter(tensor.detach(), name, compression, op, prescale_factor, postscale_factor)
+    return _register(None, lambda: result)
+
+
+def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                            compression: Any = Compression.none, op: Any = None,
+                            prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
+    """Start a :func:`grouped_allreduce`; ``synchronize(handle)`` returns the list of results."""
+    from .ops import _register
+
+    result = grouped_allreduce([t.detach() for t in tensors], average, name, compression, op,
+                               prescale_factor, postscale_factor)
+    return _register(None, lambda: result)
+
+
+def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                             compression: Any = Compression.none, op: Any = None,
+                             prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
+    """Start a :func:`grouped_allreduce_`; ``synchronize(handle)`` returns ``tensors``, reduced."""
+    from .ops import _register
+
+    result = grouped_allreduce_(tensors, average, name, compression, op, prescale_factor, postscale_factor)
+    return _register(None, lambda: result)

@@ -67,6 +67,15 @@ def exchange_main():
     d = (torch.ones(3) * (r + 1)).requires_grad_()
     (hvd.grouped_allreduce([d], op=hvd.Sum)[0] * 2).sum().backward()
     out["grouped_grad"] = d.grad.tolist()
+    h1 = hvd.alltoall_async(y, splits=[1, 3] if r == 0 else [2, 0])
+    h2 = hvd.reducescatter_async(t, op=hvd.Sum)
+    h3 = hvd.grouped_allreduce_async([torch.ones(2) * (r + 1)], op=hvd.Sum)
+    e = torch.ones(2) * (r + 1)
+    h4 = hvd.grouped_allreduce_async_([e], op=hvd.Sum)
+    assert all(hvd.poll(h) for h in (h1, h2, h3, h4))
+    rows, counts = hvd.synchronize(h1)
+    out["async"] = [rows.view(-1).tolist(), counts.tolist(), hvd.synchronize(h2).tolist(),
+                    hvd.synchronize(h3)[0].tolist(), hvd.synchronize(h4)[0] is e, e.tolist()]
     return out
 
 
@@ -125,3 +134,10 @@ def test_grouped_allreduce(ranks):
         assert r["grouped_inplace"] == [[3.0, 6.0], [[3.0] * 3] * 2, [9, 12], True]
         # Horovod's rule, as for allreduce: the gradient is the Sum-allreduce of every rank's 2s
         assert r["grouped_grad"] == [4.0] * 3
+
+
+def test_async_forms_return_what_the_sync_ones_do(ranks):
+    for r in ranks:
+        rows, counts, rs, grouped, same, inplace = r["async"]
+        assert [rows, counts] == [r["a2a_uneven"], r["a2a_received"]]
+        assert rs == r["rs_sum"] and grouped == [3.0, 3.0] and same and inplace == [3.0, 3.0]
