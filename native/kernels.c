@@ -16,6 +16,7 @@
 #define SDK_X86 1
 #define AVX2 __attribute__((target("avx2")))
 #define AVX2F16C __attribute__((target("avx2,f16c")))
+#define AVX2FMA __attribute__((target("avx2,fma")))
 #else
 #define SDK_X86 0
 #endif
@@ -43,6 +44,14 @@ static int has_avx2(void) {
 static int has_f16c(void) {
 #if SDK_X86
     return has_avx2() && __builtin_cpu_supports("f16c");
+#else
+    return 0;
+#endif
+}
+
+static int has_fma(void) {
+#if SDK_X86
+    return has_avx2() && __builtin_cpu_supports("fma");
 #else
     return 0;
 #endif
@@ -1123,14 +1132,6 @@ typedef struct {
     float *out;
 } lr_args;
 
-static int has_fma(void) {
-#if SDK_X86
-    return has_avx2() && __builtin_cpu_supports("fma");
-#else
-    return 0;
-#endif
-}
-
 static void lr_range_scalar(const lr_args *A, int64_t i, int64_t j0, int64_t j1) {
     const float *p = A->p + i * A->r;
     float *o = A->out + i * A->cols;
@@ -1142,7 +1143,7 @@ static void lr_range_scalar(const lr_args *A, int64_t i, int64_t j0, int64_t j1)
 }
 
 #if SDK_X86
-__attribute__((target("avx2,fma"))) static void lr_row_avx2(const lr_args *A, int64_t i, int64_t len) {
+AVX2FMA static void lr_row_avx2(const lr_args *A, int64_t i, int64_t len) {
     const int64_t C = A->cols, end = len & ~(int64_t)7;
     const float *p = A->p + i * A->r;
     float *o = A->out + i * C;

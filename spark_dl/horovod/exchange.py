@@ -16,7 +16,8 @@ from spark_dl.compression import FP16
 from . import compression as _compression
 from .basics import Average, ReduceOp, Sum, _check, rank, size
 from .compression import Compression
-from .ops import _on_comm_device, allgather_parts, resolve_op
+from .ops import (_on_comm_device, _reduce_into, _register, allgather_parts, allreduce, fused_inplace,
+                  resolve_op)
 
 
 def _splits_list(splits: Any, rows: int) -> list[int]:
@@ -150,8 +151,6 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
     """:func:`~spark_dl.horovod.allreduce` of every tensor in ``tensors`` as one operation:
     tensors of one dtype and device travel fused in a single collective. Returns new tensors;
     differentiable (then each tensor is reduced on its own, as the autograd graph needs)."""
-    from .ops import allreduce
-
     _check()
     op = resolve_op(op, average)
     tensors = list(tensors)
@@ -170,25 +169,18 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list[torch.Tensor]:
     """In-place :func:`grouped_allreduce`: one fused collective per dtype and device; returns
     ``tensors``."""
-    from .ops import _reduce_into
-
     _check()
     op = resolve_op(op, average)
     compressor = _compression.resolve(compression)
-    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:
         if not torch.is_tensor(t):
             raise TypeError(f"grouped_allreduce takes a list of tensors, got a {type(t).__name__}")
-        groups.setdefault((t.dtype, t.device), []).append(t)
-    with torch.no_grad():
-        for j, group in enumerate(groups.values()):
-            flat = _on_comm_device(torch.cat([t.reshape(-1) for t in group]))
-            key = None if name is None else f"{name}.group{j}"
-            flat = _reduce_into(flat, op, key, compressor, prescale_factor, postscale_factor)
-            offset = 0
-            for t in group:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
+
+    def reduce(j: int, flat: torch.Tensor) -> torch.Tensor:
+        key = None if name is None else f"{name}.group{j}"
+        return _reduce_into(flat, op, key, compressor, prescale_factor, postscale_factor)
+
+    fused_inplace(list(tensors), reduce)
     return list(tensors)
 
 
@@ -199,8 +191,6 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None) -> int:
     """Start an :func:`alltoall`; ``synchronize(handle)`` returns what :func:`alltoall` would
     (``(tensor, received_splits)`` when ``splits`` is given)."""
-    from .ops import _register
-
     result = alltoall(tensor.detach(), splits, name)
     return _register(None, lambda: result)
 
@@ -208,8 +198,6 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, compression: Any = Compression.none,
                         op: Any = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
     """Start a :func:`reducescatter`; ``synchronize(handle)`` returns this rank's slice."""
-    from .ops import _register
-
     result = reducescatter(tensor.detach(), name, compression, op, prescale_factor, postscale_factor)
     return _register(None, lambda: result)
 
@@ -218,8 +206,6 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | Non
                             compression: Any = Compression.none, op: Any = None,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
     """Start a :func:`grouped_allreduce`; ``synchronize(handle)`` returns the list of results."""
-    from .ops import _register
-
     result = grouped_allreduce([t.detach() for t in tensors], average, name, compression, op,
                                prescale_factor, postscale_factor)
     return _register(None, lambda: result)
@@ -229,7 +215,5 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
                              compression: Any = Compression.none, op: Any = None,
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
     """Start a :func:`grouped_allreduce_`; ``synchronize(handle)`` returns ``tensors``, reduced."""
-    from .ops import _register
-
     result = grouped_allreduce_(tensors, average, name, compression, op, prescale_factor, postscale_factor)
     return _register(None, lambda: result)

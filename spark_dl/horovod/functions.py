@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .basics import _check, comm_device, rank
-from .ops import allgather_parts
+from .ops import allgather_parts, fused_inplace
 
 
 def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any], root_rank: int) -> None:
@@ -25,20 +25,15 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any], roo
         tensors = [p[1] if isinstance(p, tuple) else p for p in params]
     else:
         raise ValueError(f"invalid params of type {type(params).__name__}: pass a dict or an iterable of tensors")
-    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:
         if not torch.is_tensor(t):
             raise ValueError(f"broadcast_parameters got a {type(t).__name__}, expected tensors")
-        groups.setdefault((t.dtype, t.device), []).append(t)
-    dev = comm_device()
-    with torch.no_grad():
-        for group in groups.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in group]).to(dev)
-            dist.broadcast(flat, src=root_rank)
-            offset = 0
-            for t in group:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
+
+    def broadcast(_j: int, flat: torch.Tensor) -> torch.Tensor:
+        dist.broadcast(flat, src=root_rank)
+        return flat
+
+    fused_inplace(tensors, broadcast)
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:

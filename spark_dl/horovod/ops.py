@@ -46,6 +46,22 @@ def _on_comm_device(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.device == dev else tensor.to(dev)
 
 
+def fused_inplace(tensors: list[torch.Tensor], run: Callable[[int, torch.Tensor], torch.Tensor]) -> None:
+    """Run one collective per dtype and device over ``tensors`` fused into a flat buffer on the
+    comm device (groups in first-seen order, the same on every rank), and copy the result back
+    into each tensor. ``run(j, flat)`` does group j's collective and returns the result."""
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    with torch.no_grad():
+        for j, group in enumerate(groups.values()):
+            flat = run(j, _on_comm_device(torch.cat([t.detach().reshape(-1) for t in group])))
+            offset = 0
+            for t in group:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
 def _reduce_into(work: torch.Tensor, op: ReduceOp, name: str | None, compressor: Any,
                  prescale_factor: float, postscale_factor: float) -> torch.Tensor:
     """Reduce ``work`` (a private buffer on the comm device; may be modified). Returns the result."""
