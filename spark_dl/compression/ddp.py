@@ -5,7 +5,8 @@
 
 Contract: the hook returns a completed ``torch.futures.Future`` holding the bucket's averaged
 (``op="average"``) or summed gradients, identical on every rank. Per-bucket compressor state
-(error feedback, PowerSGD's Q, step counters) is keyed ``"ddp.bucket<i>"``; when bucket i's
+(error feedback, PowerSGD's Q, step counters) is keyed ``"ddp.bucket<i>"`` (PowerSGD factors
+each gradient of the bucket as its own matrix, as torch's ``powerSGD_hook`` does); when bucket i's
 layout (its parameters' shapes) changes, as after DDP rebuilds its buckets following the first
 iteration, that state is reset on every rank alike. The state pickles without its process group
 (restored as the default group), so it can be checkpointed with the model.
@@ -44,6 +45,20 @@ def _layout(bucket: dist.GradBucket) -> tuple:
     return (bucket.buffer().numel(), tuple(tuple(p.shape) for p in bucket.parameters()))
 
 
+def _shapes(bucket: dist.GradBucket) -> list[tuple[int, ...]] | None:
+    """The gradients' shapes when they tile the buffer in order (layer-wise PowerSGD needs them),
+    else None: the bucket is then treated as one flat tensor."""
+    buffer, at = bucket.buffer(), 0
+    base = buffer.data_ptr()
+    shapes = []
+    for g in bucket.gradients():
+        if g.data_ptr() != base + at * buffer.element_size():
+            return None
+        shapes.append(tuple(g.shape))
+        at += g.numel()
+    return shapes if at == buffer.numel() else None
+
+
 # DDP checks these annotations at runtime, so they are real objects here, not strings.
 def compressed_hook(state: DDPHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """All-reduce ``bucket.buffer()`` through ``state.compressor`` (see the module docstring)."""
@@ -56,7 +71,7 @@ def compressed_hook(state: DDPHookState, bucket: dist.GradBucket) -> torch.futur
         state.compressor.reset(name)
         state.layouts[index] = layout
     out = allreduce(bucket.buffer(), state.compressor, op=state.op, name=name,
-                    group=state.process_group)
+                    group=state.process_group, layout=_shapes(bucket))
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(out)
     return fut

@@ -189,17 +189,18 @@ def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return idx, val
 
 
-def lowrank_product(p: torch.Tensor, q: torch.Tensor, numel: int) -> torch.Tensor:
-    """The first ``numel`` elements of ``p @ q.T`` (PowerSGD's output), flat: one streaming
-    write where torch's GEMM with an inner dimension of 4 runs far below memory speed. Rounds
-    as p0 q0 then fused multiply-adds in k order, whatever the threads."""
+def lowrank_product(p: torch.Tensor, q: torch.Tensor, numel: int,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """The first ``numel`` elements of ``p @ q.T`` (PowerSGD's output), flat, into ``out`` when
+    given: one streaming write where torch's GEMM with an inner dimension of 4 runs far below
+    memory speed. Rounds as p0 q0 then fused multiply-adds in k order, whatever the threads."""
     rows, r = p.shape
     cols = q.shape[0]
     if q.shape[1] != r or not 0 <= numel <= rows * cols:
         raise ValueError(f"lowrank_product: P {tuple(p.shape)} and Q {tuple(q.shape)} do not make "
                          f"{numel} elements")
     a, b = _f32(p), _f32(q)
-    out = torch.empty(numel, dtype=torch.float32)
+    out = _out(out, numel)
     if numel:
         _ext.lowrank_product(a.data_ptr(), b.data_ptr(), numel, rows, cols, r, out.data_ptr())
     return out

@@ -39,6 +39,8 @@ def is_none(compressor: Compressor) -> bool:
 
 
 def reduce(tensor: torch.Tensor, compressor: Compressor, *, average: bool, name: str | None,
-           group: Any = None) -> torch.Tensor:
-    """Sum (``average=False``) or average ``tensor`` over ``group`` through ``compressor``; synchronous."""
-    return compressed_allreduce(tensor, compressor, op="average" if average else "sum", name=name, group=group)
+           group: Any = None, layout: list | None = None) -> torch.Tensor:
+    """Sum (``average=False``) or average ``tensor`` over ``group`` through ``compressor``;
+    synchronous. ``layout``: shapes of the gradients packed in a fusion bucket."""
+    return compressed_allreduce(tensor, compressor, op="average" if average else "sum", name=name,
+                                group=group, layout=layout)

@@ -50,11 +50,12 @@ class BucketFailed(RuntimeError):
 class BucketReducer:
     """Reduces submitted buckets on one daemon thread, in submission order.
 
-    ``reduce(index, flat)`` gets the bucket's gradients concatenated into one 1-D tensor and
-    returns the reduced tensor (same numel); the result is copied back into the gradients.
+    ``reduce(index, flat, shapes)`` gets the bucket's gradients concatenated into one 1-D tensor
+    (and their shapes, for layer-wise compressors) and returns the reduced tensor (same numel);
+    the result is copied back into the gradients.
     """
 
-    def __init__(self, reduce: Callable[[int, torch.Tensor], torch.Tensor]) -> None:
+    def __init__(self, reduce: Callable[[int, torch.Tensor, list], torch.Tensor]) -> None:
         self._reduce = reduce
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._cond = threading.Condition()
@@ -108,7 +109,7 @@ class BucketReducer:
                 # Backward may have produced the gradients on another stream than this thread's current one.
                 torch.cuda.current_stream().wait_event(ready)
             flat = torch.cat([g.reshape(-1) for g in grads])
-            out = self._reduce(index, flat)
+            out = self._reduce(index, flat, [tuple(g.shape) for g in grads])
             offset = 0
             for g in grads:
                 g.copy_(out[offset:offset + g.numel()].view_as(g))

@@ -95,14 +95,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvd_next = i + 1
         self._hvd_reducer.submit(i, grads)
 
-    def _hvd_reduce(self, i: int, flat: torch.Tensor) -> torch.Tensor:
+    def _hvd_reduce(self, i: int, flat: torch.Tensor, shapes: list) -> torch.Tensor:
         name = f"DistributedOptimizer.bucket{i}.{self._hvd_names[self._hvd_buckets[i][0]]}"
         average = self._hvd_op == Average
         if average and self._hvd_predivide != 1.0:
             flat.mul_(1.0 / self._hvd_predivide)
         dev = comm_device()
         work = flat if flat.device == dev else flat.to(dev)  # e.g. CUDA gradients over Gloo
-        out = _compression.reduce(work, self._hvd_compressor, average=average, name=name, group=self._hvd_group)
+        out = _compression.reduce(work, self._hvd_compressor, average=average, name=name,
+                                  group=self._hvd_group, layout=shapes)
         out = out if out.device == flat.device else out.to(flat.device)
         if average and self._hvd_predivide != 1.0:
             out.mul_(self._hvd_predivide)

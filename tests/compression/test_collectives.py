@@ -68,6 +68,14 @@ def collective_main():
     out["psgd_low"] = [C.allreduce(low, p, name="low").tolist() for _ in range(2)]
     p = C.PowerSGD(rank=1, start_iter=2)
     out["psgd_warmup"] = [C.allreduce(g, p, name="w").tolist() for _ in range(3)]
+    # A bucket of a rank-2 weight, a bias and a rank-2 conv kernel, each factored on its own:
+    # the average is exact, in two all-reduces (all P with the bias, then all Q).
+    bucket = torch.cat([low.reshape(-1), grad(r, (15,)), (u[:8] @ torch.randn(2, 27, generator=torch.Generator().manual_seed(9 + r))).reshape(-1)])
+    p = C.PowerSGD(rank=2, start_iter=0)
+    before_stats = C.stats.snapshot()
+    out["psgd_bucket"] = C.allreduce(bucket, p, name="bucket", layout=[(20, 15), (15,), (8, 3, 3, 3)]).tolist()
+    out["psgd_bucket_bytes"] = C.stats.snapshot()["bytes_sent"] - before_stats["bytes_sent"]
+    out["psgd_bucket_in"] = bucket.tolist()
 
     # Bytes per step, fp32 vs compressed (2**16 elements).
     big = torch.randn(1 << 16, generator=torch.Generator().manual_seed(r))
@@ -114,7 +122,9 @@ def collective_main():
     errors = {}
     for key, call in [("int", lambda: C.allreduce(ints, C.QSGD())),
                       ("noname", lambda: C.allreduce(g, C.OneBit())),
-                      ("op", lambda: C.allreduce(g, op="max"))]:
+                      ("op", lambda: C.allreduce(g, op="max")),
+                      ("layout", lambda: C.allreduce(g, C.PowerSGD(), name="l", layout=[(37, 10)])),
+                      ("layout_type", lambda: C.allreduce(g, C.QSGD(), layout=[None]))]:
         try:
             call()
         except (TypeError, ValueError) as e:
@@ -228,6 +238,11 @@ def test_powersgd(ranks):
     assert torch.allclose(warm[0], exact(), atol=1e-6) and torch.allclose(warm[1], exact(), atol=1e-6)
     assert torch.linalg.matrix_rank(warm[2]) == 1
     assert torch.linalg.matrix_rank(torch.tensor(out["powersgd"])) <= 2
+    buckets = [torch.tensor(ranks[r]["psgd_bucket_in"]) for r in (0, 1)]
+    assert torch.allclose(torch.tensor(out["psgd_bucket"]), (buckets[0] + buckets[1]) / 2, atol=1e-4)
+    assert out["psgd_bucket"] == ranks[1]["psgd_bucket"]
+    # Round 1: P of 20 x 2 and 8 x 2 with the 15 bias values; round 2: Q of 15 x 2 and 27 x 2.
+    assert out["psgd_bucket_bytes"] == 4 * ((40 + 15 + 16) + (30 + 54))
 
 
 def test_bytes_on_the_wire(ranks):
@@ -265,3 +280,5 @@ def test_edge_cases(ranks):
     assert errors["int"].startswith("TypeError") and "floating-point" in errors["int"]
     assert errors["noname"].startswith("ValueError") and "name=" in errors["noname"]
     assert errors["op"].startswith("ValueError")
+    assert errors["layout"].startswith("ValueError") and "370 elements in 1 tensors but the tensor has 407" in errors["layout"]
+    assert errors["layout_type"].startswith("TypeError") and "list of shapes" in errors["layout_type"]

@@ -77,6 +77,7 @@ def ddp_main():
             "memory_keys": sorted(str(k) for k in memory.memory) if memory is not None else None,
             "resumed_loss": loss.item(),
             "resumed_params": [p.detach().clone().tolist() for p in resumed.parameters()],
+            "q_shapes": sorted((k, tuple(q.shape)) for k, q in getattr(comp, "qs", {}).items()),
         }
     out["stats"] = C.stats.snapshot()
     return out
@@ -105,3 +106,12 @@ def test_ddp_hook_survives_bucket_rebuild_and_pickles(ranks, key):
         assert out["memory_keys"] and all("ddp.bucket" in k for k in out["memory_keys"])
     assert out["resumed_params"] == ranks[1][key]["resumed_params"]
     assert out["resumed_loss"] < 0.2 * out["losses"][0]
+
+
+def test_ddp_hook_powersgd_factors_each_weight_of_a_bucket(ranks):
+    # Per gradient, as torch's powerSGD_hook: Q is (columns of that weight) x rank, keyed by
+    # bucket and position; the 1 x 16 weight and the biases go uncompressed.
+    shapes = ranks[0]["powersgd"]["q_shapes"]
+    assert sorted(q for _, q in shapes) == [(8, 2), (16, 2)], shapes
+    for (bucket, position), _ in shapes:
+        assert bucket.startswith("ddp.bucket") and isinstance(position, int)

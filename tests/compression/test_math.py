@@ -178,6 +178,47 @@ def test_powersgd_exact_on_low_rank_and_uncompressed_before_start():
     assert torch.linalg.matrix_rank(out) == 3
 
 
+
+def _local(t: torch.Tensor):
+    return lambda: None  # one process: the sum over ranks is the tensor itself
+
+
+def test_powersgd_factors_each_tensor_of_a_bucket_as_its_own_matrix():
+    # A bucket packing two rank-2 weights and a bias, as DDP and the fusion buckets do.
+    gen = torch.Generator().manual_seed(3)
+    w1 = torch.randn(20, 2, generator=gen) @ torch.randn(2, 15, generator=gen)
+    bias = torch.randn(15, generator=gen)
+    w2 = torch.randn(8, 2, generator=gen) @ torch.randn(2, 3, 3, 3, generator=gen).reshape(2, 27)
+    shapes = [(20, 15), (15,), (8, 3, 3, 3)]
+    flat = torch.cat([w1.reshape(-1), bias, w2.reshape(-1)])
+    p = C.PowerSGD(rank=2, start_iter=0)
+    out = p.round_layers(flat, shapes, "bucket", _local)
+    # Per tensor, rank 2 holds each weight exactly and the bias goes uncompressed...
+    assert torch.allclose(out, flat, atol=1e-4)
+    assert sorted(p.qs) == [("bucket", 0), ("bucket", 2)]
+    assert p.qs["bucket", 0].shape == (15, 2) and p.qs["bucket", 2].shape == (27, 2)
+    assert sorted(p.residuals.memory) == [("bucket", 0), ("bucket", 2)]
+    # ...where one matrix of the whole flat bucket (what a layout-blind compressor sees) is not.
+    blind = C.PowerSGD(rank=2, start_iter=0).round(flat, "flat")[0]
+    assert (blind - flat).norm() > 0.1 * flat.norm()
+    # Error feedback per tensor: output + residual = input, tensor by tensor, on full-rank data.
+    full = torch.randn(flat.numel(), generator=gen)
+    q = C.PowerSGD(rank=1, start_iter=0)
+    got = q.round_layers(full, shapes, "b", _local)
+    e = q.residuals.memory
+    assert torch.allclose(got[:300] + e["b", 0].reshape(-1), full[:300], atol=1e-5)
+    assert torch.equal(got[300:315], full[300:315])
+    assert torch.allclose(got[315:] + e["b", 2].reshape(-1), full[315:], atol=1e-5)
+    q.reset("b")
+    assert not q.residuals.memory and not q.qs and not q.steps
+
+
+def test_powersgd_bucket_with_a_wrong_layout_says_so():
+    p = C.PowerSGD(rank=2, start_iter=0)
+    with pytest.raises(ValueError, match="holds 12 elements but the bucket has 13"):
+        p.round_layers(torch.randn(13), [(3, 4)], "b", _local)
+    assert p.round_layers(torch.randn(0), [], "b", _local).numel() == 0
+
 ALL = [C.NoneCompressor, C.FP16, C.BF16, C.OneBit, C.EFSign, C.QSGD, lambda: C.TopK(0.3),
        lambda: C.RandomK(0.3), lambda: C.PowerSGD(rank=2, start_iter=0),
        lambda: C.ErrorFeedback(C.TopK(0.3))]

@@ -88,4 +88,6 @@ def train_digits(epochs: int = 12, batch_size: int = 32, base_lr: float = 0.15, 
         "rank": hvd.rank(),
         "accuracy": accuracy,
         "params_sha1": hashlib.sha1(np.ascontiguousarray(flat).tobytes()).hexdigest(),
+        # PowerSGD's warm-started Q per gradient it factored (layer-wise state)
+        "q_shapes": sorted(tuple(q.shape) for q in getattr(compression, "qs", {}).values()),
     }
