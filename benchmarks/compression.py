@@ -1,10 +1,14 @@
 """Gradient compression: encode+decode throughput, bytes per step, and 2-rank all-reduce step time
 over a shaped 1 Gbit/s link.
 
-    sudo python benchmarks/compression.py [--numel 25000000] [--rate-mbit 1000] [--steps 3]
+    sudo python benchmarks/compression.py [--layout resnet50] [--rate-mbit 1000] [--steps 3]
 
-Part 1 compresses and decompresses one gradient of ``--numel`` float32 elements (a square-ish
-matrix, so PowerSGD has a matrix to factor) with every compressor, in this process.
+The gradient: ``--layout resnet50`` (the default) is ResNet-50's 161 parameter tensors packed in
+one flat float32 bucket (25.6M elements), as DDP and the fusion buckets hand it over, with the
+shapes passed as ``layout`` so PowerSGD factors each weight as torch's ``powerSGD_hook`` does;
+``resnet50:W`` scales the base width 64 to W (a smaller network for quick runs); ``square`` is
+one near-square matrix of ``--numel`` elements.
+Part 1 compresses and decompresses the gradient with every compressor, in this process.
 Part 2 needs root: it creates two network namespaces joined by a veth pair (private 10.213.x
 addresses), shapes both ends with ``tc tbf`` to ``--rate-mbit``, runs one Gloo rank in each with
 ``ip netns exec`` and times ``spark_dl.compression.allreduce`` per step; then removes the
@@ -46,9 +50,54 @@ def make(name: str):
     }[name]()
 
 
-def gradient(numel: int, seed: int = 0) -> torch.Tensor:
-    rows = math.isqrt(numel)
-    return torch.randn(rows, numel // rows, generator=torch.Generator().manual_seed(seed))
+def resnet50_shapes(width: int = 64) -> list[tuple[int, ...]]:
+    """ResNet-50's parameter shapes in ``model.parameters()`` order (torchvision's layout:
+    bottleneck blocks 3, 4, 6, 3 with expansion 4; 25,557,032 elements at width 64)."""
+    shapes: list[tuple[int, ...]] = []
+
+    def conv_bn(out: int, inp: int, k: int) -> None:
+        shapes.extend([(out, inp, k, k), (out,), (out,)])
+
+    conv_bn(width, 3, 7)
+    inp = width
+    for stage, blocks in enumerate((3, 4, 6, 3)):
+        planes = width * 2 ** stage
+        for b in range(blocks):
+            conv_bn(planes, inp, 1)
+            conv_bn(planes, planes, 3)
+            conv_bn(planes * 4, planes, 1)
+            if b == 0:
+                conv_bn(planes * 4, inp, 1)  # the downsampling shortcut
+            inp = planes * 4
+    shapes.extend([(1000, inp), (1000,)])
+    return shapes
+
+
+def layout_of(spec: str, numel: int) -> tuple[list[tuple[int, ...]] | None, torch.Size]:
+    """(layout for allreduce, shape of the gradient tensor) for ``--layout``."""
+    if spec == "square":
+        rows = math.isqrt(numel)
+        return None, torch.Size((rows, numel // rows))
+    name, _, width = spec.partition(":")
+    if name != "resnet50":
+        raise SystemExit(f"--layout must be resnet50, resnet50:WIDTH or square, got {spec!r}")
+    shapes = resnet50_shapes(int(width) if width else 64)
+    return shapes, torch.Size((sum(math.prod(s) for s in shapes),))
+
+
+def gradient(shape: torch.Size, seed: int = 0) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def powersgd_round(c, g: torch.Tensor, layout, key: str = "g") -> tuple[torch.Tensor, list[int]]:
+    """One PowerSGD round in this process (no peers) and the bytes of its two all-reduces."""
+    sizes = []
+
+    def start(t: torch.Tensor):
+        sizes.append(t.numel() * t.element_size())
+        return lambda: None
+    out = c.round_layers(g, layout, key, start)
+    return out, sizes
 
 
 def _sync(device: str) -> None:
@@ -56,16 +105,32 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def codec_table(numel: int, repeats: int, device: str = "cpu") -> None:
-    g = gradient(numel).to(device)
+def codec_table(spec: str, numel: int, repeats: int, device: str = "cpu") -> None:
+    layout, shape = layout_of(spec, numel)
+    g = gradient(shape).to(device)
     fp32 = g.numel() * 4
     where = torch.cuda.get_device_name(g.device) if g.is_cuda else f"{torch.get_num_threads()} CPU thread(s)"
-    print(f"\nEncode + decode, one {tuple(g.shape)} float32 gradient ({g.numel() / 1e6:.1f}M elements), "
-          f"{where}")
+    what = f"one {tuple(g.shape)} float32 gradient" if layout is None else \
+        f"{spec}'s {len(layout)} gradients in one float32 bucket"
+    print(f"\nEncode + decode, {what} ({g.numel() / 1e6:.1f}M elements), {where}"
+          + ("; PowerSGD's round (both products, QR, residual, output) is under encode" if layout else ""))
     print(f"{'compressor':<15}{'bits/elem':>10}{'bytes/step':>14}{'vs fp32':>9}"
           f"{'encode ms':>11}{'decode ms':>11}{'GB/s':>7}")
     for name in COMPRESSORS:
         c = make(name)
+        if layout is not None and name.startswith("powersgd"):
+            nbytes = sum(powersgd_round(c, g, layout)[1])  # warm: Q, allocator
+            rounds = []
+            for _ in range(repeats):
+                _sync(device)
+                t0 = time.perf_counter()
+                powersgd_round(c, g, layout)
+                _sync(device)
+                rounds.append(time.perf_counter() - t0)
+            e = statistics.median(rounds)
+            print(f"{name:<15}{32 * nbytes / fp32:>10.3f}{nbytes:>14,}{fp32 / nbytes:>8.1f}x"
+                  f"{e * 1e3:>11.1f}{'-':>11}{fp32 / e / 1e9:>7.2f}")
+            continue
         c.compress(g, key="g")  # warm: PowerSGD's Q, allocator
         enc, dec = [], []
         for _ in range(repeats):
@@ -94,7 +159,8 @@ def rank_main(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{args.port}",
                             rank=args.rank, world_size=2, timeout=timedelta(seconds=600))
-    g = gradient(args.numel, seed=args.rank).to(args.device)
+    layout, shape = layout_of(args.layout, args.numel)
+    g = gradient(shape, seed=args.rank).to(args.device)
     if g.is_cuda:  # Gloo moves CUDA tensors through host memory; compression runs on the GPU
         sync = torch.cuda.synchronize
     else:
@@ -103,45 +169,46 @@ def rank_main(args: argparse.Namespace) -> None:
     results = {}
     for name in args.compressors.split(","):
         c = make(name)
-        C.allreduce(g, c, name="g")  # warm-up: connections, buffers, PowerSGD's Q
+        C.allreduce(g, c, name="g", layout=layout)  # warm-up: connections, buffers, PowerSGD's Q
         times, sent = [], []
         for _ in range(args.steps):
             dist.barrier()
             before = C.stats.bytes_sent
             sync()
             t0 = time.perf_counter()
-            C.allreduce(g, c, name="g")
+            C.allreduce(g, c, name="g", layout=layout)
             sync()
             times.append(time.perf_counter() - t0)
             sent.append(C.stats.bytes_sent - before)
         results[name] = {"step_s": statistics.median(times), "bytes": statistics.median(sent)}
+    # ideal times: PowerSGD's two rounds (r (n + m) floats per matrix, each way: 160 KB for
+    # 5000 x 5000 at rank 4, 1.5 MB for ResNet-50), the buffer's own size otherwise
+    p_round, q_round = powersgd_round(make("powersgd-r4"), g, layout)[1]
+    psgd_bytes = p_round + q_round
     # The bare collectives the compressed path uses, on QSGD-4bit-sized buffers: what the link
     # and Gloo cost without any encoding.
-    width = -(-make("qsgd-4bit").compress(g.reshape(-1)[: args.numel // 2]).nbytes // 8) * 8
+    width = -(-make("qsgd-4bit").compress(g.reshape(-1)[: g.numel() // 2]).nbytes // 8) * 8
     raw = {
         "all_to_all": lambda: dist.all_to_all_single(torch.empty(2 * width, dtype=torch.uint8),
                                                      torch.zeros(2 * width, dtype=torch.uint8)),
         "all_gather": lambda: dist.all_gather_into_tensor(torch.empty(2 * width, dtype=torch.uint8),
                                                           torch.zeros(width, dtype=torch.uint8)),
         "all_reduce": lambda: dist.all_reduce(torch.zeros(2 * width // 4)),
-        # PowerSGD's rounds: P or Q of a 5000 x 5000 gradient at rank 4 (80 KB)
-        "all_reduce 80KB": lambda: dist.all_reduce(torch.zeros(20000)),
+        # PowerSGD's first round alone: its P (with the uncompressed tensors)
+        "all_reduce PowerSGD's P": lambda: dist.all_reduce(torch.zeros(p_round // 4)),
     }
     if args.device != "cpu":
-        raw["all_reduce 80KB " + args.device] = lambda: dist.all_reduce(torch.zeros(20000, device=args.device))
+        raw[f"all_reduce P {args.device}"] = lambda: dist.all_reduce(torch.zeros(p_round // 4, device=args.device))
     raw |= {
         "isend/irecv": lambda: [w.wait() for w in dist.batch_isend_irecv([
             dist.P2POp(dist.isend, torch.zeros(width, dtype=torch.uint8), 1 - args.rank),
             dist.P2POp(dist.irecv, torch.empty(width, dtype=torch.uint8), 1 - args.rank)])],
     }
     psgd = make("powersgd-r4")
-    raw["PowerSGD compute only"] = lambda: psgd.round(g, "g", lambda t: None)
+    raw["PowerSGD compute only"] = lambda: powersgd_round(psgd, g, layout)
     # PowerSGD's floor: its round reads the whole gradient at least twice (M Q, and M^T P after
     # the first all-reduce), however its products are computed.
     raw["read the gradient once"] = lambda: g.sum()
-    # ideal times: PowerSGD's two rounds for its rows (r (n + m) floats each way: 160 KB for
-    # 5000 x 5000 at rank 4), the buffer's own size otherwise
-    psgd_bytes = 4 * psgd.rank * sum(g.shape)
     for name, op in raw.items():
         op()
         times = []
@@ -152,7 +219,8 @@ def rank_main(args: argparse.Namespace) -> None:
             op()
             sync()
             times.append(time.perf_counter() - t0)
-        nbytes = 80_000 if "80KB" in name else psgd_bytes if "PowerSGD" in name or "gradient" in name else width
+        nbytes = p_round if name.startswith("all_reduce P") else \
+            psgd_bytes if "PowerSGD" in name or "gradient" in name else width
         results["raw " + name] = {"step_s": statistics.median(times), "bytes": nbytes}
     if args.rank == 0:
         with open(args.out, "w") as f:
@@ -201,7 +269,7 @@ def network_table(args: argparse.Namespace) -> None:
             env = dict(os.environ, GLOO_SOCKET_IFNAME=dev[r])
             cmd = ["ip", "netns", "exec", ns[r], sys.executable, os.path.abspath(__file__),
                    "--rank", str(r), "--master", addr[0], "--port", "29533", "--out", out,
-                   "--numel", str(args.numel), "--steps", str(args.steps),
+                   "--numel", str(args.numel), "--layout", args.layout, "--steps", str(args.steps),
                    "--threads", str(args.threads), "--compressors", args.compressors,
                    "--device", args.device]
             procs.append(subprocess.Popen(cmd, env=env))
@@ -221,7 +289,8 @@ def network_table(args: argparse.Namespace) -> None:
     base = results["fp32"]["step_s"]
     where = f"{args.threads} thread(s) per rank" if args.device == "cpu" else \
         f"gradients and compression on {args.device} (both ranks share it), Gloo through host memory"
-    print(f"\n2-rank all-reduce of {args.numel / 1e6:.1f}M float32 over a {args.rate_mbit} Mbit/s veth "
+    numel = layout_of(args.layout, args.numel)[1].numel()
+    print(f"\n2-rank all-reduce of {numel / 1e6:.1f}M float32 ({args.layout}) over a {args.rate_mbit} Mbit/s veth "
           f"(tc tbf), Gloo, {where}, median of {args.steps} steps")
     print(f"{'compressor':<26}{'bytes sent':>14}{'step ms':>10}{'vs fp32':>9}{'ideal ms':>10}{'step/ideal':>11}")
     for name in [n for n in results if n in COMPRESSORS or n.startswith("raw ")]:
@@ -240,7 +309,9 @@ def network_table(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--numel", type=int, default=25_000_000)
+    parser.add_argument("--layout", default="resnet50",
+                        help="resnet50 (its 161 tensors in one bucket), resnet50:WIDTH, or square")
+    parser.add_argument("--numel", type=int, default=25_000_000, help="elements of --layout square")
     parser.add_argument("--rate-mbit", type=int, default=1000)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
@@ -257,7 +328,7 @@ def main() -> None:
         rank_main(args)
         return
     torch.set_num_threads(args.threads)
-    codec_table(args.numel, args.steps, args.device)
+    codec_table(args.layout, args.numel, args.steps, args.device)
     if not args.skip_network:
         network_table(args)
 

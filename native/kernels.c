@@ -1130,6 +1130,7 @@ typedef struct {
     int64_t numel, rows, cols;
     int r;
     float *out;
+    int sub;  /* out -= P Q^T (PowerSGD's residual, in place) instead of out = P Q^T */
 } lr_args;
 
 static void lr_range_scalar(const lr_args *A, int64_t i, int64_t j0, int64_t j1) {
@@ -1138,7 +1139,7 @@ static void lr_range_scalar(const lr_args *A, int64_t i, int64_t j0, int64_t j1)
     for (int64_t j = j0; j < j1; j++) {
         float s = p[0] * A->qT[j];
         for (int k = 1; k < A->r; k++) s = fmaf(p[k], A->qT[k * A->cols + j], s);
-        o[j] = s;
+        o[j] = A->sub ? o[j] - s : s;
     }
 }
 
@@ -1156,6 +1157,7 @@ AVX2FMA static void lr_row_avx2(const lr_args *A, int64_t i, int64_t len) {
             s = _mm256_fmadd_ps(p1, _mm256_loadu_ps(q1 + j), s);
             s = _mm256_fmadd_ps(p2, _mm256_loadu_ps(q2 + j), s);
             s = _mm256_fmadd_ps(p3, _mm256_loadu_ps(q3 + j), s);
+            if (A->sub) s = _mm256_sub_ps(_mm256_loadu_ps(o + j), s);
             _mm256_storeu_ps(o + j, s);
         }
     } else {
@@ -1163,6 +1165,7 @@ AVX2FMA static void lr_row_avx2(const lr_args *A, int64_t i, int64_t len) {
             __m256 s = _mm256_mul_ps(_mm256_set1_ps(p[0]), _mm256_loadu_ps(A->qT + j));
             for (int k = 1; k < A->r; k++)
                 s = _mm256_fmadd_ps(_mm256_set1_ps(p[k]), _mm256_loadu_ps(A->qT + k * C + j), s);
+            if (A->sub) s = _mm256_sub_ps(_mm256_loadu_ps(o + j), s);
             _mm256_storeu_ps(o + j, s);
         }
     }
@@ -1184,15 +1187,27 @@ static void lr_task(void *arg, int t, int nt) {
     }
 }
 
-int sdk_lowrank_product(const float *p, const float *q, int64_t numel, int64_t rows, int64_t cols, int r,
-                        float *out) {
+static int lowrank(const float *p, const float *q, int64_t numel, int64_t rows, int64_t cols, int r,
+                   float *out, int sub) {
     if (numel <= 0) return 0;
     float *qT = (float *)k_malloc((size_t)r * (size_t)cols * sizeof(float));
     if (!qT) return -1;
     for (int64_t j = 0; j < cols; j++)
         for (int k = 0; k < r; k++) qT[k * cols + j] = q[j * r + k];
-    lr_args A = {p, qT, numel, rows, cols, r, out};
+    lr_args A = {p, qT, numel, rows, cols, r, out, sub};
     parallel(threads_for(numel), lr_task, &A);
     free(qT);
     return 0;
+}
+
+int sdk_lowrank_product(const float *p, const float *q, int64_t numel, int64_t rows, int64_t cols, int r,
+                        float *out) {
+    return lowrank(p, q, numel, rows, cols, r, out, 0);
+}
+
+/* m -= P Q^T in place, each product rounded as in sdk_lowrank_product: PowerSGD's residual
+ * e = M - P Qw^T in one read and one write of M, where torch's addmm_ at k = r is far slower. */
+int sdk_lowrank_subtract(const float *p, const float *q, int64_t numel, int64_t rows, int64_t cols, int r,
+                         float *m) {
+    return lowrank(p, q, numel, rows, cols, r, m, 1);
 }

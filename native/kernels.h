@@ -67,5 +67,7 @@ int sdk_topk(const float *x, int64_t n, int64_t k, int64_t *idx, float *val);
  * then fma(pk, qk, .) for k ascending, on every path and thread count. Returns 0 or -1. */
 int sdk_lowrank_product(const float *p, const float *q, int64_t numel, int64_t rows, int64_t cols, int r,
                         float *out);
+int sdk_lowrank_subtract(const float *p, const float *q, int64_t numel, int64_t rows, int64_t cols, int r,
+                         float *m);
 
 #endif

@@ -132,21 +132,26 @@ static PyObject *topk(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *lowrank_product(PyObject *self, PyObject *args) {
+static PyObject *lowrank_call(PyObject *args, int sub) {
     unsigned long long p, q, out;
     long long numel, rows, cols;
     int r, rc;
+    const char *name = sub ? "lowrank_subtract" : "lowrank_product";
     if (!PyArg_ParseTuple(args, "KKLLLiK", &p, &q, &numel, &rows, &cols, &r, &out)) return NULL;
     if (r < 1 || rows < 1 || cols < 1 || numel > rows * cols) {
-        PyErr_SetString(PyExc_ValueError, "lowrank_product: needs r >= 1 and numel <= rows * cols");
+        PyErr_Format(PyExc_ValueError, "%s: needs r >= 1 and numel <= rows * cols", name);
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    rc = sdk_lowrank_product(PTR(const float *, p), PTR(const float *, q), numel, rows, cols, r, PTR(float *, out));
+    rc = (sub ? sdk_lowrank_subtract : sdk_lowrank_product)(PTR(const float *, p), PTR(const float *, q), numel,
+                                                            rows, cols, r, PTR(float *, out));
     Py_END_ALLOW_THREADS
-    if (rc) return no_memory("lowrank_product");
+    if (rc) return no_memory(name);
     Py_RETURN_NONE;
 }
+
+static PyObject *lowrank_product(PyObject *self, PyObject *args) { return lowrank_call(args, 0); }
+static PyObject *lowrank_subtract(PyObject *self, PyObject *args) { return lowrank_call(args, 1); }
 
 static PyObject *set_threads(PyObject *self, PyObject *args) {
     int n;
@@ -181,6 +186,7 @@ static PyMethodDef methods[] = {
     {"qsgd_decode", qsgd_decode, METH_VARARGS, "(norms, packed, n, bucket, levels, bits, out, accumulate)"},
     {"topk", topk, METH_VARARGS, "(x, n, k, idx, val)"},
     {"lowrank_product", lowrank_product, METH_VARARGS, "(p, q, numel, rows, cols, r, out): PowerSGD's P Q^T"},
+    {"lowrank_subtract", lowrank_subtract, METH_VARARGS, "(p, q, numel, rows, cols, r, m): m -= P Q^T in place"},
     {"set_threads", set_threads, METH_VARARGS, "threads for vectors of 1M+ elements; returns the value set"},
     {"force_scalar", force_scalar, METH_VARARGS, "True: skip the AVX2/F16C paths"},
     {"fail_allocations", fail_allocations, METH_VARARGS, "True: every allocation in the kernels fails (tests)"},

@@ -91,6 +91,10 @@ static void run(int64_t n) {
             for (int64_t i = 0; i < rows * r; i++) p[i] = g[i % n];
             for (int64_t i = 0; i < cols * r; i++) q[i] = e[i % n];
             CHECK(sdk_lowrank_product(p, q, n, rows, cols, r, out) == 0);
+            float *m = xalloc(rows * cols * sizeof(float));
+            for (int64_t i = 0; i < rows * cols; i++) m[i] = g[i % n];
+            CHECK(sdk_lowrank_subtract(p, q, rows * cols, rows, cols, r, m) == 0);
+            free(m);
             free(p);
             free(q);
         }
@@ -115,6 +119,7 @@ static void oom(int64_t n) {
     CHECK(sdk_qsgd_encode(g, n, 100000, 7, 4, 1, norms, packed) == -1);
     CHECK(sdk_topk(g, n, n / 10 + 1, idx, norms) == -1);
     CHECK(sdk_lowrank_product(g, e0, n, 1, n, 1, norms) == -1);
+    CHECK(sdk_lowrank_subtract(g, e0, n, 1, n, 1, e) == -1);  /* M (here e) left as it was */
     sdk_fail_allocations(0);
     CHECK(memcmp(e, e0, n * sizeof(float)) == 0);
     free(g); free(e); free(e0); free(means); free(norms); free(bits); free(packed); free(idx);

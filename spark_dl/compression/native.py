@@ -206,6 +206,23 @@ def lowrank_product(p: torch.Tensor, q: torch.Tensor, numel: int,
     return out
 
 
+def lowrank_subtract(m: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``m -= p @ q.T`` in place (PowerSGD's residual: one read and one write of ``m``, where
+    torch's ``addmm_`` with an inner dimension of 4 is far slower); each product rounded as in
+    :func:`lowrank_product`. ``m``: a contiguous float32 CPU matrix of ``p``'s rows and ``q``'s
+    rows. Returns ``m``."""
+    rows, r = p.shape
+    cols = q.shape[0]
+    if q.shape[1] != r or tuple(m.shape) != (rows, cols):
+        raise ValueError(f"lowrank_subtract: M {tuple(m.shape)}, P {tuple(p.shape)} and Q {tuple(q.shape)} "
+                         "do not match (M is rows x cols, P rows x r, Q cols x r)")
+    _out(m.view(-1) if m.is_contiguous() else m, rows * cols)
+    a, b = _f32(p), _f32(q)
+    if m.numel():
+        _ext.lowrank_subtract(a.data_ptr(), b.data_ptr(), m.numel(), rows, cols, r, m.data_ptr())
+    return m
+
+
 def _out(out: torch.Tensor | None, n: int) -> torch.Tensor:
     if out is None:
         return torch.empty(n, dtype=torch.float32)

@@ -201,7 +201,11 @@ class PowerSGD(Compressor):
         for i in comp:
             m = metas[i]
             q_local = local[q_at[i]:q_at[i] + ranks[i] * m.cols].view(ranks[i], m.cols)
-            self.residuals.store(keys[i], ms[i].addmm_(ps[i], q_local, alpha=-1).view(-1)[:m.numel].view(m.shape))
+            if native.enabled(ms[i]):  # one read and write of M; addmm_ at k = r is ~1.7x slower
+                native.lowrank_subtract(ms[i], ps[i], q_local.t())
+            else:
+                ms[i].addmm_(ps[i], q_local, alpha=-1)
+            self.residuals.store(keys[i], ms[i].view(-1)[:m.numel].view(m.shape))
         wait()
         out = torch.empty(sum(m.numel for m in metas), dtype=torch.float32, device=device)
         payloads, at = [], 0

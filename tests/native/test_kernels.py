@@ -338,6 +338,31 @@ def test_powersgd_lowrank_product_is_p_q_transposed_whatever_threads_or_simd(row
         native.lowrank_product(p, q, rows * cols + 1)
 
 
+@pytest.mark.parametrize("rows,cols,r", [(1, 1, 1), (10, 3, 2), (50, 37, 4), (300, 301, 9), (1100, 1001, 4)])
+def test_powersgd_residual_subtracts_p_q_transposed_in_place(rows, cols, r, path):
+    p = rand(rows * r).view(rows, r)
+    q = rand(cols * r, seed=7).view(cols, r)
+    m0 = rand(rows * cols, seed=3).view(rows, cols)
+    ref = m0.double() - p.double() @ q.double().t()
+    outs = []
+    for threads in (1, 3):
+        native.set_threads(threads)
+        try:
+            m = m0.clone()
+            assert native.lowrank_subtract(m, p, q) is m  # in place
+            outs.append(m)
+        finally:
+            native.set_threads(None)
+    assert torch.equal(outs[0], outs[1])
+    # each element is m - (the product lowrank_product computes), rounded once more
+    assert torch.equal(outs[0], m0 - native.lowrank_product(p, q, rows * cols).view(rows, cols))
+    assert (outs[0].double() - ref).abs().max() <= 1e-5 * (m0.abs().max() + (p @ q.t()).abs().max())
+    with pytest.raises(ValueError, match="do not match"):
+        native.lowrank_subtract(m0, p, rand((cols + 1) * r).view(cols + 1, r))
+    with pytest.raises(ValueError, match="contiguous float32"):
+        native.lowrank_subtract(m0.double(), p, q)
+
+
 def test_powersgd_output_is_the_same_across_paths_and_out_of_memory_is_clear():
     g = rand(300 * 200).view(300, 200)
     outs = []
@@ -353,6 +378,11 @@ def test_powersgd_output_is_the_same_across_paths_and_out_of_memory_is_clear():
     try:
         with pytest.raises(MemoryError, match="lowrank_product: out of memory"):
             native.lowrank_product(rand(8).view(4, 2), rand(6).view(3, 2), 12)
+        m = rand(12).view(4, 3)
+        before = m.clone()
+        with pytest.raises(MemoryError, match="lowrank_subtract: out of memory"):
+            native.lowrank_subtract(m, rand(8).view(4, 2), rand(6).view(3, 2))
+        assert torch.equal(m, before)  # the residual is left as it was
     finally:
         native.fail_allocations(False)
 
