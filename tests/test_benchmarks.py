@@ -35,7 +35,7 @@ def test_kernels_benchmark_prints_a_verdict_per_row():
 
 
 def test_compression_benchmark_runs_both_parts_or_says_why_not():
-    done = _run("benchmarks/compression.py", "--numel", "40000", "--steps", "1",
+    done = _run("benchmarks/compression.py", "--layout", "square", "--numel", "40000", "--steps", "1",
                 "--compressors", "fp32,qsgd-4bit,powersgd-r4")
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
@@ -50,3 +50,27 @@ def test_compression_benchmark_runs_both_parts_or_says_why_not():
     powersgd = next(line for line in table.splitlines() if line.startswith("powersgd-r4 "))
     assert powersgd.split()[1] == "6,400"
     assert "PowerSGD's floor on cpu" in table
+
+
+def test_compression_benchmark_on_resnet50_layers_counts_powersgd_per_weight():
+    import importlib.util
+    import math
+
+    spec = importlib.util.spec_from_file_location("compression_bench", ROOT / "benchmarks" / "compression.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    shapes = bench.resnet50_shapes(8)
+    assert len(shapes) == 161 and sum(math.prod(s) for s in bench.resnet50_shapes()) == 25_557_032
+    # rank 4 per weight (shape[0] x the rest) where it saves 2x or more, the rest sent as is
+    expected = 0
+    for s in shapes:
+        n, m = s[0], math.prod(s) // s[0]
+        r = min(4, n, m)
+        expected += 4 * (r * (n + m) if len(s) > 1 and n * m >= 2 * r * (n + m) else n * m)
+    done = _run("benchmarks/compression.py", "--layout", "resnet50:8", "--steps", "1",
+                "--compressors", "fp32,powersgd-r4")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert any("resnet50:8's 161 gradients in one float32 bucket" in line for line in lines)
+    rows = [line for line in lines if line.startswith("powersgd-r4 ")]
+    assert rows and all(line.split()[2 if i == 0 else 1] == f"{expected:,}" for i, line in enumerate(rows)), rows
