@@ -774,41 +774,66 @@ AVX2 static inline __m256i fmix32x8(__m256i h) {
     return _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
 }
 
+/* 8 lanes' 4-bit codes (as int32 in [0, 2s]) for elements base.. of one bucket with factor f */
+AVX2 static inline __m256i qcodes8_avx2(const float *x, uint32_t base, __m256 f, __m256i lane, __m256i k1,
+                                        __m256 Lf, __m256i Li) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 unit = _mm256_set1_ps(5.9604644775390625e-8f);
+    __m256i h = _mm256_xor_si256(fmix32x8(_mm256_add_epi32(_mm256_set1_epi32((int)base), lane)), k1);
+    __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)), unit);
+    __m256 v = _mm256_loadu_ps(x);
+    __m256 tv = _mm256_add_ps(_mm256_mul_ps(_mm256_and_ps(v, absmask), f), u);
+    __m256i lvl = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(Li),
+        _mm256_castsi256_ps(_mm256_cvttps_epi32(tv)), _mm256_cmp_ps(tv, Lf, _CMP_LT_OQ)));
+    lvl = _mm256_andnot_si256(_mm256_castps_si256(_mm256_cmp_ps(tv, tv, _CMP_UNORD_Q)), lvl);
+    __m256i sg = _mm256_srai_epi32(_mm256_castps_si256(v), 31);  /* -1 where the sign bit is set */
+    return _mm256_add_epi32(Li, _mm256_sub_epi32(_mm256_xor_si256(lvl, sg), sg));
+}
+
+static inline uint32_t qbase(int64_t i, uint64_t seed) {
+    return (uint32_t)i * 0x9E3779B1u + (uint32_t)seed + (uint32_t)((uint64_t)i >> 32) * 0x85EBCA77u;
+}
+
 AVX2 static int64_t qenc4_avx2(q_args *A, int64_t i, int64_t hi, const float *factor, int64_t fj) {
     const int64_t B = A->bucket;
-    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    const __m256 Lf = _mm256_set1_ps((float)A->levels), unit = _mm256_set1_ps(5.9604644775390625e-8f);
+    const float *x = A->x;  /* locals: the byte stores below could alias *A, which forces reloads */
+    uint8_t *packed = A->packed;
+    const uint64_t seed = A->seed;
+    const __m256 Lf = _mm256_set1_ps((float)A->levels);
     const __m256i Li = _mm256_set1_epi32(A->levels);
     const __m256i pick = _mm256_setr_epi8(0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
                                           0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m128i nibbles = _mm_set1_epi16(0x0110);  /* (byte 2k) * 16 + (byte 2k+1) * 1 */
     const __m256i golden = _mm256_set1_epi32((int)0x9E3779B1u);
     const __m256i lane = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), golden);
-    const __m256i k1 = _mm256_set1_epi32((int)(uint32_t)(A->seed >> 32));
+    const __m256i k1 = _mm256_set1_epi32((int)(uint32_t)(seed >> 32));
     int64_t j = i / B, edge = (j + 1) * B;  /* no division per group: it cost more than the rest */
     __m256 f = _mm256_set1_ps(factor[j - fj]);
-    for (; i + 8 <= hi; i += 8) {
+    for (; i + 8 <= hi; ) {
         if (i >= edge) {
             j = i / B;
             edge = (j + 1) * B;
             f = _mm256_set1_ps(factor[j - fj]);
         }
+        if (i + 16 <= edge && i + 16 <= hi) {
+            /* 16 codes: two independent chains, packed to 8 bytes with one store */
+            __m256i c0 = qcodes8_avx2(x + i, qbase(i, seed), f, lane, k1, Lf, Li);
+            __m256i c1 = qcodes8_avx2(x + i + 8, qbase(i + 8, seed), f, lane, k1, Lf, Li);
+            __m256i w = _mm256_permute4x64_epi64(_mm256_packus_epi32(c0, c1), 0xD8);  /* 16 x u16, in order */
+            __m128i b = _mm_packus_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+            __m128i pairs = _mm_maddubs_epi16(b, nibbles);
+            _mm_storel_epi64((__m128i *)(packed + (i >> 1)), _mm_packus_epi16(pairs, pairs));
+            i += 16;
+            continue;
+        }
         if (i + 8 > edge) break;
-        uint32_t base = (uint32_t)i * 0x9E3779B1u + (uint32_t)A->seed + (uint32_t)((uint64_t)i >> 32) * 0x85EBCA77u;
-        __m256i h = _mm256_xor_si256(fmix32x8(_mm256_add_epi32(_mm256_set1_epi32((int)base), lane)), k1);
-        __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)), unit);
-        __m256 x = _mm256_loadu_ps(A->x + i);
-        __m256 tv = _mm256_add_ps(_mm256_mul_ps(_mm256_and_ps(x, absmask), f), u);
-        __m256i lvl = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(Li),
-            _mm256_castsi256_ps(_mm256_cvttps_epi32(tv)), _mm256_cmp_ps(tv, Lf, _CMP_LT_OQ)));
-        lvl = _mm256_andnot_si256(_mm256_castps_si256(_mm256_cmp_ps(tv, tv, _CMP_UNORD_Q)), lvl);
-        __m256i sg = _mm256_srai_epi32(_mm256_castps_si256(x), 31);  /* -1 where the sign bit is set */
-        __m256i c = _mm256_add_epi32(Li, _mm256_sub_epi32(_mm256_xor_si256(lvl, sg), sg));
+        __m256i c = qcodes8_avx2(x + i, qbase(i, seed), f, lane, k1, Lf, Li);
         /* lanes (2k, 2k+1) -> one byte c[2k] << 4 | c[2k+1] at the bottom of each 64-bit lane */
         __m256i pr = _mm256_or_si256(_mm256_slli_epi64(c, 4), _mm256_srli_epi64(c, 32));
         pr = _mm256_shuffle_epi8(pr, pick);
-        uint16_t lo2 = (uint16_t)_mm256_extract_epi16(pr, 0), hi2 = (uint16_t)_mm256_extract_epi16(pr, 8);
-        uint8_t *dst = A->packed + (i >> 1);
-        dst[0] = (uint8_t)lo2; dst[1] = (uint8_t)(lo2 >> 8); dst[2] = (uint8_t)hi2; dst[3] = (uint8_t)(hi2 >> 8);
+        uint32_t w = (uint32_t)(uint16_t)_mm256_extract_epi16(pr, 0) | (uint32_t)(uint16_t)_mm256_extract_epi16(pr, 8) << 16;
+        memcpy(packed + (i >> 1), &w, 4);
+        i += 8;
     }
     return i;
 }
