@@ -195,12 +195,16 @@ def test_qsgd_is_unbiased_and_reproducible():
 
 
 @pytest.mark.parametrize("bucket", [512, 100, 7, 40000])
-def test_qsgd_codes_do_not_depend_on_threads_or_simd(bucket):
+def test_qsgd_codes_do_not_depend_on_threads_or_simd(bucket, torch_path):
     """The same seed gives the same codes with 1, 2 or 5 threads, AVX2 or portable C: the random
     streams are per 64K chunk, and norms of buckets cut by a thread or block edge are computed
     alike on both sides."""
     g = rand(3 << 20)
-    g[12345] = float("nan")
+    g[12345] = float("nan")  # a NaN bucket, an infinite one, an all-zero one, signed zeros:
+    g[200_000] = float("inf")  # the SIMD lanes take their general path there, the fast one elsewhere
+    g[300_000:300_000 + 2 * bucket + 16] = 0.0
+    g[500_000:500_016] = -0.0
+    g[500_016:500_032] = 1e-30  # tiny but normal: a huge, finite factor
     out = []
     try:
         for t, scalar in ((1, False), (2, False), (5, False), (2, True)):
@@ -213,6 +217,10 @@ def test_qsgd_codes_do_not_depend_on_threads_or_simd(bucket):
     for norms, packed in out[1:]:
         assert torch.equal(packed, out[0][1])
         assert torch.equal(norms.nan_to_num(-1.0), out[0][0].nan_to_num(-1.0))
+    # and, through the compressor, the torch reference's codes, bit for bit
+    ref = torch_path(C.QSGD(levels=7, bucket_size=bucket, seed=11).compress, g)
+    got = C.QSGD(levels=7, bucket_size=bucket, seed=11).compress(g)
+    assert torch.equal(ref.tensors[1], got.tensors[1])
 
 
 @pytest.mark.parametrize("n", SIZES)
