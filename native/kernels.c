@@ -613,6 +613,7 @@ void sdk_bf16_to_f32(const uint16_t *h, float *x, int64_t n, int accumulate) { c
 /* ---- QSGD ------------------------------------------------------------------------------------ */
 
 #define QCHUNK 65536  /* threads cut their shares here */
+#define QFUSE_ELEMS 16384  /* buckets up to this size: norm and codes in one pass over memory */
 
 /* The rounding noise is counter-based: element i's uniform is a hash of (i, seed), so it does
  * not depend on threads or SIMD, and the torch path (spark_dl/compression/rng.py,
@@ -826,6 +827,10 @@ AVX2 static int64_t qenc4_avx2(q_args *A, int64_t i, int64_t hi, const float *fa
             finite = factor[j - fj] > 0.0f && factor[j - fj] < INFINITY;
         }
         if (i + 16 <= edge && i + 16 <= hi) {
+            /* The next block's line, one per 16 elements (64 bytes): its norms then read it from
+             * cache while this compute-bound loop hides the memory latency (a prefetch past the
+             * end of the array is a hint, never a fault). */
+            _mm_prefetch((const char *)(x + i + QFUSE_ELEMS), _MM_HINT_T0);
             /* 16 codes: two independent chains, packed to 8 bytes with one store */
             __m256i c0, c1;
             if (finite) {
@@ -892,7 +897,6 @@ static void qenc_range(q_args *A, int64_t lo, int64_t hi, const float *factor, i
     }
 }
 
-#define QFUSE_ELEMS 16384  /* buckets up to this size: norm and codes in one pass over memory */
 
 static void qenc_task(void *arg, int t, int nt) {
     q_args *A = (q_args *)arg;
