@@ -1112,9 +1112,154 @@ static void tk_pick_task(void *arg, int t, int nt) {
     }
 }
 
+/* ---- top-k, sampled threshold ------------------------------------------------------------------
+ *
+ * For large vectors: a histogram of 256 evenly spread chunks of 1024 elements estimates a bin
+ * b_lo safely below the k-th largest key; one SIMD pass then keeps only the elements whose bin is
+ * >= b_lo (index and key, in index order), and the exact selection runs on those. The result is
+ * exactly the full method's set: if at least k elements reach b_lo, every element of the top k
+ * (which are all >= the k-th key >= b_lo) is among them. When fewer than k reach it, or more
+ * than the buffers hold (a misleading sample), the caller falls back to the full histogram. */
+
+#define TK_CHUNKS 256
+#define TK_CHUNK 1024
+
+typedef struct {
+    const float *x;
+    int64_t n, cap;  /* cap: candidates a thread may keep (its buffers hold cap + 8) */
+    uint32_t bin;
+    int64_t start[SDK_MAX_THREADS];
+    uint32_t *cidx[SDK_MAX_THREADS];  /* index - start: shares are far below 2^32 elements */
+    uint32_t *cbits[SDK_MAX_THREADS];  /* the candidates' float bits: no second, scattered read of x */
+    int64_t count[SDK_MAX_THREADS];
+    int overflow[SDK_MAX_THREADS];
+} tks_args;
+
+#if SDK_X86
+static uint32_t tks_lut[256][8];  /* lane numbers of the set bits of a mask, packed to the left */
+static pthread_once_t tks_once = PTHREAD_ONCE_INIT;
+static void tks_init(void) {
+    for (int m = 0; m < 256; m++)
+        for (int l = 0, o = 0; l < 8; l++)
+            if (m >> l & 1) tks_lut[m][o++] = (uint32_t)l;
+}
+
+/* Keeps the lanes whose bin is >= A->bin, 8 at a time, with no branch per element or group:
+ * each group stores its kept lanes packed left, and c advances by their count. */
+AVX2 static int64_t tks_avx2(const tks_args *A, int64_t i, int64_t b, uint32_t *ci, uint32_t *cb, int64_t *cp) {
+    const __m256i absm = _mm256_set1_epi32(0x7fffffff), lim = _mm256_set1_epi32((int)A->bin - 1);
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    int64_t c = *cp, a = i;
+    for (; i + 8 <= b; i += 8) {
+        __m256i bits = _mm256_loadu_si256((const __m256i *)(A->x + i));
+        __m256i key = _mm256_and_si256(bits, absm);
+        int m = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_srli_epi32(key, 16), lim)));
+        /* No branch on m: a group without candidates stores over the same slots (in L1) and
+         * does not advance c; a branch here mispredicted on every group that has one. */
+        if (c > A->cap) break;  /* full: the caller falls back */
+        __m256i perm = _mm256_loadu_si256((const __m256i *)tks_lut[m]);
+        __m256i at = _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)(i - a)), lanes);
+        _mm256_storeu_si256((__m256i *)(cb + c), _mm256_permutevar8x32_epi32(bits, perm));
+        _mm256_storeu_si256((__m256i *)(ci + c), _mm256_permutevar8x32_epi32(at, perm));
+        c += __builtin_popcount((unsigned)m);
+    }
+    *cp = c;
+    return i;
+}
+#endif
+
+static void tks_task(void *arg, int t, int nt) {
+    tks_args *A = (tks_args *)arg;
+    int64_t a, b, c = 0, i;
+    share(A->n, t, nt, 64, &a, &b);
+    A->start[t] = a;
+    uint32_t *ci = A->cidx[t], *cb = A->cbits[t];
+    i = a;
+#if SDK_X86
+    if (has_avx2()) i = tks_avx2(A, i, b, ci, cb, &c);
+#endif
+    for (; i < b && c <= A->cap; i++) {
+        if (key_of(A->x[i]) >> 16 < A->bin) continue;
+        ci[c] = (uint32_t)(i - a);
+        cb[c++] = f2u(A->x[i]);
+    }
+    A->overflow[t] = c > A->cap || i < b;
+    A->count[t] = c;
+}
+
+/* 1: done; 0: fall back to the full method (nothing written to idx/val); -1: out of memory */
+static int topk_sampled(const float *x, int64_t n, int64_t k, int64_t *idx, float *val) {
+    int nt = threads_for(n);
+    int64_t m = (int64_t)TK_CHUNKS * TK_CHUNK;
+    /* aim at about 1.25 k candidates: the sample's rank of 1.25 k n/m, plus 4 sigma and a floor */
+    double ks = (double)k * (double)m / (double)n;
+    int64_t rank = (int64_t)(1.25 * ks + 4.0 * sqrt(ks) + 32.0);
+    int64_t cap = (int64_t)(3.0 * (double)k / nt) + 4096;  /* per thread */
+    uint32_t *h = (uint32_t *)k_calloc(HBINS, sizeof(uint32_t));
+    uint32_t *ci = (uint32_t *)k_malloc((size_t)nt * (size_t)(cap + 8) * sizeof(uint32_t));
+    uint32_t *cb = (uint32_t *)k_malloc((size_t)nt * (size_t)(cap + 8) * sizeof(uint32_t));
+    int64_t *h2 = (int64_t *)k_calloc(65536, sizeof(int64_t));
+    if (!h || !ci || !cb || !h2) { free(h); free(ci); free(cb); free(h2); return -1; }
+    for (int c = 0; c < TK_CHUNKS; c++) {
+        int64_t at = (int64_t)((double)c * (double)(n - TK_CHUNK) / (TK_CHUNKS - 1));
+        for (int64_t i = at; i < at + TK_CHUNK; i++) h[key_of(x[i]) >> 16]++;
+    }
+    int64_t seen = 0, lo = HBINS - 1;
+    for (; lo > 0; lo--) {
+        seen += h[lo];
+        if (seen >= rank) break;
+    }
+    tks_args A;
+    memset(&A, 0, sizeof A);
+    A.x = x; A.n = n; A.cap = cap; A.bin = (uint32_t)lo;
+    for (int t = 0; t < nt; t++) { A.cidx[t] = ci + (size_t)t * (cap + 8); A.cbits[t] = cb + (size_t)t * (cap + 8); }
+#if SDK_X86
+    pthread_once(&tks_once, tks_init);
+#endif
+    parallel(nt, tks_task, &A);
+    int64_t total = 0;
+    int bad = 0;
+    for (int t = 0; t < nt; t++) { total += A.count[t]; bad |= A.overflow[t]; }
+    if (bad || total < k) { free(h); free(ci); free(cb); free(h2); return 0; }
+    /* exact selection among the candidates (thread by thread: index order) */
+    memset(h, 0, HBINS * sizeof(uint32_t));
+    for (int t = 0; t < nt; t++)
+        for (int64_t c = 0; c < A.count[t]; c++) h[(A.cbits[t][c] & 0x7fffffff) >> 16]++;
+    int64_t above = 0, bin = HBINS - 1;
+    for (; bin > 0; bin--) {
+        if (above + h[bin] >= k) break;
+        above += h[bin];
+    }
+    for (int t = 0; t < nt; t++)
+        for (int64_t c = 0; c < A.count[t]; c++)
+            if ((A.cbits[t][c] & 0x7fffffff) >> 16 == (uint32_t)bin) h2[A.cbits[t][c] & 0xffff]++;
+    int64_t need = k - above, above2 = 0, low = 65535;
+    for (; low > 0; low--) {
+        if (above2 + h2[low] >= need) break;
+        above2 += h2[low];
+    }
+    int64_t ties = need - above2, o = 0, o2 = above;
+    for (int t = 0; t < nt; t++)
+        for (int64_t c = 0; c < A.count[t]; c++) {
+            uint32_t key = A.cbits[t][c] & 0x7fffffff;
+            int64_t i = A.start[t] + A.cidx[t][c];
+            if (key >> 16 > (uint32_t)bin) { idx[o] = i; val[o++] = u2f(A.cbits[t][c]); }
+            else if (key >> 16 == (uint32_t)bin) {
+                int64_t lk = key & 0xffff;
+                if (lk > low || (lk == low && ties-- > 0)) { idx[o2] = i; val[o2++] = u2f(A.cbits[t][c]); }
+            }
+        }
+    free(h); free(ci); free(cb); free(h2);
+    return 1;
+}
+
 int sdk_topk(const float *x, int64_t n, int64_t k, int64_t *idx, float *val) {
     if (k <= 0 || n <= 0) return 0;
     if (k > n) k = n;
+    if (n >= SDK_PAR_MIN && n < ((int64_t)1 << 32) && k <= n / 32) {
+        int rc = topk_sampled(x, n, k, idx, val);
+        if (rc != 0) return rc == 1 ? 0 : -1;
+    }
     int nt = threads_for(n);
     tk_args A;
     memset(&A, 0, sizeof A);

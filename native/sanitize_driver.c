@@ -118,6 +118,7 @@ static void oom(int64_t n) {
     CHECK(sdk_onebit_decode(means, bits, n, 1024, e, 1) == -1);
     CHECK(sdk_qsgd_encode(g, n, 100000, 7, 4, 1, norms, packed) == -1);
     CHECK(sdk_topk(g, n, n / 10 + 1, idx, norms) == -1);
+    CHECK(sdk_topk(g, n, n / 100 + 1, idx, norms) == -1);  /* the sampled threshold's path */
     CHECK(sdk_lowrank_product(g, e0, n, 1, n, 1, norms) == -1);
     CHECK(sdk_lowrank_subtract(g, e0, n, 1, n, 1, e) == -1);  /* M (here e) left as it was */
     sdk_fail_allocations(0);

@@ -236,6 +236,54 @@ def test_topk_selects_the_torch_set(n, ratio, torch_path):
     assert torch.equal(values[order], ref_values[ref_order])
 
 
+def _sample_mask(n: int) -> torch.Tensor:
+    """Where the native top-k's threshold sample reads: 256 evenly spread runs of 1024."""
+    mask = torch.zeros(n, dtype=torch.bool)
+    for c in range(256):
+        at = int(c * (n - 1024) / 255)
+        mask[at:at + 1024] = True
+    return mask
+
+
+@pytest.mark.parametrize("case", ["normal", "sample_too_high", "sample_too_low", "ties", "nan_inf"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_topk_on_large_vectors_is_exact_whatever_the_sample_says(case, threads, path):
+    """Vectors of 1M+ elements go through a threshold estimated from a sample; a sample that
+    misleads (too high: fewer than k elements reach it; too low: more than the buffers hold)
+    must still give the exact set, and ties at the cut still go to the lower index."""
+    n = (1 << 21) + 77
+    k = n // 100
+    g = rand(n)
+    mask = _sample_mask(n)
+    if case == "sample_too_high":  # huge values only where the sample looks, half k of them
+        where = mask.nonzero().squeeze(1)[:: max(1, int(mask.sum()) // (k // 2))][: k // 2]
+        g[where] = 1e6 + torch.arange(len(where), dtype=torch.float32)
+    elif case == "sample_too_low":  # the sample sees only tiny values
+        g[mask] *= 1e-6
+    elif case == "ties":  # far more equal values than k, at the cut
+        g[::7] = 5.0
+    elif case == "nan_inf":
+        g[1000], g[n - 3], g[2_000_000] = float("nan"), float("inf"), -float("inf")
+    native.set_threads(threads)
+    try:
+        idx, val = native.topk(g, k)
+    finally:
+        native.set_threads(None)
+    assert torch.equal(g[idx], val) or case == "nan_inf"
+    got = set(idx.tolist())
+    assert len(got) == k
+    key = g.abs().nan_to_num(nan=float("inf"))
+    if case == "ties":
+        above = (key > 5.0).nonzero().squeeze(1).tolist()
+        tied = (key == 5.0).nonzero().squeeze(1).tolist()  # in index order
+        assert got == set(above) | set(tied[: k - len(above)])
+    else:
+        cut = key.kthvalue(n - k + 1).values  # k-th largest
+        assert (key[idx] >= cut).all() and int((key > cut).sum()) <= k
+        if case == "nan_inf":
+            assert {1000, n - 3, 2_000_000} <= got
+
+
 def test_topk_ties_and_nan_are_defined():
     x = torch.tensor([1.0, -1.0, 1.0, 0.5, float("nan"), -1.0])
     idx, val = native.topk(x, 3)
