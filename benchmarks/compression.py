@@ -90,7 +90,7 @@ def gradient(shape: torch.Size, seed: int = 0) -> torch.Tensor:
 
 
 def powersgd_round(c, g: torch.Tensor, layout, key: str = "g") -> tuple[torch.Tensor, list[int]]:
-    """One PowerSGD round in this process (no peers) and the bytes of its two all-reduces."""
+    """One PowerSGD round in this process (no peers) and the bytes of its all-reduces: P, then Q."""
     sizes = []
 
     def start(t: torch.Tensor):
@@ -183,8 +183,8 @@ def rank_main(args: argparse.Namespace) -> None:
         results[name] = {"step_s": statistics.median(times), "bytes": statistics.median(sent)}
     # ideal times: PowerSGD's two rounds (r (n + m) floats per matrix, each way: 160 KB for
     # 5000 x 5000 at rank 4, 1.5 MB for ResNet-50), the buffer's own size otherwise
-    p_round, q_round = powersgd_round(make("powersgd-r4"), g, layout)[1]
-    psgd_bytes = p_round + q_round
+    rounds = powersgd_round(make("powersgd-r4"), g, layout)[1]
+    p_round, psgd_bytes = sum(rounds[: len(rounds) // 2]), sum(rounds)
     # The bare collectives the compressed path uses, on QSGD-4bit-sized buffers: what the link
     # and Gloo cost without any encoding.
     width = -(-make("qsgd-4bit").compress(g.reshape(-1)[: g.numel() // 2]).nbytes // 8) * 8
@@ -194,7 +194,7 @@ def rank_main(args: argparse.Namespace) -> None:
         "all_gather": lambda: dist.all_gather_into_tensor(torch.empty(2 * width, dtype=torch.uint8),
                                                           torch.zeros(width, dtype=torch.uint8)),
         "all_reduce": lambda: dist.all_reduce(torch.zeros(2 * width // 4)),
-        # PowerSGD's first round alone: its P (with the uncompressed tensors)
+        # PowerSGD's P alone (with the uncompressed tensors), in one all-reduce
         "all_reduce PowerSGD's P": lambda: dist.all_reduce(torch.zeros(p_round // 4)),
     }
     if args.device != "cpu":
@@ -293,7 +293,7 @@ def network_table(args: argparse.Namespace) -> None:
     print(f"\n2-rank all-reduce of {numel / 1e6:.1f}M float32 ({args.layout}) over a {args.rate_mbit} Mbit/s veth "
           f"(tc tbf), Gloo, {where}, median of {args.steps} steps")
     print(f"{'compressor':<26}{'bytes sent':>14}{'step ms':>10}{'vs fp32':>9}{'ideal ms':>10}{'step/ideal':>11}")
-    for name in [n for n in results if n in COMPRESSORS or n.startswith("raw ")]:
+    for name in results:  # the compressors in the order given, then the raw collectives
         r = results[name]
         ideal = r["bytes"] / rate
         print(f"{name:<26}{int(r['bytes']):>14,}{r['step_s'] * 1e3:>10.1f}{base / r['step_s']:>8.1f}x"

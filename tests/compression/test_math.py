@@ -218,6 +218,8 @@ def test_powersgd_bucket_with_a_wrong_layout_says_so():
     with pytest.raises(ValueError, match="holds 12 elements but the bucket has 13"):
         p.round_layers(torch.randn(13), [(3, 4)], "b", _local)
     assert p.round_layers(torch.randn(0), [], "b", _local).numel() == 0
+    x = torch.randn(6)  # an empty tensor in a bucket takes no elements
+    assert torch.equal(p.round_layers(x, [(0, 5), (2, 3)], "z", _local), x)
 
 ALL = [C.NoneCompressor, C.FP16, C.BF16, C.OneBit, C.EFSign, C.QSGD, lambda: C.TopK(0.3),
        lambda: C.RandomK(0.3), lambda: C.PowerSGD(rank=2, start_iter=0),
