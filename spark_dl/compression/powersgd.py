@@ -125,11 +125,11 @@ class PowerSGD(Compressor):
 
     def round_layers(self, flat: torch.Tensor, shapes: Sequence[Sequence[int]] | None, key: Key,
                      start: StartAllReduce, world: int = 1, scale: float = 1.0) -> torch.Tensor:
-        """One step for a bucket: ``flat`` packs tensors of ``shapes`` (flattened, in order), and
-        each is factored as its own matrix (state keyed ``(key, i)``) and 1-D ones (biases,
-        norms) go uncompressed, as torch's ``powerSGD_hook`` does per gradient; ``shapes=None``: ``flat`` is one tensor, keyed
-        ``key``. All P (with the tensors sent uncompressed) go in one all-reduce and all Q in a
-        second, whatever the number of tensors. ``start(t)`` begins an in-place sum of ``t``
+        """One step for a bucket: ``flat`` packs tensors of ``shapes`` (flattened, in order); each
+        is factored as its own matrix (state keyed ``(key, i)``) and 1-D ones (biases, norms) go
+        uncompressed, as torch's ``powerSGD_hook`` does per gradient. ``shapes=None``: ``flat``
+        is one tensor, keyed ``key``. All P (with the tensors sent uncompressed) go in one
+        all-reduce and all Q in a second, whatever the number of tensors. ``start(t)`` begins an in-place sum of ``t``
         across ranks and returns a function that waits for it: the residuals are updated while
         Q travels. Returns the average, flat float32.
         """
@@ -214,7 +214,10 @@ class PowerSGD(Compressor):
             at += m.numel
             if not m.compressed:
                 wire = round1[raw_at[i]:raw_at[i] + m.numel]
-                torch.div(wire, world, out=dest) if world != 1 else dest.copy_(wire)
+                if world != 1:
+                    torch.div(wire, world, out=dest)
+                else:
+                    dest.copy_(wire)
                 payloads.append(Payload([wire], m))
                 continue
             r = ranks[i]
