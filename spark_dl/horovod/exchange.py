@@ -16,8 +16,8 @@ from spark_dl.compression import FP16
 from . import compression as _compression
 from .basics import Average, ReduceOp, Sum, _check, rank, size
 from .compression import Compression
-from .ops import (_on_comm_device, _reduce_into, _register, allgather_parts, allreduce, fused_inplace,
-                  resolve_op)
+from .ops import (_on_comm_device, _reduce_into, _register, allgather, allgather_parts, allreduce,
+                  fused_inplace, resolve_op)
 
 
 def _splits_list(splits: Any, rows: int) -> list[int]:
@@ -184,6 +184,35 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
     return list(tensors)
 
 
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None) -> list[torch.Tensor]:
+    """:func:`~spark_dl.horovod.allgather` of every tensor in ``tensors``, in order (first
+    dimensions may differ between ranks); returns the gathered tensors. Differentiable."""
+    _check()
+    tensors = _tensor_list(tensors, "grouped_allgather")
+    return [allgather(t, None if name is None else f"{name}.{i}") for i, t in enumerate(tensors)]
+
+
+def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
+                          compression: Any = Compression.none, op: Any = Average,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list[torch.Tensor]:
+    """:func:`reducescatter` of every tensor in ``tensors``, in order; returns this rank's slice
+    of each. Differentiable for Average and Sum."""
+    _check()
+    tensors = _tensor_list(tensors, "grouped_reducescatter")
+    return [reducescatter(t, None if name is None else f"{name}.{i}", compression, op, prescale_factor,
+                          postscale_factor) for i, t in enumerate(tensors)]
+
+
+def _tensor_list(tensors: Any, who: str) -> list[torch.Tensor]:
+    if torch.is_tensor(tensors):
+        raise TypeError(f"{who} takes a list of tensors, got one tensor: wrap it in a list")
+    tensors = list(tensors)
+    for t in tensors:
+        if not torch.is_tensor(t):
+            raise TypeError(f"{who} takes a list of tensors, got a {type(t).__name__}")
+    return tensors
+
+
 # ---- asynchronous forms -------------------------------------------------------------------------
 # Handles for poll()/synchronize() like Horovod's. These complete before they return (the row
 # counts must be exchanged before the rows can be), so poll() is True at once.
@@ -216,4 +245,19 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
     """Start a :func:`grouped_allreduce_`; ``synchronize(handle)`` returns ``tensors``, reduced."""
     result = grouped_allreduce_(tensors, average, name, compression, op, prescale_factor, postscale_factor)
+    return _register(None, lambda: result)
+
+
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None) -> int:
+    """Start a :func:`grouped_allgather`; ``synchronize(handle)`` returns the gathered tensors."""
+    result = grouped_allgather([t.detach() for t in tensors], name)
+    return _register(None, lambda: result)
+
+
+def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                                compression: Any = Compression.none, op: Any = Average,
+                                prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
+    """Start a :func:`grouped_reducescatter`; ``synchronize(handle)`` returns this rank's slices."""
+    result = grouped_reducescatter([t.detach() for t in tensors], name, compression, op, prescale_factor,
+                                   postscale_factor)
     return _register(None, lambda: result)

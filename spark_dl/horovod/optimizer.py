@@ -32,12 +32,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     """Mixed in ahead of the wrapped optimizer's class; see :func:`DistributedOptimizer`."""
 
     def _hvd_setup(self, named_parameters: Any, compressor: Any, backward_passes_per_step: int,
-                   op: ReduceOp, gradient_predivide_factor: float) -> None:
+                   op: ReduceOp, gradient_predivide_factor: float, sparse_as_dense: bool = False) -> None:
         all_params = [p for group in self.param_groups for p in group["params"]]
         self._hvd_names = _parameter_names(all_params, named_parameters)
         self._hvd_compressor = compressor
         self._hvd_op = op
         self._hvd_predivide = gradient_predivide_factor
+        self._hvd_sparse_as_dense = sparse_as_dense
         self.backward_passes_per_step = backward_passes_per_step
         params = [p for p in all_params if p.requires_grad]
         self._hvd_buckets = plan_buckets(params, fusion_threshold())
@@ -87,10 +88,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 # Another rank may have a gradient here (a branch it took): send zeros to match it.
                 p.grad = torch.zeros_like(p)
             elif p.grad.is_sparse:
-                raise NotImplementedError(
-                    f"sparse gradient for {self._hvd_names[p]!r}: spark_dl.horovod reduces dense "
-                    "gradients only (use nn.Embedding(sparse=False))."
-                )
+                if not self._hvd_sparse_as_dense:
+                    raise NotImplementedError(
+                        f"sparse gradient for {self._hvd_names[p]!r}: spark_dl.horovod reduces dense "
+                        "gradients only; pass DistributedOptimizer(..., sparse_as_dense=True) or use "
+                        "nn.Embedding(sparse=False)."
+                    )
+                p.grad = p.grad.to_dense()  # as Horovod's sparse_as_dense: reduced like any gradient
             grads.append(p.grad)
         self._hvd_next = i + 1
         self._hvd_reducer.submit(i, grads)
@@ -193,6 +197,7 @@ def DistributedOptimizer(
     backward_passes_per_step: int = 1,
     op: Any = Average,
     gradient_predivide_factor: float = 1.0,
+    sparse_as_dense: bool = False,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so ``step()`` applies gradients averaged (or summed) over all ranks.
 
@@ -209,6 +214,8 @@ def DistributedOptimizer(
         gradient_predivide_factor: with ``Average``, divide by this before the sum and multiply
             by ``factor / size`` after it (the result is the same average; it trades overflow
             against underflow in low precision).
+        sparse_as_dense: sparse gradients (``nn.Embedding(sparse=True)``) are made dense and
+            reduced like the others; without it a sparse gradient raises.
 
     ``HOROVOD_FUSION_THRESHOLD`` (bytes, default 64 MiB, 0 = one bucket per tensor) sets the
     bucket size.
@@ -232,5 +239,6 @@ def DistributedOptimizer(
     # Share the wrapped optimizer's param groups, state and hooks; an instance-level `step`
     # (an LR scheduler's patch of the original) must not shadow ours.
     wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k != "step"})
-    wrapped._hvd_setup(named_parameters, compressor, backward_passes_per_step, op, gradient_predivide_factor)
+    wrapped._hvd_setup(named_parameters, compressor, backward_passes_per_step, op, gradient_predivide_factor,
+                       bool(sparse_as_dense))
     return wrapped

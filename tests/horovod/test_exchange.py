@@ -76,6 +76,23 @@ def exchange_main():
     rows, counts = hvd.synchronize(h1)
     out["async"] = [rows.view(-1).tolist(), counts.tolist(), hvd.synchronize(h2).tolist(),
                     hvd.synchronize(h3)[0].tolist(), hvd.synchronize(h4)[0] is e, e.tolist()]
+
+    # grouped allgather (first dimensions differ by rank) and reducescatter, sync and async
+    rows_r = torch.arange(float(r + 1)).view(-1, 1) + 10 * r  # rank 0: 1 row, rank 1: 2 rows
+    out["gag"] = [v.tolist() for v in hvd.grouped_allgather([rows_r, torch.tensor([r])])]
+    out["grs"] = [v.tolist() for v in hvd.grouped_reducescatter([t, torch.ones(3, 1) * (r + 1)], op=hvd.Sum)]
+    ha = hvd.grouped_allgather_async([rows_r])
+    hb = hvd.grouped_reducescatter_async([t], op=hvd.Sum)
+    out["grouped_async"] = [hvd.synchronize(ha)[0].tolist(), hvd.synchronize(hb)[0].tolist()]
+    q = (torch.ones(2, 1) * (r + 1)).requires_grad_()
+    (hvd.grouped_allgather([q])[0] * torch.tensor([[1.0], [2.0], [3.0], [4.0]])).sum().backward()
+    out["gag_grad"] = q.grad.view(-1).tolist()
+    for key, call in [("gag_one", lambda: hvd.grouped_allgather(t)),
+                      ("grs_item", lambda: hvd.grouped_reducescatter([t, "x"]))]:
+        try:
+            call()
+        except TypeError as err:
+            out[key] = str(err)
     return out
 
 
@@ -141,3 +158,15 @@ def test_async_forms_return_what_the_sync_ones_do(ranks):
         rows, counts, rs, grouped, same, inplace = r["async"]
         assert [rows, counts] == [r["a2a_uneven"], r["a2a_received"]]
         assert rs == r["rs_sum"] and grouped == [3.0, 3.0] and same and inplace == [3.0, 3.0]
+
+
+def test_grouped_allgather_and_reducescatter(ranks):
+    out = ranks[0]
+    assert out["gag"] == [[[0.0], [10.0], [11.0]], [0, 1]]
+    # t summed over ranks is arange(10).view(5, 2) * 3: rank 0 holds rows 0-2, rank 1 rows 3-4
+    full = [[3.0 * (2 * i), 3.0 * (2 * i + 1)] for i in range(5)]
+    assert out["grs"] == [full[:3], [[3.0], [3.0]]] and ranks[1]["grs"] == [full[3:], [[3.0]]]
+    assert out["grouped_async"] == [out["gag"][0], full[:3]]
+    # allgather's gradient: the sum over ranks of the gathered rows' gradients, this rank's rows
+    assert out["gag_grad"] == [2.0, 4.0] and ranks[1]["gag_grad"] == [6.0, 8.0]
+    assert "wrap it in a list" in out["gag_one"] and "got a str" in out["grs_item"]

@@ -196,6 +196,22 @@ def optimizer_main():
         out["too_many_passes"] = str(e)
     opt.step()
     out["final_params"] = params(model)
+
+    # Sparse gradients (nn.Embedding(sparse=True)): made dense with sparse_as_dense=True.
+    rows = torch.tensor([r, 2 + r])  # rank 0 looks up rows 0 and 2, rank 1 rows 1 and 3
+    emb = torch.nn.Embedding(6, 2, sparse=True)
+    torch.nn.init.constant_(emb.weight, 1.0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=1.0), sparse_as_dense=True)
+    emb(rows).sum().backward()
+    opt.step()
+    out["sparse_as_dense"] = emb.weight.detach().clone()
+    emb = torch.nn.Embedding(6, 2, sparse=True)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=1.0),
+                                   named_parameters=[("emb.weight", emb.weight)])
+    try:
+        emb(rows).sum().backward()
+    except NotImplementedError as e:
+        out["sparse_error"] = str(e)
     return out
 
 
@@ -254,6 +270,15 @@ def test_misuse_is_reported_and_ranks_stay_in_lockstep(ranks):
         assert "zero_grad()" in o["zero_grad_mid_step"]
         assert "backward_passes_per_step" in o["too_many_passes"]
     assert torch.equal(ranks[0]["final_params"], ranks[1]["final_params"])
+
+
+def test_sparse_gradients_as_dense_or_a_clear_error(ranks):
+    # each looked-up row got gradient 1 on one rank and 0 on the other: an average of 0.5
+    want = torch.ones(6, 2)
+    want[:4] -= 0.5
+    for o in ranks:
+        assert torch.equal(o["sparse_as_dense"], want)
+        assert "'emb.weight'" in o["sparse_error"] and "sparse_as_dense=True" in o["sparse_error"]
 
 
 def test_buckets_follow_reverse_registration_order_within_the_threshold():
