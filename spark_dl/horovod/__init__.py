@@ -58,6 +58,7 @@ from .ops import (
     synchronize,
 )
 from .optimizer import DistributedOptimizer
+from .sync_batch_norm import SyncBatchNorm
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
@@ -72,5 +73,5 @@ __all__ = [
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
     "poll", "synchronize", "barrier",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
-    "DistributedOptimizer",
+    "DistributedOptimizer", "SyncBatchNorm",
 ]
