@@ -1116,7 +1116,7 @@ static void tk_pick_task(void *arg, int t, int nt) {
  *
  * For large vectors: a histogram of 256 evenly spread chunks of 1024 elements estimates a bin
  * b_lo safely below the k-th largest key; one SIMD pass then keeps only the elements whose bin is
- * >= b_lo (index and key, in index order), and the exact selection runs on those. The result is
+ * >= b_lo (index and float bits, in index order), and the exact selection runs on those. The result is
  * exactly the full method's set: if at least k elements reach b_lo, every element of the top k
  * (which are all >= the k-th key >= b_lo) is among them. When fewer than k reach it, or more
  * than the buffers hold (a misleading sample), the caller falls back to the full histogram. */
