@@ -115,7 +115,7 @@ def _pieces(numel: int) -> int:
 
 
 def _scatter_reduce_allgather(x: torch.Tensor, c: Compressor, name: Any, group: Any,
-                              world: int) -> torch.Tensor:
+                              world: int, into: torch.Tensor | None = None) -> torch.Tensor:
     me = dist.get_rank(group) if world > 1 else 0
     chunks = torch.tensor_split(x.reshape(-1), world)  # rank j owns chunk j
     if world == 1:
@@ -174,7 +174,9 @@ def _scatter_reduce_allgather(x: torch.Tensor, c: Compressor, name: Any, group: 
         stats.add_bytes((world - 1) * width)
         gathering.append((sent, sizes, gathered, padded, g_work))
 
-    out = torch.empty(x.numel(), dtype=torch.float32, device=x.device)
+    # Every read of x happened above (each piece compressed before it was sent), so ``into``
+    # may be x itself.
+    out = into if into is not None else torch.empty(x.numel(), dtype=torch.float32, device=x.device)
     chunk_at = [0] * world
     for j in range(1, world):
         chunk_at[j] = chunk_at[j - 1] + chunks[j - 1].numel()
@@ -202,7 +204,7 @@ def _check_layout(layout: Sequence[Sequence[int]], tensor: torch.Tensor) -> None
 
 def allreduce(tensor: torch.Tensor, compression: Compressor | None = None, *,
               op: str = "average", name: Any = None, group: Any = None,
-              layout: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+              layout: Sequence[Sequence[int]] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Sum or average ``tensor`` over ``group`` through ``compression``; synchronous.
 
     Returns a new tensor of the input's shape and dtype, identical on every rank; the input is
@@ -211,7 +213,10 @@ def allreduce(tensor: torch.Tensor, compression: Compressor | None = None, *,
     (error feedback, warm starts) and is required for stateful compressors. Bytes sent and time
     go to :data:`spark_dl.compression.stats`. ``layout``: when ``tensor`` is a bucket, the shapes
     of the tensors packed in it (flattened, in order); layer-wise compressors (PowerSGD) then
-    factor each as its own matrix, the others ignore it.
+    factor each as its own matrix, the others ignore it. ``out``: a contiguous tensor of the
+    input's numel, dtype and device (``tensor`` itself is allowed) that receives the result and
+    is returned; PowerSGD and the scatter-reduce path write into a float32 ``out`` directly,
+    with no result tensor of their own (what the DDP hook does with the bucket).
     """
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
@@ -225,25 +230,37 @@ def allreduce(tensor: torch.Tensor, compression: Compressor | None = None, *,
         )
     if layout is not None:
         _check_layout(layout, tensor)
+    if out is not None and (not isinstance(out, torch.Tensor) or out.numel() != tensor.numel()
+                            or out.dtype != tensor.dtype or out.device != tensor.device
+                            or not out.is_contiguous()):
+        got = f"{out.dtype} {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"out must be a contiguous tensor of {tensor.numel()} {tensor.dtype} elements on "
+                         f"{tensor.device}, got {got}")
+    # where the float32 paths may write the result directly
+    into = out.view(-1) if out is not None and out.dtype == torch.float32 else None
     world = dist.get_world_size(group)
     start = time.perf_counter()
     average = op == "average"
     integer = not (tensor.is_floating_point() or tensor.is_complex())
     scale = 1.0 / world if average and not integer else 1.0
     if tensor.numel() == 0:
-        out = tensor * scale if scale != 1.0 else tensor.clone()
+        result = tensor * scale if scale != 1.0 else tensor.clone()
     elif isinstance(c, PowerSGD):
         # the 1/W scale rides PowerSGD's own pass that adds the residual: no pass of its own
-        out = c.round_layers(tensor, layout, name, lambda t: _start_all_reduce(t, group, world), scale=scale)
+        result = c.round_layers(tensor, layout, name, lambda t: _start_all_reduce(t, group, world), scale=scale,
+                                into=into)
     elif isinstance(c, _Cast) and scale != 1.0:
         # divide before the sum (no fp16 overflow) inside the cast: no pass of its own
-        out = _summable(tensor, c, name, group, world, scale=scale)
+        result = _summable(tensor, c, name, group, world, scale=scale)
     else:
         x = tensor / world if scale != 1.0 else tensor
-        out = _summable(x, c, name, group, world) if c.summable else _scatter_reduce_allgather(x, c, name, group, world)
+        result = _summable(x, c, name, group, world) if c.summable else \
+            _scatter_reduce_allgather(x, c, name, group, world, into=into)
     if average and integer:
-        out = torch.div(out, world, rounding_mode="trunc")
-    out = out.to(tensor.dtype).reshape(tensor.shape)
+        result = torch.div(result, world, rounding_mode="trunc")
+    result = result.to(tensor.dtype).reshape(tensor.shape)
+    if out is not None and result.data_ptr() != out.data_ptr():
+        out.copy_(result.view(out.shape))
     stats.add_call(tensor.numel(), _ring_bytes(tensor.numel() * tensor.element_size(), world),
                    time.perf_counter() - start)
-    return out
+    return out if out is not None else result

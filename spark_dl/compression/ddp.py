@@ -70,8 +70,11 @@ def compressed_hook(state: DDPHookState, bucket: dist.GradBucket) -> torch.futur
             state.resets += 1
         state.compressor.reset(name)
         state.layouts[index] = layout
-    out = allreduce(bucket.buffer(), state.compressor, op=state.op, name=name,
-                    group=state.process_group, layout=_shapes(bucket))
+    # The result goes straight into the bucket (read in full before it is written): no result
+    # tensor, and DDP has nothing to copy back.
+    buffer = bucket.buffer()
+    out = allreduce(buffer, state.compressor, op=state.op, name=name, group=state.process_group,
+                    layout=_shapes(bucket), out=buffer)
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(out)
     return fut

@@ -124,18 +124,25 @@ class PowerSGD(Compressor):
         return restore(out, Meta(tensor.shape, tensor.dtype)), payloads[0]
 
     def round_layers(self, flat: torch.Tensor, shapes: Sequence[Sequence[int]] | None, key: Key,
-                     start: StartAllReduce, world: int = 1, scale: float = 1.0) -> torch.Tensor:
+                     start: StartAllReduce, world: int = 1, scale: float = 1.0,
+                     into: torch.Tensor | None = None) -> torch.Tensor:
         """One step for a bucket: ``flat`` packs tensors of ``shapes`` (flattened, in order); each
         is factored as its own matrix (state keyed ``(key, i)``) and 1-D ones (biases, norms) go
         uncompressed, as torch's ``powerSGD_hook`` does per gradient. ``shapes=None``: ``flat``
         is one tensor, keyed ``key``. All P (with the tensors sent uncompressed) go in one
         all-reduce and all Q in a second, whatever the number of tensors. ``start(t)`` begins an in-place sum of ``t``
         across ranks and returns a function that waits for it: the residuals are updated while
-        Q travels. Returns the average, flat float32.
+        Q travels. Returns the average, flat float32, written into ``into`` when given (a
+        contiguous float32 tensor of ``flat``'s numel; ``flat`` itself is allowed: it is read
+        before anything is written).
         """
         check_float(flat, "PowerSGD")
+        if into is not None and (into.numel() != flat.numel() or into.dtype != torch.float32
+                                 or not into.is_contiguous() or into.device != flat.device):
+            raise ValueError(f"into must be a contiguous float32 tensor of {flat.numel()} elements on "
+                             f"{flat.device}, got {into.dtype} {tuple(into.shape)} on {into.device}")
         if shapes is None:
-            return self._round([flat], [key], start, world, scale)[0]
+            return self._round([flat], [key], start, world, scale, into=into)[0]
         parts, at = [], 0
         for shape in shapes:
             n = math.prod(shape)
@@ -148,10 +155,12 @@ class PowerSGD(Compressor):
             )
         if not parts:
             return flat.new_empty(0, dtype=torch.float32)
-        return self._round(parts, [(key, i) for i in range(len(parts))], start, world, scale, vectors=False)[0]
+        return self._round(parts, [(key, i) for i in range(len(parts))], start, world, scale, vectors=False,
+                           into=into)[0]
 
     def _round(self, parts: list[torch.Tensor], keys: list[Key], start: StartAllReduce, world: int,
-               scale: float, vectors: bool = True) -> tuple[torch.Tensor, list[Payload]]:
+               scale: float, vectors: bool = True,
+               into: torch.Tensor | None = None) -> tuple[torch.Tensor, list[Payload]]:
         metas = [self._plan(t, k, vectors) for t, k in zip(parts, keys)]
         device = parts[0].device
         comp = [i for i, m in enumerate(metas) if m.compressed]
@@ -207,7 +216,9 @@ class PowerSGD(Compressor):
                 ms[i].addmm_(ps[i], q_local, alpha=-1)
             self.residuals.store(keys[i], ms[i].view(-1)[:m.numel].view(m.shape))
         wait()
-        out = torch.empty(sum(m.numel for m in metas), dtype=torch.float32, device=device)
+        # every read of the parts happened in the first loop: ``into`` may alias them
+        total = sum(m.numel for m in metas)
+        out = into.view(-1) if into is not None else torch.empty(total, dtype=torch.float32, device=device)
         payloads, at = [], 0
         for i, m in enumerate(metas):
             dest = out[at:at + m.numel]

@@ -39,8 +39,9 @@ def is_none(compressor: Compressor) -> bool:
 
 
 def reduce(tensor: torch.Tensor, compressor: Compressor, *, average: bool, name: str | None,
-           group: Any = None, layout: list | None = None) -> torch.Tensor:
+           group: Any = None, layout: list | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Sum (``average=False``) or average ``tensor`` over ``group`` through ``compressor``;
-    synchronous. ``layout``: shapes of the gradients packed in a fusion bucket."""
+    synchronous. ``layout``: shapes of the gradients packed in a fusion bucket; ``out``: where the
+    result goes (``tensor`` itself is allowed)."""
     return compressed_allreduce(tensor, compressor, op="average" if average else "sum", name=name,
-                                group=group, layout=layout)
+                                group=group, layout=layout, out=out)

@@ -106,8 +106,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             flat.mul_(1.0 / self._hvd_predivide)
         dev = comm_device()
         work = flat if flat.device == dev else flat.to(dev)  # e.g. CUDA gradients over Gloo
+        # the bucket's own flat copy receives the result: no second bucket-sized tensor
         out = _compression.reduce(work, self._hvd_compressor, average=average, name=name,
-                                  group=self._hvd_group, layout=shapes)
+                                  group=self._hvd_group, layout=shapes, out=work)
         out = out if out.device == flat.device else out.to(flat.device)
         if average and self._hvd_predivide != 1.0:
             out.mul_(self._hvd_predivide)

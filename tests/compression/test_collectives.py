@@ -46,6 +46,21 @@ def collective_main():
         out[key + "_sum"] = C.allreduce(g, type(c)() if key not in ("topk", "topk_ef", "randomk", "powersgd") else c,
                                         op="sum", name="gs").tolist()
     out["input_untouched"] = torch.equal(g, before)
+    # out=: the result lands in the given tensor, the input itself included, and is the same
+    into = {}
+
+    def seeded():  # QSGD draws a random seed unless given one
+        return {**compressors(), "qsgd": C.QSGD(seed=3)}
+    for op in ("average", "sum"):
+        refs, fresh = seeded(), seeded()
+        for key in refs:
+            want = C.allreduce(g, refs[key], name="o", op=op)
+            x = g.clone()
+            got = C.allreduce(x, fresh[key], name="o", op=op, out=x)
+            other = torch.empty_like(g)
+            again = C.allreduce(g, seeded()[key], name="o", op=op, out=other)
+            into[key, op] = (got is x, torch.equal(got, want), again is other, torch.equal(again, want))
+    out["into"] = into
 
     # QSGD is unbiased through scatter-reduce + all-gather (quantized twice).
     q = C.QSGD(levels=3, seed=r)
@@ -124,6 +139,8 @@ def collective_main():
                       ("noname", lambda: C.allreduce(g, C.OneBit())),
                       ("op", lambda: C.allreduce(g, op="max")),
                       ("layout", lambda: C.allreduce(g, C.PowerSGD(), name="l", layout=[(37, 10)])),
+                      ("out_dtype", lambda: C.allreduce(g, out=g.double())),
+                      ("out_size", lambda: C.allreduce(g, out=torch.empty(5))),
                       ("layout_type", lambda: C.allreduce(g, C.QSGD(), layout=[None]))]:
         try:
             call()
@@ -282,3 +299,11 @@ def test_edge_cases(ranks):
     assert errors["op"].startswith("ValueError")
     assert errors["layout"].startswith("ValueError") and "370 elements in 1 tensors but the tensor has 407" in errors["layout"]
     assert errors["layout_type"].startswith("TypeError") and "list of shapes" in errors["layout_type"]
+    assert "out must be a contiguous tensor of 407 torch.float32" in errors["out_dtype"]
+    assert "got torch.float64" in errors["out_dtype"] and "got torch.float32 (5,)" in errors["out_size"]
+
+
+def test_out_receives_the_result_even_when_it_is_the_input(ranks):
+    for (key, op), (is_x, same, is_other, same_again) in ranks[0]["into"].items():
+        assert is_x and is_other, (key, op)
+        assert same and same_again, (key, op)
