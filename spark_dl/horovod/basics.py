@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -139,6 +140,52 @@ def gloo_built() -> bool:
 def mpi_built() -> bool:
     """Always false: collectives go through torch.distributed, not MPI."""
     return False
+
+
+def mpi_enabled() -> bool:
+    """Always false (no MPI)."""
+    return False
+
+
+def mpi_threads_supported() -> bool:
+    """Always false (no MPI)."""
+    return False
+
+
+def gloo_enabled() -> bool:
+    """Whether Gloo is there to run collectives (as :func:`gloo_built`)."""
+    return gloo_built()
+
+
+def cuda_built() -> bool:
+    """Whether this torch was built with CUDA."""
+    return torch.backends.cuda.is_built()
+
+
+def rocm_built() -> bool:
+    """Whether this torch was built for ROCm."""
+    return getattr(torch.version, "hip", None) is not None
+
+
+def ccl_built() -> bool:
+    """Always false (no oneCCL)."""
+    return False
+
+
+def ddl_built() -> bool:
+    """Always false (no IBM DDL)."""
+    return False
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Horovod's timeline is not recorded here: warns and does nothing, so scripts that call it
+    still run. ``torch.profiler`` records collectives and kernels instead."""
+    warnings.warn(f"spark_dl.horovod does not record Horovod's timeline ({file_path!r} is not written); "
+                  "use torch.profiler to trace collectives.", stacklevel=2)
+
+
+def stop_timeline() -> None:
+    """No-op counterpart of :func:`start_timeline`."""
 
 
 def comm_device() -> torch.device:

@@ -31,6 +31,16 @@ def api_main():
         local_size=hvd.local_size(), cross_rank=hvd.cross_rank(), cross_size=hvd.cross_size(),
         homogeneous=hvd.is_homogeneous(),
     )
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hvd.start_timeline("/tmp/timeline.json")
+        hvd.stop_timeline()
+    out["timeline_warning"] = [str(w.message) for w in caught]
+    out["built"] = dict(cuda=hvd.cuda_built(), rocm=hvd.rocm_built(), ccl=hvd.ccl_built(), ddl=hvd.ddl_built(),
+                        mpi_enabled=hvd.mpi_enabled(), mpi_threads=hvd.mpi_threads_supported(),
+                        gloo_enabled=hvd.gloo_enabled(), nccl=hvd.nccl_built(), gloo=hvd.gloo_built())
 
     t = torch.tensor([1.0, 2.0, 3.0]) * (r + 1)  # rank 0: [1, 2, 3], rank 1: [2, 4, 6]
     before = t.clone()
@@ -119,6 +129,17 @@ def test_topology(ranks):
         assert "hvd.init()" in o["uninitialized_error"]
         assert (o["size"], o["local_rank"], o["local_size"], o["cross_rank"], o["cross_size"]) == (2, i, 2, 0, 1)
         assert o["homogeneous"] is True
+
+
+def test_build_queries_and_timeline(ranks):
+    import torch
+
+    for o in ranks:
+        b = o["built"]
+        assert b["cuda"] == torch.backends.cuda.is_built() and b["rocm"] == (torch.version.hip is not None)
+        assert (b["ccl"], b["ddl"], b["mpi_enabled"], b["mpi_threads"]) == (False, False, False, False)
+        assert b["gloo_enabled"] is True and b["gloo"] is True
+        assert len(o["timeline_warning"]) == 1 and "torch.profiler" in o["timeline_warning"][0]
 
 
 def test_allreduce(ranks):
