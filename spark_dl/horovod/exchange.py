@@ -172,9 +172,7 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
     _check()
     op = resolve_op(op, average)
     compressor = _compression.resolve(compression)
-    for t in tensors:
-        if not torch.is_tensor(t):
-            raise TypeError(f"grouped_allreduce takes a list of tensors, got a {type(t).__name__}")
+    _check_items(tensors, "grouped_allreduce")
 
     def reduce(j: int, flat: torch.Tensor) -> torch.Tensor:
         key = None if name is None else f"{name}.group{j}"
@@ -203,13 +201,17 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
                           postscale_factor) for i, t in enumerate(tensors)]
 
 
+def _check_items(tensors: Any, who: str) -> None:
+    for t in tensors:
+        if not torch.is_tensor(t):
+            raise TypeError(f"{who} takes a list of tensors, got a {type(t).__name__}")
+
+
 def _tensor_list(tensors: Any, who: str) -> list[torch.Tensor]:
     if torch.is_tensor(tensors):
         raise TypeError(f"{who} takes a list of tensors, got one tensor: wrap it in a list")
     tensors = list(tensors)
-    for t in tensors:
-        if not torch.is_tensor(t):
-            raise TypeError(f"{who} takes a list of tensors, got a {type(t).__name__}")
+    _check_items(tensors, who)
     return tensors
 
 
