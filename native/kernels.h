@@ -70,4 +70,20 @@ int sdk_lowrank_product(const float *p, const float *q, int64_t numel, int64_t r
 int sdk_lowrank_subtract(const float *p, const float *q, int64_t numel, int64_t rows, int64_t cols, int r,
                          float *m);
 
+/* PowerSGD's first pass over an M of numel elements (a rows x cols matrix, numel <= rows * cols,
+ * missing elements zero), in place in m:
+ *   mode 0: M = scale G;   mode 1: M = fma(scale, G, M);
+ *   mode 2: M = fma(scale, G, M - Pe Qe^T), the product rounded as sdk_lowrank_product
+ * (Pe rows x r, Qe cols x r: the last round's residual M - P^ Qw^T, kept as M and its factors),
+ * then pt[k * rows + i] = sum_j M[i, j] Q[j, k] (P^T, r x rows; Q cols x r), each dot summed
+ * in 8 lanes (j % 8) up to the row's last multiple of 8, the lanes added in a fixed tree, the
+ * rest by fma in order: the same bits on every path and thread count. Returns 0 or -1 (memory;
+ * nothing written). */
+int sdk_powersgd_project(const float *g, float scale, float *m, int mode, const float *pe, const float *qe,
+                         const float *q, int64_t numel, int64_t rows, int64_t cols, int r, float *pt);
+/* qt[k * cols + j] = sum_i P[i, k] M[i, j] (Qw^T = P^T M, r x cols), each sum fma from zero over
+ * the rows in order, the same bits on every path and thread count. */
+void sdk_powersgd_back(const float *p, const float *m, int64_t numel, int64_t rows, int64_t cols, int r,
+                       float *qt);
+
 #endif

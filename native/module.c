@@ -153,6 +153,40 @@ static PyObject *lowrank_call(PyObject *args, int sub) {
 static PyObject *lowrank_product(PyObject *self, PyObject *args) { return lowrank_call(args, 0); }
 static PyObject *lowrank_subtract(PyObject *self, PyObject *args) { return lowrank_call(args, 1); }
 
+static PyObject *powersgd_project(PyObject *self, PyObject *args) {
+    unsigned long long g, m, pe, qe, q, pt;
+    long long numel, rows, cols;
+    float scale;
+    int mode, r, rc;
+    if (!PyArg_ParseTuple(args, "KfKiKKKLLLiK", &g, &scale, &m, &mode, &pe, &qe, &q, &numel, &rows, &cols, &r, &pt))
+        return NULL;
+    if (r < 1 || rows < 1 || cols < 1 || numel > rows * cols || mode < 0 || mode > 2) {
+        PyErr_SetString(PyExc_ValueError, "powersgd_project: needs r >= 1, numel <= rows * cols, mode 0, 1 or 2");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    rc = sdk_powersgd_project(PTR(const float *, g), scale, PTR(float *, m), mode, PTR(const float *, pe),
+                              PTR(const float *, qe), PTR(const float *, q), numel, rows, cols, r, PTR(float *, pt));
+    Py_END_ALLOW_THREADS
+    if (rc) return no_memory("powersgd_project");
+    Py_RETURN_NONE;
+}
+
+static PyObject *powersgd_back(PyObject *self, PyObject *args) {
+    unsigned long long p, m, qt;
+    long long numel, rows, cols;
+    int r;
+    if (!PyArg_ParseTuple(args, "KKLLLiK", &p, &m, &numel, &rows, &cols, &r, &qt)) return NULL;
+    if (r < 1 || rows < 1 || cols < 1 || numel > rows * cols) {
+        PyErr_SetString(PyExc_ValueError, "powersgd_back: needs r >= 1 and numel <= rows * cols");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    sdk_powersgd_back(PTR(const float *, p), PTR(const float *, m), numel, rows, cols, r, PTR(float *, qt));
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyObject *set_threads(PyObject *self, PyObject *args) {
     int n;
     if (!PyArg_ParseTuple(args, "i", &n)) return NULL;
@@ -187,6 +221,9 @@ static PyMethodDef methods[] = {
     {"topk", topk, METH_VARARGS, "(x, n, k, idx, val)"},
     {"lowrank_product", lowrank_product, METH_VARARGS, "(p, q, numel, rows, cols, r, out): PowerSGD's P Q^T"},
     {"lowrank_subtract", lowrank_subtract, METH_VARARGS, "(p, q, numel, rows, cols, r, m): m -= P Q^T in place"},
+    {"powersgd_project", powersgd_project, METH_VARARGS,
+     "(g, scale, m, mode, pe, qe, q, numel, rows, cols, r, pt): M = [M - Pe Qe^T] + scale G; P^T = (M Q)^T"},
+    {"powersgd_back", powersgd_back, METH_VARARGS, "(p, m, numel, rows, cols, r, qt): Qw^T = P^T M"},
     {"set_threads", set_threads, METH_VARARGS, "threads for vectors of 1M+ elements; returns the value set"},
     {"force_scalar", force_scalar, METH_VARARGS, "True: skip the AVX2/F16C paths"},
     {"fail_allocations", fail_allocations, METH_VARARGS, "True: every allocation in the kernels fails (tests)"},

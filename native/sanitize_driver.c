@@ -94,6 +94,14 @@ static void run(int64_t n) {
             float *m = xalloc(rows * cols * sizeof(float));
             for (int64_t i = 0; i < rows * cols; i++) m[i] = g[i % n];
             CHECK(sdk_lowrank_subtract(p, q, rows * cols, rows, cols, r, m) == 0);
+            /* PowerSGD's passes over an M of n elements (the last row may be short) */
+            float *pt = xalloc(r * rows * sizeof(float)), *qt = xalloc(r * cols * sizeof(float));
+            for (int mode = 0; mode < 3; mode++) {
+                CHECK(sdk_powersgd_project(g, 0.5f, out, mode, p, q, q, n, rows, cols, r, pt) == 0);
+                sdk_powersgd_back(p, out, n, rows, cols, r, qt);
+            }
+            free(pt);
+            free(qt);
             free(m);
             free(p);
             free(q);
@@ -121,6 +129,7 @@ static void oom(int64_t n) {
     CHECK(sdk_topk(g, n, n / 100 + 1, idx, norms) == -1);  /* the sampled threshold's path */
     CHECK(sdk_lowrank_product(g, e0, n, 1, n, 1, norms) == -1);
     CHECK(sdk_lowrank_subtract(g, e0, n, 1, n, 1, e) == -1);  /* M (here e) left as it was */
+    CHECK(sdk_powersgd_project(g, 1.0f, e, 2, g, e0, e0, n, 1, n, 1, norms) == -1);
     sdk_fail_allocations(0);
     CHECK(memcmp(e, e0, n * sizeof(float)) == 0);
     free(g); free(e); free(e0); free(means); free(norms); free(bits); free(packed); free(idx);

@@ -210,17 +210,62 @@ def lowrank_subtract(m: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> torch
     """``m -= p @ q.T`` in place (PowerSGD's residual: one read and one write of ``m``, where
     torch's ``addmm_`` with an inner dimension of 4 is far slower); each product rounded as in
     :func:`lowrank_product`. ``m``: a contiguous float32 CPU matrix of ``p``'s rows and ``q``'s
-    rows. Returns ``m``."""
+    rows, or the first elements of one, flat. Returns ``m``."""
     rows, r = p.shape
     cols = q.shape[0]
-    if q.shape[1] != r or tuple(m.shape) != (rows, cols):
+    flat = m.dim() == 1 and m.numel() <= rows * cols  # the first numel elements of the matrix
+    if q.shape[1] != r or not (flat or tuple(m.shape) == (rows, cols)):
         raise ValueError(f"lowrank_subtract: M {tuple(m.shape)}, P {tuple(p.shape)} and Q {tuple(q.shape)} "
-                         "do not match (M is rows x cols, P rows x r, Q cols x r)")
-    _out(m.view(-1) if m.is_contiguous() else m, rows * cols)
+                         "do not match (M is rows x cols, or flat with at most that many elements; "
+                         "P rows x r, Q cols x r)")
+    _out(m.view(-1) if m.is_contiguous() else m, m.numel())
     a, b = _f32(p), _f32(q)
     if m.numel():
         _ext.lowrank_subtract(a.data_ptr(), b.data_ptr(), m.numel(), rows, cols, r, m.data_ptr())
     return m
+
+
+def powersgd_project(g: torch.Tensor, m: torch.Tensor, q: torch.Tensor, rows: int, cols: int,
+                     pt: torch.Tensor, scale: float = 1.0, mode: int = 1,
+                     pending: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """PowerSGD's first pass, in place in ``m`` (numel elements of a ``rows`` x ``cols`` matrix,
+    the rest zero): ``mode`` 0 ``M = scale G``, 1 ``M += scale G``, 2 ``M = (M - Pe Qe^T) +
+    scale G`` with ``pending = (Pe, Qe)`` (rows x r, cols x r); then ``pt = (M Q)^T`` (r x rows)
+    for ``q`` cols x r. One read of G and one read and write of M (see kernels.h for rounding)."""
+    r = q.shape[1] if q.dim() == 2 else -1
+    numel = m.numel()
+    if q.shape != (cols, r) or pt.numel() != r * rows or g.numel() != numel or not 0 <= numel <= rows * cols:
+        raise ValueError(f"powersgd_project: G of {g.numel()}, M of {numel}, Q {tuple(q.shape)} and P^T of "
+                         f"{pt.numel()} elements do not fit a {rows} x {cols} matrix")
+    if mode == 2 and (pending is None or pending[0].shape != (rows, r) or pending[1].shape != (cols, r)):
+        raise ValueError(f"powersgd_project: mode 2 needs factors of {rows} x {r} and {cols} x {r}")
+    if mode not in (0, 1, 2):
+        raise ValueError(f"powersgd_project: mode must be 0, 1 or 2, got {mode}")
+    _out(m.view(-1) if m.is_contiguous() else m, numel)
+    _out(pt.view(-1) if pt.is_contiguous() else pt, r * rows)
+    gf, qf = _f32(g), _f32(q)
+    pe, qe = (_f32(pending[0]), _f32(pending[1])) if mode == 2 else (None, None)
+    if numel:
+        _ext.powersgd_project(gf.data_ptr(), scale, m.data_ptr(), mode, _ptr(pe), _ptr(qe), qf.data_ptr(),
+                              numel, rows, cols, r, pt.data_ptr())
+    elif rows * r:
+        pt.zero_()
+
+
+def powersgd_back(p: torch.Tensor, m: torch.Tensor, rows: int, cols: int, qt: torch.Tensor) -> None:
+    """``qt = P^T M`` (r x cols) for ``p`` rows x r and ``m`` numel elements of a ``rows`` x ``cols``
+    matrix (the rest zero), M streamed once; sums in row order (see kernels.h)."""
+    r = p.shape[1] if p.dim() == 2 else -1
+    numel = m.numel()
+    if p.shape != (rows, r) or qt.numel() != r * cols or not 0 <= numel <= rows * cols:
+        raise ValueError(f"powersgd_back: P {tuple(p.shape)}, M of {numel} and Q^T of {qt.numel()} "
+                         f"elements do not fit a {rows} x {cols} matrix")
+    _out(qt.view(-1) if qt.is_contiguous() else qt, r * cols)
+    mf = m if (m.is_contiguous() and m.dtype == torch.float32) else _f32(m)
+    if numel:
+        _ext.powersgd_back(_f32(p).data_ptr(), mf.data_ptr(), numel, rows, cols, r, qt.data_ptr())
+    elif cols * r:
+        qt.zero_()
 
 
 def _out(out: torch.Tensor | None, n: int) -> torch.Tensor:

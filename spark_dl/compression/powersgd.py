@@ -14,7 +14,10 @@ near-square matrix, zero-padded), with error feedback e and a warm-started Q (m 
 Both rounds are plain all-reduces of r(n + m) floats instead of n m. A bucket of gradients
 (``allreduce(..., layout=shapes)``: the DDP hook and ``DistributedOptimizer`` pass their
 buckets' shapes) is factored gradient by gradient, 1-D ones sent uncompressed, with every P in
-one all-reduce and every Q in another; the residuals are updated while Q is on the wire.
+one all-reduce and every Q in another. On the CPU with the native kernels a round makes two
+passes over M: the first adds the gradient, subtracts the last round's P^ Qw^T (e is kept as M
+and its factors: :class:`FactoredResiduals`) and projects; the second computes Qw; the output
+is one streaming write. The torch path updates e while Q is on the wire.
 Before ``start_iter``
 compressed steps (counted per tensor) and for tensors where rank r saves less than
 ``min_compression_rate``, the tensor is all-reduced uncompressed and e stays empty, as in
@@ -68,6 +71,60 @@ def _started(all_reduce: AllReduce) -> StartAllReduce:
     return start
 
 
+class FactoredResiduals(Residuals):
+    """PowerSGD's residuals. With the native kernels a residual ``e = M - P^ Qw^T`` is kept as M
+    and its two factors, and the next round's first pass subtracts the product while it adds
+    the gradient and projects (:func:`native.powersgd_project`): a pass over M fewer per round.
+    Reading :attr:`memory` (or pickling) applies the pending products first, so the residuals
+    seen from outside are always ``e``."""
+
+    def __init__(self) -> None:
+        self._memory: dict[Key, torch.Tensor] = {}
+        self.pending: dict[Key, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property  # type: ignore[override]
+    def memory(self) -> dict[Key, torch.Tensor]:
+        for key, (p, q) in self.pending.items():
+            native.lowrank_subtract(self._memory[key].view(-1), p, q)
+        self.pending.clear()
+        return self._memory
+
+    @memory.setter
+    def memory(self, value: dict[Key, torch.Tensor]) -> None:
+        self._memory, self.pending = value, {}
+
+    def __getstate__(self) -> dict:
+        return {"_memory": self.memory, "pending": {}}
+
+    def project(self, g: torch.Tensor, key: Key, scale: float, q: torch.Tensor, rows: int, cols: int,
+                pt: torch.Tensor) -> torch.Tensor:
+        """``M = e + scale * g`` (in e's memory when it fits) and ``pt = (M Q)^T``, one pass;
+        returns M, flat. A residual of another shape is dropped (as :class:`Residuals` does). The
+        caller must store a residual for ``key`` afterwards."""
+        e = self._memory.pop(key, None)
+        pending = self.pending.pop(key, None)
+        if (e is not None and e.shape == g.shape and e.device == g.device and e.dtype == torch.float32
+                and e.is_contiguous()):
+            m, mode = e.view(-1), (2 if pending is not None else 1)
+        else:  # no residual yet, or it no longer fits (the tensor changed): e = 0
+            m, mode = torch.empty(g.numel(), dtype=torch.float32, device=g.device), 0
+        native.powersgd_project(g.reshape(-1), m, q, rows, cols, pt, scale, mode, pending)
+        return m
+
+    def store_factored(self, key: Key, m: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> None:
+        """The residual ``m - p @ q.T``, its product left pending (``p`` rows x r, ``q`` cols x r)."""
+        self._memory[key] = m
+        self.pending[key] = (p, q)
+
+    def reset(self, key: Key = None) -> None:
+        for d in (self.pending, self._memory):
+            for k in [k for k in d if key is None or key_matches(k, key)]:
+                del d[k]
+
+    def __len__(self) -> int:
+        return len(self._memory)
+
+
 class PowerSGD(Compressor):
     """See the module docstring. ``rank`` r, ``start_iter`` uncompressed steps per tensor first,
     ``warm_start`` reuses last step's Q (else a fresh random Q each step), error feedback always.
@@ -86,7 +143,7 @@ class PowerSGD(Compressor):
         self.warm_start = warm_start
         self.min_compression_rate = min_compression_rate
         self.seed = seed
-        self.residuals = Residuals()
+        self.residuals = FactoredResiduals()
         self.qs: dict[Key, torch.Tensor] = {}
         self.steps: dict[Key, int] = {}
 
@@ -130,9 +187,8 @@ class PowerSGD(Compressor):
         is factored as its own matrix (state keyed ``(key, i)``) and 1-D ones (biases, norms) go
         uncompressed, as torch's ``powerSGD_hook`` does per gradient. ``shapes=None``: ``flat``
         is one tensor, keyed ``key``. All P (with the tensors sent uncompressed) go in one
-        all-reduce and all Q in a second, whatever the number of tensors. ``start(t)`` begins an in-place sum of ``t``
-        across ranks and returns a function that waits for it: the residuals are updated while
-        Q travels. Returns the average, flat float32, written into ``into`` when given (a
+        all-reduce and all Q in a second, whatever the number of tensors. ``start(t)`` begins an
+        in-place sum of ``t`` across ranks and returns a function that waits for it. Returns the average, flat float32, written into ``into`` when given (a
         contiguous float32 tensor of ``flat``'s numel; ``flat`` itself is allowed: it is read
         before anything is written).
         """
@@ -178,10 +234,16 @@ class PowerSGD(Compressor):
                 n1 += m.numel
         round1 = torch.empty(n1, dtype=torch.float32, device=device)
         round2 = torch.empty(n2, dtype=torch.float32, device=device)
+        fused = native.enabled(parts[0]) and all(parts[i].dtype == torch.float32 for i in comp)
         ms: dict[int, torch.Tensor] = {}
         for i, m in enumerate(metas):
             if not m.compressed:
                 torch.mul(parts[i].reshape(-1).to(torch.float32), scale, out=round1[raw_at[i]:raw_at[i] + m.numel])
+                continue
+            q = self._q(keys[i], m, device)
+            pt = round1[p_at[i]:p_at[i] + ranks[i] * m.rows].view(ranks[i], m.rows)
+            if fused:  # M = e + scale * g and P, in one pass over M (see native.powersgd_project)
+                ms[i] = self.residuals.project(parts[i], keys[i], scale, q, m.rows, m.cols, pt)
                 continue
             # M = e + scale * g, in the residual's own memory when it has one: one pass, no copy
             mat = self.residuals.add_scaled(parts[i], keys[i], scale)
@@ -189,8 +251,7 @@ class PowerSGD(Compressor):
             if mat.numel() != n:
                 mat = torch.cat([mat.reshape(-1), mat.new_zeros(n - mat.numel())])
             ms[i] = mat = mat.view(m.rows, m.cols)
-            q = self._q(keys[i], m, device)
-            torch.mm(q.t(), mat.t(), out=round1[p_at[i]:p_at[i] + ranks[i] * m.rows].view(ranks[i], m.rows))
+            torch.mm(q.t(), mat.t(), out=pt)
         start(round1)()
         # Orthonormal bases, one batched QR per shape: one call where a network repeats a shape.
         ps: dict[int, torch.Tensor] = {}
@@ -203,17 +264,21 @@ class PowerSGD(Compressor):
             for j, i in enumerate(idx):
                 ps[i] = basis[j].contiguous()
         for i in comp:  # this rank's Q, stored r x m (P^T M: M streamed once)
-            torch.mm(ps[i].t(), ms[i], out=round2[q_at[i]:q_at[i] + ranks[i] * metas[i].cols].view(ranks[i], metas[i].cols))
+            qt = round2[q_at[i]:q_at[i] + ranks[i] * metas[i].cols].view(ranks[i], metas[i].cols)
+            if fused:
+                native.powersgd_back(ps[i], ms[i], metas[i].rows, metas[i].cols, qt)
+            else:
+                torch.mm(ps[i].t(), ms[i], out=qt)
         local = round2.clone()
         wait = start(round2)
-        # While Q travels: e = M - P^ Qw^T, in place (no second n x m temporary).
         for i in comp:
             m = metas[i]
             q_local = local[q_at[i]:q_at[i] + ranks[i] * m.cols].view(ranks[i], m.cols)
-            if native.enabled(ms[i]):  # one read and write of M; addmm_ at k = r is ~1.7x slower
-                native.lowrank_subtract(ms[i], ps[i], q_local.t())
-            else:
-                ms[i].addmm_(ps[i], q_local, alpha=-1)
+            if fused:  # e = M - P^ Qw^T is left to the next round's first pass
+                self.residuals.store_factored(keys[i], ms[i].view(m.shape), ps[i], q_local.t())
+                continue
+            # While Q travels: e = M - P^ Qw^T, in place (no second n x m temporary).
+            ms[i].addmm_(ps[i], q_local, alpha=-1)
             self.residuals.store(keys[i], ms[i].view(-1)[:m.numel].view(m.shape))
         wait()
         # every read of the parts happened in the first loop: ``into`` may alias them

@@ -525,3 +525,182 @@ def test_qsgd_payload_is_the_torch_payload_with_nan_inf_and_many_calls(path, tor
         assert torch.equal(pa.tensors[1], pb.tensors[1])
         assert torch.equal(pa.tensors[0].nan_to_num(-1.0), pb.tensors[0].nan_to_num(-1.0))
     assert not torch.equal(C.QSGD(seed=4).compress(g).tensors[1], C.QSGD(seed=5).compress(g).tensors[1])
+
+
+def _matrix(v: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The first elements of a rows x cols float64 matrix, the rest zero."""
+    z = torch.zeros(rows * cols, dtype=torch.float64)
+    z[:v.numel()] = v.double()
+    return z.view(rows, cols)
+
+
+PASS_SHAPES = [(1, 1, 1, 1), (10, 3, 28, 2), (7, 9, 5, 3), (50, 37, 50 * 37, 4), (51, 40, 51 * 40 - 3, 4),
+               (64, 64, 4000, 5), (300, 301, 300 * 301 - 5, 9), (1100, 1001, 1100 * 1001, 4)]
+
+
+@pytest.mark.parametrize("rows,cols,numel,r", PASS_SHAPES)
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_powersgd_first_pass_adds_the_gradient_subtracts_the_pending_product_and_projects(rows, cols, numel, r,
+                                                                                          mode):
+    g, m0 = rand(numel), rand(numel, seed=1)
+    q, pe, qe = rand(cols * r, seed=2).view(cols, r), rand(rows * r, seed=3).view(rows, r), \
+        rand(cols * r, seed=4).view(cols, r)
+    outs = []
+    for scalar in (False, True):
+        for threads in (1, 3):
+            native.force_scalar(scalar)
+            native.set_threads(threads)
+            try:
+                m, pt = m0.clone(), torch.full((r, rows), float("nan"))
+                native.powersgd_project(g, m, q, rows, cols, pt, scale=0.5, mode=mode, pending=(pe, qe))
+                outs.append((m, pt))
+            finally:
+                native.force_scalar(False)
+                native.set_threads(None)
+    for m, pt in outs[1:]:  # the same bits on the AVX2 and scalar paths, whatever the threads
+        assert torch.equal(m, outs[0][0]) and torch.equal(pt, outs[0][1])
+    m, pt = outs[0]
+    # M rounds once per step (0.5 g is exact): the pending product as lowrank_subtract rounds it
+    before = {0: torch.zeros(numel), 1: m0, 2: native.lowrank_subtract(m0.clone(), pe, qe)}[mode]
+    assert torch.equal(m, before + 0.5 * g)
+    full = 0.5 * _matrix(g, rows, cols) + (0 if mode == 0 else _matrix(m0, rows, cols))
+    if mode == 2:
+        full -= _matrix((pe.double() @ qe.double().t()).reshape(-1)[:numel], rows, cols)
+    assert (m.double() - full.reshape(-1)[:numel]).abs().max() <= 1e-5 * (1 + full.abs().max())
+    ref = (_matrix(m, rows, cols) @ q.double()).t()  # P^T of the M it wrote
+    assert (pt.double() - ref).abs().max() <= 1e-5 * (1 + ref.abs().max()) * math.sqrt(cols)
+
+
+@pytest.mark.parametrize("rows,cols,numel,r", PASS_SHAPES)
+def test_powersgd_second_pass_is_p_transposed_m_whatever_threads_or_simd(rows, cols, numel, r):
+    p, m = rand(rows * r).view(rows, r), rand(numel, seed=5)
+    outs = []
+    for scalar in (False, True):
+        for threads in (1, 3):
+            native.force_scalar(scalar)
+            native.set_threads(threads)
+            try:
+                qt = torch.full((r, cols), float("nan"))
+                native.powersgd_back(p, m, rows, cols, qt)
+                outs.append(qt)
+            finally:
+                native.force_scalar(False)
+                native.set_threads(None)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    ref = p.double().t() @ _matrix(m, rows, cols)
+    assert (outs[0].double() - ref).abs().max() <= 1e-5 * (1 + ref.abs().max()) * math.sqrt(rows)
+
+
+def test_powersgd_passes_reject_what_does_not_fit_and_leave_m_on_out_of_memory():
+    g, m, q, pt = rand(12), rand(12, seed=1), rand(8).view(4, 2), torch.empty(2, 3)
+    with pytest.raises(ValueError, match="do not fit a 3 x 4 matrix"):
+        native.powersgd_project(g, m, q, 3, 4, torch.empty(2, 4))
+    with pytest.raises(ValueError, match="do not fit a 3 x 4 matrix"):
+        native.powersgd_project(rand(11), m, q, 3, 4, pt)
+    with pytest.raises(ValueError, match="mode 2 needs factors of 3 x 2 and 4 x 2"):
+        native.powersgd_project(g, m, q, 3, 4, pt, mode=2)
+    with pytest.raises(ValueError, match="mode must be 0, 1 or 2"):
+        native.powersgd_project(g, m, q, 3, 4, pt, mode=3)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        native.powersgd_project(g, m.double(), q, 3, 4, pt)
+    with pytest.raises(ValueError, match="do not fit a 3 x 4 matrix"):
+        native.powersgd_back(rand(6).view(3, 2), m, 3, 4, torch.empty(2, 3))
+    before = m.clone()
+    native.fail_allocations(True)
+    try:
+        with pytest.raises(MemoryError, match="powersgd_project: out of memory"):
+            native.powersgd_project(g, m, q, 3, 4, pt, mode=2, pending=(rand(6).view(3, 2), q))
+    finally:
+        native.fail_allocations(False)
+    assert torch.equal(m, before)
+
+
+@pytest.mark.parametrize("offset", range(8))
+def test_powersgd_output_streamed_from_any_alignment_rounds_as_the_scalar_path(offset):
+    # 1 MB+ outputs are written with aligned non-temporal stores after a scalar head
+    rows, cols, r = 700, 513, 4
+    p, q = rand(rows * r).view(rows, r), rand(cols * r, seed=7).view(cols, r)
+    buf = torch.zeros(rows * cols + 8)
+    native.lowrank_product(p, q, rows * cols, out=buf[offset:offset + rows * cols])
+    native.force_scalar(True)
+    try:
+        ref = native.lowrank_product(p, q, rows * cols)
+    finally:
+        native.force_scalar(False)
+    assert torch.equal(buf[offset:offset + rows * cols], ref)
+    assert not buf[:offset].any() and not buf[offset + rows * cols:].any()  # nothing written outside
+
+
+def _psgd_rounds(c, grads, shapes, key="b"):
+    return [c.round_layers(g, shapes, key, lambda t: (lambda: None), world=1, scale=0.5).clone() for g in grads]
+
+
+def test_powersgd_native_rounds_keep_the_residual_factored_and_match_the_torch_path(torch_path):
+    # a bucket as DDP packs it: weights and a bias
+    shapes = [(40, 30), (30,), (16, 3, 3, 3), (64, 3, 2, 2)]
+    n = sum(math.prod(s) for s in shapes)
+    grads = [rand(n, seed=s) for s in range(4)]
+    fast = C.PowerSGD(rank=4, start_iter=1, seed=3)
+    got = _psgd_rounds(fast, grads, shapes)
+    assert sorted(fast.residuals.pending) == [("b", 0), ("b", 2), ("b", 3)]  # e = M - P Qw^T, not applied yet
+    ref = C.PowerSGD(rank=4, start_iter=1, seed=3)
+    want = torch_path(_psgd_rounds, ref, grads, shapes)
+    for a, b in zip(got, want):
+        assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+    # reading the residuals applies the pending products: the same e as the eager torch path
+    e_fast, e_ref = fast.residuals.memory, ref.residuals.memory
+    assert not fast.residuals.pending and sorted(e_fast) == sorted(e_ref)
+    for k in e_ref:
+        assert e_fast[k].shape == e_ref[k].shape and (e_fast[k] - e_ref[k]).abs().max() <= 1e-4
+    # a 1-D tensor alone is a near-square matrix whose last row is short (1000 of 32 x 32)
+    vec = [rand(1000, seed=s) for s in range(3)]
+    fast, ref = C.PowerSGD(rank=2, start_iter=0), C.PowerSGD(rank=2, start_iter=0)
+    got = [fast.round(v, "v")[0] for v in vec]
+    want = torch_path(lambda: [ref.round(v, "v")[0] for v in vec])
+    assert list(fast.residuals.pending) == ["v"]
+    for a, b in zip(got, want):
+        assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+    assert (fast.residuals.memory["v"] - ref.residuals.memory["v"]).abs().max() <= 1e-4
+
+
+def test_powersgd_pickled_with_a_pending_residual_continues_bit_for_bit():
+    import pickle
+
+    shapes = [(40, 30), (30,), (16, 27)]
+    n = sum(math.prod(s) for s in shapes)
+    c = C.PowerSGD(rank=4, start_iter=0)
+    _psgd_rounds(c, [rand(n), rand(n, seed=1)], shapes)
+    twin = pickle.loads(pickle.dumps(c))  # a checkpoint: the pending products are applied first
+    assert not twin.residuals.pending and sorted(twin.residuals.memory) == [("b", 0), ("b", 2)]
+    nxt = [rand(n, seed=2), rand(n, seed=3)]
+    a, b = _psgd_rounds(c, nxt, shapes), _psgd_rounds(twin, nxt, shapes)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_powersgd_factored_residual_reset_and_shape_change_start_from_zero():
+    c = C.PowerSGD(rank=2, start_iter=0)
+    g = rand(12 * 10)
+    _psgd_rounds(c, [g], [(12, 10)], key="w")
+    _psgd_rounds(c, [g], [(12, 10)], key="v")
+    c.reset("w")
+    assert sorted(c.residuals.pending) == [("v", 0)] and sorted(c.residuals.memory) == [("v", 0)]
+    # a key whose tensor changed: its old residual (and pending product) is dropped, not misread
+    c2 = C.PowerSGD(rank=2, start_iter=0)
+    _psgd_rounds(c2, [g], [(12, 10)], key="w")
+    fresh = C.PowerSGD(rank=2, start_iter=0)
+    h = rand(8 * 5)
+    c2.qs.clear()  # same Q draw as the fresh compressor's
+    c2.steps.clear()
+    assert torch.equal(_psgd_rounds(c2, [h], [(8, 5)], key="w")[0], _psgd_rounds(fresh, [h], [(8, 5)], key="w")[0])
+
+
+def test_powersgd_pending_residual_of_a_reshaped_tensor_is_dropped_as_on_the_torch_path(torch_path):
+    # the same key and element count under another shape: a new tensor, its residual starts at zero
+    g1, g2 = rand(12 * 10), rand(12 * 10, seed=1)
+    fast, ref = C.PowerSGD(rank=2, start_iter=0), C.PowerSGD(rank=2, start_iter=0)
+    fast.round_layers(g1, [(12, 10)], "w", lambda t: (lambda: None))
+    a = fast.round_layers(g2, [(10, 12)], "w", lambda t: (lambda: None))
+    ref_rounds = lambda: [ref.round_layers(g, [s], "w", lambda t: (lambda: None)) for g, s in
+                          [(g1, (12, 10)), (g2, (10, 12))]]
+    b = torch_path(ref_rounds)[1]
+    assert (a - b).abs().max() <= 1e-4 * b.abs().max()
