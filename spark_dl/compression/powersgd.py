@@ -188,9 +188,9 @@ class PowerSGD(Compressor):
         uncompressed, as torch's ``powerSGD_hook`` does per gradient. ``shapes=None``: ``flat``
         is one tensor, keyed ``key``. All P (with the tensors sent uncompressed) go in one
         all-reduce and all Q in a second, whatever the number of tensors. ``start(t)`` begins an
-        in-place sum of ``t`` across ranks and returns a function that waits for it. Returns the average, flat float32, written into ``into`` when given (a
-        contiguous float32 tensor of ``flat``'s numel; ``flat`` itself is allowed: it is read
-        before anything is written).
+        in-place sum of ``t`` across ranks and returns a function that waits for it. Returns the
+        average, flat float32, written into ``into`` when given (a contiguous float32 tensor of
+        ``flat``'s numel; ``flat`` itself is allowed: it is read before anything is written).
         """
         check_float(flat, "PowerSGD")
         if into is not None and (into.numel() != flat.numel() or into.dtype != torch.float32
