@@ -44,12 +44,12 @@ def test_compression_benchmark_runs_both_parts_or_says_why_not():
     if "Skipping the shaped-link all-reduce" in out:  # not root, no iproute2, or no namespaces here
         return
     table = out[out.index("2-rank all-reduce"):]
-    for name in ("fp32", "qsgd-4bit", "powersgd-r4", "raw PowerSGD compute only", "raw read the gradient once"):
+    for name in ("fp32", "qsgd-4bit", "powersgd-r4", "raw PowerSGD compute only", "raw PowerSGD's memory passes"):
         assert any(line.startswith(name + " ") for line in table.splitlines()), name
     # 200 x 200 at rank 4: P and Q are 200 x 4 floats each, PowerSGD's ideal bytes
     powersgd = next(line for line in table.splitlines() if line.startswith("powersgd-r4 "))
     assert powersgd.split()[1] == "6,400"
-    assert "PowerSGD's floor on cpu" in table
+    assert "PowerSGD's memory floor on cpu: M = e + G" in table
 
 
 def test_compression_benchmark_on_resnet50_layers_counts_powersgd_per_weight():

@@ -25,6 +25,7 @@ compressed steps (counted per tensor) and for tensors where rank r saves less th
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -54,6 +55,16 @@ def _matrix_shape(shape: torch.Size) -> tuple[int, int]:
         return shape[0], n // shape[0]
     rows = max(1, math.isqrt(max(n - 1, 0)) + 1) if n else 1
     return rows, max(1, -(-n // rows))
+
+
+@functools.lru_cache(maxsize=64)
+def _positions(numels: tuple[int, ...], which: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The positions, in a bucket packing tensors of ``numels`` in order, of the elements of the
+    tensors ``which`` (ascending), in order: one index for a gather and a scatter."""
+    starts = [0]
+    for n in numels:
+        starts.append(starts[-1] + n)
+    return torch.cat([torch.arange(starts[i], starts[i + 1]) for i in which]).to(device)
 
 
 def _no_op(t: torch.Tensor) -> None:
@@ -212,33 +223,50 @@ class PowerSGD(Compressor):
         if not parts:
             return flat.new_empty(0, dtype=torch.float32)
         return self._round(parts, [(key, i) for i in range(len(parts))], start, world, scale, vectors=False,
-                           into=into)[0]
+                           into=into, flat=flat, with_payloads=False)[0]
 
     def _round(self, parts: list[torch.Tensor], keys: list[Key], start: StartAllReduce, world: int,
-               scale: float, vectors: bool = True,
-               into: torch.Tensor | None = None) -> tuple[torch.Tensor, list[Payload]]:
+               scale: float, vectors: bool = True, into: torch.Tensor | None = None,
+               flat: torch.Tensor | None = None,
+               with_payloads: bool = True) -> tuple[torch.Tensor, list[Payload]]:
+        """``flat``: the bucket ``parts`` are consecutive views of, in order; its uncompressed
+        tensors then move with one gather and one scatter instead of two calls each."""
         metas = [self._plan(t, k, vectors) for t, k in zip(parts, keys)]
         device = parts[0].device
         comp = [i for i, m in enumerate(metas) if m.compressed]
         ranks = {i: min(self.rank, metas[i].rows, metas[i].cols) for i in comp}
-        # Round 1 carries the uncompressed tensors (scaled) and every P, stored r x n: the layout
-        # (Q^T M^T) in which BLAS streams the row-major M once (3x faster than M Q on one core).
+        # Round 1 carries the uncompressed tensors (scaled) first, then every P, stored r x n: the
+        # layout (Q^T M^T) in which BLAS streams the row-major M once (3x faster than M Q).
         raw_at, p_at, q_at, n1, n2 = {}, {}, {}, 0, 0
         for i, m in enumerate(metas):
-            if m.compressed:
-                p_at[i], q_at[i] = n1, n2
-                n1 += ranks[i] * m.rows
-                n2 += ranks[i] * m.cols
-            else:
+            if not m.compressed:
                 raw_at[i] = n1
                 n1 += m.numel
+        n_raw = n1
+        for i in comp:
+            p_at[i], q_at[i] = n1, n2
+            n1 += ranks[i] * metas[i].rows
+            n2 += ranks[i] * metas[i].cols
         round1 = torch.empty(n1, dtype=torch.float32, device=device)
         round2 = torch.empty(n2, dtype=torch.float32, device=device)
         fused = native.enabled(parts[0]) and all(parts[i].dtype == torch.float32 for i in comp)
+        gather = None
+        if flat is not None and len(raw_at) > 1:  # (a bucket's biases and norms: one call, not one each)
+            gather = _positions(tuple(metas[i].numel for i in range(len(metas))),
+                                tuple(sorted(raw_at)), device)
+            wire = round1[:n_raw]
+            if flat.dtype == torch.float32:
+                torch.index_select(flat.reshape(-1), 0, gather, out=wire)
+                if scale != 1.0:
+                    wire.mul_(scale)
+            else:
+                torch.mul(flat.reshape(-1).index_select(0, gather), scale, out=wire)
         ms: dict[int, torch.Tensor] = {}
         for i, m in enumerate(metas):
             if not m.compressed:
-                torch.mul(parts[i].reshape(-1).to(torch.float32), scale, out=round1[raw_at[i]:raw_at[i] + m.numel])
+                if gather is None:
+                    torch.mul(parts[i].reshape(-1).to(torch.float32), scale,
+                              out=round1[raw_at[i]:raw_at[i] + m.numel])
                 continue
             q = self._q(keys[i], m, device)
             pt = round1[p_at[i]:p_at[i] + ranks[i] * m.rows].view(ranks[i], m.rows)
@@ -284,17 +312,21 @@ class PowerSGD(Compressor):
         # every read of the parts happened in the first loop: ``into`` may alias them
         total = sum(m.numel for m in metas)
         out = into.view(-1) if into is not None else torch.empty(total, dtype=torch.float32, device=device)
+        if gather is not None:
+            out.index_copy_(0, gather, round1[:n_raw] / world if world != 1 else round1[:n_raw])
         payloads, at = [], 0
         for i, m in enumerate(metas):
             dest = out[at:at + m.numel]
             at += m.numel
             if not m.compressed:
                 wire = round1[raw_at[i]:raw_at[i] + m.numel]
-                if world != 1:
-                    torch.div(wire, world, out=dest)
-                else:
-                    dest.copy_(wire)
-                payloads.append(Payload([wire], m))
+                if gather is None:
+                    if world != 1:
+                        torch.div(wire, world, out=dest)
+                    else:
+                        dest.copy_(wire)
+                if with_payloads:
+                    payloads.append(Payload([wire], m))
                 continue
             r = ranks[i]
             q = round2[q_at[i]:q_at[i] + r * m.cols].view(r, m.cols).t().contiguous()
@@ -307,7 +339,8 @@ class PowerSGD(Compressor):
                 torch.mm(ps[i], q_avg.t(), out=dest.view(m.rows, m.cols))
             else:
                 dest.copy_((ps[i] @ q_avg.t()).view(-1)[:m.numel])
-            payloads.append(Payload([ps[i], local[q_at[i]:q_at[i] + r * m.cols].view(r, m.cols).t().contiguous()], m))
+            if with_payloads:
+                payloads.append(Payload([ps[i], local[q_at[i]:q_at[i] + r * m.cols].view(r, m.cols).t().contiguous()], m))
         return out, payloads
 
     def compress(self, tensor: torch.Tensor, key: Key = None) -> Payload:

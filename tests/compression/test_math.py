@@ -255,3 +255,28 @@ def test_state_pickles():
         g = torch.randn(20, 10)
         # The restored copy continues exactly where the original is (memory, counters, seeds).
         assert torch.equal(back.decompress(back.compress(g, key="w")), c.decompress(c.compress(g, key="w")))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_powersgd_bucket_sends_its_uncompressed_tensors_together_and_puts_them_back(dtype):
+    # several biases and norms between the weights: one gather into the first all-reduce, one
+    # scatter back, each element where it came from (two identical ranks: the average is exact)
+    shapes = [(20, 15), (15,), (15,), (8, 27), (8,), (3,), (30, 20)]
+    n = sum(math.prod(s) for s in shapes)
+    flat = torch.randn(n, generator=torch.Generator().manual_seed(4)).to(dtype)
+    sent = []
+
+    def two_ranks(t):
+        sent.append(t.clone())
+        t.mul_(2)
+        return lambda: None
+    p = C.PowerSGD(rank=2, start_iter=0)
+    out = p.round_layers(flat, shapes, "b", two_ranks, world=2, scale=0.5)
+    raw = [(300, 315), (315, 330), (546, 554), (554, 557)]
+    want = torch.cat([flat[a:b].float() * 0.5 for a, b in raw])
+    assert torch.equal(sent[0][:want.numel()], want)  # uncompressed first, in bucket order, scaled
+    for a, b in raw:
+        assert torch.equal(out[a:b], flat[a:b].float() * 0.5)
+    into = torch.full((n,), float("nan"))
+    p.round_layers(flat, shapes, "b", two_ranks, world=2, scale=0.5, into=into)
+    assert not into.isnan().any() and all(torch.equal(into[a:b], flat[a:b].float() * 0.5) for a, b in raw)
