@@ -78,9 +78,9 @@ static void *task_main(void *p) {
 
 static int threads_for(int64_t n) { return n >= SDK_PAR_MIN ? g_threads : 1; }
 
-/* Runs fn(arg, t, nt) for t < nt, t = 0 on the calling thread. A thread that cannot be started
- * runs inline: slower, same result. */
-static void parallel(int nt, task_fn fn, void *arg) {
+/* Runs fn(arg, t, nt) for t < nt on fresh threads, t = 0 on the calling thread. A thread that
+ * cannot be started runs inline: slower, same result. */
+static void spawn_parallel(int nt, task_fn fn, void *arg) {
     pthread_t th[SDK_MAX_THREADS];
     task tasks[SDK_MAX_THREADS];
     int started[SDK_MAX_THREADS] = {0};
@@ -93,6 +93,94 @@ static void parallel(int nt, task_fn fn, void *arg) {
         if (started[t]) pthread_join(th[t], NULL);
         else fn(arg, t, nt);
     }
+}
+
+/* A pool of parked worker threads, started on first use and kept: starting a thread costs tens of
+ * microseconds, as much as a whole kernel on a 1M-element vector split 16 ways. One job at a
+ * time: a call that finds the pool busy (another Python thread, the GIL being released) starts
+ * its own threads instead. A forked child (Spark's Python workers fork) has none of the parent's
+ * threads: pthread_atfork empties the pool there, and the child starts its own. */
+static struct {
+    pthread_mutex_t lock, busy;
+    pthread_cond_t wake, done;
+    int workers;         /* parked threads: task numbers 1..workers */
+    unsigned long job;   /* bumped for each job */
+    task_fn fn;
+    void *arg;
+    int nt, running;     /* the job's task count; workers not yet through it */
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
+          PTHREAD_COND_INITIALIZER, 0, 0, NULL, NULL, 0, 0};
+static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
+
+static void pool_after_fork(void) {
+    pthread_mutex_init(&pool.lock, NULL);
+    pthread_mutex_init(&pool.busy, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+    pthread_cond_init(&pool.done, NULL);
+    pool.workers = 0;
+    pool.running = 0;
+}
+
+static void pool_init(void) { pthread_atfork(NULL, NULL, pool_after_fork); }
+
+typedef struct { int t; unsigned long seen; } worker_args;
+
+static void *pool_worker(void *p) {
+    worker_args w = *(worker_args *)p;
+    free(p);
+    for (;;) {
+        pthread_mutex_lock(&pool.lock);
+        while (pool.job == w.seen) pthread_cond_wait(&pool.wake, &pool.lock);
+        w.seen = pool.job;
+        task_fn fn = pool.fn;
+        void *arg = pool.arg;
+        int nt = pool.nt;
+        pthread_mutex_unlock(&pool.lock);
+        if (w.t < nt) fn(arg, w.t, nt);
+        pthread_mutex_lock(&pool.lock);
+        if (--pool.running == 0) pthread_cond_signal(&pool.done);
+        pthread_mutex_unlock(&pool.lock);
+    }
+    return NULL;
+}
+
+/* Runs fn(arg, t, nt) for t < nt, t = 0 on the calling thread. */
+static void parallel(int nt, task_fn fn, void *arg) {
+    if (nt <= 1) {
+        fn(arg, 0, 1);
+        return;
+    }
+    pthread_once(&pool_once, pool_init);
+    if (pthread_mutex_trylock(&pool.busy) != 0) {
+        spawn_parallel(nt, fn, arg);
+        return;
+    }
+    while (pool.workers < nt - 1) {  /* workers start parked before this job is posted */
+        worker_args *w = (worker_args *)malloc(sizeof *w);
+        pthread_t th;
+        if (!w) break;
+        *w = (worker_args){pool.workers + 1, pool.job};
+        if (pthread_create(&th, NULL, pool_worker, w) != 0) {
+            free(w);
+            break;
+        }
+        pthread_detach(th);
+        pool.workers++;
+    }
+    pthread_mutex_lock(&pool.lock);
+    pool.fn = fn;
+    pool.arg = arg;
+    pool.nt = nt;
+    pool.running = pool.workers;
+    pool.job++;
+    pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.lock);
+    fn(arg, 0, nt);
+    for (int t = pool.workers + 1; t < nt; t++) fn(arg, t, nt);  /* threads that could not start */
+    pthread_mutex_lock(&pool.lock);
+    while (pool.running > 0) pthread_cond_wait(&pool.done, &pool.lock);
+    pthread_mutex_unlock(&pool.lock);
+    pthread_mutex_unlock(&pool.busy);
 }
 
 /* Thread t's share [*a, *b) of [0, n), cut at multiples of `align`. */

@@ -704,3 +704,66 @@ def test_powersgd_pending_residual_of_a_reshaped_tensor_is_dropped_as_on_the_tor
                           [(g1, (12, 10)), (g2, (10, 12))]]
     b = torch_path(ref_rounds)[1]
     assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+
+
+def _onebit_big(n=(1 << 20) + 9):
+    """A 1-bit encode large enough to be split across the kernels' worker threads."""
+    g = rand(n, seed=11)
+    c = C.SignMeans(1024)
+    return c.compress(g).tensors
+
+
+def test_kernel_threads_are_reused_and_serve_concurrent_callers():
+    import threading
+
+    native.set_threads(1)
+    try:
+        want = _onebit_big()
+    finally:
+        native.set_threads(None)
+    native.set_threads(3)  # parked workers, reused call after call
+    try:
+        results, errors = [], []
+
+        def work():
+            try:
+                for _ in range(20):
+                    results.append(_onebit_big())
+            except Exception as e:  # pragma: no cover - reported below
+                errors.append(e)
+        # the GIL is released inside the kernels: two callers at once, one finds the pool busy
+        threads = [threading.Thread(target=work) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads) and not errors
+    finally:
+        native.set_threads(None)
+    assert len(results) == 40
+    assert all(torch.equal(a, b) for r in results for a, b in zip(r, want))
+
+
+def _child_encodes(q):
+    native.set_threads(2)
+    q.put([t.numpy().tobytes() for t in _onebit_big()])  # bytes: no shared-memory handles to outlive
+
+
+def test_kernel_threads_work_in_a_forked_child_of_a_process_that_used_them():
+    # Spark's Python workers fork: the child has none of the parent's parked threads
+    import multiprocessing as mp
+
+    native.set_threads(2)
+    try:
+        want = _onebit_big()  # the pool's workers now exist in this process
+        ctx = mp.get_context("fork")
+        q = ctx.Queue()
+        child = ctx.Process(target=_child_encodes, args=(q,))
+        child.start()
+        got = q.get(timeout=60)  # a hang here would be a child waiting on threads it lacks
+        child.join(timeout=60)
+        assert child.exitcode == 0
+        assert got == [t.numpy().tobytes() for t in want]
+        assert all(torch.equal(a, b) for a, b in zip(_onebit_big(), want))  # the parent's pool still works
+    finally:
+        native.set_threads(None)
