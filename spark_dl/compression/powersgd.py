@@ -17,7 +17,10 @@ buckets' shapes) is factored gradient by gradient, 1-D ones sent uncompressed, w
 one all-reduce and every Q in another. On the CPU with the native kernels a round makes two
 passes over M: the first adds the gradient, subtracts the last round's P^ Qw^T (e is kept as M
 and its factors: :class:`FactoredResiduals`) and projects; the second computes Qw; the output
-is one streaming write. The torch path updates e while Q is on the wire.
+is one streaming write. The torch path (GPUs, or no C compiler) batches the tensors that share
+a matrix shape (ResNet-50's 54 weights come in 21 shapes): one (k, n, m) M per shape, whose
+slices are the residuals, with batched products and one in-place residual update while Q is on
+the wire.
 Before ``start_iter``
 compressed steps (counted per tensor) and for tensors where rank r saves less than
 ``min_compression_rate``, the tensor is all-reduced uncompressed and e stays empty, as in
@@ -235,6 +238,12 @@ class PowerSGD(Compressor):
         device = parts[0].device
         comp = [i for i, m in enumerate(metas) if m.compressed]
         ranks = {i: min(self.rank, metas[i].rows, metas[i].cols) for i in comp}
+        # The compressed tensors by matrix shape, in order of first appearance: a group's P (and
+        # Q) lie side by side on the wire, so its QR, and on the torch path its products and
+        # residual update, are one batched call each, however many layers share the shape.
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i in comp:
+            groups.setdefault((metas[i].rows, metas[i].cols), []).append(i)
         # Round 1 carries the uncompressed tensors (scaled) first, then every P, stored r x n: the
         # layout (Q^T M^T) in which BLAS streams the row-major M once (3x faster than M Q).
         raw_at, p_at, q_at, n1, n2 = {}, {}, {}, 0, 0
@@ -243,10 +252,11 @@ class PowerSGD(Compressor):
                 raw_at[i] = n1
                 n1 += m.numel
         n_raw = n1
-        for i in comp:
-            p_at[i], q_at[i] = n1, n2
-            n1 += ranks[i] * metas[i].rows
-            n2 += ranks[i] * metas[i].cols
+        for idx in groups.values():
+            for i in idx:
+                p_at[i], q_at[i] = n1, n2
+                n1 += ranks[i] * metas[i].rows
+                n2 += ranks[i] * metas[i].cols
         round1 = torch.empty(n1, dtype=torch.float32, device=device)
         round2 = torch.empty(n2, dtype=torch.float32, device=device)
         fused = native.enabled(parts[0]) and all(parts[i].dtype == torch.float32 for i in comp)
@@ -261,87 +271,142 @@ class PowerSGD(Compressor):
                     wire.mul_(scale)
             else:
                 torch.mul(flat.reshape(-1).index_select(0, gather), scale, out=wire)
+        elif raw_at:
+            for i in raw_at:
+                torch.mul(parts[i].reshape(-1).to(torch.float32), scale,
+                          out=round1[raw_at[i]:raw_at[i] + metas[i].numel])
+
+        def group_slice(buf: torch.Tensor, at: dict[int, int], idx: list[int], width: int) -> torch.Tensor:
+            r = ranks[idx[0]]
+            return buf[at[idx[0]]:at[idx[0]] + len(idx) * r * width].view(len(idx), r, width)
+
+        # M = e + scale * g per tensor, and P. Native: one pass per matrix. Torch: a group's M is
+        # one (k, n, m) tensor (the residuals are its slices, so next step adds in place).
         ms: dict[int, torch.Tensor] = {}
-        for i, m in enumerate(metas):
-            if not m.compressed:
-                if gather is None:
-                    torch.mul(parts[i].reshape(-1).to(torch.float32), scale,
-                              out=round1[raw_at[i]:raw_at[i] + m.numel])
-                continue
-            q = self._q(keys[i], m, device)
-            pt = round1[p_at[i]:p_at[i] + ranks[i] * m.rows].view(ranks[i], m.rows)
-            if fused:  # M = e + scale * g and P, in one pass over M (see native.powersgd_project)
-                ms[i] = self.residuals.project(parts[i], keys[i], scale, q, m.rows, m.cols, pt)
-                continue
-            # M = e + scale * g, in the residual's own memory when it has one: one pass, no copy
-            mat = self.residuals.add_scaled(parts[i], keys[i], scale)
-            n = m.rows * m.cols
-            if mat.numel() != n:
-                mat = torch.cat([mat.reshape(-1), mat.new_zeros(n - mat.numel())])
-            ms[i] = mat = mat.view(m.rows, m.cols)
-            torch.mm(q.t(), mat.t(), out=pt)
-        start(round1)()
-        # Orthonormal bases, one batched QR per shape: one call where a network repeats a shape.
-        ps: dict[int, torch.Tensor] = {}
-        by_shape: dict[tuple[int, int], list[int]] = {}
-        for i in comp:
-            by_shape.setdefault((metas[i].rows, ranks[i]), []).append(i)
-        for (rows, r), idx in by_shape.items():
-            stacked = torch.stack([round1[p_at[i]:p_at[i] + r * rows].view(r, rows).t() for i in idx])
-            basis = torch.linalg.qr(stacked, mode="reduced").Q
-            for j, i in enumerate(idx):
-                ps[i] = basis[j].contiguous()
-        for i in comp:  # this rank's Q, stored r x m (P^T M: M streamed once)
-            qt = round2[q_at[i]:q_at[i] + ranks[i] * metas[i].cols].view(ranks[i], metas[i].cols)
+        stacks: dict[tuple[int, int], torch.Tensor] = {}
+        for (rows, cols), idx in groups.items():
             if fused:
-                native.powersgd_back(ps[i], ms[i], metas[i].rows, metas[i].cols, qt)
-            else:
-                torch.mm(ps[i].t(), ms[i], out=qt)
+                for i in idx:
+                    pt = round1[p_at[i]:p_at[i] + ranks[i] * rows].view(ranks[i], rows)
+                    ms[i] = self.residuals.project(parts[i], keys[i], scale, self._q(keys[i], metas[i], device),
+                                                   rows, cols, pt)
+                continue
+            if all(metas[i].numel == rows * cols for i in idx):
+                mat = stacks[rows, cols] = self._stacked_m([parts[i] for i in idx], [keys[i] for i in idx],
+                                                           rows, cols, scale)
+                qt = torch.stack([self._q(keys[i], metas[i], device).t() for i in idx])
+                torch.bmm(qt, mat.transpose(1, 2), out=group_slice(round1, p_at, idx, rows))
+                for j, i in enumerate(idx):
+                    ms[i] = mat[j]
+                continue
+            for i in idx:  # a 1-D tensor as a zero-padded near-square matrix (round() only)
+                m = metas[i]
+                mat = self.residuals.add_scaled(parts[i], keys[i], scale)
+                mat = torch.cat([mat.reshape(-1), mat.new_zeros(rows * cols - mat.numel())])
+                ms[i] = mat = mat.view(rows, cols)
+                pt = round1[p_at[i]:p_at[i] + ranks[i] * rows].view(ranks[i], rows)
+                torch.mm(self._q(keys[i], m, device).t(), mat.t(), out=pt)
+        start(round1)()
+        # Orthonormal bases, one batched QR per group.
+        ps: dict[int, torch.Tensor] = {}
+        bases: dict[tuple[int, int], torch.Tensor] = {}
+        for (rows, cols), idx in groups.items():
+            basis = bases[rows, cols] = torch.linalg.qr(group_slice(round1, p_at, idx, rows).transpose(1, 2),
+                                                        mode="reduced").Q.contiguous()
+            for j, i in enumerate(idx):
+                ps[i] = basis[j]
+        # this rank's Q, stored r x m (P^T M: M streamed once)
+        for (rows, cols), idx in groups.items():
+            if (rows, cols) in stacks:
+                torch.bmm(bases[rows, cols].transpose(1, 2), stacks[rows, cols], out=group_slice(round2, q_at, idx, cols))
+                continue
+            for i in idx:
+                qt = round2[q_at[i]:q_at[i] + ranks[i] * cols].view(ranks[i], cols)
+                if fused:
+                    native.powersgd_back(ps[i], ms[i], rows, cols, qt)
+                else:
+                    torch.mm(ps[i].t(), ms[i], out=qt)
         local = round2.clone()
         wait = start(round2)
-        for i in comp:
-            m = metas[i]
-            q_local = local[q_at[i]:q_at[i] + ranks[i] * m.cols].view(ranks[i], m.cols)
+        for (rows, cols), idx in groups.items():
             if fused:  # e = M - P^ Qw^T is left to the next round's first pass
-                self.residuals.store_factored(keys[i], ms[i].view(m.shape), ps[i], q_local.t())
+                for i in idx:
+                    q_local = local[q_at[i]:q_at[i] + ranks[i] * cols].view(ranks[i], cols)
+                    self.residuals.store_factored(keys[i], ms[i].view(metas[i].shape), ps[i], q_local.t())
                 continue
             # While Q travels: e = M - P^ Qw^T, in place (no second n x m temporary).
-            ms[i].addmm_(ps[i], q_local, alpha=-1)
-            self.residuals.store(keys[i], ms[i].view(-1)[:m.numel].view(m.shape))
+            if (rows, cols) in stacks:
+                stacks[rows, cols].baddbmm_(bases[rows, cols], group_slice(local, q_at, idx, cols), alpha=-1)
+            else:
+                for i in idx:
+                    ms[i].addmm_(ps[i], local[q_at[i]:q_at[i] + ranks[i] * cols].view(ranks[i], cols), alpha=-1)
+            for i in idx:
+                self.residuals.store(keys[i], ms[i].view(-1)[:metas[i].numel].view(metas[i].shape))
         wait()
         # every read of the parts happened in the first loop: ``into`` may alias them
         total = sum(m.numel for m in metas)
         out = into.view(-1) if into is not None else torch.empty(total, dtype=torch.float32, device=device)
         if gather is not None:
             out.index_copy_(0, gather, round1[:n_raw] / world if world != 1 else round1[:n_raw])
-        payloads, at = [], 0
-        for i, m in enumerate(metas):
-            dest = out[at:at + m.numel]
+        starts, at = [], 0
+        for m in metas:
+            starts.append(at)
             at += m.numel
-            if not m.compressed:
-                wire = round1[raw_at[i]:raw_at[i] + m.numel]
-                if gather is None:
-                    if world != 1:
-                        torch.div(wire, world, out=dest)
-                    else:
-                        dest.copy_(wire)
-                if with_payloads:
-                    payloads.append(Payload([wire], m))
-                continue
-            r = ranks[i]
-            q = round2[q_at[i]:q_at[i] + r * m.cols].view(r, m.cols).t().contiguous()
-            self.qs[keys[i]] = q
+        for i in raw_at:
+            if gather is None:
+                dest, wire = out[starts[i]:starts[i] + metas[i].numel], round1[raw_at[i]:raw_at[i] + metas[i].numel]
+                if world != 1:
+                    torch.div(wire, world, out=dest)
+                else:
+                    dest.copy_(wire)
+        for (rows, cols), idx in groups.items():
+            q_sum = group_slice(round2, q_at, idx, cols)  # (k, r, m): Q^T of each tensor, summed
             # The 1/W of the average rides on the small factor: no pass over the n x m output.
-            q_avg = q / world if world != 1 else q
-            if native.enabled(ps[i], q_avg):  # one streaming write; torch's GEMM at k = r is far slower
-                native.lowrank_product(ps[i], q_avg, m.numel, out=dest)
-            elif m.numel == m.rows * m.cols:
-                torch.mm(ps[i], q_avg.t(), out=dest.view(m.rows, m.cols))
-            else:
-                dest.copy_((ps[i] @ q_avg.t()).view(-1)[:m.numel])
-            if with_payloads:
-                payloads.append(Payload([ps[i], local[q_at[i]:q_at[i] + r * m.cols].view(r, m.cols).t().contiguous()], m))
+            q_avg = q_sum / world if world != 1 else q_sum
+            for j, i in enumerate(idx):
+                m = metas[i]
+                self.qs[keys[i]] = q_sum[j].t()
+                dest = out[starts[i]:starts[i] + m.numel]
+                if native.enabled(ps[i]):  # one streaming write; torch's GEMM at k = r is far slower
+                    native.lowrank_product(ps[i], q_avg[j].t(), m.numel, out=dest)
+                elif m.numel == rows * cols:
+                    torch.mm(ps[i], q_avg[j], out=dest.view(rows, cols))
+                else:
+                    dest.copy_((ps[i] @ q_avg[j]).view(-1)[:m.numel])
+        payloads = []
+        if with_payloads:
+            for i, m in enumerate(metas):
+                if i in raw_at:
+                    payloads.append(Payload([round1[raw_at[i]:raw_at[i] + m.numel]], m))
+                else:
+                    r = ranks[i]
+                    qw = local[q_at[i]:q_at[i] + r * m.cols].view(r, m.cols).t().contiguous()
+                    payloads.append(Payload([ps[i].contiguous(), qw], m))
         return out, payloads
+
+    def _stacked_m(self, parts: list[torch.Tensor], keys: list[Key], rows: int, cols: int,
+                   scale: float) -> torch.Tensor:
+        """``M = e + scale * g`` for a group of same-shape tensors as one (k, rows, cols) float32
+        tensor; the group's residuals are its slices when they were stored from such a tensor,
+        and then M is formed in that memory."""
+        memory = self.residuals.memory
+        es = [memory.get(key) for key in keys]
+        g = torch.stack([t.reshape(rows, cols) for t in parts])
+        base = es[0]._base if es[0] is not None else None
+        step = rows * cols * 4
+        if (base is not None and base.shape == (len(parts), rows, cols) and base.dtype == torch.float32
+                and base.device == g.device
+                and all(e is not None and e._base is base and e.shape == t.shape
+                        and e.data_ptr() == base.data_ptr() + j * step for j, (e, t) in enumerate(zip(es, parts)))):
+            mat = base.add_(g, alpha=scale)
+        else:
+            mat = g.to(torch.float32).mul(scale) if scale != 1.0 or g.dtype != torch.float32 else g
+            for j, (e, t) in enumerate(zip(es, parts)):
+                if e is not None and e.shape == t.shape and e.device == t.device:
+                    mat[j].add_(e.reshape(rows, cols))
+        for key in keys:
+            memory.pop(key, None)
+        return mat
 
     def compress(self, tensor: torch.Tensor, key: Key = None) -> Payload:
         return self.round(tensor, key)[1]
