@@ -767,3 +767,29 @@ def test_kernel_threads_work_in_a_forked_child_of_a_process_that_used_them():
         assert all(torch.equal(a, b) for a, b in zip(_onebit_big(), want))  # the parent's pool still works
     finally:
         native.set_threads(None)
+
+
+def test_powersgd_torch_path_batches_same_shape_tensors_and_keeps_their_residuals_in_place(torch_path):
+    # the GPU's path: three weights of one shape are one (3, 12, 10) M, the fourth its own
+    shapes = [(12, 10), (10,), (12, 10), (8, 15), (12, 10)]
+    n = sum(math.prod(s) for s in shapes)
+    c = C.PowerSGD(rank=2, start_iter=0)
+    grads = [rand(n, seed=s) for s in range(3)]
+
+    def rounds():
+        outs, bases = [], []
+        for g in grads:
+            outs.append(c.round_layers(g, shapes, "b", lambda t: (lambda: None)).clone())
+            e = c.residuals.memory
+            bases.append({e["b", i]._base.data_ptr() for i in (0, 2, 4)})
+        return outs, bases
+    outs, bases = torch_path(rounds)
+    assert all(len(b) == 1 for b in bases) and bases[0] == bases[1] == bases[2]  # one M, reused in place
+    e = c.residuals.memory
+    at = [0, 120, 130, 250, 370]
+    # error feedback per tensor: what was sent plus what is kept is what came in, summed over steps
+    for i in (0, 2, 3, 4):
+        sent = sum(o[at[i]:at[i] + math.prod(shapes[i])] for o in outs)
+        came = sum(g[at[i]:at[i] + math.prod(shapes[i])] for g in grads)
+        assert torch.allclose(sent + e["b", i].reshape(-1), came, atol=1e-4)
+    assert all(torch.equal(o[120:130], g[120:130]) for o, g in zip(outs, grads))  # the bias as is
