@@ -28,13 +28,9 @@ import sys
 import tempfile
 import time
 
-if __name__ == "__main__":
-    # As in the launcher's rank processes (inherited by any rank this script starts): huge pages
-    # for big CPU tensors and freed ones kept mapped (spark_dl/launch/allocator.py). glibc and
-    # torch read these at start, so the script restarts itself with them before importing torch.
-    from spark_dl.launch.allocator import reexec_with_allocator_env
-
-    reexec_with_allocator_env()
+# As in the launcher's rank processes (inherited by this script's ranks): huge pages for big
+# CPU tensors. Read by torch at its first big allocation, so before the import.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import torch  # noqa: E402
 

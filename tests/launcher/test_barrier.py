@@ -22,7 +22,7 @@ def world_main(tag):
     t = torch.tensor([float(dist.get_rank())])
     dist.all_reduce(t)
     keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "CROSS_RANK", "CROSS_SIZE", "MASTER_ADDR", "OMP_NUM_THREADS",
-            "THP_MEM_ALLOC_ENABLE", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+            "THP_MEM_ALLOC_ENABLE")
     return {"tag": tag, "sum": t.item(), "pid": os.getpid(), "ppid": os.getppid(),
             "env": {k: os.environ.get(k) for k in keys}, "host": socket.gethostname()}
 
@@ -46,9 +46,6 @@ def test_barrier_stage_runs_np_ranks_with_one_process_group(spark):
     # four ranks share the host's cores instead of each spawning one thread per core
     assert {o["env"]["OMP_NUM_THREADS"] for o in outs} == {str(max(1, len(os.sched_getaffinity(0)) // 4))}
     assert {o["env"]["THP_MEM_ALLOC_ENABLE"] for o in outs} == {"1"}  # huge pages for big CPU tensors
-    # freed big tensors stay mapped for the next step (tests/launcher/test_allocator.py)
-    assert {(o["env"]["MALLOC_MMAP_THRESHOLD_"], o["env"]["MALLOC_TRIM_THRESHOLD_"]) for o in outs} == \
-        {(str(512 << 20), str(512 << 20))}
     assert len({o["pid"] for o in outs}) == 4
     assert os.getpid() not in {o["ppid"] for o in outs}, "ranks must run under Spark tasks, not the driver"
 
