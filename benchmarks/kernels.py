@@ -116,7 +116,7 @@ def kernels(g: torch.Tensor):
     return {
         "1-bit+EF encode": lambda: E.onebit_encode(p, e.data_ptr(), e.data_ptr(), n, 1024, means.data_ptr(),
                                                    bits.data_ptr()),
-        "EF-sign encode": lambda: E.scaled_sign_encode(p, e.data_ptr(), e.data_ptr(), n, bits.data_ptr()),
+        "EF-sign encode": lambda: E.scaled_sign_encode(p, e.data_ptr(), True, 0.5, e.data_ptr(), n, bits.data_ptr()),
         "fp16 encode /W": lambda: E.convert(p, half.data_ptr(), n, 0.5, False, True),
         "bf16 encode /W": lambda: E.convert(p, half.data_ptr(), n, 0.5, True, True),
         "QSGD-4bit encode": lambda: E.qsgd_encode(p, n, 512, 7, 4, 1, norms.data_ptr(), packed.data_ptr()),

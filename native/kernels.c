@@ -234,17 +234,28 @@ typedef struct {
     int64_t ncont[SDK_MAX_THREADS];
     int scaled;  /* 1: EF-sign, which needs only the |p| sums */
     float *e_out;  /* fused residual (1-bit, buckets <= RBLOCK): see p1_task */
+    const float *pend;  /* EF-sign: e's deferred scale s (e = e_in - (+-s)), or NULL */
+    float *p_out;       /* EF-sign: receives p (may be e_in), or NULL */
 } p1_args;
 
 /* Signs of p = g + e over one piece [lo, hi) or-ed into bits (zeroed by the caller), and the
  * piece's sums of max(p, 0) (NaN kept: torch's clamp keeps it), p and |p|, and its count of
  * p >= 0. Lanes as in the comment above. */
 /* Elements [i, hi) of the piece that starts at lo, into its lanes (also the SIMD path's tail). */
-static int64_t piece_lanes(const float *g, const float *e, int64_t lo, int64_t i, int64_t hi, uint8_t *bits,
-                           double *P, double *Al, double *Ab) {
+static int64_t piece_lanes(const p1_args *A, int64_t lo, int64_t i, int64_t hi, double *P, double *Al,
+                           double *Ab) {
+    const float *g = A->g, *e = A->e;
+    uint8_t *bits = A->bits;
     int64_t np = 0;
     for (; i < hi; i++) {
-        float p = e ? g[i] + e[i] : g[i];
+        float ei = 0.0f;
+        if (e) {
+            ei = e[i];
+            /* the residual EF-sign left pending: e - q(e) with q = +-s, rounded as the torch path */
+            if (A->pend) ei = ei - (ei >= 0.0f ? *A->pend : -*A->pend);
+        }
+        float p = e ? g[i] + ei : g[i];
+        if (A->p_out) A->p_out[i] = p;
         int ge = p >= 0.0f, l = (int)((i - lo) & 7);
         bits[i >> 3] |= (uint8_t)(ge << (7 - (i & 7)));
         P[l] += !(p < 0.0f) ? (double)p : 0.0;
@@ -255,23 +266,32 @@ static int64_t piece_lanes(const float *g, const float *e, int64_t lo, int64_t i
     return np;
 }
 
-static void piece_scalar(const float *g, const float *e, int64_t lo, int64_t hi, uint8_t *bits, bsum *out) {
+static void piece_scalar(const p1_args *A, int64_t lo, int64_t hi, bsum *out) {
     double P[8] = {0}, Al[8] = {0}, Ab[8] = {0};
-    int64_t np = piece_lanes(g, e, lo, lo, hi, bits, P, Al, Ab);
+    int64_t np = piece_lanes(A, lo, lo, hi, P, Al, Ab);
     out->pos = lanes8(P); out->all = lanes8(Al); out->ab = lanes8(Ab); out->npos = np;
 }
 
 #if SDK_X86
 /* The same piece, lo a multiple of 8 (whole sign bytes): lanes 0-3 and 4-7 in two registers. */
-AVX2 static void piece_avx2(const float *g, const float *e, int64_t lo, int64_t hi, uint8_t *bits, bsum *out,
-                            int scaled) {
+AVX2 static void piece_avx2(const p1_args *A, int64_t lo, int64_t hi, bsum *out) {
+    const float *g = A->g, *e = A->e;
+    float *p_out = A->p_out;
+    uint8_t *bits = A->bits;
+    const int scaled = A->scaled;
     const __m256 zero = _mm256_setzero_ps();
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 sp = _mm256_set1_ps(A->pend ? *A->pend : 0.0f), sn = _mm256_set1_ps(A->pend ? -*A->pend : 0.0f);
     __m256d p0 = _mm256_setzero_pd(), p1 = p0, a0 = p0, a1 = p0, b0 = p0, b1 = p0;
     int64_t np = 0, i = lo;
     for (; i + 8 <= hi; i += 8) {
         __m256 p = _mm256_loadu_ps(g + i);
-        if (e) p = _mm256_add_ps(p, _mm256_loadu_ps(e + i));
+        if (e) {
+            __m256 ev = _mm256_loadu_ps(e + i);
+            if (A->pend) ev = _mm256_sub_ps(ev, _mm256_blendv_ps(sn, sp, _mm256_cmp_ps(ev, zero, _CMP_GE_OQ)));
+            p = _mm256_add_ps(p, ev);
+        }
+        if (p_out) _mm256_storeu_ps(p_out + i, p);
         int m = _mm256_movemask_ps(_mm256_cmp_ps(p, zero, _CMP_GE_OQ));
         bits[i >> 3] = rev8[m];
         np += __builtin_popcount((unsigned)m);
@@ -291,7 +311,7 @@ AVX2 static void piece_avx2(const float *g, const float *e, int64_t lo, int64_t 
     _mm256_storeu_pd(P, p0); _mm256_storeu_pd(P + 4, p1);
     _mm256_storeu_pd(Al, a0); _mm256_storeu_pd(Al + 4, a1);
     _mm256_storeu_pd(Ab, b0); _mm256_storeu_pd(Ab + 4, b1);
-    np += piece_lanes(g, e, lo, i, hi, bits, P, Al, Ab);  /* the tail continues the lanes */
+    np += piece_lanes(A, lo, i, hi, P, Al, Ab);  /* the tail continues the lanes */
     out->pos = lanes8(P); out->all = lanes8(Al); out->ab = lanes8(Ab); out->npos = np;
 }
 #endif
@@ -355,10 +375,10 @@ static void p1_task(void *arg, int t, int nt) {
         if (blk < hi) hi = blk;
         bsum ps;
 #if SDK_X86
-        if (simd && (lo & 7) == 0) piece_avx2(A->g, A->e, lo, hi, A->bits, &ps, A->scaled);
+        if (simd && (lo & 7) == 0) piece_avx2(A, lo, hi, &ps);
         else
 #endif
-            piece_scalar(A->g, A->e, lo, hi, A->bits, &ps);
+            piece_scalar(A, lo, hi, &ps);
         if (cont && j == j0) {
             cl[A->ncont[t]++] = ps;
         } else {
@@ -538,23 +558,20 @@ int sdk_onebit_decode(const float *means, const uint8_t *bits, int64_t n, int64_
     return 0;
 }
 
-int sdk_scaled_sign_encode(const float *g, const float *e_in, float *e_out, int64_t n, uint8_t *bits,
-                           float *scale) {
+int sdk_scaled_sign_encode(const float *g, const float *e_in, const float *pending, float *p_out, int64_t n,
+                           uint8_t *bits, float *scale) {
     *scale = 0.0f;
     if (n <= 0) return 0;
-    int nt = threads_for(n);
     p1_args A;
     memset(&A, 0, sizeof A);
     A.g = g; A.e = e_in; A.n = n; A.bucket = n; A.bits = bits; A.scaled = 1;
-    bsum *s = pass1(&A, nt, 1);
+    A.pend = e_in ? pending : NULL;
+    A.p_out = p_out;
+    /* pass1 allocates everything before its first write: out of memory leaves e_in as it was */
+    bsum *s = pass1(&A, threads_for(n), 1);
     if (!s) return -1;
     *scale = (float)(s[0].ab / (double)n);
     free(s);
-    if (e_out) {
-        qpair q = {*scale, -*scale};
-        p2_args P = {g, e_in, e_out, bits, NULL, n, n, &q, 0};
-        parallel(nt, resid_task, &P);
-    }
     return 0;
 }
 

@@ -36,9 +36,12 @@ int sdk_onebit_encode(const float *g, const float *e_in, float *e_out, int64_t n
 int sdk_onebit_decode(const float *means, const uint8_t *bits, int64_t n, int64_t bucket, float *out,
                       int accumulate);
 
-/* Scaled sign (ScaledSign): *scale = sum|p| / n; residual as above with q = +-scale. */
-int sdk_scaled_sign_encode(const float *g, const float *e_in, float *e_out, int64_t n, uint8_t *bits,
-                           float *scale);
+/* Scaled sign (ScaledSign) of p = g + e: *scale = sum|p| / n and bits. e is e_in (NULL: zero), or,
+ * with `pending` set, the residual EF-sign deferred: e_in - q(e_in) with q = +-*pending, rounded
+ * as the torch path's p - D(C(p)). With p_out set (may be e_in), p itself is written there: the
+ * caller keeps it with *scale as the next residual, pending, so EF-sign makes one pass. */
+int sdk_scaled_sign_encode(const float *g, const float *e_in, const float *pending, float *p_out, int64_t n,
+                           uint8_t *bits, float *scale);
 void sdk_scaled_sign_decode(float scale, const uint8_t *bits, int64_t n, float *out, int accumulate);
 
 /* float32 -> float16 / bfloat16 of x * scale (scale = 1/world divides before the sum), round to

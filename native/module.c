@@ -45,14 +45,14 @@ static PyObject *onebit_decode(PyObject *self, PyObject *args) {
 }
 
 static PyObject *scaled_sign_encode(PyObject *self, PyObject *args) {
-    unsigned long long g, e_in, e_out, bits;
+    unsigned long long g, e_in, p_out, bits;
     long long n;
-    float scale;
-    int rc;
-    if (!PyArg_ParseTuple(args, "KKKLK", &g, &e_in, &e_out, &n, &bits)) return NULL;
+    float scale, pending;
+    int has_pending, rc;
+    if (!PyArg_ParseTuple(args, "KKpfKLK", &g, &e_in, &has_pending, &pending, &p_out, &n, &bits)) return NULL;
     Py_BEGIN_ALLOW_THREADS
-    rc = sdk_scaled_sign_encode(PTR(const float *, g), PTR(const float *, e_in), PTR(float *, e_out), n,
-                                PTR(uint8_t *, bits), &scale);
+    rc = sdk_scaled_sign_encode(PTR(const float *, g), PTR(const float *, e_in), has_pending ? &pending : NULL,
+                                PTR(float *, p_out), n, PTR(uint8_t *, bits), &scale);
     Py_END_ALLOW_THREADS
     if (rc) return no_memory("scaled_sign_encode");
     return PyFloat_FromDouble(scale);
@@ -213,7 +213,7 @@ static PyObject *features(PyObject *self, PyObject *noargs) { return PyUnicode_F
 static PyMethodDef methods[] = {
     {"onebit_encode", onebit_encode, METH_VARARGS, "(g, e_in, e_out, n, bucket, means, bits)"},
     {"onebit_decode", onebit_decode, METH_VARARGS, "(means, bits, n, bucket, out, accumulate)"},
-    {"scaled_sign_encode", scaled_sign_encode, METH_VARARGS, "(g, e_in, e_out, n, bits) -> scale"},
+    {"scaled_sign_encode", scaled_sign_encode, METH_VARARGS, "(g, e_in, has_pending, pending, p_out, n, bits) -> scale"},
     {"scaled_sign_decode", scaled_sign_decode, METH_VARARGS, "(scale, bits, n, out, accumulate)"},
     {"convert", convert, METH_VARARGS, "(src, dst, n, scale, bf16, to_half[, accumulate]): half -> float32 may add into dst"},
     {"qsgd_encode", qsgd_encode, METH_VARARGS, "(x, n, bucket, levels, bits, seed, norms, packed)"},

@@ -44,7 +44,10 @@ static void run(int64_t n) {
     }
     uint8_t *bits = xalloc((n + 7) / 8);
     float scale;
-    CHECK(sdk_scaled_sign_encode(g, e, e, n, bits, &scale) == 0);
+    CHECK(sdk_scaled_sign_encode(g, NULL, NULL, NULL, n, bits, &scale) == 0);
+    CHECK(sdk_scaled_sign_encode(g, e, NULL, out, n, bits, &scale) == 0);
+    float pend = scale;
+    CHECK(sdk_scaled_sign_encode(g, e, &pend, e, n, bits, &scale) == 0);  /* deferred residual, p in place */
     sdk_scaled_sign_decode(scale, bits, n, out, 1);
     free(bits);
 
@@ -122,7 +125,8 @@ static void oom(int64_t n) {
     sdk_fail_allocations(1);
     CHECK(sdk_onebit_encode(g, e, e, n, 1024, means, bits) == -1);       /* fused: one pass */
     CHECK(sdk_onebit_encode(g, e, e, n, 100000, means, bits) == -1);     /* two passes */
-    CHECK(sdk_scaled_sign_encode(g, e, e, n, bits, &scale) == -1);
+    float pend = 0.5f;
+    CHECK(sdk_scaled_sign_encode(g, e, &pend, e, n, bits, &scale) == -1);
     CHECK(sdk_onebit_decode(means, bits, n, 1024, e, 1) == -1);
     CHECK(sdk_qsgd_encode(g, n, 100000, 7, 4, 1, norms, packed) == -1);
     CHECK(sdk_topk(g, n, n / 10 + 1, idx, norms) == -1);

@@ -107,17 +107,23 @@ def onebit_decode(means: torch.Tensor, bits: torch.Tensor, n: int, bucket: int,
     return out
 
 
-def scaled_sign_encode(g: torch.Tensor, e: torch.Tensor | None = None, residual: bool = False):
-    """ScaledSign of p = g + e: (scale[1], bits, new residual or None); residual as onebit_encode."""
+def scaled_sign_encode(g: torch.Tensor, e: torch.Tensor | None = None, pending: float | None = None,
+                       p_out: torch.Tensor | None = None):
+    """ScaledSign of p = g + e: (scale[1], bits). ``e`` is the residual, or with ``pending`` = s
+    the residual EF-sign deferred, ``e - q(e)`` with q = +-s. With ``p_out`` (a contiguous
+    float32 tensor of n elements; may be ``e``) p is written there in the same pass."""
     x = _f32(g)
     n = x.numel()
     bits = torch.empty((n + 7) // 8, dtype=torch.uint8)
     e_in = _residual_in(e, n)
-    e_out = None
-    if residual:
-        e_out = e_in if e_in is not None and e_in.data_ptr() == _ptr(e) else torch.empty(n, dtype=torch.float32)
-    scale = _ext.scaled_sign_encode(x.data_ptr(), _ptr(e_in), _ptr(e_out), n, bits.data_ptr())
-    return torch.tensor([scale], dtype=torch.float32), bits, e_out
+    if e is not None and e_in is None:
+        raise ValueError("scaled_sign_encode: e must be a float32 CPU tensor of g's size")
+    if p_out is not None and (_residual_in(p_out, n) is None or not p_out.is_contiguous()):
+        raise ValueError("scaled_sign_encode: p_out must be a contiguous float32 CPU tensor of g's size")
+    has_pending = pending is not None and e_in is not None
+    scale = _ext.scaled_sign_encode(x.data_ptr(), _ptr(e_in), has_pending, float(pending or 0.0),
+                                    _ptr(p_out), n, bits.data_ptr())
+    return torch.tensor([scale], dtype=torch.float32), bits
 
 
 def scaled_sign_decode(scale: torch.Tensor, bits: torch.Tensor, n: int,

@@ -9,7 +9,7 @@ from .base import Compressor, Key, Meta, Payload, check_float, flat32, restore
 from . import native
 from .bits import pack, unpack
 from .sums import bucket_counts, bucket_sums
-from .memory import ErrorFeedback, _EFMeta
+from .memory import ErrorFeedback, Residuals, _EFMeta, key_matches
 
 
 @dataclass
@@ -107,7 +107,7 @@ class ScaledSign(Compressor):
     def compress(self, tensor: torch.Tensor, key: Key = None) -> Payload:
         check_float(tensor, "EFSign")
         if native.enabled(tensor):
-            scale, bits, _ = native.scaled_sign_encode(tensor)
+            scale, bits = native.scaled_sign_encode(tensor)
             return Payload([scale, bits], Meta(tensor.shape, tensor.dtype))
         x = flat32(tensor)
         n = x.numel()
@@ -136,9 +136,9 @@ class ScaledSign(Compressor):
 
 def _fused_ef(ef: ErrorFeedback, tensor: torch.Tensor, key: Key, encode) -> Payload:
     """ErrorFeedback.compress in the C kernels: p = g + e, signs and sums, and the new residual
-    p - q(p) written over the old one (one pass over memory for 1-bit's buckets, two for EF-sign,
-    whose scale covers the whole tensor). The torch path's payload and residual, bit for bit (both
-    sum the means in the order sums.py fixes). Out of memory in a kernel raises MemoryError before
+    p - q(p) written over the old one (one pass over memory for 1-bit's buckets of up to 65,536
+    elements, two for larger ones). The torch path's payload and residual, bit for bit (both sum
+    the means in the order sums.py fixes). Out of memory in a kernel raises MemoryError before
     anything is written: the residual stays."""
     check_float(tensor, type(ef).__name__)
     e = ef.residuals.memory.get(key)
@@ -146,10 +146,66 @@ def _fused_ef(ef: ErrorFeedback, tensor: torch.Tensor, key: Key, encode) -> Payl
         e = None  # as Residuals.add: a key whose shape changed starts from zero
     head, bits, residual = encode(tensor, e)
     ef.residuals.store(key, residual.view(tensor.shape))
-    inner = Meta(tensor.shape, torch.float32)
-    if isinstance(ef.compressor, SignMeans):
-        inner = _SignMeta(tensor.shape, torch.float32)
-    return Payload([head, bits], _EFMeta(inner, tensor.shape, tensor.dtype))
+    return Payload([head, bits], _EFMeta(_SignMeta(tensor.shape, torch.float32), tensor.shape, tensor.dtype))
+
+
+class SignResiduals(Residuals):
+    """EF-sign's residuals. With the native kernels the residual ``e = p - q(p)``, q(p) = s sign(p),
+    is kept as p and the scale s; the next step's encoder subtracts q while it adds the gradient
+    (:func:`native.scaled_sign_encode`), so a step makes one pass over memory instead of two.
+    Reading :attr:`memory` (or pickling) applies the pending scales first, so the residuals seen
+    from outside are always ``e``, bit for bit the torch path's."""
+
+    def __init__(self) -> None:
+        self._memory: dict[Key, torch.Tensor] = {}
+        self.pending: dict[Key, float] = {}
+
+    @staticmethod
+    def _apply(p: torch.Tensor, s: float) -> None:
+        # p - q(p) in place, with q = +-s exactly as ScaledSign.decompress gives it (p >= 0: +s)
+        p.sub_(torch.where(p >= 0, s, -s))
+
+    @property  # type: ignore[override]
+    def memory(self) -> dict[Key, torch.Tensor]:
+        for key, s in self.pending.items():
+            self._apply(self._memory[key], s)
+        self.pending.clear()
+        return self._memory
+
+    @memory.setter
+    def memory(self, value: dict[Key, torch.Tensor]) -> None:
+        self._memory, self.pending = value, {}
+
+    def __getstate__(self) -> dict:
+        return {"_memory": self.memory, "pending": {}}
+
+    def store(self, key: Key, residual: torch.Tensor) -> None:
+        self._memory[key] = residual
+        self.pending.pop(key, None)
+
+    def encode(self, g: torch.Tensor, key: Key) -> tuple[torch.Tensor, torch.Tensor]:
+        """ScaledSign of ``p = g + e[key]`` in one native pass: (scale[1], bits); p, written over
+        e's memory when it fits, becomes the residual with its scale pending. A residual of
+        another shape is dropped (as :class:`Residuals` does)."""
+        e, s = self._memory.get(key), self.pending.get(key)
+        if e is not None and (e.shape != g.shape or e.device != g.device):
+            e, s = None, None
+        if e is not None and not (e.dtype == torch.float32 and e.is_contiguous()):
+            e = e.to(torch.float32, copy=True).contiguous()  # stored from outside: read, not written over
+        p = e.view(-1) if e is not None else torch.empty(g.numel(), dtype=torch.float32)
+        # raises MemoryError before writing anything: e and its pending scale stay as they were
+        scale, bits = native.scaled_sign_encode(g, e, s, p_out=p)
+        self._memory[key] = p.view(g.shape)
+        self.pending[key] = float(scale)
+        return scale, bits
+
+    def reset(self, key: Key = None) -> None:
+        for d in (self.pending, self._memory):
+            for k in [k for k in d if key is None or key_matches(k, key)]:
+                del d[k]
+
+    def __len__(self) -> int:
+        return len(self._memory)
 
 
 class OneBit(ErrorFeedback):
@@ -175,15 +231,21 @@ class OneBit(ErrorFeedback):
 
 
 class EFSign(ErrorFeedback):
-    """EF-signSGD: :class:`ScaledSign` of p = g + e, with e <- p - q(p). Not summable."""
+    """EF-signSGD: :class:`ScaledSign` of p = g + e, with e <- p - q(p). Not summable.
+
+    On the native path a step reads g and e and writes p once: the residual's ``- q(p)`` is
+    deferred to the next step's pass (see :class:`SignResiduals`)."""
 
     def __init__(self) -> None:
         super().__init__(ScaledSign())
+        self.residuals = SignResiduals()
 
     def compress(self, tensor: torch.Tensor, key: Key = None) -> Payload:
         if not native.enabled(tensor):
             return super().compress(tensor, key)
-        return _fused_ef(self, tensor, key, lambda g, e: native.scaled_sign_encode(g, e, residual=True))
+        check_float(tensor, "EFSign")
+        scale, bits = self.residuals.encode(tensor, key)
+        return Payload([scale, bits], _EFMeta(Meta(tensor.shape, torch.float32), tensor.shape, tensor.dtype))
 
     def __repr__(self) -> str:
         return "EFSign()"

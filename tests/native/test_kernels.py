@@ -116,6 +116,102 @@ def test_efsign_matches_torch(n, path, torch_path):
     assert torch.equal(ef.decompress(payload), torch_path(ef.decompress, payload))
 
 
+def _efsign_steps(n, steps, seed=0, special=(0.0, -0.0)):
+    grads = [rand(n, seed=seed + s) for s in range(steps)]
+    if n > len(special):  # signed zeros (or NaN/inf) in g, hence in p and the residual
+        grads[0][1:1 + len(special)] = torch.tensor(special)
+    return grads
+
+
+def _same(a, b):
+    """Equal, NaN where the other is NaN (a NaN's payload bits aside)."""
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()) \
+        and torch.equal(a.signbit() | a.isnan(), b.signbit() | b.isnan())
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_efsign_deferred_residual_is_torch_error_feedback_bit_for_bit(n, path, torch_path):
+    """Steps run back to back keep the residual as p and a pending scale (one pass a step); the
+    payloads and, once read, the residual are the torch ErrorFeedback's, bit for bit."""
+    ef, ref = C.EFSign(), ErrorFeedback(C.ScaledSign())
+    for g in _efsign_steps(n, 4):
+        payload, ref_payload = ef.compress(g, key="k"), torch_path(ref.compress, g, "k")
+        assert all(torch.equal(a, b) for a, b in zip(payload.tensors, ref_payload.tensors))
+        assert set(ef.residuals.pending) == {"k"}  # deferred, not applied
+    e = ef.residuals.memory["k"]
+    assert not ef.residuals.pending
+    assert _same(e, ref.residuals.memory["k"])  # signed zeros too
+
+
+@pytest.mark.parametrize("n", [9, 4097])
+def test_efsign_deferred_residual_with_nan_and_inf_is_the_torch_path(n, path, torch_path):
+    ef, ref = C.EFSign(), ErrorFeedback(C.ScaledSign())
+    for g in _efsign_steps(n, 3, special=(float("nan"), float("inf"), -float("inf"))):
+        payload, ref_payload = ef.compress(g, key="k"), torch_path(ref.compress, g, "k")
+        assert all(_same(a, b) for a, b in zip(payload.tensors, ref_payload.tensors))
+    assert _same(ef.residuals.memory["k"], ref.residuals.memory["k"])
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_efsign_deferred_residual_does_not_depend_on_threads(threads, torch_path):
+    n = 3_000_017
+    native.set_threads(threads)
+    try:
+        ef, ref = C.EFSign(), ErrorFeedback(C.ScaledSign())
+        for g in _efsign_steps(n, 3, seed=5):
+            payload, ref_payload = ef.compress(g, key="k"), torch_path(ref.compress, g, "k")
+            assert all(torch.equal(a, b) for a, b in zip(payload.tensors, ref_payload.tensors))
+        assert torch.equal(ef.residuals.memory["k"], ref.residuals.memory["k"])
+    finally:
+        native.set_threads(None)
+
+
+def test_efsign_deferred_residual_survives_pickling_switching_paths_and_reshapes(torch_path):
+    import pickle
+    n = 100_003
+    ef, ref = C.EFSign(), ErrorFeedback(C.ScaledSign())
+    grads = _efsign_steps(n, 6, seed=2)
+    for g in grads[:2]:
+        ef.compress(g, key="k"), torch_path(ref.compress, g, "k")
+    assert "k" in ef.residuals.pending
+    clone = pickle.loads(pickle.dumps(ef))  # a checkpoint holds e itself, not p
+    assert not clone.residuals.pending and torch.equal(clone.residuals.memory["k"], ref.residuals.memory["k"])
+    # the torch path (SPARK_DL_NATIVE=0 mid-run) goes on from the same residual, and back again
+    for i, g in enumerate(grads[2:5]):
+        run = torch_path if i == 1 else (lambda f, *a: f(*a))
+        for c in (ef, clone):
+            payload = run(c.compress, g, "k")
+            assert all(torch.equal(a, b) for a, b in zip(payload.tensors, torch_path(ref.compress, g, "k").tensors)) \
+                if c is ef else all(torch.equal(a, b) for a, b in zip(payload.tensors, last.tensors))
+            last = payload
+    assert torch.equal(ef.residuals.memory["k"], ref.residuals.memory["k"])
+    assert torch.equal(clone.residuals.memory["k"], ref.residuals.memory["k"])
+    # a key whose shape changes starts from zero; reset drops the pending scale with the residual
+    g2 = rand(64, seed=1).view(8, 8)
+    assert torch.equal(ef.compress(g2, key="k").tensors[1], C.ScaledSign().compress(g2).tensors[1])
+    assert ef.residuals.memory["k"].shape == (8, 8)
+    ef.compress(g2, key="k")
+    ef.reset("k")
+    assert not ef.residuals.pending and len(ef.residuals) == 0
+
+
+def test_efsign_native_path_takes_a_residual_it_cannot_write_in_place(torch_path):
+    """A residual stored from outside as a non-contiguous view is read, not written over."""
+    n = 4096
+    base = rand(2 * n, seed=3)
+    ef, ref = C.EFSign(), ErrorFeedback(C.ScaledSign())
+    ef.residuals.store("k", base[::2])
+    ref.residuals.store("k", base[::2].clone())
+    before = base.clone()
+    for g in _efsign_steps(n, 2, seed=4):
+        payload, ref_payload = ef.compress(g, key="k"), torch_path(ref.compress, g, "k")
+        assert all(torch.equal(a, b) for a, b in zip(payload.tensors, ref_payload.tensors))
+    assert torch.equal(base, before)
+    assert torch.equal(ef.residuals.memory["k"], ref.residuals.memory["k"])
+
+
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("make", [C.FP16, C.BF16])
 def test_half_conversion_is_torch_bit_for_bit(n, make, path, torch_path):
@@ -352,6 +448,24 @@ def test_out_of_memory_in_an_encoder_is_a_clear_error_and_keeps_the_residual(mak
     ref.residuals.store("g", before.clone())
     payload = c.compress(rand(n), key="g")  # the next step is the step that would have run
     assert all(torch.equal(a, b) for a, b in zip(payload.tensors, ref.compress(rand(n), "g").tensors))
+
+
+def test_out_of_memory_in_efsign_keeps_the_deferred_residual(torch_path):
+    n = (1 << 20) + 13
+    ef, ref = C.EFSign(), ErrorFeedback(C.ScaledSign())
+    for step in range(2):
+        ef.compress(rand(n, seed=step), key="g"), torch_path(ref.compress, rand(n, seed=step), "g")
+    p_before, s_before = ef.residuals._memory["g"].clone(), ef.residuals.pending["g"]
+    native.fail_allocations(True)
+    try:
+        with pytest.raises(MemoryError, match="out of memory .*SPARK_DL_NATIVE=0"):
+            ef.compress(rand(n, seed=7), key="g")
+    finally:
+        native.fail_allocations(False)
+    assert ef.residuals.pending["g"] == s_before and torch.equal(ef.residuals._memory["g"], p_before)
+    payload = ef.compress(rand(n, seed=2), key="g")  # the step that would have run
+    assert all(torch.equal(a, b) for a, b in zip(payload.tensors, torch_path(ref.compress, rand(n, seed=2), "g").tensors))
+    assert torch.equal(ef.residuals.memory["g"], ref.residuals.memory["g"])
 
 
 def test_out_of_memory_in_other_kernels_raises_and_leaves_the_accumulator():
