@@ -107,14 +107,14 @@ def kernels(g: torch.Tensor):
     packed = torch.empty((n + 1) // 2, dtype=torch.uint8)
     k = -(-n // 100)
     idx, val = torch.empty(k, dtype=torch.int64), torch.empty(k)
-    E.onebit_encode(g.data_ptr(), 0, 0, n, 1024, means.data_ptr(), bits.data_ptr())
+    E.onebit_encode(g.data_ptr(), 0, 0, 0, False, n, 1024, means.data_ptr(), bits.data_ptr())
     E.qsgd_encode(g.data_ptr(), n, 512, 7, 4, 0, norms.data_ptr(), packed.data_ptr())
     E.convert(g.data_ptr(), half.data_ptr(), n, 1.0, False, True)
     p = g.data_ptr()
     onebit_dec = lambda acc: E.onebit_decode(means.data_ptr(), bits.data_ptr(), n, 1024, out.data_ptr(), acc)
     qsgd_dec = lambda acc: E.qsgd_decode(norms.data_ptr(), packed.data_ptr(), n, 512, 7, 4, out.data_ptr(), acc)
     return {
-        "1-bit+EF encode": lambda: E.onebit_encode(p, e.data_ptr(), e.data_ptr(), n, 1024, means.data_ptr(),
+        "1-bit+EF encode": lambda: E.onebit_encode(p, e.data_ptr(), 0, e.data_ptr(), False, n, 1024, means.data_ptr(),
                                                    bits.data_ptr()),
         "EF-sign encode": lambda: E.scaled_sign_encode(p, e.data_ptr(), True, 0.5, e.data_ptr(), n, bits.data_ptr()),
         "fp16 encode /W": lambda: E.convert(p, half.data_ptr(), n, 0.5, False, True),

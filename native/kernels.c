@@ -225,6 +225,9 @@ static double lanes8(const double *a) {
 
 typedef struct { double pos, all, ab; int64_t npos; } bsum;
 
+/* The two values q(p) takes in a bucket: for p >= 0 and for p < 0. */
+typedef struct { float qp, qn; } qpair;
+
 typedef struct {
     const float *g, *e;
     int64_t n, bucket;
@@ -234,8 +237,8 @@ typedef struct {
     int64_t ncont[SDK_MAX_THREADS];
     int scaled;  /* 1: EF-sign, which needs only the |p| sums */
     float *e_out;  /* fused residual (1-bit, buckets <= RBLOCK): see p1_task */
-    const float *pend;  /* EF-sign: e's deferred scale s (e = e_in - (+-s)), or NULL */
-    float *p_out;       /* EF-sign: receives p (may be e_in), or NULL */
+    const qpair *pend;  /* per bucket: the q of a deferred residual, e = e_in - q(e_in); or NULL */
+    float *p_out;       /* deferred residual: receives p (may be e_in), or NULL */
 } p1_args;
 
 /* Signs of p = g + e over one piece [lo, hi) or-ed into bits (zeroed by the caller), and the
@@ -246,13 +249,14 @@ static int64_t piece_lanes(const p1_args *A, int64_t lo, int64_t i, int64_t hi, 
                            double *Ab) {
     const float *g = A->g, *e = A->e;
     uint8_t *bits = A->bits;
+    const qpair q = A->pend ? A->pend[lo / A->bucket] : (qpair){0.0f, 0.0f};  /* a piece lies in one bucket */
     int64_t np = 0;
     for (; i < hi; i++) {
         float ei = 0.0f;
         if (e) {
             ei = e[i];
-            /* the residual EF-sign left pending: e - q(e) with q = +-s, rounded as the torch path */
-            if (A->pend) ei = ei - (ei >= 0.0f ? *A->pend : -*A->pend);
+            /* the residual left pending: e - q(e), rounded as the torch path's p - D(C(p)) */
+            if (A->pend) ei = ei - (ei >= 0.0f ? q.qp : q.qn);
         }
         float p = e ? g[i] + ei : g[i];
         if (A->p_out) A->p_out[i] = p;
@@ -281,7 +285,8 @@ AVX2 static void piece_avx2(const p1_args *A, int64_t lo, int64_t hi, bsum *out)
     const int scaled = A->scaled;
     const __m256 zero = _mm256_setzero_ps();
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    const __m256 sp = _mm256_set1_ps(A->pend ? *A->pend : 0.0f), sn = _mm256_set1_ps(A->pend ? -*A->pend : 0.0f);
+    const qpair q = A->pend ? A->pend[lo / A->bucket] : (qpair){0.0f, 0.0f};
+    const __m256 sp = _mm256_set1_ps(q.qp), sn = _mm256_set1_ps(q.qn);
     __m256d p0 = _mm256_setzero_pd(), p1 = p0, a0 = p0, a1 = p0, b0 = p0, b1 = p0;
     int64_t np = 0, i = lo;
     for (; i + 8 <= hi; i += 8) {
@@ -317,7 +322,6 @@ AVX2 static void piece_avx2(const p1_args *A, int64_t lo, int64_t hi, bsum *out)
 #endif
 
 /* The two values q takes in a bucket, rounded as SignMeans.decompress: fl(fl(b * d) + mn). */
-typedef struct { float qp, qn; } qpair;
 
 static qpair q_of(float mp, float mn) {
     float d = mp - mn;
@@ -505,20 +509,24 @@ static void decode_task(void *arg, int t, int nt) {
     }
 }
 
-int sdk_onebit_encode(const float *g, const float *e_in, float *e_out, int64_t n, int64_t bucket,
-                      float *means, uint8_t *bits) {
+int sdk_onebit_encode(const float *g, const float *e_in, const float *pending, float *e_out, int defer, int64_t n,
+                      int64_t bucket, float *means, uint8_t *bits) {
     if (n <= 0) return 0;
     if (bucket < 1 || bucket > n) bucket = n;
+    if (pending && e_in && !(defer && e_out)) return -2;  /* the residual passes read e_in as it is */
     int64_t nb = (n + bucket - 1) / bucket;
     int nt = threads_for(n);
     p1_args A;
     memset(&A, 0, sizeof A);
     A.g = g; A.e = e_in; A.n = n; A.bucket = bucket; A.bits = bits;
-    int fused = e_out && bucket <= RBLOCK;  /* a bucket then spans at most two shares */
+    A.pend = e_in ? (const qpair *)pending : NULL;
+    if (defer) A.p_out = e_out;
+    int fused = e_out && !defer && bucket <= RBLOCK;  /* a bucket then spans at most two shares */
     A.e_out = fused ? e_out : NULL;
     /* every allocation before the first write: out of memory leaves bits, means and e as they were */
-    qpair *q = e_out && !fused ? (qpair *)k_malloc((size_t)nb * sizeof(qpair)) : NULL;
-    if (e_out && !fused && !q) return -1;
+    int two_pass = e_out && !defer && !fused;
+    qpair *q = two_pass ? (qpair *)k_malloc((size_t)nb * sizeof(qpair)) : NULL;
+    if (two_pass && !q) return -1;
     bsum *s = pass1(&A, nt, nb);
     if (!s) { free(q); return -1; }
     for (int64_t j = 0; j < nb; j++) {
@@ -560,12 +568,13 @@ int sdk_onebit_decode(const float *means, const uint8_t *bits, int64_t n, int64_
 
 int sdk_scaled_sign_encode(const float *g, const float *e_in, const float *pending, float *p_out, int64_t n,
                            uint8_t *bits, float *scale) {
+    const qpair q = {pending ? *pending : 0.0f, pending ? -*pending : 0.0f};  /* before *scale: they may alias */
     *scale = 0.0f;
     if (n <= 0) return 0;
     p1_args A;
     memset(&A, 0, sizeof A);
     A.g = g; A.e = e_in; A.n = n; A.bucket = n; A.bits = bits; A.scaled = 1;
-    A.pend = e_in ? pending : NULL;
+    A.pend = e_in && pending ? &q : NULL;
     A.p_out = p_out;
     /* pass1 allocates everything before its first write: out of memory leaves e_in as it was */
     bsum *s = pass1(&A, threads_for(n), 1);

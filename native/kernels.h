@@ -27,11 +27,15 @@ void sdk_fail_allocations(int on);
  * before their first write, so a -1 leaves the residual (and every other output) as it was; the
  * decoders before touching `out`, so an accumulator is never half added to. */
 
-/* 1-bit with means (SignMeans), p = g + e_in (e_in may be NULL: zero). Writes means[2 * nb]
- * (positive mean, negative mean per bucket) and bits[ceil(n / 8)]. When e_out is not NULL it
- * receives p - q(p) with q decoded exactly as SignMeans.decompress does; e_out may be e_in. */
-int sdk_onebit_encode(const float *g, const float *e_in, float *e_out, int64_t n, int64_t bucket,
-                      float *means, uint8_t *bits);
+/* 1-bit with means (SignMeans), p = g + e (e_in NULL: zero). Writes means[2 * nb] (positive
+ * mean, negative mean per bucket) and bits[ceil(n / 8)]. When e_out is not NULL it receives the
+ * new residual p - q(p), q decoded exactly as SignMeans.decompress does (e_out may be e_in), or,
+ * with `defer`, p itself: the caller keeps it with q as the next residual, pending, and the
+ * encoder makes one pass for any bucket size. `pending` (2 * nb floats: q's (qp, qn) per bucket of
+ * the last step) says e_in holds such a deferred residual, e = e_in - q(e_in); it needs `defer`
+ * (returns -2 otherwise). Returns -1, having written nothing, when out of memory. */
+int sdk_onebit_encode(const float *g, const float *e_in, const float *pending, float *e_out, int defer, int64_t n,
+                      int64_t bucket, float *means, uint8_t *bits);
 /* out[i] (+)= decoded value: b * (mp - mn) + mn in float32, as SignMeans.decompress. */
 int sdk_onebit_decode(const float *means, const uint8_t *bits, int64_t n, int64_t bucket, float *out,
                       int accumulate);

@@ -20,14 +20,19 @@ static PyObject *no_memory(const char *kernel) {
 }
 
 static PyObject *onebit_encode(PyObject *self, PyObject *args) {
-    unsigned long long g, e_in, e_out, means, bits;
+    unsigned long long g, e_in, pending, e_out, means, bits;
     long long n, bucket;
-    int rc;
-    if (!PyArg_ParseTuple(args, "KKKLLKK", &g, &e_in, &e_out, &n, &bucket, &means, &bits)) return NULL;
+    int defer, rc;
+    if (!PyArg_ParseTuple(args, "KKKKpLLKK", &g, &e_in, &pending, &e_out, &defer, &n, &bucket, &means, &bits))
+        return NULL;
     Py_BEGIN_ALLOW_THREADS
-    rc = sdk_onebit_encode(PTR(const float *, g), PTR(const float *, e_in), PTR(float *, e_out), n, bucket,
-                           PTR(float *, means), PTR(uint8_t *, bits));
+    rc = sdk_onebit_encode(PTR(const float *, g), PTR(const float *, e_in), PTR(const float *, pending),
+                           PTR(float *, e_out), defer, n, bucket, PTR(float *, means), PTR(uint8_t *, bits));
     Py_END_ALLOW_THREADS
+    if (rc == -2) {
+        PyErr_SetString(PyExc_ValueError, "onebit_encode: a pending residual needs defer and e_out");
+        return NULL;
+    }
     if (rc) return no_memory("onebit_encode");
     Py_RETURN_NONE;
 }
@@ -211,7 +216,7 @@ static PyObject *fail_allocations(PyObject *self, PyObject *args) {
 static PyObject *features(PyObject *self, PyObject *noargs) { return PyUnicode_FromString(sdk_features()); }
 
 static PyMethodDef methods[] = {
-    {"onebit_encode", onebit_encode, METH_VARARGS, "(g, e_in, e_out, n, bucket, means, bits)"},
+    {"onebit_encode", onebit_encode, METH_VARARGS, "(g, e_in, pending, e_out, defer, n, bucket, means, bits)"},
     {"onebit_decode", onebit_decode, METH_VARARGS, "(means, bits, n, bucket, out, accumulate)"},
     {"scaled_sign_encode", scaled_sign_encode, METH_VARARGS, "(g, e_in, has_pending, pending, p_out, n, bits) -> scale"},
     {"scaled_sign_decode", scaled_sign_decode, METH_VARARGS, "(scale, bits, n, out, accumulate)"},

@@ -30,9 +30,13 @@ class Residuals:
     def __init__(self) -> None:
         self.memory: dict[Key, torch.Tensor] = {}
 
+    def get(self, key: Key) -> torch.Tensor | None:
+        """``e[key]``, or None."""
+        return self.memory.get(key)
+
     def add(self, tensor: torch.Tensor, key: Key) -> torch.Tensor:
         """``tensor + e[key]`` in float32 (a new tensor; ``tensor`` is not modified)."""
-        e = self.memory.get(key)
+        e = self.get(key)
         p = tensor.to(torch.float32, copy=True)
         if e is not None and e.shape == p.shape and e.device == p.device:
             p.add_(e)

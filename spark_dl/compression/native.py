@@ -69,17 +69,27 @@ def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
+def _check_out(t: torch.Tensor, n: int, what: str) -> None:
+    if t.numel() != n or t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(f"{what} must be a contiguous float32 CPU tensor of {n} elements")
+
+
 def _residual_in(e: torch.Tensor | None, n: int) -> torch.Tensor | None:
     if e is None or e.numel() != n or e.dtype != torch.float32 or e.device.type != "cpu":
         return None
     return e.reshape(-1).contiguous()
 
 
-def onebit_encode(g: torch.Tensor, bucket: int, e: torch.Tensor | None = None, residual: bool = False):
+def onebit_encode(g: torch.Tensor, bucket: int, e: torch.Tensor | None = None, residual: bool = False,
+                  pending: torch.Tensor | None = None, p_out: torch.Tensor | None = None):
     """SignMeans of p = g + e: (means[2 * buckets], bits, new residual or None).
 
     With ``residual`` the new residual p - q(p) is written over ``e`` when ``e`` is a usable
     contiguous float32 tensor of n elements (one pass fewer, no allocation), else into a new one.
+    With ``p_out`` (a contiguous float32 tensor of n; may be ``e``) the residual is deferred: p is
+    written there in the same pass and returned; its q is :func:`onebit_qpairs` of the means.
+    ``pending`` (such q pairs from the last step, same bucket) says ``e`` holds a deferred
+    residual, e - q(e); it needs ``p_out``.
     """
     x = _f32(g)
     n = x.numel()
@@ -89,10 +99,27 @@ def onebit_encode(g: torch.Tensor, bucket: int, e: torch.Tensor | None = None, r
     bits = torch.empty((n + 7) // 8, dtype=torch.uint8)
     e_in = _residual_in(e, n)
     e_out = None
-    if residual:
+    if p_out is not None:
+        _check_out(p_out, n, "p_out")
+        e_out = p_out
+    elif residual:
         e_out = e_in if e_in is not None and e_in.data_ptr() == _ptr(e) else torch.empty(n, dtype=torch.float32)
-    _ext.onebit_encode(x.data_ptr(), _ptr(e_in), _ptr(e_out), n, b, means.data_ptr(), bits.data_ptr())
+    if pending is not None:
+        if p_out is None or e_in is None:
+            raise ValueError("onebit_encode: a pending residual needs e and p_out")
+        if pending.dtype != torch.float32 or pending.numel() != 2 * nb or not pending.is_contiguous():
+            raise ValueError(f"onebit_encode: pending must be {2 * nb} contiguous float32 q pairs")
+    _ext.onebit_encode(x.data_ptr(), _ptr(e_in), _ptr(pending if e_in is not None else None), _ptr(e_out),
+                       p_out is not None, n, b, means.data_ptr(), bits.data_ptr())
     return means, bits, e_out
+
+
+def onebit_qpairs(means: torch.Tensor) -> torch.Tensor:
+    """The two values q takes per bucket, (qp, qn) flat, rounded as SignMeans.decompress and the C
+    kernels round them: fl(fl(b * (mp - mn)) + mn) for b = 1 and b = 0."""
+    m = means.reshape(-1, 2)
+    d = m[:, 0] - m[:, 1]
+    return torch.stack([d * 1.0 + m[:, 1], d * 0.0 + m[:, 1]], 1).reshape(-1)
 
 
 def onebit_decode(means: torch.Tensor, bits: torch.Tensor, n: int, bucket: int,
@@ -118,8 +145,8 @@ def scaled_sign_encode(g: torch.Tensor, e: torch.Tensor | None = None, pending: 
     e_in = _residual_in(e, n)
     if e is not None and e_in is None:
         raise ValueError("scaled_sign_encode: e must be a float32 CPU tensor of g's size")
-    if p_out is not None and (_residual_in(p_out, n) is None or not p_out.is_contiguous()):
-        raise ValueError("scaled_sign_encode: p_out must be a contiguous float32 CPU tensor of g's size")
+    if p_out is not None:
+        _check_out(p_out, n, "p_out")
     has_pending = pending is not None and e_in is not None
     scale = _ext.scaled_sign_encode(x.data_ptr(), _ptr(e_in), has_pending, float(pending or 0.0),
                                     _ptr(p_out), n, bits.data_ptr())

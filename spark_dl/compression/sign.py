@@ -136,12 +136,12 @@ class ScaledSign(Compressor):
 
 def _fused_ef(ef: ErrorFeedback, tensor: torch.Tensor, key: Key, encode) -> Payload:
     """ErrorFeedback.compress in the C kernels: p = g + e, signs and sums, and the new residual
-    p - q(p) written over the old one (one pass over memory for 1-bit's buckets of up to 65,536
-    elements, two for larger ones). The torch path's payload and residual, bit for bit (both sum
+    p - q(p) written over the old one, in the same pass (1-bit's buckets of up to 65,536
+    elements). The torch path's payload and residual, bit for bit (both sum
     the means in the order sums.py fixes). Out of memory in a kernel raises MemoryError before
     anything is written: the residual stays."""
     check_float(tensor, type(ef).__name__)
-    e = ef.residuals.memory.get(key)
+    e = ef.residuals.get(key)
     if e is not None and (e.shape != tensor.shape or e.device != tensor.device):
         e = None  # as Residuals.add: a key whose shape changed starts from zero
     head, bits, residual = encode(tensor, e)
@@ -149,26 +149,40 @@ def _fused_ef(ef: ErrorFeedback, tensor: torch.Tensor, key: Key, encode) -> Payl
     return Payload([head, bits], _EFMeta(_SignMeta(tensor.shape, torch.float32), tensor.shape, tensor.dtype))
 
 
-class SignResiduals(Residuals):
-    """EF-sign's residuals. With the native kernels the residual ``e = p - q(p)``, q(p) = s sign(p),
-    is kept as p and the scale s; the next step's encoder subtracts q while it adds the gradient
-    (:func:`native.scaled_sign_encode`), so a step makes one pass over memory instead of two.
-    Reading :attr:`memory` (or pickling) applies the pending scales first, so the residuals seen
-    from outside are always ``e``, bit for bit the torch path's."""
+class DeferredResiduals(Residuals):
+    """The sign compressors' residuals. With the native kernels the residual ``e = p - q(p)`` is
+    kept as p and q's two values per bucket (``pending``: (qp, qn) pairs and the bucket size);
+    the next step's encoder subtracts q while it adds the gradient, so a step makes one pass over
+    memory even where q needs sums over more than the cache holds (EF-sign's whole-tensor scale,
+    1-bit's large buckets). Reading :attr:`memory` (or pickling) applies the pending q first, so
+    the residuals seen from outside are always ``e``, bit for bit the torch path's."""
 
     def __init__(self) -> None:
         self._memory: dict[Key, torch.Tensor] = {}
-        self.pending: dict[Key, float] = {}
+        self.pending: dict[Key, tuple[torch.Tensor, int]] = {}
 
     @staticmethod
-    def _apply(p: torch.Tensor, s: float) -> None:
-        # p - q(p) in place, with q = +-s exactly as ScaledSign.decompress gives it (p >= 0: +s)
-        p.sub_(torch.where(p >= 0, s, -s))
+    def _apply(p: torch.Tensor, qpairs: torch.Tensor, bucket: int) -> None:
+        """p - q(p) in place, q's values as the decompressors give them (p >= 0: qp, else qn)."""
+        flat, pairs = p.view(-1), qpairs.view(-1, 2)
+        if pairs.shape[0] == 1:
+            flat.sub_(torch.where(flat >= 0, pairs[0, 0], pairs[0, 1]))
+            return
+        counts = torch.full((pairs.shape[0],), bucket, dtype=torch.int64)
+        counts[-1] = flat.numel() - bucket * (pairs.shape[0] - 1)
+        flat.sub_(torch.where(flat >= 0, pairs[:, 0].repeat_interleave(counts), pairs[:, 1].repeat_interleave(counts)))
+
+    def get(self, key: Key) -> torch.Tensor | None:
+        """``e[key]`` (its pending q applied; the other keys' stay pending), or None."""
+        pend = self.pending.pop(key, None)
+        if pend is not None:
+            self._apply(self._memory[key], *pend)
+        return self._memory.get(key)
 
     @property  # type: ignore[override]
     def memory(self) -> dict[Key, torch.Tensor]:
-        for key, s in self.pending.items():
-            self._apply(self._memory[key], s)
+        for key, pend in self.pending.items():
+            self._apply(self._memory[key], *pend)
         self.pending.clear()
         return self._memory
 
@@ -183,21 +197,23 @@ class SignResiduals(Residuals):
         self._memory[key] = residual
         self.pending.pop(key, None)
 
-    def encode(self, g: torch.Tensor, key: Key) -> tuple[torch.Tensor, torch.Tensor]:
-        """ScaledSign of ``p = g + e[key]`` in one native pass: (scale[1], bits); p, written over
-        e's memory when it fits, becomes the residual with its scale pending. A residual of
-        another shape is dropped (as :class:`Residuals` does)."""
-        e, s = self._memory.get(key), self.pending.get(key)
+    def encode(self, g: torch.Tensor, key: Key, bucket: int, kernel) -> tuple[torch.Tensor, torch.Tensor]:
+        """``kernel(g, e, pending, p_out) -> (head, bits, qpairs)`` on ``p = g + e[key]`` in one
+        native pass; p, written over e's memory when it fits, becomes the residual with its q
+        pending. A residual of another shape is dropped (as :class:`Residuals` does)."""
+        e, pend = self._memory.get(key), self.pending.get(key)
         if e is not None and (e.shape != g.shape or e.device != g.device):
-            e, s = None, None
+            e, pend = None, None
+        if pend is not None and pend[1] != bucket:  # the bucket size changed: settle e first
+            e, pend = self.get(key), None
         if e is not None and not (e.dtype == torch.float32 and e.is_contiguous()):
             e = e.to(torch.float32, copy=True).contiguous()  # stored from outside: read, not written over
         p = e.view(-1) if e is not None else torch.empty(g.numel(), dtype=torch.float32)
-        # raises MemoryError before writing anything: e and its pending scale stay as they were
-        scale, bits = native.scaled_sign_encode(g, e, s, p_out=p)
+        # raises MemoryError before writing anything: e and its pending q stay as they were
+        head, bits, qpairs = kernel(g, e, None if pend is None else pend[0], p)
         self._memory[key] = p.view(g.shape)
-        self.pending[key] = float(scale)
-        return scale, bits
+        self.pending[key] = (qpairs, bucket)
+        return head, bits
 
     def reset(self, key: Key = None) -> None:
         for d in (self.pending, self._memory):
@@ -206,6 +222,11 @@ class SignResiduals(Residuals):
 
     def __len__(self) -> int:
         return len(self._memory)
+
+
+# 1-bit buckets up to this size get their residual in the encoder's pass, while still in cache
+# (the C kernels' RBLOCK); larger ones defer it to the next step's pass.
+FUSED_BUCKET = 65536
 
 
 class OneBit(ErrorFeedback):
@@ -219,12 +240,21 @@ class OneBit(ErrorFeedback):
 
     def __init__(self, bucket_size: int | None = 1024) -> None:
         super().__init__(SignMeans(bucket_size))
+        self.residuals = DeferredResiduals()
 
     def compress(self, tensor: torch.Tensor, key: Key = None) -> Payload:
         if not native.enabled(tensor):
             return super().compress(tensor, key)
         bucket = self.compressor._bucket(tensor.numel())
-        return _fused_ef(self, tensor, key, lambda g, e: native.onebit_encode(g, bucket, e, residual=True))
+        if bucket <= FUSED_BUCKET:
+            return _fused_ef(self, tensor, key, lambda g, e: native.onebit_encode(g, bucket, e, residual=True))
+        check_float(tensor, "OneBit")
+
+        def kernel(g, e, pending, p):
+            means, bits, _ = native.onebit_encode(g, bucket, e, pending=pending, p_out=p)
+            return means, bits, native.onebit_qpairs(means)
+        means, bits = self.residuals.encode(tensor, key, bucket, kernel)
+        return Payload([means, bits], _EFMeta(_SignMeta(tensor.shape, torch.float32), tensor.shape, tensor.dtype))
 
     def __repr__(self) -> str:
         return f"OneBit(bucket_size={self.compressor.bucket_size})"
@@ -234,17 +264,21 @@ class EFSign(ErrorFeedback):
     """EF-signSGD: :class:`ScaledSign` of p = g + e, with e <- p - q(p). Not summable.
 
     On the native path a step reads g and e and writes p once: the residual's ``- q(p)`` is
-    deferred to the next step's pass (see :class:`SignResiduals`)."""
+    deferred to the next step's pass (see :class:`DeferredResiduals`)."""
 
     def __init__(self) -> None:
         super().__init__(ScaledSign())
-        self.residuals = SignResiduals()
+        self.residuals = DeferredResiduals()
 
     def compress(self, tensor: torch.Tensor, key: Key = None) -> Payload:
         if not native.enabled(tensor):
             return super().compress(tensor, key)
         check_float(tensor, "EFSign")
-        scale, bits = self.residuals.encode(tensor, key)
+
+        def kernel(g, e, pending, p):
+            scale, bits = native.scaled_sign_encode(g, e, None if pending is None else float(pending[0]), p_out=p)
+            return scale, bits, torch.cat([scale, -scale])
+        scale, bits = self.residuals.encode(tensor, key, max(tensor.numel(), 1), kernel)
         return Payload([scale, bits], _EFMeta(Meta(tensor.shape, torch.float32), tensor.shape, tensor.dtype))
 
     def __repr__(self) -> str:

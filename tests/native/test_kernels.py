@@ -116,7 +116,7 @@ def test_efsign_matches_torch(n, path, torch_path):
     assert torch.equal(ef.decompress(payload), torch_path(ef.decompress, payload))
 
 
-def _efsign_steps(n, steps, seed=0, special=(0.0, -0.0)):
+def _steps(n, steps, seed=0, special=(0.0, -0.0)):
     grads = [rand(n, seed=seed + s) for s in range(steps)]
     if n > len(special):  # signed zeros (or NaN/inf) in g, hence in p and the residual
         grads[0][1:1 + len(special)] = torch.tensor(special)
@@ -131,85 +131,132 @@ def _same(a, b):
         and torch.equal(a.signbit() | a.isnan(), b.signbit() | b.isnan())
 
 
+# The encoders whose residual is deferred to the next step's pass (kept as p and q's values):
+# EF-sign always (its scale covers the whole tensor), 1-bit for buckets over 65,536 elements.
+# Each with the torch ErrorFeedback it must equal, and whether n elements take the deferred path.
+DEFERRED = {
+    "efsign": (C.EFSign, lambda: ErrorFeedback(C.ScaledSign()), lambda n: True),
+    "onebit-whole": (lambda: C.OneBit(None), lambda: ErrorFeedback(C.SignMeans(None)), lambda n: n > 65536),
+    "onebit-100000": (lambda: C.OneBit(100_000), lambda: ErrorFeedback(C.SignMeans(100_000)),
+                      lambda n: n > 65536),
+}
+
+
+def _payloads_equal(a, b, same=torch.equal):
+    return all(same(x, y) for x, y in zip(a.tensors, b.tensors))
+
+
+@pytest.mark.parametrize("kind", DEFERRED)
 @pytest.mark.parametrize("n", SIZES)
-def test_efsign_deferred_residual_is_torch_error_feedback_bit_for_bit(n, path, torch_path):
-    """Steps run back to back keep the residual as p and a pending scale (one pass a step); the
+def test_deferred_residual_is_torch_error_feedback_bit_for_bit(kind, n, path, torch_path):
+    """Steps run back to back keep the residual as p and its pending q (one pass a step); the
     payloads and, once read, the residual are the torch ErrorFeedback's, bit for bit."""
-    ef, ref = C.EFSign(), ErrorFeedback(C.ScaledSign())
-    for g in _efsign_steps(n, 4):
-        payload, ref_payload = ef.compress(g, key="k"), torch_path(ref.compress, g, "k")
-        assert all(torch.equal(a, b) for a, b in zip(payload.tensors, ref_payload.tensors))
-        assert set(ef.residuals.pending) == {"k"}  # deferred, not applied
-    e = ef.residuals.memory["k"]
-    assert not ef.residuals.pending
+    make, make_ref, deferred = DEFERRED[kind]
+    c, ref = make(), make_ref()
+    for g in _steps(n, 4):
+        payload, ref_payload = c.compress(g, key="k"), torch_path(ref.compress, g, "k")
+        assert _payloads_equal(payload, ref_payload)
+        assert set(c.residuals.pending) == ({"k"} if deferred(n) else set())  # deferred, not applied
+    e = c.residuals.memory["k"]
+    assert not c.residuals.pending
     assert _same(e, ref.residuals.memory["k"])  # signed zeros too
 
 
-@pytest.mark.parametrize("n", [9, 4097])
-def test_efsign_deferred_residual_with_nan_and_inf_is_the_torch_path(n, path, torch_path):
-    ef, ref = C.EFSign(), ErrorFeedback(C.ScaledSign())
-    for g in _efsign_steps(n, 3, special=(float("nan"), float("inf"), -float("inf"))):
-        payload, ref_payload = ef.compress(g, key="k"), torch_path(ref.compress, g, "k")
-        assert all(_same(a, b) for a, b in zip(payload.tensors, ref_payload.tensors))
-    assert _same(ef.residuals.memory["k"], ref.residuals.memory["k"])
+@pytest.mark.parametrize("kind", DEFERRED)
+@pytest.mark.parametrize("n", [9, 4097, 200_003])
+def test_deferred_residual_with_nan_and_inf_is_the_torch_path(kind, n, path, torch_path):
+    make, make_ref, _ = DEFERRED[kind]
+    c, ref = make(), make_ref()
+    for g in _steps(n, 3, special=(float("nan"), float("inf"), -float("inf"))):
+        payload, ref_payload = c.compress(g, key="k"), torch_path(ref.compress, g, "k")
+        assert _payloads_equal(payload, ref_payload, _same)
+    assert _same(c.residuals.memory["k"], ref.residuals.memory["k"])
 
 
+@pytest.mark.parametrize("kind", DEFERRED)
 @pytest.mark.parametrize("threads", [1, 3])
-def test_efsign_deferred_residual_does_not_depend_on_threads(threads, torch_path):
+def test_deferred_residual_does_not_depend_on_threads(kind, threads, torch_path):
+    """Buckets cut by the threads' shares (100,000 does not divide their 65,536-element blocks)."""
     n = 3_000_017
+    make, make_ref, _ = DEFERRED[kind]
     native.set_threads(threads)
     try:
-        ef, ref = C.EFSign(), ErrorFeedback(C.ScaledSign())
-        for g in _efsign_steps(n, 3, seed=5):
-            payload, ref_payload = ef.compress(g, key="k"), torch_path(ref.compress, g, "k")
-            assert all(torch.equal(a, b) for a, b in zip(payload.tensors, ref_payload.tensors))
-        assert torch.equal(ef.residuals.memory["k"], ref.residuals.memory["k"])
+        c, ref = make(), make_ref()
+        for g in _steps(n, 3, seed=5):
+            assert _payloads_equal(c.compress(g, key="k"), torch_path(ref.compress, g, "k"))
+        assert torch.equal(c.residuals.memory["k"], ref.residuals.memory["k"])
     finally:
         native.set_threads(None)
 
 
-def test_efsign_deferred_residual_survives_pickling_switching_paths_and_reshapes(torch_path):
+@pytest.mark.parametrize("kind", DEFERRED)
+def test_deferred_residual_survives_pickling_switching_paths_and_reshapes(kind, torch_path):
     import pickle
     n = 100_003
-    ef, ref = C.EFSign(), ErrorFeedback(C.ScaledSign())
-    grads = _efsign_steps(n, 6, seed=2)
+    make, make_ref, _ = DEFERRED[kind]
+    c, ref = make(), make_ref()
+    grads = _steps(n, 6, seed=2)
     for g in grads[:2]:
-        ef.compress(g, key="k"), torch_path(ref.compress, g, "k")
-    assert "k" in ef.residuals.pending
-    clone = pickle.loads(pickle.dumps(ef))  # a checkpoint holds e itself, not p
+        c.compress(g, key="k"), torch_path(ref.compress, g, "k")
+    assert "k" in c.residuals.pending
+    clone = pickle.loads(pickle.dumps(c))  # a checkpoint holds e itself, not p
     assert not clone.residuals.pending and torch.equal(clone.residuals.memory["k"], ref.residuals.memory["k"])
     # the torch path (SPARK_DL_NATIVE=0 mid-run) goes on from the same residual, and back again
     for i, g in enumerate(grads[2:5]):
         run = torch_path if i == 1 else (lambda f, *a: f(*a))
-        for c in (ef, clone):
-            payload = run(c.compress, g, "k")
-            assert all(torch.equal(a, b) for a, b in zip(payload.tensors, torch_path(ref.compress, g, "k").tensors)) \
-                if c is ef else all(torch.equal(a, b) for a, b in zip(payload.tensors, last.tensors))
-            last = payload
-    assert torch.equal(ef.residuals.memory["k"], ref.residuals.memory["k"])
+        expected = torch_path(ref.compress, g, "k")
+        for x in (c, clone):
+            assert _payloads_equal(run(x.compress, g, "k"), expected)
+    assert torch.equal(c.residuals.memory["k"], ref.residuals.memory["k"])
     assert torch.equal(clone.residuals.memory["k"], ref.residuals.memory["k"])
-    # a key whose shape changes starts from zero; reset drops the pending scale with the residual
+    # other keys' pending q stays pending while one key's residual is read
+    c.compress(grads[5], key="other")
+    c.residuals.get("k")
+    assert set(c.residuals.pending) == {"other"}
+    # a key whose shape changes starts from zero; reset drops the pending q with the residual
     g2 = rand(64, seed=1).view(8, 8)
-    assert torch.equal(ef.compress(g2, key="k").tensors[1], C.ScaledSign().compress(g2).tensors[1])
-    assert ef.residuals.memory["k"].shape == (8, 8)
-    ef.compress(g2, key="k")
-    ef.reset("k")
-    assert not ef.residuals.pending and len(ef.residuals) == 0
+    assert torch.equal(c.compress(g2, key="other").tensors[1], make_ref().compressor.compress(g2).tensors[1])
+    assert c.residuals.memory["other"].shape == (8, 8)
+    c.compress(grads[5], key="k")
+    c.reset("k")
+    assert "k" not in c.residuals.pending and set(c.residuals.memory) == {"other"}
 
 
-def test_efsign_native_path_takes_a_residual_it_cannot_write_in_place(torch_path):
+def test_onebit_bucket_size_changed_mid_run_settles_the_deferred_residual(torch_path):
+    n = 300_007
+    c, ref = C.OneBit(100_000), ErrorFeedback(C.SignMeans(100_000))
+    for step, bucket in enumerate([100_000, 100_000, 70_000, 1024, 200_000]):
+        c.compressor.bucket_size = ref.compressor.bucket_size = bucket
+        g = rand(n, seed=step)
+        assert _payloads_equal(c.compress(g, key="k"), torch_path(ref.compress, g, "k"))
+    assert torch.equal(c.residuals.memory["k"], ref.residuals.memory["k"])
+
+
+@pytest.mark.parametrize("kind", DEFERRED)
+def test_native_path_takes_a_residual_it_cannot_write_in_place(kind, torch_path):
     """A residual stored from outside as a non-contiguous view is read, not written over."""
-    n = 4096
+    n = 70_000
+    make, make_ref, _ = DEFERRED[kind]
     base = rand(2 * n, seed=3)
-    ef, ref = C.EFSign(), ErrorFeedback(C.ScaledSign())
-    ef.residuals.store("k", base[::2])
+    c, ref = make(), make_ref()
+    c.residuals.store("k", base[::2])
     ref.residuals.store("k", base[::2].clone())
     before = base.clone()
-    for g in _efsign_steps(n, 2, seed=4):
-        payload, ref_payload = ef.compress(g, key="k"), torch_path(ref.compress, g, "k")
-        assert all(torch.equal(a, b) for a, b in zip(payload.tensors, ref_payload.tensors))
+    for g in _steps(n, 2, seed=4):
+        assert _payloads_equal(c.compress(g, key="k"), torch_path(ref.compress, g, "k"))
     assert torch.equal(base, before)
-    assert torch.equal(ef.residuals.memory["k"], ref.residuals.memory["k"])
+    assert torch.equal(c.residuals.memory["k"], ref.residuals.memory["k"])
+
+
+def test_onebit_encode_refuses_a_pending_residual_it_would_not_apply():
+    g, e = rand(1000), rand(1000, seed=1)
+    q = native.onebit_qpairs(native.onebit_encode(g, 100)[0])
+    with pytest.raises(ValueError, match="pending residual needs e and p_out"):
+        native.onebit_encode(g, 100, e, residual=True, pending=q)
+    with pytest.raises(ValueError, match="20 contiguous float32 q pairs"):
+        native.onebit_encode(g, 100, e, pending=q[:-2], p_out=torch.empty(1000))
+    with pytest.raises(ValueError, match="p_out must be a contiguous float32 CPU tensor of 1000"):
+        native.onebit_encode(g, 100, e, pending=q, p_out=torch.empty(999))
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -450,22 +497,25 @@ def test_out_of_memory_in_an_encoder_is_a_clear_error_and_keeps_the_residual(mak
     assert all(torch.equal(a, b) for a, b in zip(payload.tensors, ref.compress(rand(n), "g").tensors))
 
 
-def test_out_of_memory_in_efsign_keeps_the_deferred_residual(torch_path):
+@pytest.mark.parametrize("kind", DEFERRED)
+def test_out_of_memory_keeps_the_deferred_residual(kind, torch_path):
     n = (1 << 20) + 13
-    ef, ref = C.EFSign(), ErrorFeedback(C.ScaledSign())
+    make, make_ref, _ = DEFERRED[kind]
+    c, ref = make(), make_ref()
     for step in range(2):
-        ef.compress(rand(n, seed=step), key="g"), torch_path(ref.compress, rand(n, seed=step), "g")
-    p_before, s_before = ef.residuals._memory["g"].clone(), ef.residuals.pending["g"]
+        c.compress(rand(n, seed=step), key="g"), torch_path(ref.compress, rand(n, seed=step), "g")
+    p_before, (q_before, b_before) = c.residuals._memory["g"].clone(), c.residuals.pending["g"]
     native.fail_allocations(True)
     try:
         with pytest.raises(MemoryError, match="out of memory .*SPARK_DL_NATIVE=0"):
-            ef.compress(rand(n, seed=7), key="g")
+            c.compress(rand(n, seed=7), key="g")
     finally:
         native.fail_allocations(False)
-    assert ef.residuals.pending["g"] == s_before and torch.equal(ef.residuals._memory["g"], p_before)
-    payload = ef.compress(rand(n, seed=2), key="g")  # the step that would have run
-    assert all(torch.equal(a, b) for a, b in zip(payload.tensors, torch_path(ref.compress, rand(n, seed=2), "g").tensors))
-    assert torch.equal(ef.residuals.memory["g"], ref.residuals.memory["g"])
+    q, b = c.residuals.pending["g"]
+    assert torch.equal(q, q_before) and b == b_before and torch.equal(c.residuals._memory["g"], p_before)
+    payload = c.compress(rand(n, seed=2), key="g")  # the step that would have run
+    assert _payloads_equal(payload, torch_path(ref.compress, rand(n, seed=2), "g"))
+    assert torch.equal(c.residuals.memory["g"], ref.residuals.memory["g"])
 
 
 def test_out_of_memory_in_other_kernels_raises_and_leaves_the_accumulator():
