@@ -76,6 +76,12 @@ class Compressor:
         else:
             out.copy_(v)
 
+    def subtract_decompressed(self, p: torch.Tensor, payload: Payload) -> torch.Tensor:
+        """``p - decompress(payload)`` in p's memory, for ``payload = compress(p)`` of a float32
+        ``p``: error feedback's new residual. Sparse compressors override it to touch only the
+        entries they kept (the same values: p_i - 0 is p_i)."""
+        return p.sub_(self.decompress(payload).to(torch.float32))
+
     def bits_per_element(self) -> float:
         """Nominal wire bits per element of a large fp32 tensor."""
         raise NotImplementedError

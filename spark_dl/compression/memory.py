@@ -37,10 +37,11 @@ class Residuals:
     def add(self, tensor: torch.Tensor, key: Key) -> torch.Tensor:
         """``tensor + e[key]`` in float32 (a new tensor; ``tensor`` is not modified)."""
         e = self.get(key)
-        p = tensor.to(torch.float32, copy=True)
-        if e is not None and e.shape == p.shape and e.device == p.device:
-            p.add_(e)
-        return p
+        if e is not None and e.shape == tensor.shape and e.device == tensor.device:
+            if tensor.dtype in (torch.float32, torch.float16, torch.bfloat16) and e.dtype == torch.float32:
+                return torch.add(tensor, e)  # float32 by promotion: one pass, the same sums as below
+            return tensor.to(torch.float32, copy=True).add_(e)
+        return tensor.to(torch.float32, copy=True)
 
     def add_scaled(self, tensor: torch.Tensor, key: Key, scale: float = 1.0) -> torch.Tensor:
         """``e[key] + scale * tensor`` in float32, computed in e's memory when it fits (the
@@ -92,7 +93,7 @@ class ErrorFeedback(Compressor):
         check_float(tensor, type(self).__name__)
         p = self.residuals.add(tensor, key)
         payload = self.compressor.compress(p, key)
-        self.residuals.store(key, p.sub_(self.compressor.decompress(payload).to(torch.float32)))
+        self.residuals.store(key, self.compressor.subtract_decompressed(p, payload))
         return Payload(payload.tensors, _EFMeta(payload.meta, tensor.shape, tensor.dtype))
 
     def decompress(self, payload: Payload) -> torch.Tensor:

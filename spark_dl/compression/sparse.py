@@ -15,6 +15,16 @@ def _k(n: int, ratio: float) -> int:
     return min(n, max(1, math.ceil(ratio * n))) if n else 0
 
 
+def _subtract_kept(p: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> torch.Tensor | None:
+    """p - (values scattered at idx) in p's memory, touching only those k entries (duplicated
+    indices carry equal values); None where p is not a plain float32 tensor to do that in."""
+    if p.dtype != torch.float32 or values.dtype != torch.float32 or not p.is_contiguous():
+        return None
+    flat, i = p.view(-1), idx.long()
+    flat.index_put_((i,), flat[i] - values)
+    return p
+
+
 def _check_ratio(ratio: float) -> None:
     if not 0.0 < ratio <= 1.0:
         raise ValueError(f"ratio must be in (0, 1], got {ratio}")
@@ -52,6 +62,11 @@ class TopK(Compressor):
         meta = payload.meta
         out = values.new_zeros(meta.numel).index_put_((idx.long(),), values)
         return restore(out, meta)
+
+    def subtract_decompressed(self, p: torch.Tensor, payload: Payload) -> torch.Tensor:
+        values, idx = payload.tensors
+        out = _subtract_kept(p, idx, values)
+        return super().subtract_decompressed(p, payload) if out is None else out
 
     def bits_per_element(self) -> float:
         return 64.0 * self.ratio
@@ -102,6 +117,10 @@ class RandomK(Compressor):
         values = payload.tensors[0]
         out = values.new_zeros(meta.numel).index_put_((meta.indices,), values)
         return restore(out, meta)
+
+    def subtract_decompressed(self, p: torch.Tensor, payload: Payload) -> torch.Tensor:
+        out = _subtract_kept(p, payload.meta.indices, payload.tensors[0])
+        return super().subtract_decompressed(p, payload) if out is None else out
 
     def bits_per_element(self) -> float:
         return 32.0 * self.ratio

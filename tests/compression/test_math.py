@@ -129,6 +129,39 @@ def test_error_feedback_loses_nothing_only_delays_it():
     assert len(ef.residuals) == 0
 
 
+@pytest.mark.parametrize("make", [lambda: C.TopK(0.1), lambda: C.RandomK(0.3, seed=3),
+                                  lambda: C.RandomK(0.3, seed=3, scale=True)],
+                         ids=["topk", "randomk", "randomk-scaled"])
+@pytest.mark.parametrize("n", [0, 1, 9, 1000, 70_001])
+def test_sparse_error_feedback_touches_only_the_kept_entries_and_equals_p_minus_q(make, n):
+    """Sparse compressors update the residual at their k entries only; bit for bit the general
+    rule e = p - D(C(p)), NaN and inf included, over several steps (random-k draws duplicates)."""
+    ef, twin = C.ErrorFeedback(make()), make()
+    gen = torch.Generator().manual_seed(n)
+    e_ref = torch.zeros(n)
+    for step in range(4):
+        g = torch.randn(n, generator=gen)
+        if n > 4 and step == 1:
+            g[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0])
+        payload = ef.compress(g, key="w")
+        p = g + e_ref
+        ref_payload = twin.compress(p, key="w")
+        assert all(torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(payload.tensors, ref_payload.tensors))
+        e_ref = p - twin.decompress(ref_payload)
+        e = ef.residuals.memory["w"]
+        assert torch.equal(e.isnan(), e_ref.isnan()) and torch.equal(e.nan_to_num(), e_ref.nan_to_num())
+        assert torch.equal(e.signbit(), e_ref.signbit())
+
+
+def test_sparse_error_feedback_on_a_non_contiguous_float16_gradient():
+    ef = C.ErrorFeedback(C.TopK(0.25))
+    g = torch.randn(16, 8, generator=torch.Generator().manual_seed(0)).half().t()
+    payload = ef.compress(g, key="w")
+    assert ef.decompress(payload).dtype == torch.float16
+    e_ref = g.float() - C.TopK(0.25).decompress(C.TopK(0.25).compress(g.float()))
+    assert torch.equal(ef.residuals.memory["w"], e_ref)
+
+
 def test_bytes_on_the_wire_match_bits_per_element():
     n = 1 << 16
     g = torch.randn(n)
