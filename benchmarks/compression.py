@@ -330,6 +330,9 @@ def main() -> None:
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: torch {torch.__version__} sees no CUDA device here; "
+                     "run on a GPU host (bash benchmarks/gpu_checks.sh) or use --device cpu")
     if args.rank is not None:
         rank_main(args)
         return

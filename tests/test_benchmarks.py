@@ -52,6 +52,17 @@ def test_compression_benchmark_runs_both_parts_or_says_why_not():
     assert "PowerSGD's memory floor on cpu: M = e + G" in table
 
 
+def test_compression_benchmark_without_a_gpu_says_so_for_device_cuda():
+    import torch
+
+    if torch.cuda.is_available():
+        return  # a GPU host runs the real thing (benchmarks/gpu_checks.sh)
+    done = _run("benchmarks/compression.py", "--device", "cuda", "--skip-network")
+    assert done.returncode == 2
+    assert "--device cuda: torch" in done.stderr and "sees no CUDA device here" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_compression_benchmark_on_resnet50_layers_counts_powersgd_per_weight():
     import importlib.util
     import math
