@@ -63,6 +63,18 @@ class TopK(Compressor):
         out = values.new_zeros(meta.numel).index_put_((idx.long(),), values)
         return restore(out, meta)
 
+    def decompress_into(self, payload: Payload, out: torch.Tensor, accumulate: bool = False) -> None:
+        """Scatter the k values into ``out`` (zeroed first unless ``accumulate``): the collectives'
+        decode-accumulate touches k entries instead of adding a dense decompression (an entry
+        -0 stays -0 where adding the dense zero would give +0; top-k indices are unique)."""
+        values, idx = payload.tensors
+        if out.dtype != torch.float32 or values.dtype != torch.float32:
+            super().decompress_into(payload, out, accumulate)
+            return
+        if not accumulate:
+            out.zero_()
+        out.index_put_((idx.long(),), values, accumulate=accumulate)
+
     def subtract_decompressed(self, p: torch.Tensor, payload: Payload) -> torch.Tensor:
         values, idx = payload.tensors
         out = _subtract_kept(p, idx, values)

@@ -153,6 +153,26 @@ def test_sparse_error_feedback_touches_only_the_kept_entries_and_equals_p_minus_
         assert torch.equal(e.signbit(), e_ref.signbit())
 
 
+@pytest.mark.parametrize("n", [0, 1, 1000, 70_001])
+def test_topk_decompress_into_scatters_only_the_kept_entries(n):
+    c = C.TopK(0.05)
+    gen = torch.Generator().manual_seed(n)
+    payload = c.compress(torch.randn(n, generator=gen))
+    dense = c.decompress(payload)
+    base = torch.randn(n, generator=gen)
+    written, added = torch.full((n,), 7.0), base.clone()
+    c.decompress_into(payload, written)
+    c.decompress_into(payload, added, accumulate=True)
+    assert torch.equal(written, dense) and torch.equal(written.signbit(), dense.signbit())
+    assert torch.equal(added, base + dense)
+    # through error feedback, as the compressed collectives call it
+    ef = C.ErrorFeedback(C.TopK(0.05))
+    p2 = ef.compress(torch.randn(n, generator=gen), key="w")
+    acc = base.clone()
+    ef.decompress_into(p2, acc, accumulate=True)
+    assert torch.equal(acc, base + ef.decompress(p2))
+
+
 def test_sparse_error_feedback_on_a_non_contiguous_float16_gradient():
     ef = C.ErrorFeedback(C.TopK(0.25))
     g = torch.randn(16, 8, generator=torch.Generator().manual_seed(0)).half().t()
