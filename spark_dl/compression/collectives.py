@@ -90,13 +90,16 @@ def _all_reduce(t: torch.Tensor, group: Any, world: int) -> None:
 
 
 def _summable(x: torch.Tensor, c: Compressor, name: Any, group: Any, world: int,
-              scale: float = 1.0) -> torch.Tensor:
+              scale: float = 1.0, into: torch.Tensor | None = None) -> torch.Tensor:
     if scale != 1.0:
         payload = c.compress_scaled(x, scale, key=name)  # fp16/bf16: the kernel divides as it casts
     else:
         payload = c.compress(x, key=name)
     for t in payload.tensors:
         _all_reduce(t, group, world)
+    if into is not None:  # decoded straight into out= (fp16/bf16: one native pass, no result tensor)
+        c.decompress_into(payload, into)
+        return into
     return c.decompress(payload)
 
 
@@ -215,8 +218,8 @@ def allreduce(tensor: torch.Tensor, compression: Compressor | None = None, *,
     of the tensors packed in it (flattened, in order); layer-wise compressors (PowerSGD) then
     factor each as its own matrix, the others ignore it. ``out``: a contiguous tensor of the
     input's numel, dtype and device (``tensor`` itself is allowed) that receives the result and
-    is returned; PowerSGD and the scatter-reduce path write into a float32 ``out`` directly,
-    with no result tensor of their own (what the DDP hook does with the bucket).
+    is returned; every compressed path decodes into a float32 ``out`` directly, with no result
+    tensor of its own (what the DDP hook does with the bucket).
     """
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
@@ -251,10 +254,10 @@ def allreduce(tensor: torch.Tensor, compression: Compressor | None = None, *,
                                 into=into)
     elif isinstance(c, _Cast) and scale != 1.0:
         # divide before the sum (no fp16 overflow) inside the cast: no pass of its own
-        result = _summable(tensor, c, name, group, world, scale=scale)
+        result = _summable(tensor, c, name, group, world, scale=scale, into=into)
     else:
         x = tensor / world if scale != 1.0 else tensor
-        result = _summable(x, c, name, group, world) if c.summable else \
+        result = _summable(x, c, name, group, world, into=into) if c.summable else \
             _scatter_reduce_allgather(x, c, name, group, world, into=into)
     if average and integer:
         result = torch.div(result, world, rounding_mode="trunc")

@@ -130,6 +130,15 @@ class RandomK(Compressor):
         out = values.new_zeros(meta.numel).index_put_((meta.indices,), values)
         return restore(out, meta)
 
+    def decompress_into(self, payload: Payload, out: torch.Tensor, accumulate: bool = False) -> None:
+        values = payload.tensors[0]
+        if accumulate or out.dtype != torch.float32 or values.dtype != torch.float32:
+            # adding: a duplicated index must count once, as in decompress
+            super().decompress_into(payload, out, accumulate)
+            return
+        out.zero_()
+        out.index_put_((payload.meta.indices,), values)
+
     def subtract_decompressed(self, p: torch.Tensor, payload: Payload) -> torch.Tensor:
         out = _subtract_kept(p, payload.meta.indices, payload.tensors[0])
         return super().subtract_decompressed(p, payload) if out is None else out

@@ -173,6 +173,18 @@ def test_topk_decompress_into_scatters_only_the_kept_entries(n):
     assert torch.equal(acc, base + ef.decompress(p2))
 
 
+def test_randomk_decompress_into_counts_a_duplicated_index_once():
+    c, twin = C.RandomK(0.9, seed=1), C.RandomK(0.9, seed=1)
+    g = torch.randn(100, generator=torch.Generator().manual_seed(0))
+    payload = c.compress(g, key="w")
+    assert payload.meta.indices.unique().numel() < payload.meta.indices.numel()  # duplicates drawn
+    dense = twin.decompress(twin.compress(g, key="w"))
+    written, added = torch.full((100,), 3.0), torch.ones(100)
+    c.decompress_into(payload, written)
+    c.decompress_into(payload, added, accumulate=True)
+    assert torch.equal(written, dense) and torch.equal(added, 1 + dense)
+
+
 def test_sparse_error_feedback_on_a_non_contiguous_float16_gradient():
     ef = C.ErrorFeedback(C.TopK(0.25))
     g = torch.randn(16, 8, generator=torch.Generator().manual_seed(0)).half().t()
