@@ -224,12 +224,23 @@ class DeferredResiduals(Residuals):
         return len(self._memory)
 
 
+class _DeferredEF(ErrorFeedback):
+    """Error feedback whose residuals are :class:`DeferredResiduals`."""
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if not isinstance(self.residuals, DeferredResiduals):  # pickled before residuals were deferred
+            residuals = DeferredResiduals()
+            residuals.memory = self.residuals.memory
+            self.residuals = residuals
+
+
 # 1-bit buckets up to this size get their residual in the encoder's pass, while still in cache
 # (the C kernels' RBLOCK); larger ones defer it to the next step's pass.
 FUSED_BUCKET = 65536
 
 
-class OneBit(ErrorFeedback):
+class OneBit(_DeferredEF):
     """1-bit SGD: :class:`SignMeans` with error feedback per tensor name. Not summable.
 
     ``bucket_size``: elements that share one pair of means (None: the whole tensor, exactly
@@ -260,7 +271,7 @@ class OneBit(ErrorFeedback):
         return f"OneBit(bucket_size={self.compressor.bucket_size})"
 
 
-class EFSign(ErrorFeedback):
+class EFSign(_DeferredEF):
     """EF-signSGD: :class:`ScaledSign` of p = g + e, with e <- p - q(p). Not summable.
 
     On the native path a step reads g and e and writes p once: the residual's ``- q(p)`` is

@@ -222,6 +222,26 @@ def test_deferred_residual_survives_pickling_switching_paths_and_reshapes(kind, 
     assert "k" not in c.residuals.pending and set(c.residuals.memory) == {"other"}
 
 
+@pytest.mark.parametrize("kind", DEFERRED)
+def test_a_checkpoint_from_before_deferred_residuals_loads_and_goes_on(kind, torch_path):
+    """Pickles written when these compressors kept a plain Residuals still load and continue."""
+    import pickle
+    from spark_dl.compression.memory import Residuals
+
+    make, make_ref, _ = DEFERRED[kind]
+    n = 100_003
+    c, ref = make(), make_ref()
+    e = rand(n, seed=11)
+    old = Residuals()
+    old.store("k", e.clone())
+    c.residuals = old  # the state such a checkpoint holds
+    ref.residuals.store("k", e.clone())
+    c = pickle.loads(pickle.dumps(c))
+    for g in _steps(n, 2, seed=12):
+        assert _payloads_equal(c.compress(g, key="k"), torch_path(ref.compress, g, "k"))
+    assert torch.equal(c.residuals.memory["k"], ref.residuals.memory["k"])
+
+
 def test_onebit_bucket_size_changed_mid_run_settles_the_deferred_residual(torch_path):
     n = 300_007
     c, ref = C.OneBit(100_000), ErrorFeedback(C.SignMeans(100_000))
