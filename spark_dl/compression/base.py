@@ -76,6 +76,10 @@ class Compressor:
         else:
             out.copy_(v)
 
+    def compress_averaged(self, tensor: torch.Tensor, world: int, key: Key = None) -> Payload:
+        """``compress(tensor / world)``; error feedback folds the division into its own pass."""
+        return self.compress(tensor / world, key)
+
     def subtract_decompressed(self, p: torch.Tensor, payload: Payload) -> torch.Tensor:
         """``p - decompress(payload)`` in p's memory, for ``payload = compress(p)`` of a float32
         ``p``: error feedback's new residual. Sparse compressors override it to touch only the

@@ -90,9 +90,11 @@ def _all_reduce(t: torch.Tensor, group: Any, world: int) -> None:
 
 
 def _summable(x: torch.Tensor, c: Compressor, name: Any, group: Any, world: int,
-              scale: float = 1.0, into: torch.Tensor | None = None) -> torch.Tensor:
+              scale: float = 1.0, into: torch.Tensor | None = None, average: bool = False) -> torch.Tensor:
     if scale != 1.0:
         payload = c.compress_scaled(x, scale, key=name)  # fp16/bf16: the kernel divides as it casts
+    elif average:  # x / world, inside error feedback's own pass where there is one
+        payload = c.compress_averaged(x, world, key=name)
     else:
         payload = c.compress(x, key=name)
     for t in payload.tensors:
@@ -118,11 +120,16 @@ def _pieces(numel: int) -> int:
 
 
 def _scatter_reduce_allgather(x: torch.Tensor, c: Compressor, name: Any, group: Any,
-                              world: int, into: torch.Tensor | None = None) -> torch.Tensor:
+                              world: int, into: torch.Tensor | None = None, average: bool = False) -> torch.Tensor:
+    """With ``average`` each rank's pieces are compressed as ``piece / world``
+    (:meth:`Compressor.compress_averaged`: error feedback divides inside its own pass)."""
     me = dist.get_rank(group) if world > 1 else 0
     chunks = torch.tensor_split(x.reshape(-1), world)  # rank j owns chunk j
+
+    def encode(t: torch.Tensor, key: Any) -> Payload:
+        return c.compress_averaged(t, world, key=key) if average else c.compress(t, key=key)
     if world == 1:
-        own = c.compress(chunks[0], key=(name, "worker", 0))
+        own = encode(chunks[0], (name, "worker", 0))
         reduced = torch.empty(x.numel(), dtype=torch.float32, device=x.device)
         c.decompress_into(own, reduced)
         mine = c.compress(reduced.to(x.dtype), key=(name, "server"))
@@ -143,7 +150,7 @@ def _scatter_reduce_allgather(x: torch.Tensor, c: Compressor, name: Any, group: 
 
     scattered = []
     for k in range(K):
-        sent = [c.compress(parts[j][k], key=key("worker", j, k)) for j in range(world)]
+        sent = [encode(parts[j][k], key("worker", j, k)) for j in range(world)]
         buffers = [to_bytes(p) for p in sent]
         sizes = [b.numel() for b in buffers]
         # Pieces of different chunks differ by at most one element, so their payloads by a few
@@ -256,9 +263,9 @@ def allreduce(tensor: torch.Tensor, compression: Compressor | None = None, *,
         # divide before the sum (no fp16 overflow) inside the cast: no pass of its own
         result = _summable(tensor, c, name, group, world, scale=scale, into=into)
     else:
-        x = tensor / world if scale != 1.0 else tensor
-        result = _summable(x, c, name, group, world, into=into) if c.summable else \
-            _scatter_reduce_allgather(x, c, name, group, world, into=into)
+        # the division by the world size happens in the compressors' calls (compress_averaged)
+        result = _summable(tensor, c, name, group, world, into=into, average=scale != 1.0) if c.summable else \
+            _scatter_reduce_allgather(tensor, c, name, group, world, into=into, average=scale != 1.0)
     if average and integer:
         result = torch.div(result, world, rounding_mode="trunc")
     result = result.to(tensor.dtype).reshape(tensor.shape)

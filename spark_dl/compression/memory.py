@@ -96,6 +96,24 @@ class ErrorFeedback(Compressor):
         self.residuals.store(key, self.compressor.subtract_decompressed(p, payload))
         return Payload(payload.tensors, _EFMeta(payload.meta, tensor.shape, tensor.dtype))
 
+    def compress_averaged(self, tensor: torch.Tensor, world: int, key: Key = None) -> Payload:
+        """``compress(tensor / world)`` with the division inside the pass that adds the residual,
+        p = e + tensor / world (one rounding: ``torch.add(e, tensor, alpha=1/world)``, the same
+        bits as dividing first when ``world`` is a power of two): what an averaging all-reduce
+        calls, with no divided copy of the gradient."""
+        check_float(tensor, type(self).__name__)
+        e = self.residuals.get(key)
+        fits = e is not None and e.shape == tensor.shape and e.device == tensor.device
+        if fits and e.dtype == torch.float32:
+            p = torch.add(e, tensor, alpha=1.0 / world)
+        else:
+            p = tensor.to(torch.float32, copy=True).div_(world)
+            if fits:
+                p.add_(e)
+        payload = self.compressor.compress(p, key)
+        self.residuals.store(key, self.compressor.subtract_decompressed(p, payload))
+        return Payload(payload.tensors, _EFMeta(payload.meta, tensor.shape, tensor.dtype))
+
     def decompress(self, payload: Payload) -> torch.Tensor:
         meta: _EFMeta = payload.meta
         out = self.compressor.decompress(Payload(payload.tensors, meta.inner))

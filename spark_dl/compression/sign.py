@@ -227,6 +227,10 @@ class DeferredResiduals(Residuals):
 class _DeferredEF(ErrorFeedback):
     """Error feedback whose residuals are :class:`DeferredResiduals`."""
 
+    def compress_averaged(self, tensor: torch.Tensor, world: int, key: Key = None) -> Payload:
+        # the native encoders take g as it comes; divided in float32, as ErrorFeedback's pass does
+        return self.compress(tensor.to(torch.float32) / world, key)
+
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         if not isinstance(self.residuals, DeferredResiduals):  # pickled before residuals were deferred

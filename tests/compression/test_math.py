@@ -185,6 +185,31 @@ def test_randomk_decompress_into_counts_a_duplicated_index_once():
     assert torch.equal(written, dense) and torch.equal(added, 1 + dense)
 
 
+@pytest.mark.parametrize("make", [lambda: C.ErrorFeedback(C.TopK(0.1)), lambda: C.ErrorFeedback(C.RandomK(0.2)),
+                                  lambda: C.ErrorFeedback(C.QSGD(seed=1)), C.OneBit, C.EFSign, lambda: C.QSGD(seed=1)],
+                         ids=["topk-ef", "randomk-ef", "qsgd-ef", "onebit", "efsign", "qsgd"])
+@pytest.mark.parametrize("world", [2, 4, 3])
+def test_compress_averaged_is_compress_of_the_divided_tensor(make, world):
+    """What an averaging all-reduce calls: error feedback divides inside its own add (one
+    rounding, in float32 also for a half-precision gradient), the others divide first; the same
+    bits as dividing in float32 first when the world size is a power of two."""
+    c, ref = make(), make()
+    gen = torch.Generator().manual_seed(world)
+    for step in range(3):
+        g = torch.randn(5000, generator=gen)
+        if step == 1:
+            g = g.half()  # fp16 gradients too
+        got = c.compress_averaged(g, world, key="w")
+        want = ref.compress(g.float() / world if isinstance(c, C.ErrorFeedback) else g / world, key="w")
+        for a, b in zip(got.tensors, want.tensors):
+            if world & (world - 1) == 0:
+                assert torch.equal(a, b)
+            elif a.is_floating_point():
+                assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+        if hasattr(c, "residuals") and world & (world - 1) == 0:
+            assert torch.equal(c.residuals.memory["w"], ref.residuals.memory["w"])
+
+
 def test_sparse_error_feedback_on_a_non_contiguous_float16_gradient():
     ef = C.ErrorFeedback(C.TopK(0.25))
     g = torch.randn(16, 8, generator=torch.Generator().manual_seed(0)).half().t()
