@@ -34,14 +34,20 @@ class Residuals:
         """``e[key]``, or None."""
         return self.memory.get(key)
 
-    def add(self, tensor: torch.Tensor, key: Key) -> torch.Tensor:
-        """``tensor + e[key]`` in float32 (a new tensor; ``tensor`` is not modified)."""
+    def add(self, tensor: torch.Tensor, key: Key, world: int = 1) -> torch.Tensor:
+        """``tensor / world + e[key]`` in float32 (a new tensor; ``tensor`` is not modified), in one
+        pass where e fits: the division rides the add (one rounding, the same bits as dividing
+        first in float32 when ``world`` is a power of two)."""
         e = self.get(key)
-        if e is not None and e.shape == tensor.shape and e.device == tensor.device:
-            if tensor.dtype in (torch.float32, torch.float16, torch.bfloat16) and e.dtype == torch.float32:
-                return torch.add(tensor, e)  # float32 by promotion: one pass, the same sums as below
-            return tensor.to(torch.float32, copy=True).add_(e)
-        return tensor.to(torch.float32, copy=True)
+        fits = e is not None and e.shape == tensor.shape and e.device == tensor.device
+        if fits and e.dtype == torch.float32 and (
+                world != 1 or tensor.dtype in (torch.float32, torch.float16, torch.bfloat16)):
+            # float32 by promotion; with world 1 the same sums as the copy-and-add below
+            return torch.add(e, tensor, alpha=1.0 / world) if world != 1 else torch.add(tensor, e)
+        p = tensor.to(torch.float32, copy=True)
+        if world != 1:
+            p.div_(world)
+        return p.add_(e) if fits else p
 
     def add_scaled(self, tensor: torch.Tensor, key: Key, scale: float = 1.0) -> torch.Tensor:
         """``e[key] + scale * tensor`` in float32, computed in e's memory when it fits (the
@@ -67,6 +73,54 @@ class Residuals:
         return len(self.memory)
 
 
+class PendingResiduals(Residuals):
+    """Residuals whose native encoders leave part of the update ``pending``: a residual is kept
+    as a tensor plus a correction the next step's pass applies while it reads that tensor (one
+    pass over memory fewer). Reading :attr:`memory`, :meth:`get` (that key only) or pickling
+    settles the corrections first, so the residuals seen from outside are always ``e``.
+    Subclasses say how a correction is settled in place (:meth:`_settle`)."""
+
+    def __init__(self) -> None:
+        self._memory: dict[Key, torch.Tensor] = {}
+        self.pending: dict[Key, Any] = {}
+
+    def _settle(self, e: torch.Tensor, pending: Any) -> None:
+        raise NotImplementedError
+
+    def get(self, key: Key) -> torch.Tensor | None:
+        """``e[key]`` (its correction settled; the other keys' stay pending), or None."""
+        pending = self.pending.pop(key, None)
+        if pending is not None:
+            self._settle(self._memory[key], pending)
+        return self._memory.get(key)
+
+    @property  # type: ignore[override]
+    def memory(self) -> dict[Key, torch.Tensor]:
+        for key, pending in self.pending.items():
+            self._settle(self._memory[key], pending)
+        self.pending.clear()
+        return self._memory
+
+    @memory.setter
+    def memory(self, value: dict[Key, torch.Tensor]) -> None:
+        self._memory, self.pending = value, {}
+
+    def __getstate__(self) -> dict:
+        return {"_memory": self.memory, "pending": {}}
+
+    def store(self, key: Key, residual: torch.Tensor) -> None:
+        self._memory[key] = residual
+        self.pending.pop(key, None)
+
+    def reset(self, key: Key = None) -> None:
+        for d in (self.pending, self._memory):
+            for k in [k for k in d if key is None or key_matches(k, key)]:
+                del d[k]
+
+    def __len__(self) -> int:
+        return len(self._memory)
+
+
 @dataclass
 class _EFMeta:
     inner: Any
@@ -90,26 +144,17 @@ class ErrorFeedback(Compressor):
         return True
 
     def compress(self, tensor: torch.Tensor, key: Key = None) -> Payload:
-        check_float(tensor, type(self).__name__)
-        p = self.residuals.add(tensor, key)
-        payload = self.compressor.compress(p, key)
-        self.residuals.store(key, self.compressor.subtract_decompressed(p, payload))
-        return Payload(payload.tensors, _EFMeta(payload.meta, tensor.shape, tensor.dtype))
+        return self._feed_back(tensor, key, 1)
 
     def compress_averaged(self, tensor: torch.Tensor, world: int, key: Key = None) -> Payload:
         """``compress(tensor / world)`` with the division inside the pass that adds the residual,
-        p = e + tensor / world (one rounding: ``torch.add(e, tensor, alpha=1/world)``, the same
-        bits as dividing first when ``world`` is a power of two): what an averaging all-reduce
-        calls, with no divided copy of the gradient."""
+        p = e + tensor / world (:meth:`Residuals.add`): what an averaging all-reduce calls, with
+        no divided copy of the gradient."""
+        return self._feed_back(tensor, key, world)
+
+    def _feed_back(self, tensor: torch.Tensor, key: Key, world: int) -> Payload:
         check_float(tensor, type(self).__name__)
-        e = self.residuals.get(key)
-        fits = e is not None and e.shape == tensor.shape and e.device == tensor.device
-        if fits and e.dtype == torch.float32:
-            p = torch.add(e, tensor, alpha=1.0 / world)
-        else:
-            p = tensor.to(torch.float32, copy=True).div_(world)
-            if fits:
-                p.add_(e)
+        p = self.residuals.add(tensor, key, world)
         payload = self.compressor.compress(p, key)
         self.residuals.store(key, self.compressor.subtract_decompressed(p, payload))
         return Payload(payload.tensors, _EFMeta(payload.meta, tensor.shape, tensor.dtype))

@@ -69,11 +69,6 @@ def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def _check_out(t: torch.Tensor, n: int, what: str) -> None:
-    if t.numel() != n or t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
-        raise ValueError(f"{what} must be a contiguous float32 CPU tensor of {n} elements")
-
-
 def _residual_in(e: torch.Tensor | None, n: int) -> torch.Tensor | None:
     if e is None or e.numel() != n or e.dtype != torch.float32 or e.device.type != "cpu":
         return None
@@ -100,7 +95,7 @@ def onebit_encode(g: torch.Tensor, bucket: int, e: torch.Tensor | None = None, r
     e_in = _residual_in(e, n)
     e_out = None
     if p_out is not None:
-        _check_out(p_out, n, "p_out")
+        _out(p_out, n, "p_out")
         e_out = p_out
     elif residual:
         e_out = e_in if e_in is not None and e_in.data_ptr() == _ptr(e) else torch.empty(n, dtype=torch.float32)
@@ -146,7 +141,7 @@ def scaled_sign_encode(g: torch.Tensor, e: torch.Tensor | None = None, pending: 
     if e is not None and e_in is None:
         raise ValueError("scaled_sign_encode: e must be a float32 CPU tensor of g's size")
     if p_out is not None:
-        _check_out(p_out, n, "p_out")
+        _out(p_out, n, "p_out")
     has_pending = pending is not None and e_in is not None
     scale = _ext.scaled_sign_encode(x.data_ptr(), _ptr(e_in), has_pending, float(pending or 0.0),
                                     _ptr(p_out), n, bits.data_ptr())
@@ -301,11 +296,11 @@ def powersgd_back(p: torch.Tensor, m: torch.Tensor, rows: int, cols: int, qt: to
         qt.zero_()
 
 
-def _out(out: torch.Tensor | None, n: int) -> torch.Tensor:
+def _out(out: torch.Tensor | None, n: int, what: str = "out") -> torch.Tensor:
     if out is None:
         return torch.empty(n, dtype=torch.float32)
     if out.dtype != torch.float32 or out.numel() != n or not out.is_contiguous() or out.device.type != "cpu":
-        raise ValueError(f"out must be a contiguous float32 CPU tensor of {n} elements, "
+        raise ValueError(f"{what} must be a contiguous float32 CPU tensor of {n} elements, "
                          f"got {out.dtype} {tuple(out.shape)} on {out.device}")
     return out
 

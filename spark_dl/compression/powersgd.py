@@ -37,7 +37,7 @@ import torch
 
 from . import native
 from .base import Compressor, Key, Meta, Payload, check_float, restore
-from .memory import Residuals, key_matches
+from .memory import PendingResiduals, key_matches
 from .rng import generator
 
 AllReduce = Callable[[torch.Tensor], None]
@@ -85,30 +85,15 @@ def _started(all_reduce: AllReduce) -> StartAllReduce:
     return start
 
 
-class FactoredResiduals(Residuals):
+class FactoredResiduals(PendingResiduals):
     """PowerSGD's residuals. With the native kernels a residual ``e = M - P^ Qw^T`` is kept as M
     and its two factors, and the next round's first pass subtracts the product while it adds
     the gradient and projects (:func:`native.powersgd_project`): a pass over M fewer per round.
     Reading :attr:`memory` (or pickling) applies the pending products first, so the residuals
     seen from outside are always ``e``."""
 
-    def __init__(self) -> None:
-        self._memory: dict[Key, torch.Tensor] = {}
-        self.pending: dict[Key, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    @property  # type: ignore[override]
-    def memory(self) -> dict[Key, torch.Tensor]:
-        for key, (p, q) in self.pending.items():
-            native.lowrank_subtract(self._memory[key].view(-1), p, q)
-        self.pending.clear()
-        return self._memory
-
-    @memory.setter
-    def memory(self, value: dict[Key, torch.Tensor]) -> None:
-        self._memory, self.pending = value, {}
-
-    def __getstate__(self) -> dict:
-        return {"_memory": self.memory, "pending": {}}
+    def _settle(self, e: torch.Tensor, pending: tuple[torch.Tensor, torch.Tensor]) -> None:
+        native.lowrank_subtract(e.view(-1), *pending)
 
     def project(self, g: torch.Tensor, key: Key, scale: float, q: torch.Tensor, rows: int, cols: int,
                 pt: torch.Tensor) -> torch.Tensor:
@@ -129,14 +114,6 @@ class FactoredResiduals(Residuals):
         """The residual ``m - p @ q.T``, its product left pending (``p`` rows x r, ``q`` cols x r)."""
         self._memory[key] = m
         self.pending[key] = (p, q)
-
-    def reset(self, key: Key = None) -> None:
-        for d in (self.pending, self._memory):
-            for k in [k for k in d if key is None or key_matches(k, key)]:
-                del d[k]
-
-    def __len__(self) -> int:
-        return len(self._memory)
 
 
 class PowerSGD(Compressor):

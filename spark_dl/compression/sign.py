@@ -9,7 +9,7 @@ from .base import Compressor, Key, Meta, Payload, check_float, flat32, restore
 from . import native
 from .bits import pack, unpack
 from .sums import bucket_counts, bucket_sums
-from .memory import ErrorFeedback, Residuals, _EFMeta, key_matches
+from .memory import ErrorFeedback, PendingResiduals, _EFMeta
 
 
 @dataclass
@@ -149,7 +149,7 @@ def _fused_ef(ef: ErrorFeedback, tensor: torch.Tensor, key: Key, encode) -> Payl
     return Payload([head, bits], _EFMeta(_SignMeta(tensor.shape, torch.float32), tensor.shape, tensor.dtype))
 
 
-class DeferredResiduals(Residuals):
+class DeferredResiduals(PendingResiduals):
     """The sign compressors' residuals. With the native kernels the residual ``e = p - q(p)`` is
     kept as p and q's two values per bucket (``pending``: (qp, qn) pairs and the bucket size);
     the next step's encoder subtracts q while it adds the gradient, so a step makes one pass over
@@ -157,13 +157,9 @@ class DeferredResiduals(Residuals):
     1-bit's large buckets). Reading :attr:`memory` (or pickling) applies the pending q first, so
     the residuals seen from outside are always ``e``, bit for bit the torch path's."""
 
-    def __init__(self) -> None:
-        self._memory: dict[Key, torch.Tensor] = {}
-        self.pending: dict[Key, tuple[torch.Tensor, int]] = {}
-
-    @staticmethod
-    def _apply(p: torch.Tensor, qpairs: torch.Tensor, bucket: int) -> None:
+    def _settle(self, p: torch.Tensor, pending: tuple[torch.Tensor, int]) -> None:
         """p - q(p) in place, q's values as the decompressors give them (p >= 0: qp, else qn)."""
+        qpairs, bucket = pending
         flat, pairs = p.view(-1), qpairs.view(-1, 2)
         if pairs.shape[0] == 1:
             flat.sub_(torch.where(flat >= 0, pairs[0, 0], pairs[0, 1]))
@@ -171,31 +167,6 @@ class DeferredResiduals(Residuals):
         counts = torch.full((pairs.shape[0],), bucket, dtype=torch.int64)
         counts[-1] = flat.numel() - bucket * (pairs.shape[0] - 1)
         flat.sub_(torch.where(flat >= 0, pairs[:, 0].repeat_interleave(counts), pairs[:, 1].repeat_interleave(counts)))
-
-    def get(self, key: Key) -> torch.Tensor | None:
-        """``e[key]`` (its pending q applied; the other keys' stay pending), or None."""
-        pend = self.pending.pop(key, None)
-        if pend is not None:
-            self._apply(self._memory[key], *pend)
-        return self._memory.get(key)
-
-    @property  # type: ignore[override]
-    def memory(self) -> dict[Key, torch.Tensor]:
-        for key, pend in self.pending.items():
-            self._apply(self._memory[key], *pend)
-        self.pending.clear()
-        return self._memory
-
-    @memory.setter
-    def memory(self, value: dict[Key, torch.Tensor]) -> None:
-        self._memory, self.pending = value, {}
-
-    def __getstate__(self) -> dict:
-        return {"_memory": self.memory, "pending": {}}
-
-    def store(self, key: Key, residual: torch.Tensor) -> None:
-        self._memory[key] = residual
-        self.pending.pop(key, None)
 
     def encode(self, g: torch.Tensor, key: Key, bucket: int, kernel) -> tuple[torch.Tensor, torch.Tensor]:
         """``kernel(g, e, pending, p_out) -> (head, bits, qpairs)`` on ``p = g + e[key]`` in one
@@ -214,14 +185,6 @@ class DeferredResiduals(Residuals):
         self._memory[key] = p.view(g.shape)
         self.pending[key] = (qpairs, bucket)
         return head, bits
-
-    def reset(self, key: Key = None) -> None:
-        for d in (self.pending, self._memory):
-            for k in [k for k in d if key is None or key_matches(k, key)]:
-                del d[k]
-
-    def __len__(self) -> int:
-        return len(self._memory)
 
 
 class _DeferredEF(ErrorFeedback):
