@@ -52,6 +52,16 @@ def test_compression_benchmark_runs_both_parts_or_says_why_not():
     assert "PowerSGD's memory floor on cpu: M = e + G" in table
 
 
+def test_error_feedback_benchmark_prints_every_comparison():
+    done = _run("benchmarks/error_feedback.py", "--numel", "100003", "--repeats", "1", "--port", "29671")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    for row in ("OneBit(None)", "OneBit(1024)", "EFSign", "ErrorFeedback(TopK)", "ErrorFeedback(RandomK)",
+                "fp16", "bf16", "randomk"):
+        assert any(line.startswith(row + " ") for line in lines), row
+    assert any(line.startswith("2 local Gloo ranks") and "median" in line for line in lines)
+
+
 def test_compression_benchmark_without_a_gpu_says_so_for_device_cuda():
     import torch
 
