@@ -34,6 +34,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -70,6 +77,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=42, help="seed for weights and data order (default: %(default)s)")
     parser.add_argument("--min-accuracy", type=_fraction, default=0.0,
                         help="exit with code 3 if the final test accuracy is below this (default: %(default)s)")
+    parser.add_argument("--max-restarts", type=_non_negative_int, default=0,
+                        help="launch a failed run again up to this many times (a lost executor, a killed rank), "
+                             "resuming after the last finished epoch (default: %(default)s)")
     parser.add_argument("--no-tracking", dest="tracking", action="store_false",
                         help="do not log the run to MLflow (default: log params and per-epoch "
                              "train_loss/test_accuracy to the current MLflow experiment)")
@@ -127,7 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     error = _stderr_writer()
     spark = _spark_session(args, error) if args.np > 0 else None
     try:
-        result = HorovodRunner(np=args.np, tracking=None if args.tracking else False).run(
+        runner = HorovodRunner(np=args.np, tracking=None if args.tracking else False, max_restarts=args.max_restarts)
+        result = runner.run(
             train_digits, epochs=args.epochs, batch_size=args.batch_size, base_lr=args.lr,
             compression=args.compression, seed=args.seed,
         )

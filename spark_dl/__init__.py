@@ -1,8 +1,10 @@
 """spark-dl: train PyTorch models across an Apache Spark cluster.
 
 Driver side: :class:`HorovodRunner`. Inside the training function: :func:`init`,
-:func:`log_to_driver`, :func:`get_context`, :func:`log_metrics`, :func:`log_params`, :func:`log_model`.
+:func:`log_to_driver`, :func:`get_context`, :func:`log_metrics`, :func:`log_params`, :func:`log_model`,
+:func:`save_checkpoint`, :func:`load_checkpoint`.
 """
+from .checkpoint import load_checkpoint, save_checkpoint
 from .errors import JobFailed, LaunchRefused, RankFailed, SparkDLError
 from .rank import RankContext, get_context, init, log_to_driver
 from .runner import HorovodRunner
@@ -18,6 +20,8 @@ __all__ = [
     "log_metrics",
     "log_params",
     "log_model",
+    "save_checkpoint",
+    "load_checkpoint",
     "Tracking",
     "RankContext",
     "SparkDLError",

@@ -110,16 +110,22 @@ def slots(sc) -> Slots:
     )
 
 
-def check_slots(sc, np: int, num_tasks: int, wait_s: float = EXECUTOR_WAIT_S) -> Slots:
+def check_slots(sc, np: int, num_tasks: int, wait_s: float = EXECUTOR_WAIT_S, wait_for_new: bool = False) -> Slots:
     """Refuse in seconds when the cluster cannot run ``num_tasks`` barrier tasks at once.
 
     Spark itself would retry for about 10 minutes (40 checks, 15 s apart) before failing the stage.
-    Executors that are still registering (a just-started cluster) are waited for, briefly.
+    Executors that are still registering (a just-started cluster) are waited for, briefly;
+    ``wait_for_new`` waits up to ``wait_s`` for slots whatever the executor count says (a restart
+    after an executor was lost, while the cluster manager replaces it).
     """
     expected = _expected_executors(sc.getConf())
     deadline = time.monotonic() + wait_s
+
+    def registering(s: Slots) -> bool:
+        return wait_for_new or (expected is not None and s.executors < expected)
+
     s = slots(sc)
-    while s.total < num_tasks and expected is not None and s.executors < expected and time.monotonic() < deadline:
+    while s.total < num_tasks and registering(s) and time.monotonic() < deadline:
         time.sleep(0.25)
         s = slots(sc)
     if s.total < num_tasks:

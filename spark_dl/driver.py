@@ -15,6 +15,7 @@ from typing import Any, Callable, Protocol, TextIO
 import cloudpickle
 
 from .channel import Connection
+from .checkpoint import CheckpointStore
 from .errors import JobFailed, RankFailed
 
 TAIL_LINES = 50
@@ -28,6 +29,8 @@ class Observer(Protocol):
     launcher itself does not handle (metrics, params, models, system metrics...), ``on_log`` for
     every output line, and ``on_finish`` once, after every rank has exited, with the error that
     ``run`` is about to raise (None on success). Callbacks run on channel threads: keep them cheap.
+    An observer may also define ``on_restart(attempt, error)``, called on the driver's thread
+    before a failed attempt is launched again (``HorovodRunner(max_restarts=...)``).
     """
 
     def on_start(self, job: dict) -> None: ...
@@ -56,6 +59,7 @@ class JobMonitor:
         observers: list[Observer] | None = None,
         out: TextIO | None = None,
         err: TextIO | None = None,
+        checkpoints: "CheckpointStore | None" = None,
     ) -> None:
         self.world_size = world_size
         self.num_tasks = num_tasks
@@ -64,6 +68,7 @@ class JobMonitor:
         self.observers = list(observers or [])
         self._out = out
         self._err = err
+        self.checkpoints = checkpoints
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
         self.task_conns: dict[int, Connection] = {}
@@ -157,6 +162,8 @@ class JobMonitor:
                 self.errors[rank] = data
                 self.changed.notify_all()
             self.fail(Failure(rank, f"{data['exc_type']}: {data['message']}", data))
+        elif kind.startswith("checkpoint/") and self.checkpoints is not None:
+            self.checkpoints.handle(conn, rank, kind, data)
         else:
             for o in self.observers:
                 o.on_message(rank, kind, data)

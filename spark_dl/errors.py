@@ -13,7 +13,13 @@ class LaunchRefused(SparkDLError, ValueError):
 
 
 class JobFailed(SparkDLError):
-    """A run failed outside user code: lost executor, failed Spark stage, time-out, bad channel."""
+    """A run failed outside user code: lost executor, failed Spark stage, time-out, bad channel.
+
+    ``previous_failures`` holds the errors of the attempts before this one when the run was
+    restarted (``HorovodRunner(max_restarts=...)``), oldest first.
+    """
+
+    previous_failures: tuple["JobFailed", ...] = ()
 
 
 class RankFailed(JobFailed):

@@ -27,6 +27,7 @@ class RankContext:
     cross_rank: int
     cross_size: int
     job_id: str
+    attempt: int = 0  # how many times HorovodRunner(max_restarts=...) has restarted this run
 
 
 def get_context() -> RankContext:
@@ -45,6 +46,7 @@ def get_context() -> RankContext:
         cross_rank=int(env.get("CROSS_RANK", 0)),
         cross_size=int(env.get("CROSS_SIZE", 1)),
         job_id=env.get("SPARK_DL_JOB_ID", ""),
+        attempt=int(env.get("SPARK_DL_ATTEMPT", 0)),
     )
 
 
@@ -114,6 +116,9 @@ class _Outbox:
 
 
 _outbox: _Outbox | None = None
+_replies: dict[int, list] = {}  # request id -> [event, reply]; filled by the driver watchdog
+_replies_lock = threading.Lock()
+_next_request = 0
 
 
 def _install(conn: Connection) -> _Outbox:
@@ -126,6 +131,38 @@ def send_to_driver(kind: str, data: Any) -> None:
     """Queue a message for the driver (used by the tracking API). No-op outside a rank process."""
     if _outbox is not None:
         _outbox.put(kind, data)
+
+
+def request(kind: str, data: dict) -> dict:
+    """Send ``data`` to the driver and wait for its reply (a dict). Only inside a rank process.
+
+    No time-out is needed: a driver that goes away takes this rank with it (see ``rank_main``).
+    """
+    global _next_request
+    if _outbox is None:
+        raise RuntimeError("not inside a spark-dl rank process")
+    with _replies_lock:
+        _next_request += 1
+        rid = _next_request
+        slot = _replies[rid] = [threading.Event(), None]
+    _outbox.put(kind, {**data, "id": rid})
+    try:
+        while not slot[0].wait(1.0):
+            if _outbox.broken is not None:
+                raise ConnectionError(f"the link to the driver broke: {_outbox.broken}")
+    finally:
+        with _replies_lock:
+            _replies.pop(rid, None)
+    return slot[1]
+
+
+def _deliver(reply: dict) -> None:
+    """Hand a driver's reply to the :func:`request` waiting for it (the watchdog thread calls this)."""
+    with _replies_lock:
+        slot = _replies.get(reply.get("id"))
+    if slot is not None:
+        slot[1] = reply
+        slot[0].set()
 
 
 def in_rank_process() -> bool:

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import re
+import sys
 import threading
 import time
 import uuid
@@ -9,6 +11,7 @@ from functools import partial
 from typing import Any, Callable
 
 from . import channel, cluster
+from .checkpoint import CheckpointStore
 from .data import DataFrameShards
 from .driver import VERBOSITIES, Failure, JobMonitor, Observer
 from .errors import JobFailed, LaunchRefused
@@ -16,7 +19,7 @@ from .launch.layout import RankSpec
 from .launch.task import JobSpec, arrow_barrier_task, barrier_task, free_port, run_task
 from .script import Script, read_script
 from .serialize import serialize_job
-from .tracking.observer import Tracking, make_observer
+from .tracking.observer import Tracking, TrackingObserver, make_observer
 
 START_TIMEOUT_S = 300.0
 ABORT_GRACE_S = 15.0
@@ -37,6 +40,8 @@ class HorovodRunner:
             mlflow is importable; ``False`` (or env ``SPARK_DL_TRACKING=0``) turns it off; a
             :class:`spark_dl.tracking.Tracking` sets its options.
         progress: the driver's progress bar (step, loss, throughput of rank 0); ``False`` hides it.
+        max_restarts: how many times a failed run is launched again (every rank, fresh processes)
+            before its error is raised; ranks resume from :func:`spark_dl.load_checkpoint`.
 
     The signature matches Databricks' ``sparkdl.HorovodRunner``, so notebooks switch by
     changing one import.
@@ -50,6 +55,7 @@ class HorovodRunner:
         start_timeout: float = START_TIMEOUT_S,
         tracking: bool | Tracking | None = None,
         progress: bool | None = None,
+        max_restarts: int = 0,
     ) -> None:
         if isinstance(np, bool) or not isinstance(np, int):
             raise LaunchRefused(f"np must be an int (ranks on Spark if > 0, local processes if < 0), got {np!r}")
@@ -61,6 +67,11 @@ class HorovodRunner:
         if driver_log_verbosity not in VERBOSITIES:
             raise LaunchRefused(f"driver_log_verbosity must be one of {VERBOSITIES}, got {driver_log_verbosity!r}")
         self.np = np
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+            raise LaunchRefused(
+                f"max_restarts must be an int >= 0 (how many times a failed run is launched again), got {max_restarts!r}"
+            )
+        self.max_restarts = max_restarts
         self.driver_log_verbosity = driver_log_verbosity
         self.start_timeout = start_timeout
         self.tracking = tracking
@@ -92,20 +103,72 @@ class HorovodRunner:
     def _run(self, main: Callable[..., Any], kwargs: dict[str, Any], all_results: bool) -> Any:
         kwargs, data = _take_dataframe(kwargs, self.np)
         payload = serialize_job(main, kwargs)
-        if self.np < 0:
-            launcher: _Launcher = _LocalLauncher(-self.np)
-        else:
-            launcher = _SparkLauncher.prepare(self.np, data)
+        launcher = self._launcher(data)
         job_id = f"spark-dl-{uuid.uuid4().hex[:12]}"
-        secret = channel.new_secret()
         tracker = make_observer(self.tracking, self.progress)
         observers = [*self.observers, *([tracker] if tracker is not None else [])]
+        job = {
+            "job_id": job_id,
+            "np": self.np,
+            "mode": "local" if self.np < 0 else "spark",
+            "world_size": launcher.world_size,
+            "num_tasks": launcher.num_tasks,
+            "ranks_per_task": launcher.ranks_per_task,
+            "main": getattr(main, "__qualname__", repr(main)),
+            "kwargs": dict(kwargs),
+        }
+        for o in observers:
+            o.on_start(job)
+        store = CheckpointStore()
+        earlier: list[JobFailed] = []
+        outcome: BaseException | None = None
+        monitor: JobMonitor | None = None
+        try:
+            attempt = 0
+            while True:
+                attempt_id = job_id if attempt == 0 else f"{job_id}-restart{attempt}"
+                monitor, outcome = self._attempt(
+                    launcher, attempt_id, attempt, payload, all_results, tracker, observers, store
+                )
+                if outcome is None or attempt == self.max_restarts:
+                    break
+                earlier.append(outcome)
+                attempt += 1
+                launcher = self._relaunch(data, attempt, outcome, store, observers)
+        except BaseException as e:  # what the observers (the MLflow run) are told; e itself propagates
+            outcome = e if isinstance(e, JobFailed) else JobFailed(_driver_failure(e))
+            raise
+        finally:
+            store.close()
+            if earlier and isinstance(outcome, JobFailed):
+                _note_earlier_failures(outcome, earlier, self.max_restarts)
+            for o in observers:
+                o.on_finish(outcome)
+        if outcome is not None:
+            raise outcome
+        assert monitor is not None
+        if all_results:
+            return [monitor.result(r) for r in range(launcher.world_size)]
+        return monitor.result(0)
+
+    def _launcher(self, data: DataFrameShards | None, wait_s: float | None = None) -> "_Launcher":
+        if self.np < 0:
+            return _LocalLauncher(-self.np)
+        return _SparkLauncher.prepare(self.np, data, wait_s)
+
+    def _attempt(
+        self, launcher: "_Launcher", job_id: str, attempt: int, payload: bytes, all_results: bool,
+        tracker: TrackingObserver | None, observers: list[Observer], store: CheckpointStore,
+    ) -> tuple[JobMonitor, JobFailed | None]:
+        """Launch the job once and wait until every rank is gone; returns the failure, if any."""
+        secret = channel.new_secret()
         monitor = JobMonitor(
             world_size=launcher.world_size,
             num_tasks=launcher.num_tasks,
             verbosity=self.driver_log_verbosity,
             on_failure=lambda f: threading.Thread(target=abort, args=(f,), daemon=True).start(),
             observers=observers,
+            checkpoints=store,
         )
         server = channel.ControlServer(secret, monitor.on_message, monitor.on_close, host=launcher.bind_host)
 
@@ -128,43 +191,47 @@ class HorovodRunner:
             want_all_results=all_results,
             tracking=tracker is not None,
             system_metrics_s=tracker.system_metrics_s if tracker is not None else 0.0,
+            attempt=attempt,
         )
-        job = {
-            "job_id": job_id,
-            "np": self.np,
-            "mode": "local" if self.np < 0 else "spark",
-            "world_size": launcher.world_size,
-            "num_tasks": launcher.num_tasks,
-            "ranks_per_task": launcher.ranks_per_task,
-            "main": getattr(main, "__qualname__", repr(main)),
-            "kwargs": dict(kwargs),
-        }
-        for o in observers:
-            o.on_start(job)
         try:
             launcher.start(spec, monitor)
             self._wait(monitor, launcher)
         except BaseException as e:  # Ctrl-C, or a failure on the driver itself: stop every rank first
-            why = "interrupted on the driver (KeyboardInterrupt)" if isinstance(e, KeyboardInterrupt) \
-                else f"the driver failed: {type(e).__name__}: {e}"
-            monitor.fail(Failure(None, why))
+            monitor.fail(Failure(None, _driver_failure(e)))
             self._finish(monitor, launcher, server)
             raise
-        error = self._finish(monitor, launcher, server)
-        if error is not None:
-            raise error
-        if all_results:
-            return [monitor.result(r) for r in range(launcher.world_size)]
-        return monitor.result(0)
+        return monitor, self._finish(monitor, launcher, server)
+
+    def _relaunch(
+        self, data: DataFrameShards | None, attempt: int, error: JobFailed, store: CheckpointStore,
+        observers: list[Observer],
+    ) -> "_Launcher":
+        """Say why and how the run restarts, then prepare the next attempt's launch."""
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        sys.stderr.write(
+            f"[spark-dl] attempt {attempt} of {self.max_restarts + 1} failed: {first}\n"
+            f"[spark-dl] restarting all {abs(self.np)} ranks (restart {attempt} of max_restarts={self.max_restarts}); "
+            f"{store.describe()}\n"
+        )
+        sys.stderr.flush()
+        store.attempt = attempt
+        for o in observers:
+            on_restart = getattr(o, "on_restart", None)
+            if on_restart is not None:
+                on_restart(attempt, error)
+        try:  # a lost executor may still be replaced: wait for slots as long as a start may take
+            return self._launcher(data, wait_s=self.start_timeout)
+        except Exception as e:  # noqa: BLE001 - the cluster or the data changed since the first launch
+            why = str(e) if isinstance(e, LaunchRefused) else spark_error_summary(e)
+            raise JobFailed(
+                f"restart {attempt} of max_restarts={self.max_restarts} could not be launched: {why}"
+            ) from error
 
     def _finish(self, monitor: JobMonitor, launcher: "_Launcher", server: channel.ControlServer) -> JobFailed | None:
-        """Wait for every rank to be gone, close the channel, tell the observers the outcome."""
+        """Wait for every rank to be gone, close the channel; the attempt's error, if it failed."""
         self._drain(monitor, launcher)
         server.close()
-        error = monitor.error() if monitor.failure is not None else None
-        for o in monitor.observers:
-            o.on_finish(error)
-        return error
+        return monitor.error() if monitor.failure is not None else None
 
     def _wait(self, monitor: JobMonitor, launcher: "_Launcher") -> None:
         started = time.monotonic()
@@ -275,7 +342,9 @@ class _SparkLauncher(_Launcher):
         self._cancelled = False
 
     @classmethod
-    def prepare(cls, np: int, data: DataFrameShards | None = None) -> "_SparkLauncher":
+    def prepare(cls, np: int, data: DataFrameShards | None = None, wait_s: float | None = None) -> "_SparkLauncher":
+        """Check the cluster and build the launcher; ``wait_s``: wait that long for enough task
+        slots (a restart, while a lost executor is replaced) instead of refusing at once."""
         session = cluster.active_session(np)
         sc = session.sparkContext
         cluster.check_dynamic_allocation(sc)
@@ -285,7 +354,10 @@ class _SparkLauncher(_Launcher):
                 f"np={np} is not a multiple of spark.task.resource.gpu.amount={per_task} "
                 f"(one rank per GPU, {per_task} GPUs per task): use np={np - np % per_task or per_task}"
             )
-        cluster.check_slots(sc, np, np // per_task)
+        if wait_s is None:
+            cluster.check_slots(sc, np, np // per_task)
+        else:
+            cluster.check_slots(sc, np, np // per_task, wait_s=wait_s, wait_for_new=True)
         if data is not None:
             if per_task > 1:
                 raise LaunchRefused(
@@ -342,6 +414,23 @@ class _SparkLauncher(_Launcher):
         )
 
 
+def _driver_failure(e: BaseException) -> str:
+    if isinstance(e, KeyboardInterrupt):
+        return "interrupted on the driver (KeyboardInterrupt)"
+    return f"the driver failed: {type(e).__name__}: {e}"
+
+
+def _note_earlier_failures(error: JobFailed, earlier: list[JobFailed], max_restarts: int) -> None:
+    """Say on the final error that the run was restarted, and why each earlier attempt failed."""
+    error.previous_failures = tuple(earlier)
+    lines = [f"spark-dl restarted this run {len(earlier)} time(s) (max_restarts={max_restarts}); the attempts "
+             "before failed with:"]
+    for i, e in enumerate(earlier, 1):
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        lines.append(f"  attempt {i}: {type(e).__name__}: {first}")
+    error.add_note("\n".join(lines))
+
+
 def _take_dataframe(kwargs: dict[str, Any], np: int) -> tuple[dict[str, Any], DataFrameShards | None]:
     """Swap a :func:`spark_dl.data.shards` kwarg for what its rank reads; at most one per run."""
     found = [k for k, v in kwargs.items() if isinstance(v, DataFrameShards)]
@@ -360,7 +449,8 @@ def _take_dataframe(kwargs: dict[str, Any], np: int) -> tuple[dict[str, Any], Da
 
 def spark_error_summary(e: BaseException, max_lines: int = 30) -> str:
     """The useful part of a Py4J error: the Python traceback from the executor, or the first lines."""
-    text = str(e)
+    # Py4J prefixes "An error occurred while calling o43.isEmpty.\n: " to the Java exception
+    text = re.sub(r"^An error occurred while calling [\w.]+\.\s*\n?:?\s*", "", str(e))
     start = text.rfind("Traceback (most recent call last)")
     if start >= 0:
         lines = []
@@ -369,4 +459,4 @@ def spark_error_summary(e: BaseException, max_lines: int = 30) -> str:
                 break
             lines.append(line)
         return "\n".join(lines[-max_lines:])
-    return "\n".join(text.strip().splitlines()[:5])
+    return "\n".join([line for line in text.strip().splitlines() if not line.startswith("\tat")][:5])

@@ -14,6 +14,7 @@ README = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
 
 EXAMPLES = [
     ("## Quick start", 0),
+    ("## The launcher: `HorovodRunner`", 1),
     ("## Training on a Spark DataFrame", 0),
     ("## Horovod-compatible API", 0),
     ("## Gradient compression", 0),
@@ -36,3 +37,8 @@ def test_readme_example_runs(heading, index, tmp_path):
     proc = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # a "# ..." line right after a print(...) is what the README says it prints
+    lines = block(heading, index).splitlines()
+    for line, shown in zip(lines, lines[1:]):
+        if line.startswith("print(") and shown.startswith("# "):
+            assert shown[2:] in proc.stdout, (shown, proc.stdout[-2000:])

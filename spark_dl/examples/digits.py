@@ -52,7 +52,9 @@ def train_digits(epochs: int = 10, batch_size: int = 16, base_lr: float = 0.002,
     at ``base_lr * size`` (Horovod's linear scaling), gradients all-reduced by
     ``DistributedOptimizer`` through ``compression``. After every epoch the test accuracy on the 360 held-out images and the mean
     training loss, averaged over ranks, are logged with ``spark_dl.log_metrics`` (and rank 0's
-    ``batch_loss`` every optimizer step).
+    ``batch_loss`` every optimizer step). Rank 0 saves a checkpoint after every epoch
+    (``spark_dl.save_checkpoint``), so a run restarted by ``HorovodRunner(max_restarts=...)``
+    resumes after the last finished epoch.
     """
     import torch
     import torch.nn as nn
@@ -107,9 +109,14 @@ def train_digits(epochs: int = 10, batch_size: int = 16, base_lr: float = 0.002,
         # Equal shards (360 splits evenly), so the mean of the ranks' accuracies is the accuracy.
         return hvd.allreduce(torch.tensor(correct / seen), name="test_accuracy").item()
 
-    accuracy, loss, step = 0.0, float("nan"), 0
+    accuracy, loss, step, first_epoch = 0.0, float("nan"), 0, 0
+    state = spark_dl.load_checkpoint()  # a restarted run (HorovodRunner(max_restarts=...)) resumes
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        first_epoch, step, loss, accuracy = state["epoch"] + 1, state["step"], state["loss"], state["accuracy"]
     model.train()
-    for epoch in range(epochs):
+    for epoch in range(first_epoch, epochs):
         train_sampler.set_epoch(epoch)
         total, batches = 0.0, 0
         for data, target in train_loader:
@@ -125,6 +132,8 @@ def train_digits(epochs: int = 10, batch_size: int = 16, base_lr: float = 0.002,
         loss = hvd.allreduce(torch.tensor(total / max(batches, 1)), name="train_loss").item()
         accuracy = evaluate()
         spark_dl.log_metrics({"train_loss": loss, "test_accuracy": accuracy, "epoch": epoch}, step=step)
+        spark_dl.save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch,
+                                  "step": step, "loss": loss, "accuracy": accuracy}, step=step)
     if epochs == 0:
         accuracy = evaluate()
     return {"accuracy": accuracy, "loss": loss, "epochs": epochs, "world_size": hvd.size()}

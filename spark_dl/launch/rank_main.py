@@ -53,12 +53,17 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def _watch_driver(conn, finishing: threading.Event) -> None:
-    """Reader of the driver connection: an abort or a vanished driver ends this rank at once."""
+    """Reader of the driver connection: an abort or a vanished driver ends this rank at once;
+    replies to the rank's requests (checkpoints) go to the thread waiting for them."""
+    from spark_dl import rank as rank_api
+
     try:
         while True:
-            kind, _ = conn.recv()
+            kind, data = conn.recv()
             if kind == "abort":
                 break
+            if kind == "reply":
+                rank_api._deliver(data)
     except BaseException:  # noqa: BLE001 - any failure of the link means the driver is gone
         pass
     if not finishing.is_set():

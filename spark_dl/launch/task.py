@@ -42,6 +42,7 @@ class JobSpec:
     want_all_results: bool
     tracking: bool = False  # ranks buffer and send metrics (the driver has an observer for them)
     system_metrics_s: float = 0.0  # executors sample CPU/memory/GPU this often; 0: not at all
+    attempt: int = 0  # restarts so far (HorovodRunner's max_restarts)
 
 
 def free_port() -> int:
@@ -187,6 +188,7 @@ def run_task(spec: JobSpec, partition: int, host: str, rendezvous: Callable[[], 
     for proc, r in zip(procs, ranks):
         env = r.env()
         env["SPARK_DL_JOB_ID"] = spec.job_id
+        env["SPARK_DL_ATTEMPT"] = str(spec.attempt)
         env.update(extra_env or {})
         env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS") or omp_threads(r.local_size))
         boot = {

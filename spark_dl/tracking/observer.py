@@ -157,6 +157,20 @@ class TrackingObserver:
             self._log_bytes[rank] += len(text)
             f.write(text)
 
+    def on_restart(self, attempt: int, error: BaseException) -> None:
+        """A failed attempt is about to be launched again: record why, start a fresh bar."""
+        if self.progress is not None:
+            self.progress.close()
+        self._last.clear()  # the next attempt's steps restart from its checkpoint
+        text = f"{type(error).__name__}: {error}"
+        with self._lock:
+            for f in self._logs.values():
+                f.write(f"[spark-dl] ---- attempt {attempt} failed, restart {attempt} follows ----\n")
+        w = self.writer
+        if w is not None:
+            w.set_tags({"spark_dl.restarts": str(attempt)})
+            w.log_artifact_bytes(f"restarts/attempt{attempt}_error.txt", text.encode("utf-8"))
+
     def on_finish(self, error: BaseException | None) -> None:
         if self.progress is not None:
             self.progress.close()

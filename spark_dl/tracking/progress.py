@@ -40,6 +40,5 @@ class ProgressBar:
     def close(self) -> None:
         with self._lock:
             if self._bar is not None:
-                self._bar.refresh()
-                self._bar.close()
+                self._bar.close()  # draws the final state (a refresh first would print it twice off a tty)
                 self._bar = None

@@ -156,6 +156,12 @@ def install(enabled: bool) -> None:
     )
 
 
+def flush_metrics() -> None:
+    """Hand the buffered metric records to the outbox now (a checkpoint follows them on the wire)."""
+    if _buffer is not None:
+        _buffer.flush()
+
+
 def finish(timeout: float = 600.0) -> None:
     """Send everything still buffered (metrics, models being serialized). Called before the rank's
     final outbox flush, on success and on failure alike."""

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "runners" / "train_digits.py")
 CLUSTER = "local-cluster[2,1,1024]"
 OPTIONS = ("--np", "--epochs", "--batch-size", "--lr", "--compression", "--seed", "--min-accuracy",
-           "--no-tracking", "--master")
+           "--max-restarts", "--no-tracking", "--master")
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -76,6 +76,35 @@ def test_accuracy_below_minimum_exits_3_without_spark():
     assert proc.returncode == 3, proc.stderr
     assert 0.0 < _accuracy(proc.stdout) < 0.999
     assert "below --min-accuracy 0.999" in proc.stderr
+
+
+def test_a_killed_rank_is_restarted_and_training_resumes_after_the_last_epoch(tmp_path):
+    import glob
+    import time
+
+    import psutil
+
+    proc = subprocess.Popen([sys.executable, SCRIPT, "--np", "-2", "--epochs", "6", "--no-tracking",
+                             "--max-restarts", "1", "--min-accuracy", "0.8"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env=_env(SPARK_HOME="/nonexistent/spark", TMPDIR=str(tmp_path)))
+    try:
+        deadline = time.monotonic() + 120
+        while not glob.glob(str(tmp_path / "spark-dl-checkpoint-*" / "latest")):  # epoch 0 is done
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                 if "spark_dl.launch.rank_main" in " ".join(p.cmdline())]
+        assert len(ranks) == 2
+        ranks[-1].kill()
+        out, err = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out + err
+    # the killed rank's exit, or the other rank's error from its broken collective: whichever reached the driver first
+    assert re.search(r"\[spark-dl\] attempt 1 of 2 failed: rank [01] on localhost failed: ", err), err
+    assert "(restart 1 of max_restarts=1); load_checkpoint() returns the one saved at step" in err
+    assert _accuracy(out) > 0.8
 
 
 def test_spark_submit_trains_with_qsgd_on_local_cluster():

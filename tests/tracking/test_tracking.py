@@ -110,6 +110,45 @@ def test_failed_rank_keeps_its_metrics_and_fails_the_run(tracking_uri):
     assert "ValueError: bad batch at step 30" in text
 
 
+def train_resumable(steps, fail_at):
+    import torch
+    import torch.distributed as dist
+
+    import spark_dl
+
+    spark_dl.init()
+    ctx = spark_dl.get_context()
+    print(f"rank {ctx.rank} attempt {ctx.attempt}", flush=True)
+    state = spark_dl.load_checkpoint()
+    for step in range(0 if state is None else state["step"] + 1, steps):
+        if ctx.attempt == 0 and step == fail_at and ctx.rank == 1:
+            raise ValueError(f"bad batch at step {step}")
+        t = torch.tensor([1.0])
+        dist.all_reduce(t)
+        spark_dl.log_metrics({"loss": 1.0 / (step + 1)}, step=step)
+        if step % 10 == 9:
+            spark_dl.save_checkpoint({"step": step}, step=step)
+    return "done"
+
+
+def test_a_restarted_run_is_one_mlflow_run_that_says_why_it_restarted(tracking_uri):
+    out = HorovodRunner(np=-2, max_restarts=1, progress=False).run(train_resumable, steps=40, fail_at=25)
+    assert out == "done"
+    run = _only_run()
+    assert run.info.status == "FINISHED" and run.data.tags["spark_dl.restarts"] == "1"
+    assert "spark_dl.error" not in run.data.tags
+    # attempt 1 logged steps 0..24 (those before its last checkpoint, 0..19, surely reached the
+    # driver: a checkpoint follows the metrics logged before it); attempt 2 resumed at step 20
+    steps = [m.step for m in _history(run, "loss")]
+    assert sorted(s for s in steps if s < 20) == list(range(20)) and set(steps) == set(range(40))
+    uid = run.info.run_id
+    text = open(mlflow.artifacts.download_artifacts(run_id=uid, artifact_path="restarts/attempt1_error.txt")).read()
+    assert "ValueError: bad batch at step 25" in text
+    log = open(mlflow.artifacts.download_artifacts(run_id=uid, artifact_path="logs/rank1.txt")).read()
+    assert log.index("rank 1 attempt 0") < log.index("---- attempt 1 failed, restart 1 follows ----") < log.index(
+        "rank 1 attempt 1")
+
+
 def fluent_main():
     import mlflow
 

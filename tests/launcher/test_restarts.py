@@ -1,0 +1,233 @@
+"""HorovodRunner(max_restarts=N): a failed run is launched again and resumes from the checkpoint
+rank 0 saved on the driver (locally, in a barrier stage, and after losing an executor JVM)."""
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import psutil
+import pytest
+from procs import interrupt_main_when_recorded, record_self_and_child, recorded_pids, wait_all_dead
+
+import spark_dl
+from spark_dl import HorovodRunner, JobFailed, LaunchRefused, RankFailed
+
+
+def resumable(steps, fail_rank=1, fail_step=12, how="exit", every=5, pid_dir=None):
+    """Sum a gradient of ones for ``steps`` steps, checkpointing every ``every``; on the first
+    attempt ``fail_rank`` dies at ``fail_step`` (``how``: exit code 3, SIGKILL of itself, or
+    SIGKILL of its executor's JVM)."""
+    import signal
+
+    import torch
+    import torch.distributed as dist
+
+    spark_dl.init()
+    ctx = spark_dl.get_context()
+    if pid_dir is not None and ctx.attempt == 0:
+        record_self_and_child(pid_dir)
+    state = spark_dl.load_checkpoint()
+    start = 0 if state is None else state["step"] + 1
+    w = torch.zeros(3) if state is None else state["w"]
+    saved = []
+    for step in range(start, steps):
+        g = torch.ones(3)
+        dist.all_reduce(g)
+        w += g
+        if every and step % every == every - 1:
+            saved.append(spark_dl.save_checkpoint({"step": step, "w": w.clone()}, step=step))
+        if ctx.attempt == 0 and step == fail_step and ctx.rank == fail_rank:
+            if how == "exit":
+                os._exit(3)
+            if how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            jvm = next(p for p in psutil.Process().parents() if "java" in p.name())
+            jvm.kill()
+            time.sleep(60)
+        dist.barrier()
+    return {"attempt": ctx.attempt, "start": start, "w": w.tolist(), "saved": saved,
+            "loaded": None if state is None else state["step"]}
+
+
+def test_a_failed_rank_restarts_the_run_from_the_last_checkpoint(capfd):
+    outs = HorovodRunner(np=-2, max_restarts=1).run_all(resumable, steps=20)
+    # the checkpoint of step 9 was the last before rank 1 died at step 12: both ranks resume there
+    assert [o["attempt"] for o in outs] == [1, 1]
+    assert [o["loaded"] for o in outs] == [9, 9]
+    assert [o["w"] for o in outs] == [[40.0] * 3] * 2  # 20 steps of 2 ranks, none counted twice
+    assert outs[0]["saved"] == [True, True] and outs[1]["saved"] == [False, False]  # only rank 0's are kept
+    err = capfd.readouterr().err
+    # rank 1's exit, or rank 0's error from the collective rank 1 left: whichever reached the driver first
+    assert re.search(r"\[spark-dl\] attempt 1 of 2 failed: rank [01] on localhost failed: ", err), err
+    assert "restart 1 of max_restarts=1); load_checkpoint() returns the one saved at step 9" in err
+
+
+def test_without_a_checkpoint_the_restart_starts_over(capfd):
+    out = HorovodRunner(np=-2, max_restarts=2).run(resumable, steps=15, every=0)
+    assert out["attempt"] == 1 and out["start"] == 0 and out["w"] == [30.0] * 3
+    assert "no checkpoint was saved, so it starts over" in capfd.readouterr().err
+
+
+def always_fails(count_dir):
+    import tempfile
+
+    ctx = spark_dl.get_context()
+    tempfile.mkstemp(dir=count_dir, prefix=f"attempt{ctx.attempt}-rank{ctx.rank}-")
+    if ctx.rank == 1:
+        raise ValueError(f"bad batch on attempt {ctx.attempt}")
+    time.sleep(60)
+
+
+def test_when_restarts_run_out_the_last_error_is_raised_naming_the_earlier_ones(tmp_path):
+    with pytest.raises(RankFailed, match="bad batch on attempt 2") as e:
+        HorovodRunner(np=-2, max_restarts=2).run(always_fails, count_dir=str(tmp_path))
+    assert sorted(n.split("-")[0] for n in os.listdir(tmp_path) if "rank1" in n) == ["attempt0", "attempt1", "attempt2"]
+    earlier = e.value.previous_failures
+    assert [type(x) for x in earlier] == [RankFailed, RankFailed]
+    assert "bad batch on attempt 0" in str(earlier[0]) and "bad batch on attempt 1" in str(earlier[1])
+    note = "\n".join(e.value.__notes__)
+    assert "restarted this run 2 time(s) (max_restarts=2)" in note
+    assert "attempt 1: RankFailed: rank 1 on localhost failed: builtins.ValueError: bad batch on attempt 0" in note
+
+
+def test_no_restart_by_default(tmp_path):
+    with pytest.raises(RankFailed) as e:
+        HorovodRunner(np=-2).run(always_fails, count_dir=str(tmp_path))
+    assert len([n for n in os.listdir(tmp_path) if "rank1" in n]) == 1
+    assert e.value.previous_failures == () and not getattr(e.value, "__notes__", None)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "2", True, None])
+def test_bad_max_restarts_is_refused(bad):
+    with pytest.raises(LaunchRefused, match=r"max_restarts must be an int >= 0"):
+        HorovodRunner(np=-2, max_restarts=bad)
+
+
+def test_ctrl_c_is_not_retried(tmp_path):
+    def main(pid_dir):
+        record_self_and_child(pid_dir)
+        time.sleep(120)
+
+    interrupt_main_when_recorded(str(tmp_path))
+    t = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        HorovodRunner(np=-2, max_restarts=3).run(main, pid_dir=str(tmp_path))
+    assert time.monotonic() - t < 30
+    assert len(recorded_pids(str(tmp_path))) == 4  # one attempt: 2 ranks and their children
+    assert wait_all_dead(recorded_pids(str(tmp_path)), timeout=3) == []
+
+
+def test_unpicklable_checkpoint_fails_the_rank_with_advice():
+    def main():
+        import threading
+
+        spark_dl.save_checkpoint({"lock": threading.Lock()})
+
+    with pytest.raises(RankFailed, match=r"save_checkpoint: the state \(dict\) cannot be pickled.*Save plain data"):
+        HorovodRunner(np=-1).run(main)
+
+
+def test_large_checkpoint_survives_the_restart():
+    def main():
+        import torch
+
+        ctx = spark_dl.get_context()
+        state = spark_dl.load_checkpoint()
+        if state is None:
+            torch.manual_seed(0)
+            spark_dl.save_checkpoint({"w": torch.randn(5_000_000)})  # 20 MB
+            os._exit(9)
+        torch.manual_seed(0)
+        return ctx.attempt, bool(torch.equal(state["w"], torch.randn(5_000_000)))
+
+    assert HorovodRunner(np=-1, max_restarts=1).run(main) == (1, True)
+
+
+def test_checkpoints_outside_a_rank_process_are_no_ops():
+    assert spark_dl.save_checkpoint({"a": 1}) is False
+    assert spark_dl.load_checkpoint() is None
+
+
+def test_barrier_stage_restarts_after_a_killed_rank(spark, tmp_path):
+    from test_barrier import no_active_jobs
+
+    outs = HorovodRunner(np=2, max_restarts=1).run_all(resumable, steps=20, how="kill", pid_dir=str(tmp_path))
+    assert [(o["attempt"], o["loaded"], o["w"]) for o in outs] == [(1, 9, [40.0] * 3)] * 2
+    assert wait_all_dead(recorded_pids(str(tmp_path)), timeout=3) == []  # the first attempt's ranks and children
+    assert no_active_jobs(spark)
+
+
+def test_local_cluster_survives_losing_an_executor(spark_cluster, tmp_path, capfd):
+    t = time.monotonic()
+    out = HorovodRunner(np=2, max_restarts=1).run(resumable, steps=20, how="jvm", pid_dir=str(tmp_path))
+    assert (out["attempt"], out["loaded"], out["w"]) == (1, 9, [40.0] * 3)
+    assert time.monotonic() - t < 120
+    assert "[spark-dl] attempt 1 of 2 failed: rank " in capfd.readouterr().err
+    assert wait_all_dead(recorded_pids(str(tmp_path)), timeout=3) == []
+    # the replacement executor serves the next run
+    assert HorovodRunner(np=2).run(resumable, steps=3)["w"] == [6.0] * 3
+
+
+def test_a_restart_waits_for_slots_then_refuses_naming_them(spark):
+    from spark_dl import cluster
+
+    t = time.monotonic()
+    with pytest.raises(LaunchRefused, match=r"np=5 needs 5 task slots at once, but this cluster has only 4"):
+        cluster.check_slots(spark.sparkContext, 5, 5, wait_s=1.5, wait_for_new=True)
+    assert 1.5 <= time.monotonic() - t < 10  # waited for a replacement executor, then said so
+
+
+def delete_the_data_and_fail(data, path):
+    import shutil
+
+    if spark_dl.get_context().rank == 0:
+        shutil.rmtree(path)
+        raise OSError("lost the input")
+
+
+def test_a_restart_that_cannot_be_launched_fails_with_the_first_error_as_cause(spark, tmp_path):
+    from spark_dl.data import shards
+
+    path = str(tmp_path / "table")
+    spark.range(40).selectExpr("id", "cast(id as double) as x").write.parquet(path)
+    df = spark.read.parquet(path)
+    t = time.monotonic()
+    with pytest.raises(JobFailed, match=r"restart 1 of max_restarts=2 could not be launched: ") as e:
+        HorovodRunner(np=2, max_restarts=2).run(delete_the_data_and_fail, data=shards(df), path=path)
+    assert isinstance(e.value.__cause__, RankFailed) and "lost the input" in str(e.value.__cause__)
+    msg = str(e.value)
+    assert "FILE_NOT_EXIST" in msg and "An error occurred while calling" not in msg and "\tat " not in msg
+    assert len(e.value.previous_failures) == 1
+    assert time.monotonic() - t < 60
+
+
+def test_the_driver_keeps_only_rank_0s_checkpoint_and_a_failed_write_keeps_the_last_one():
+    import socket
+
+    from spark_dl.channel import Connection
+    from spark_dl.checkpoint import CheckpointStore
+
+    a, b = socket.socketpair()
+    driver_end, rank_end = Connection(a, b"k" * 32, "rank"), Connection(b, b"k" * 32, "driver")
+    store = CheckpointStore()
+    try:
+        store.handle(driver_end, 0, "checkpoint/load", {"id": 1})
+        assert rank_end.recv() == ("reply", {"id": 1, "blob": None})
+        store.handle(driver_end, 0, "checkpoint/save", {"id": 2, "blob": b"state-1", "step": 3})
+        assert rank_end.recv() == ("reply", {"id": 2})
+        store.handle(driver_end, 1, "checkpoint/save", {"id": 3, "blob": b"other", "step": 4})
+        assert rank_end.recv() == ("reply", {"id": 3, "error": "ValueError: rank 1 sent a checkpoint; only rank 0's are kept"})
+        store.handle(driver_end, 0, "checkpoint/save", {"id": 4, "blob": 12345, "step": 5})  # not bytes: the write fails
+        assert "error" in rank_end.recv()[1]
+        store.handle(driver_end, 0, "checkpoint/drop", {"id": 5})
+        assert rank_end.recv() == ("reply", {"id": 5, "error": "ValueError: unknown request 'checkpoint/drop'"})
+        store.handle(driver_end, 1, "checkpoint/load", {"id": 6})
+        assert rank_end.recv() == ("reply", {"id": 6, "blob": b"state-1"})
+        assert store.info.step == 3 and "saved at step 3 (7 B" in store.describe()
+        path = store._path()
+    finally:
+        store.close()
+        driver_end.close()
+        rank_end.close()
+    assert not os.path.exists(path) and store.load() is None
