@@ -134,8 +134,8 @@ class CheckpointStore:
         i = self.info
         if i is None:
             return "no checkpoint was saved, so it starts over"
-        at = f"step {i.step}" if i.step is not None else f"attempt {i.attempt}"
-        return f"load_checkpoint() returns the one saved at {at} ({_size(i.nbytes)}, {time.time() - i.saved_at:.0f} s ago)"
+        at = f"at step {i.step}" if i.step is not None else f"in attempt {i.attempt + 1}"
+        return f"load_checkpoint() returns the one saved {at} ({_size(i.nbytes)}, {time.time() - i.saved_at:.0f} s ago)"
 
     def close(self) -> None:
         with self._lock:

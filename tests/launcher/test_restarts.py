@@ -225,6 +225,10 @@ def test_the_driver_keeps_only_rank_0s_checkpoint_and_a_failed_write_keeps_the_l
         store.handle(driver_end, 1, "checkpoint/load", {"id": 6})
         assert rank_end.recv() == ("reply", {"id": 6, "blob": b"state-1"})
         assert store.info.step == 3 and "saved at step 3 (7 B" in store.describe()
+        store.attempt = 1
+        store.handle(driver_end, 0, "checkpoint/save", {"id": 7, "blob": b"state-2" * 300, "step": None})
+        assert rank_end.recv() == ("reply", {"id": 7})
+        assert "returns the one saved in attempt 2 (2.1 KB, 0 s ago)" in store.describe()
         path = store._path()
     finally:
         store.close()
