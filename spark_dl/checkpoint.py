@@ -8,8 +8,11 @@ that is lost with its disk loses nothing.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import shutil
+import struct
 import tempfile
 import threading
 import time
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import rank as rank_api
+from .errors import LaunchRefused
 
 
 def save_checkpoint(state: Any, step: int | None = None) -> bool:
@@ -75,40 +79,87 @@ class CheckpointInfo:
     attempt: int
     nbytes: int
     saved_at: float  # time.time()
+    job_id: str = ""
+
+
+_MAGIC = b"SPARKDL-CKPT-1\n"
+_HEADER = struct.Struct(">Q")
+FILE_NAME = "latest.ckpt"
 
 
 class CheckpointStore:
     """The driver's side: the latest checkpoint of one ``run()``, across its attempts.
 
-    Kept in a private temporary directory, replaced atomically, removed by :meth:`close`.
+    Without a directory it lives in a private temporary one, removed by :meth:`close`. With
+    ``directory`` (``HorovodRunner(checkpoint_dir=...)``) it is the file ``latest.ckpt`` there,
+    kept after the run, and a checkpoint already in it is what the first attempt resumes from.
+    Either way it is replaced atomically: a failed write leaves the previous one in place.
+    File: magic line | u64 header length | JSON header (step, attempt, saved_at, nbytes, job_id) | blob.
     """
 
-    def __init__(self) -> None:
-        self._dir: str | None = None
+    def __init__(self, directory: str | os.PathLike | None = None, job_id: str = "") -> None:
         self._lock = threading.Lock()
+        self._keep = directory is not None
+        self._dir: str | None = os.path.abspath(os.fspath(directory)) if directory is not None else None
+        self.job_id = job_id
         self.info: CheckpointInfo | None = None
         self.attempt = 0
+        if self._dir is not None:
+            self._open_directory()
+
+    def _open_directory(self) -> None:
+        assert self._dir is not None
+        where = f"checkpoint_dir={self._dir!r}"
+        try:
+            os.makedirs(self._dir, exist_ok=True)
+            fd, probe = tempfile.mkstemp(dir=self._dir, prefix=".spark-dl-probe-")
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            raise LaunchRefused(
+                f"{where} cannot hold checkpoints: {type(e).__name__}: {e}. Pass a directory the driver "
+                "can write (it is created if missing)."
+            ) from e
+        path = self._path()
+        if os.path.exists(path):
+            try:
+                with open(path, "rb") as f:
+                    self.info, _ = _read_header(f)
+            except (OSError, ValueError) as e:
+                raise LaunchRefused(
+                    f"{path} is not a spark-dl checkpoint ({e}). Delete it to start over, or pass another checkpoint_dir."
+                ) from e
 
     def _path(self) -> str:
         if self._dir is None:
             self._dir = tempfile.mkdtemp(prefix="spark-dl-checkpoint-")
-        return os.path.join(self._dir, "latest")
+        return os.path.join(self._dir, FILE_NAME)
 
     def save(self, blob: bytes, step: int | None) -> None:
         with self._lock:
             path = self._path()
+            info = CheckpointInfo(step, self.attempt, len(blob), time.time(), self.job_id)
+            header = json.dumps(dataclasses.asdict(info)).encode()
             tmp = path + ".tmp"
             with open(tmp, "wb") as f:
+                f.write(_MAGIC + _HEADER.pack(len(header)) + header)
                 f.write(blob)
-            os.replace(tmp, path)  # a failed write leaves the previous checkpoint in place
-            self.info = CheckpointInfo(step, self.attempt, len(blob), time.time())
+                if self._keep:  # a driver that dies next must find the whole file
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
+            self.info = info
 
     def load(self) -> bytes | None:
         with self._lock:
             if self.info is None:
                 return None
             with open(self._path(), "rb") as f:
-                return f.read()
+                info, _ = _read_header(f)
+                blob = f.read()
+            if len(blob) != info.nbytes:
+                raise ValueError(f"{self._path()} is truncated: {len(blob)} of {info.nbytes} bytes")
+            return blob
 
     def handle(self, conn, rank: int | None, kind: str, data: dict) -> None:
         """Serve a rank's ``checkpoint/*`` request (on its channel thread) and reply."""
@@ -130,19 +181,47 @@ class CheckpointStore:
             pass  # the rank is gone; its failure is reported on its own
 
     def describe(self) -> str:
-        """For the restart message: which checkpoint the next attempt will find."""
+        """For the driver's messages: which checkpoint the next attempt will find."""
         i = self.info
         if i is None:
             return "no checkpoint was saved, so it starts over"
-        at = f"at step {i.step}" if i.step is not None else f"in attempt {i.attempt + 1}"
+        if i.step is not None:
+            at = f"at step {i.step}"
+        elif i.job_id and i.job_id != self.job_id:
+            at = f"by run {i.job_id}"
+        else:
+            at = f"in attempt {i.attempt + 1}"
         return f"load_checkpoint() returns the one saved {at} ({_size(i.nbytes)}, {time.time() - i.saved_at:.0f} s ago)"
 
+    def from_earlier_run(self) -> bool:
+        """Whether the checkpoint held now was saved by an earlier ``run()`` (in ``checkpoint_dir``)."""
+        return self.info is not None and self.info.job_id != self.job_id
+
     def close(self) -> None:
+        """End of ``run()``: a temporary checkpoint is deleted, one in ``checkpoint_dir`` kept."""
         with self._lock:
-            if self._dir is not None:
+            if not self._keep and self._dir is not None:
                 shutil.rmtree(self._dir, ignore_errors=True)
                 self._dir = None
-            self.info = None
+                self.info = None
+
+
+def _read_header(f) -> tuple[CheckpointInfo, int]:
+    magic = f.read(len(_MAGIC))
+    if magic != _MAGIC:
+        raise ValueError("no spark-dl checkpoint header")
+    raw = f.read(_HEADER.size)
+    if len(raw) != _HEADER.size:
+        raise ValueError("truncated header")
+    (n,) = _HEADER.unpack(raw)
+    if n > 1 << 20:
+        raise ValueError("corrupt header length")
+    try:
+        fields = json.loads(f.read(n))
+        info = CheckpointInfo(**fields)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"corrupt header: {e}") from e
+    return info, len(_MAGIC) + _HEADER.size + n
 
 
 def _size(n: int) -> str:

@@ -42,6 +42,9 @@ class HorovodRunner:
         progress: the driver's progress bar (step, loss, throughput of rank 0); ``False`` hides it.
         max_restarts: how many times a failed run is launched again (every rank, fresh processes)
             before its error is raised; ranks resume from :func:`spark_dl.load_checkpoint`.
+        checkpoint_dir: a directory on the driver where rank 0's latest checkpoint is kept after
+            ``run()`` returns; a later run given the same directory resumes from it (a job
+            retried by its scheduler, a notebook re-run). None: a temporary one per ``run()``.
 
     The signature matches Databricks' ``sparkdl.HorovodRunner``, so notebooks switch by
     changing one import.
@@ -56,6 +59,7 @@ class HorovodRunner:
         tracking: bool | Tracking | None = None,
         progress: bool | None = None,
         max_restarts: int = 0,
+        checkpoint_dir: str | os.PathLike | None = None,
     ) -> None:
         if isinstance(np, bool) or not isinstance(np, int):
             raise LaunchRefused(f"np must be an int (ranks on Spark if > 0, local processes if < 0), got {np!r}")
@@ -72,6 +76,9 @@ class HorovodRunner:
                 f"max_restarts must be an int >= 0 (how many times a failed run is launched again), got {max_restarts!r}"
             )
         self.max_restarts = max_restarts
+        if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
+            raise LaunchRefused(f"checkpoint_dir must be a path (str or os.PathLike), got {checkpoint_dir!r}")
+        self.checkpoint_dir = checkpoint_dir
         self.driver_log_verbosity = driver_log_verbosity
         self.start_timeout = start_timeout
         self.tracking = tracking
@@ -105,6 +112,10 @@ class HorovodRunner:
         payload = serialize_job(main, kwargs)
         launcher = self._launcher(data)
         job_id = f"spark-dl-{uuid.uuid4().hex[:12]}"
+        store = CheckpointStore(self.checkpoint_dir, job_id)
+        if store.from_earlier_run():
+            sys.stderr.write(f"[spark-dl] resuming from {self.checkpoint_dir}: {store.describe()}\n")
+            sys.stderr.flush()
         tracker = make_observer(self.tracking, self.progress)
         observers = [*self.observers, *([tracker] if tracker is not None else [])]
         job = {
@@ -119,7 +130,6 @@ class HorovodRunner:
         }
         for o in observers:
             o.on_start(job)
-        store = CheckpointStore()
         earlier: list[JobFailed] = []
         outcome: BaseException | None = None
         monitor: JobMonitor | None = None

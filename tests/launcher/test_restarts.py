@@ -235,3 +235,41 @@ def test_the_driver_keeps_only_rank_0s_checkpoint_and_a_failed_write_keeps_the_l
         driver_end.close()
         rank_end.close()
     assert not os.path.exists(path) and store.load() is None
+
+
+def test_checkpoint_dir_keeps_the_checkpoint_for_a_later_run(tmp_path, capfd):
+    from spark_dl.checkpoint import CheckpointStore
+
+    d = tmp_path / "ckpt"  # created on first use
+    with pytest.raises(RankFailed):  # no restarts: the run fails, its checkpoint of step 9 stays
+        HorovodRunner(np=-2, checkpoint_dir=d).run(resumable, steps=20)
+    assert os.listdir(d) == ["latest.ckpt"]
+    capfd.readouterr()
+    outs = HorovodRunner(np=-2, checkpoint_dir=str(d)).run_all(resumable, steps=20, fail_rank=-1)
+    assert [(o["attempt"], o["loaded"], o["w"]) for o in outs] == [(0, 9, [40.0] * 3)] * 2
+    assert f"[spark-dl] resuming from {d}: load_checkpoint() returns the one saved at step 9" in capfd.readouterr().err
+    assert CheckpointStore(d).info.step == 19  # what a third run would resume from
+
+
+def test_unusable_checkpoint_dirs_are_refused_before_launch(tmp_path):
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    t = time.monotonic()
+    with pytest.raises(LaunchRefused, match=r"checkpoint_dir=.*file/ckpt' cannot hold checkpoints: .*Pass a directory"):
+        HorovodRunner(np=-2, checkpoint_dir=a_file / "ckpt").run(resumable, steps=1)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "latest.ckpt").write_bytes(b"not a checkpoint")
+    with pytest.raises(LaunchRefused, match=r"latest.ckpt is not a spark-dl checkpoint .*Delete it to start over"):
+        HorovodRunner(np=-2, checkpoint_dir=tmp_path / "d").run(resumable, steps=1)
+    with pytest.raises(LaunchRefused, match=r"checkpoint_dir must be a path"):
+        HorovodRunner(np=-2, checkpoint_dir=7)
+    assert time.monotonic() - t < 5
+
+
+def test_a_truncated_checkpoint_fails_the_rank_that_loads_it(tmp_path):
+    d = tmp_path / "ckpt"
+    HorovodRunner(np=-1, checkpoint_dir=d).run(resumable, steps=5, fail_rank=-1)
+    data = (d / "latest.ckpt").read_bytes()
+    (d / "latest.ckpt").write_bytes(data[:-10])
+    with pytest.raises(RankFailed, match=r"the driver could not read the checkpoint: ValueError: .*latest.ckpt is truncated"):
+        HorovodRunner(np=-1, checkpoint_dir=d).run(resumable, steps=5, fail_rank=-1)

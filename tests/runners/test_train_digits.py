@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "runners" / "train_digits.py")
 CLUSTER = "local-cluster[2,1,1024]"
 OPTIONS = ("--np", "--epochs", "--batch-size", "--lr", "--compression", "--seed", "--min-accuracy",
-           "--max-restarts", "--no-tracking", "--master")
+           "--max-restarts", "--checkpoint-dir", "--no-tracking", "--master")
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -90,7 +90,7 @@ def test_a_killed_rank_is_restarted_and_training_resumes_after_the_last_epoch(tm
                             env=_env(SPARK_HOME="/nonexistent/spark", TMPDIR=str(tmp_path)))
     try:
         deadline = time.monotonic() + 120
-        while not glob.glob(str(tmp_path / "spark-dl-checkpoint-*" / "latest")):  # epoch 0 is done
+        while not glob.glob(str(tmp_path / "spark-dl-checkpoint-*" / "latest.ckpt")):  # epoch 0 is done
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.05)
         ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
@@ -105,6 +105,31 @@ def test_a_killed_rank_is_restarted_and_training_resumes_after_the_last_epoch(tm
     assert re.search(r"\[spark-dl\] attempt 1 of 2 failed: rank [01] on localhost failed: ", err), err
     assert "(restart 1 of max_restarts=1); load_checkpoint() returns the one saved at step" in err
     assert _accuracy(out) > 0.8
+
+
+def test_a_job_whose_driver_was_killed_resumes_from_checkpoint_dir(tmp_path):
+    import signal
+    import time
+
+    ckpt = tmp_path / "ckpt"
+    args = [sys.executable, SCRIPT, "--np", "-2", "--epochs", "6", "--no-tracking", "--checkpoint-dir", str(ckpt),
+            "--min-accuracy", "0.8"]
+    env = _env(SPARK_HOME="/nonexistent/spark")
+    first = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not (ckpt / "latest.ckpt").exists():  # epoch 0 is done
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+            time.sleep(0.05)
+        first.send_signal(signal.SIGKILL)  # the driver dies; its ranks die with it
+        first.communicate(timeout=30)
+    finally:
+        first.kill()
+    again = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env=env, timeout=180)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert re.search(rf"\[spark-dl\] resuming from {re.escape(str(ckpt))}: load_checkpoint\(\) returns the one "
+                     r"saved at step \d+", again.stderr), again.stderr
+    assert _accuracy(again.stdout) > 0.8
 
 
 def test_spark_submit_trains_with_qsgd_on_local_cluster():
