@@ -1,15 +1,17 @@
 """Checkpoints kept by the driver, so a restarted run resumes where the failed one left off.
 
 Rank 0 sends its state to the driver with :func:`save_checkpoint`; the driver keeps the latest one
-in a file of its own for the length of ``run()``. After a failure, ``HorovodRunner(max_restarts=N)``
-launches the job again and every rank gets that state back from :func:`load_checkpoint`. The state
-travels over the job's authenticated channel, so executors need no shared storage, and an executor
-that is lost with its disk loses nothing.
+in a file of its own, for the length of ``run()`` or, with ``HorovodRunner(checkpoint_dir=...)``,
+for later runs too. After a failure, ``HorovodRunner(max_restarts=N)`` launches the job again and
+every rank gets that state back from :func:`load_checkpoint`. The state travels over the job's
+authenticated channel, so executors need no shared storage, and an executor that is lost with its
+disk loses nothing.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import operator
 import os
 import shutil
 import struct
@@ -33,6 +35,11 @@ def save_checkpoint(state: Any, step: int | None = None) -> bool:
     driver before the checkpoint, so a restart loses none of them. It passes through the driver's memory:
     for checkpoints of several GB, write them to shared storage and save their path here.
     """
+    if step is not None:
+        try:
+            step = operator.index(step)  # ints, numpy ints; the driver stores it in a JSON header
+        except TypeError:
+            raise TypeError(f"save_checkpoint: step must be an int or None, got {step!r}") from None
     if not rank_api.in_rank_process() or rank_api.get_context().rank != 0:
         return False
     import cloudpickle
@@ -57,7 +64,8 @@ def load_checkpoint() -> Any | None:
     """The latest state rank 0 saved with :func:`save_checkpoint` in this run, or None.
 
     Every rank gets the same state. On a run's first attempt nothing has been saved yet, so
-    this returns None (and outside a rank process, always None).
+    this returns None, unless ``checkpoint_dir`` holds an earlier run's (outside a rank process,
+    always None).
     """
     if not rank_api.in_rank_process():
         return None

@@ -145,8 +145,13 @@ def test_large_checkpoint_survives_the_restart():
 
 
 def test_checkpoints_outside_a_rank_process_are_no_ops():
+    import numpy as np
+
     assert spark_dl.save_checkpoint({"a": 1}) is False
+    assert spark_dl.save_checkpoint({"a": 1}, step=np.int64(3)) is False
     assert spark_dl.load_checkpoint() is None
+    with pytest.raises(TypeError, match=r"step must be an int or None, got 2.5"):
+        spark_dl.save_checkpoint({"a": 1}, step=2.5)
 
 
 def test_barrier_stage_restarts_after_a_killed_rank(spark, tmp_path):
