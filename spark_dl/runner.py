@@ -42,6 +42,9 @@ class HorovodRunner:
         progress: the driver's progress bar (step, loss, throughput of rank 0); ``False`` hides it.
         max_restarts: how many times a failed run is launched again (every rank, fresh processes)
             before its error is raised; ranks resume from :func:`spark_dl.load_checkpoint`.
+        run_timeout: seconds an attempt may run, from its launch, before every rank is stopped and
+            it fails with :class:`spark_dl.JobFailed` (a hung collective; retried with
+            ``max_restarts``). None (default): no limit.
         checkpoint_dir: a directory on the driver where rank 0's latest checkpoint is kept after
             ``run()`` returns; a later run given the same directory resumes from it (a job
             retried by its scheduler, a notebook re-run). None: a temporary one per ``run()``.
@@ -60,6 +63,7 @@ class HorovodRunner:
         progress: bool | None = None,
         max_restarts: int = 0,
         checkpoint_dir: str | os.PathLike | None = None,
+        run_timeout: float | None = None,
     ) -> None:
         if isinstance(np, bool) or not isinstance(np, int):
             raise LaunchRefused(f"np must be an int (ranks on Spark if > 0, local processes if < 0), got {np!r}")
@@ -80,7 +84,8 @@ class HorovodRunner:
             raise LaunchRefused(f"checkpoint_dir must be a path (str or os.PathLike), got {checkpoint_dir!r}")
         self.checkpoint_dir = checkpoint_dir
         self.driver_log_verbosity = driver_log_verbosity
-        self.start_timeout = start_timeout
+        self.start_timeout = _seconds("start_timeout", start_timeout)
+        self.run_timeout = None if run_timeout is None else _seconds("run_timeout", run_timeout)
         self.tracking = tracking
         self.progress = progress
         self.observers: list[Observer] = []
@@ -255,6 +260,9 @@ class HorovodRunner:
             if monitor.tasks_started < launcher.num_tasks and time.monotonic() - started > self.start_timeout:
                 monitor.fail(Failure(None, launcher.start_timeout_message(monitor.tasks_started, self.start_timeout)))
                 return
+            if self.run_timeout is not None and time.monotonic() - started > self.run_timeout:
+                monitor.fail(Failure(None, _run_timeout_message(self.run_timeout, monitor)))
+                return
             monitor.wait(0.2)
 
     @staticmethod
@@ -422,6 +430,23 @@ class _SparkLauncher(_Launcher):
             f"only {started} of {self.num_tasks} barrier tasks started within {timeout:.0f} s: the cluster has "
             f"{s.total} task slots, {s.busy} busy with other jobs. Free slots, lower np, or raise start_timeout."
         )
+
+
+def _seconds(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise LaunchRefused(f"{name} must be a number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+def _run_timeout_message(limit: float, monitor: JobMonitor) -> str:
+    """Why the attempt was stopped, with each rank's last output line: where a hang sits."""
+    lines = [f"the run exceeded run_timeout={limit:g} s and every rank was stopped (a hung collective, a rank "
+             "waiting for one that is stuck, or a run that needs more time: raise run_timeout). Last line of each rank:"]
+    with monitor.lock:
+        tails = {r: t[-1] if t else "" for r, t in monitor.tails.items()}
+    for r in range(monitor.world_size):
+        lines.append(f"  {tails.get(r) or f'[{r}] (no output)'}")
+    return "\n".join(lines)
 
 
 def _driver_failure(e: BaseException) -> str:

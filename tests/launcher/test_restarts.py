@@ -278,3 +278,40 @@ def test_a_truncated_checkpoint_fails_the_rank_that_loads_it(tmp_path):
     (d / "latest.ckpt").write_bytes(data[:-10])
     with pytest.raises(RankFailed, match=r"the driver could not read the checkpoint: ValueError: .*latest.ckpt is truncated"):
         HorovodRunner(np=-1, checkpoint_dir=d).run(resumable, steps=5, fail_rank=-1)
+
+
+def hangs_on_first_attempt(pid_dir):
+    import torch.distributed as dist
+
+    spark_dl.init()
+    ctx = spark_dl.get_context()
+    if ctx.attempt > 0:
+        return "attempt 2 finished"
+    record_self_and_child(pid_dir)
+    print(f"rank {ctx.rank} enters the collective", flush=True)
+    if ctx.rank == 0:
+        dist.barrier()  # rank 1 never joins: a hang (Gloo's own time-out is 30 minutes)
+    time.sleep(120)
+
+
+def test_a_hung_run_is_stopped_at_run_timeout_naming_each_ranks_last_line(tmp_path):
+    t = time.monotonic()
+    with pytest.raises(JobFailed, match=r"the run exceeded run_timeout=10 s and every rank was stopped") as e:
+        HorovodRunner(np=-2, run_timeout=10).run(hangs_on_first_attempt, pid_dir=str(tmp_path))
+    assert 10 <= time.monotonic() - t < 40
+    msg = str(e.value)
+    assert "[0]<stdout>: rank 0 enters the collective" in msg and "[1]<stdout>: rank 1 enters the collective" in msg
+    assert wait_all_dead(recorded_pids(str(tmp_path)), timeout=3) == []
+
+
+def test_a_hung_attempt_is_restarted(tmp_path, capfd):
+    assert HorovodRunner(np=-2, run_timeout=10, max_restarts=1).run(hangs_on_first_attempt, pid_dir=str(tmp_path)) \
+        == "attempt 2 finished"
+    assert "attempt 1 of 2 failed: the run exceeded run_timeout=10 s" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("name,bad", [("start_timeout", 0), ("start_timeout", "300"), ("start_timeout", True),
+                                      ("run_timeout", -1), ("run_timeout", "1h"), ("run_timeout", float("nan"))])
+def test_bad_timeouts_are_refused(name, bad):
+    with pytest.raises(LaunchRefused, match=rf"{name} must be a number of seconds > 0, got"):
+        HorovodRunner(np=-2, **{name: bad})
