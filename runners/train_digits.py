@@ -80,6 +80,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-restarts", type=_non_negative_int, default=0,
                         help="launch a failed run again up to this many times (a lost executor, a killed rank), "
                              "resuming after the last finished epoch (default: %(default)s)")
+    parser.add_argument("--run-timeout", type=_positive_float, default=None,
+                        help="stop every rank and fail the attempt after this many seconds (a hang); "
+                             "retried with --max-restarts (default: no limit)")
     parser.add_argument("--checkpoint-dir", default=None,
                         help="keep the latest checkpoint in this directory on the driver; running the job again "
                              "with the same directory resumes after the last finished epoch (default: none)")
@@ -141,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     spark = _spark_session(args, error) if args.np > 0 else None
     try:
         runner = HorovodRunner(np=args.np, tracking=None if args.tracking else False, max_restarts=args.max_restarts,
-                               checkpoint_dir=args.checkpoint_dir)
+                               checkpoint_dir=args.checkpoint_dir, run_timeout=args.run_timeout)
         result = runner.run(
             train_digits, epochs=args.epochs, batch_size=args.batch_size, base_lr=args.lr,
             compression=args.compression, seed=args.seed,

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "runners" / "train_digits.py")
 CLUSTER = "local-cluster[2,1,1024]"
 OPTIONS = ("--np", "--epochs", "--batch-size", "--lr", "--compression", "--seed", "--min-accuracy",
-           "--max-restarts", "--checkpoint-dir", "--no-tracking", "--master")
+           "--max-restarts", "--run-timeout", "--checkpoint-dir", "--no-tracking", "--master")
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -65,6 +65,8 @@ def test_bad_arguments_exit_2_with_argparse_message():
         (["--epochs", "two"], "--epochs"),
         (["--min-accuracy", "1.5"], "between 0 and 1"),
         (["--bogus"], "unrecognized arguments"),
+        (["--max-restarts", "-1"], "must be 0 or more"),
+        (["--run-timeout", "0"], "must be > 0"),
     ]:
         proc = _python(*args, timeout=30)
         assert proc.returncode == 2, (args, proc.stderr)
