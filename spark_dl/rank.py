@@ -88,6 +88,7 @@ class _Outbox:
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
+        self.pid = os.getpid()  # a forked child (a DataLoader worker) inherits this object, not its thread
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self.broken: BaseException | None = None
         self._thread = threading.Thread(target=self._drain, name="spark-dl-outbox", daemon=True)
@@ -141,6 +142,12 @@ def request(kind: str, data: dict) -> dict:
     global _next_request
     if _outbox is None:
         raise RuntimeError("not inside a spark-dl rank process")
+    if _outbox.pid != os.getpid():  # nothing would ever send the request: fail instead of hanging
+        raise RuntimeError(
+            f"{kind} was called in a process forked from the rank (pid {os.getpid()}, e.g. a DataLoader "
+            "worker), which has no link to the driver: call it in the rank's own process and pass the "
+            "worker what it needs"
+        )
     with _replies_lock:
         _next_request += 1
         rid = _next_request
@@ -175,7 +182,7 @@ def log_to_driver(message: Any) -> None:
     Outside a rank process it prints locally, so the same training function runs anywhere.
     """
     text = str(message)
-    if _outbox is None:
+    if _outbox is None or _outbox.pid != os.getpid():  # a forked worker: its stdout is the rank's
         print(text, flush=True)
         return
     _outbox.put("user_log", text)

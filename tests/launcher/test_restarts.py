@@ -315,3 +315,27 @@ def test_a_hung_attempt_is_restarted(tmp_path, capfd):
 def test_bad_timeouts_are_refused(name, bad):
     with pytest.raises(LaunchRefused, match=rf"{name} must be a number of seconds > 0, got"):
         HorovodRunner(np=-2, **{name: bad})
+
+
+def test_checkpoints_in_a_forked_worker_fail_at_once_instead_of_hanging(capfd):
+    def main():
+        import multiprocessing as mp
+
+        def worker(q):
+            try:
+                spark_dl.load_checkpoint()
+                q.put("returned")
+            except RuntimeError as e:
+                q.put(str(e))
+            spark_dl.log_to_driver("hello from the worker")  # printed: the rank's stdout
+
+        q = mp.get_context("fork").Queue()
+        p = mp.get_context("fork").Process(target=worker, args=(q,))
+        p.start()
+        out = q.get(timeout=30)
+        p.join(30)
+        return out
+
+    out = HorovodRunner(np=-1, driver_log_verbosity="all").run(main)
+    assert "checkpoint/load was called in a process forked from the rank" in out and "DataLoader" in out
+    assert "[0]<stdout>: hello from the worker" in capfd.readouterr().out
