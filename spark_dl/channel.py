@@ -6,7 +6,10 @@ an HMAC challenge-response, the driver proves it back, and every frame after tha
 HMAC over (sequence number, body) under a per-connection key. Frames are unpickled only after
 their MAC checks out, so nothing unauthenticated is ever unpickled.
 
-Frame: u64 length | body | 32-byte HMAC-SHA256(key, seq || body); body = pickle((kind, data)).
+Frame: u64 length | body | 32-byte HMAC-SHA256(key, seq || body), body = u32 n | pickle((kind, data)),
+then n frames of raw bytes, each framed and authenticated the same way: the ``pickle.PickleBuffer``
+objects inside ``data`` (checkpoints, results) travel out of band, so a large payload is neither
+copied into the pickle nor out of it; the receiver gets each one back as a ``bytearray``.
 """
 from __future__ import annotations
 
@@ -20,11 +23,13 @@ import threading
 from typing import Any, Callable
 
 SECRET_BYTES = 32
-_MAGIC = b"SDL1"
+_MAGIC = b"SDL2"  # bumped with the frame format: a driver and executors on different versions say so
 _NONCE = 16
 _MAC = hashlib.sha256().digest_size
 _LEN = struct.Struct(">Q")
 _SEQ = struct.Struct(">Q")
+_COUNT = struct.Struct(">I")
+MAX_BUFFERS = 1024
 HANDSHAKE_TIMEOUT_S = 60.0  # generous: a loaded executor can stall a peer for seconds
 
 
@@ -43,7 +48,7 @@ def _mac(key: bytes, *parts: bytes) -> bytes:
     return h.digest()
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
@@ -52,7 +57,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
         if k == 0:
             raise EOFError("connection closed")
         got += k
-    return bytes(buf)
+    return buf
 
 
 class Connection:
@@ -69,16 +74,24 @@ class Connection:
         self.info: dict[str, Any] = {}
 
     def send(self, kind: str, data: Any = None) -> None:
-        body = pickle.dumps((kind, data), protocol=pickle.HIGHEST_PROTOCOL)
+        buffers: list[pickle.PickleBuffer] = []
+        body = pickle.dumps((kind, data), protocol=5, buffer_callback=buffers.append)
+        if len(buffers) > MAX_BUFFERS:
+            raise ValueError(f"a message may carry at most {MAX_BUFFERS} out-of-band buffers, got {len(buffers)}")
         with self._send_lock:
-            mac = _mac(self._key, _SEQ.pack(self._send_seq), body)
-            self._send_seq += 1
-            self.sock.sendall(_LEN.pack(len(body)))
-            # two sendall calls avoid copying a large body into one buffer
-            self.sock.sendall(body)
-            self.sock.sendall(mac)
+            self._send_frame(_COUNT.pack(len(buffers)), body)
+            for b in buffers:
+                self._send_frame(b.raw())
 
-    def recv(self) -> tuple[str, Any]:
+    def _send_frame(self, *parts: Any) -> None:
+        mac = _mac(self._key, _SEQ.pack(self._send_seq), *parts)
+        self._send_seq += 1
+        self.sock.sendall(_LEN.pack(sum(memoryview(p).nbytes for p in parts)))
+        for p in parts:  # separate sendall calls: a large part is never copied into one buffer
+            self.sock.sendall(p)
+        self.sock.sendall(mac)
+
+    def _recv_frame(self) -> bytearray:
         (n,) = _LEN.unpack(_recv_exact(self.sock, _LEN.size))
         body = _recv_exact(self.sock, n)
         mac = _recv_exact(self.sock, _MAC)
@@ -86,7 +99,17 @@ class Connection:
         if not hmac.compare_digest(mac, expected):
             raise ChannelError(f"frame from {self.peer} failed authentication; dropping the connection")
         self._recv_seq += 1
-        return pickle.loads(body)
+        return body
+
+    def recv(self) -> tuple[str, Any]:
+        body = self._recv_frame()
+        if len(body) < _COUNT.size:
+            raise ChannelError(f"malformed frame from {self.peer}")
+        (count,) = _COUNT.unpack_from(body)
+        if count > MAX_BUFFERS:
+            raise ChannelError(f"malformed frame from {self.peer}: {count} buffers")
+        buffers = [self._recv_frame() for _ in range(count)]
+        return pickle.loads(memoryview(body)[_COUNT.size:], buffers=buffers)
 
     def close(self) -> None:
         if self.closed:
@@ -104,8 +127,13 @@ def connect(host: str, port: int, secret: bytes, timeout: float = 30.0) -> Conne
     sock = socket.create_connection((host, port), timeout=timeout)
     try:
         sock.settimeout(HANDSHAKE_TIMEOUT_S)
-        hello = _recv_exact(sock, len(_MAGIC) + _NONCE)
+        hello = bytes(_recv_exact(sock, len(_MAGIC) + _NONCE))
         if hello[: len(_MAGIC)] != _MAGIC:
+            if hello[:3] == _MAGIC[:3]:
+                raise ChannelError(
+                    f"the driver at {host}:{port} speaks channel version {hello[:4].decode(errors='replace')}, "
+                    f"this executor {_MAGIC.decode()}: install the same spark-dl version on the driver and the executors"
+                )
             raise ChannelError(f"{host}:{port} is not a spark-dl driver")
         nonce = hello[len(_MAGIC):]
         sock.sendall(_mac(secret, b"client", nonce))

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import operator
 import os
+import pickle
 import shutil
 import struct
 import tempfile
@@ -54,7 +55,7 @@ def save_checkpoint(state: Any, step: int | None = None) -> bool:
     from .tracking.rank import flush_metrics
 
     flush_metrics()  # the metrics logged so far reach the driver before the checkpoint does
-    reply = rank_api.request("checkpoint/save", {"blob": blob, "step": step})
+    reply = rank_api.request("checkpoint/save", {"blob": pickle.PickleBuffer(blob), "step": step})
     if "error" in reply:
         raise RuntimeError(f"the driver could not store the checkpoint: {reply['error']}")
     return True
@@ -143,7 +144,7 @@ class CheckpointStore:
             self._dir = tempfile.mkdtemp(prefix="spark-dl-checkpoint-")
         return os.path.join(self._dir, FILE_NAME)
 
-    def save(self, blob: bytes, step: int | None) -> None:
+    def save(self, blob: bytes | memoryview, step: int | None) -> None:
         with self._lock:
             path = self._path()
             info = CheckpointInfo(step, self.attempt, len(blob), time.time(), self.job_id)
@@ -178,7 +179,8 @@ class CheckpointStore:
                     raise ValueError(f"rank {rank} sent a checkpoint; only rank 0's are kept")
                 self.save(data["blob"], data.get("step"))
             elif kind == "checkpoint/load":
-                reply["blob"] = self.load()
+                blob = self.load()
+                reply["blob"] = None if blob is None else pickle.PickleBuffer(blob)  # sent out of band
             else:
                 raise ValueError(f"unknown request {kind!r}")
         except Exception as e:  # noqa: BLE001 - the rank raises it, with this text

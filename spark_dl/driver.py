@@ -6,6 +6,7 @@ kept to attach to its error.
 """
 from __future__ import annotations
 
+import re
 import sys
 import threading
 from collections import deque
@@ -20,6 +21,14 @@ from .errors import JobFailed, RankFailed
 
 TAIL_LINES = 50
 VERBOSITIES = ("all", "log_callback_only")
+# A rank whose collective broke because a peer went away reports that first, often before the
+# peer's own exit or error reaches the driver. Such an error waits this long for the root cause.
+CONSEQUENCE_GRACE_S = 2.0
+PEER_LOST = re.compile(
+    r"Connection (reset|closed) by peer|Broken pipe|remote process exited|communicator was aborted"
+    r"|NCCL Error \d+: remote|Socket Timeout",
+    re.IGNORECASE,
+)
 
 
 class Observer(Protocol):
@@ -81,6 +90,7 @@ class JobMonitor:
         self.results: dict[int, bytes] = {}
         self.errors: dict[int, dict] = {}
         self.failure: Failure | None = None
+        self._pending: Failure | None = None  # a consequence, waiting CONSEQUENCE_GRACE_S for its cause
         self.tails: dict[int, deque[str]] = {}
         self._print_lock = threading.Lock()
 
@@ -105,13 +115,42 @@ class JobMonitor:
             return all(e["code"] != 0 or r in self.ranks_closed for r, e in self.exits.items())
 
     def fail(self, failure: Failure) -> None:
-        """Record the first failure and start the abort; later failures are consequences."""
+        """Record the first failure and start the abort; later failures are consequences.
+
+        A rank's error that only says a peer went away ("Connection closed by peer") is held for
+        up to ``CONSEQUENCE_GRACE_S``: if the peer's own exit, error or lost task arrives in that
+        time, that is the failure reported, not the symptom.
+        """
         with self.changed:
             if self.failure is not None:
+                return
+            if self._is_consequence(failure):
+                if self._pending is None:
+                    self._pending = failure
+                    timer = threading.Timer(CONSEQUENCE_GRACE_S, self.settle)
+                    timer.daemon = True
+                    timer.start()
                 return
             self.failure = failure
             self.changed.notify_all()
         self._on_failure(failure)
+
+    def settle(self) -> None:
+        """No root cause came: the held failure (if any) is the failure."""
+        with self.changed:
+            failure = self._pending
+            if self.failure is not None or failure is None:
+                return
+            self.failure = failure
+            self.changed.notify_all()
+        self._on_failure(failure)
+
+    def _is_consequence(self, failure: Failure) -> bool:
+        if failure.rank is None:
+            return False
+        if failure.info is not None:
+            return bool(PEER_LOST.search(str(failure.info.get("message", ""))))
+        return failure.rank in self.errors  # the exit of a rank that has already reported its error
 
     def poke(self) -> None:
         """Wake the runner's wait loop: something it polls (the Spark job) has changed."""

@@ -252,6 +252,7 @@ class HorovodRunner:
         started = time.monotonic()
         while monitor.failure is None:
             if monitor.all_exited() and launcher.finished():
+                monitor.settle()  # every rank is gone: a failure held for its root cause is final
                 return
             launcher_error = launcher.error()
             if launcher_error is not None:

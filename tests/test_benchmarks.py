@@ -95,3 +95,13 @@ def test_compression_benchmark_on_resnet50_layers_counts_powersgd_per_weight():
     assert any("resnet50:8's 161 gradients in one float32 bucket" in line for line in lines)
     rows = [line for line in lines if line.startswith("powersgd-r4 ")]
     assert rows and all(line.split()[2 if i == 0 else 1] == f"{expected:,}" for i, line in enumerate(rows)), rows
+
+
+def test_checkpoint_benchmark_prints_both_comparisons():
+    done = _run("benchmarks/checkpoint.py", "--mb", "1", "--reps", "1", "--runs", "1", "--steps", "20")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert any(line.split()[:1] == ["1"] and line.rstrip().endswith("x") for line in lines)  # the 1 MB row
+    assert any(line.startswith("no failure ") for line in lines)
+    assert any(line.startswith("rank 1 lost, restarted ") for line in lines)
+    assert any(line.startswith("a lost rank cost ") and "steps redone" in line for line in lines)

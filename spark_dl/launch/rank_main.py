@@ -142,7 +142,7 @@ def main() -> int:
                     f"rank {r}'s return value ({type(result).__name__}) cannot be pickled: {e}. "
                     "Return plain data (numbers, dicts, numpy arrays, a model's state_dict)."
                 ) from e
-            outbox.put("result", blob)
+            outbox.put("result", pickle.PickleBuffer(blob))  # out of band: never copied into a frame
     except BaseException as e:  # noqa: BLE001 - every failure is reported, then the rank exits 1
         traceback.print_exc()
         sys.stderr.flush()

@@ -134,3 +134,53 @@ class _Tee:
 
     def __getattr__(self, name):
         return getattr(self._sock, name)
+
+
+def test_large_buffers_travel_out_of_band_intact(server):
+    blob = os.urandom(5_000_000)
+    conn = channel.connect("127.0.0.1", server.port, server._secret)
+    conn.send("result", {"blob": pickle.PickleBuffer(blob), "n": 1})
+    conn.send("small", [1, 2])
+    assert wait_for(lambda: len(server.rec.messages) == 2)
+    (kind, data), second = server.rec.messages
+    assert kind == "result" and bytes(data["blob"]) == blob and data["n"] == 1
+    assert second == ("small", [1, 2])
+    conn.close()
+
+
+def test_a_tampered_out_of_band_buffer_is_rejected(server):
+    conn = channel.connect("127.0.0.1", server.port, server._secret)
+    conn.send("ok", 1)
+    assert wait_for(lambda: len(server.rec.messages) == 1)
+    # the next message's bytes, captured unsent, then sent by hand with one byte of its buffer flipped
+    capture = []
+    real, conn.sock = conn.sock, _Tee(_Null(), capture)
+    conn.send("blob", pickle.PickleBuffer(b"x" * 1000))
+    conn.sock = real
+    raw = bytearray(b"".join(capture))
+    raw[-40] ^= 1  # inside the buffer frame's data (its MAC is the last 32 bytes)
+    real.sendall(bytes(raw))
+    assert wait_for(lambda: server.rec.closed)
+    assert [k for k, _ in server.rec.messages] == ["ok"]
+    assert isinstance(server.rec.closed[0], channel.ChannelError)
+
+
+class _Null:
+    def sendall(self, data):
+        pass
+
+
+def test_a_driver_of_another_version_is_named_as_such():
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def old_driver():
+        s, _ = listener.accept()
+        s.sendall(b"SDL1" + os.urandom(16))
+        time.sleep(1)
+        s.close()
+
+    threading.Thread(target=old_driver, daemon=True).start()
+    with pytest.raises(channel.ChannelError, match=r"speaks channel version SDL1, this executor SDL2: install the same spark-dl version"):
+        channel.connect("127.0.0.1", port, channel.new_secret())
+    listener.close()

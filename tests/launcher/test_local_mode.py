@@ -155,6 +155,39 @@ def test_hard_exit_without_exception_is_reported_with_the_exit_code():
     assert any("last words" in line for line in e.value.last_lines)
 
 
+def breaks_the_collective_then(exit_after):
+    """Rank 1 closes its Gloo connections (rank 0's collective fails: "Connection closed by
+    peer"), then exits with code 3 after ``exit_after`` seconds, or never."""
+    import torch
+    import torch.distributed as dist
+
+    spark_dl.init()
+    g = torch.ones(4)
+    dist.all_reduce(g)
+    if dist.get_rank() == 1:
+        dist.destroy_process_group()
+        time.sleep(exit_after if exit_after is not None else 120)
+        os._exit(3)
+    dist.all_reduce(g)
+    time.sleep(120)
+
+
+def test_the_root_cause_is_reported_not_the_peers_broken_collective():
+    with pytest.raises(RankFailed) as e:
+        HorovodRunner(np=-2).run(breaks_the_collective_then, exit_after=0.5)
+    assert (e.value.rank, e.value.summary) == (1, "exited with code 3")
+
+
+def test_a_broken_collective_with_no_cause_in_sight_is_reported_after_a_grace():
+    from spark_dl.driver import CONSEQUENCE_GRACE_S
+
+    t = time.monotonic()
+    with pytest.raises(RankFailed, match=r"Connection (closed|reset) by peer") as e:
+        HorovodRunner(np=-2).run(breaks_the_collective_then, exit_after=None)
+    assert e.value.rank == 0
+    assert time.monotonic() - t < CONSEQUENCE_GRACE_S + 15
+
+
 def test_unpicklable_return_value_is_a_clear_error():
     def main():
         import threading
