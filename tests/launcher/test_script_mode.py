@@ -1,6 +1,8 @@
 """Script mode: a training script (path plus argv) instead of a function, its exit status checked."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from spark_dl import HorovodRunner, LaunchRefused, RankFailed
@@ -60,3 +62,33 @@ def test_missing_or_broken_script_is_refused(tmp_path):
     bad.write_text("def broken(:\n")
     with pytest.raises(LaunchRefused, match="does not compile"):
         HorovodRunner(np=-2).run_script(bad)
+
+
+RESUMABLE = """
+import os, sys
+import torch.distributed as dist
+import spark_dl
+
+dist.init_process_group("gloo")
+state = spark_dl.load_checkpoint() or {"epoch": -1}
+for epoch in range(state["epoch"] + 1, 4):
+    dist.barrier()
+    spark_dl.save_checkpoint({"epoch": epoch}, step=epoch)
+    dist.barrier()  # rank 0's checkpoint of this epoch is stored before anyone fails
+    if epoch == 1 and spark_dl.get_context().attempt == 0 and dist.get_rank() == 1:
+        sys.exit(5)
+    with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}-attempt{spark_dl.get_context().attempt}-epoch{epoch}"), "w"):
+        pass
+"""
+
+
+def test_a_script_restarts_from_its_checkpoint(tmp_path):
+    path = tmp_path / "resumable.py"
+    path.write_text(RESUMABLE)
+    out = tmp_path / "out"
+    out.mkdir()
+    HorovodRunner(np=-2, max_restarts=1).run_script(path, str(out))
+    done = sorted(os.listdir(out))
+    # epoch 1 of the first attempt failed on rank 1 after its checkpoint: the restart runs 2 and 3 only
+    assert [n for n in done if n.startswith("rank1")] == ["rank1-attempt0-epoch0", "rank1-attempt1-epoch2",
+                                                        "rank1-attempt1-epoch3"]
