@@ -7,7 +7,7 @@ Driver side: :class:`HorovodRunner`. Inside the training function: :func:`init`,
 from .checkpoint import load_checkpoint, save_checkpoint
 from .errors import JobFailed, LaunchRefused, RankFailed, SparkDLError
 from .rank import RankContext, get_context, init, log_to_driver
-from .runner import HorovodRunner
+from .runner import HorovodRunner, RunInfo
 from .tracking import Tracking, log_metrics, log_model, log_params
 
 __version__ = "0.1.0"
@@ -24,6 +24,7 @@ __all__ = [
     "load_checkpoint",
     "Tracking",
     "RankContext",
+    "RunInfo",
     "SparkDLError",
     "LaunchRefused",
     "JobFailed",

@@ -7,6 +7,7 @@ import sys
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
 
@@ -20,6 +21,21 @@ from .launch.task import JobSpec, arrow_barrier_task, barrier_task, free_port, r
 from .script import Script, read_script
 from .serialize import serialize_job
 from .tracking.observer import Tracking, TrackingObserver, make_observer
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What :attr:`HorovodRunner.last_run` says of the latest ``run()``, whether it succeeded or raised."""
+
+    job_id: str
+    attempts: int  # 1 + restarts
+    failures: tuple[JobFailed, ...]  # the failed attempts' errors, oldest first (the raised one last)
+    mlflow_run_id: str | None  # the MLflow run it logged to (None without tracking)
+    seconds: float
+
+    @property
+    def succeeded(self) -> bool:
+        return len(self.failures) < self.attempts
+
 
 START_TIMEOUT_S = 300.0
 ABORT_GRACE_S = 15.0
@@ -89,6 +105,7 @@ class HorovodRunner:
         self.tracking = tracking
         self.progress = progress
         self.observers: list[Observer] = []
+        self.last_run: RunInfo | None = None  # set by every run(), run_all() and run_script()
 
     def run(self, main: Callable[..., Any], **kwargs: Any) -> Any:
         """Run ``main(**kwargs)`` on every rank; return rank 0's return value.
@@ -117,6 +134,8 @@ class HorovodRunner:
         payload = serialize_job(main, kwargs)
         launcher = self._launcher(data)
         job_id = f"spark-dl-{uuid.uuid4().hex[:12]}"
+        started = time.monotonic()
+        attempt = 0
         store = CheckpointStore(self.checkpoint_dir, job_id)
         if store.from_earlier_run():
             sys.stderr.write(f"[spark-dl] resuming from {self.checkpoint_dir}: {store.describe()}\n")
@@ -139,7 +158,6 @@ class HorovodRunner:
         outcome: BaseException | None = None
         monitor: JobMonitor | None = None
         try:
-            attempt = 0
             while True:
                 attempt_id = job_id if attempt == 0 else f"{job_id}-restart{attempt}"
                 monitor, outcome = self._attempt(
@@ -159,6 +177,10 @@ class HorovodRunner:
                 _note_earlier_failures(outcome, earlier, self.max_restarts)
             for o in observers:
                 o.on_finish(outcome)
+            failed = [*earlier, *([outcome] if isinstance(outcome, JobFailed) else [])]
+            writer = tracker.writer if tracker is not None else None
+            self.last_run = RunInfo(job_id, attempt + 1, tuple(failed), writer.run_id if writer is not None else None,
+                                    time.monotonic() - started)
         if outcome is not None:
             raise outcome
         assert monitor is not None

@@ -51,7 +51,11 @@ def resumable(steps, fail_rank=1, fail_step=12, how="exit", every=5, pid_dir=Non
 
 
 def test_a_failed_rank_restarts_the_run_from_the_last_checkpoint(capfd):
-    outs = HorovodRunner(np=-2, max_restarts=1).run_all(resumable, steps=20)
+    runner = HorovodRunner(np=-2, max_restarts=1)
+    outs = runner.run_all(resumable, steps=20)
+    info = runner.last_run
+    assert info.succeeded and info.attempts == 2 and len(info.failures) == 1 and info.job_id.startswith("spark-dl-")
+    assert isinstance(info.failures[0], RankFailed) and info.mlflow_run_id is None and info.seconds > 0
     # the checkpoint of step 9 was the last before rank 1 died at step 12: both ranks resume there
     assert [o["attempt"] for o in outs] == [1, 1]
     assert [o["loaded"] for o in outs] == [9, 9]
@@ -80,8 +84,11 @@ def always_fails(count_dir):
 
 
 def test_when_restarts_run_out_the_last_error_is_raised_naming_the_earlier_ones(tmp_path):
+    runner = HorovodRunner(np=-2, max_restarts=2)
     with pytest.raises(RankFailed, match="bad batch on attempt 2") as e:
-        HorovodRunner(np=-2, max_restarts=2).run(always_fails, count_dir=str(tmp_path))
+        runner.run(always_fails, count_dir=str(tmp_path))
+    assert not runner.last_run.succeeded and runner.last_run.attempts == 3
+    assert runner.last_run.failures == (*e.value.previous_failures, e.value)
     assert sorted(n.split("-")[0] for n in os.listdir(tmp_path) if "rank1" in n) == ["attempt0", "attempt1", "attempt2"]
     earlier = e.value.previous_failures
     assert [type(x) for x in earlier] == [RankFailed, RankFailed]

@@ -132,9 +132,11 @@ def train_resumable(steps, fail_at):
 
 
 def test_a_restarted_run_is_one_mlflow_run_that_says_why_it_restarted(tracking_uri):
-    out = HorovodRunner(np=-2, max_restarts=1, progress=False).run(train_resumable, steps=40, fail_at=25)
+    runner = HorovodRunner(np=-2, max_restarts=1, progress=False)
+    out = runner.run(train_resumable, steps=40, fail_at=25)
     assert out == "done"
     run = _only_run()
+    assert runner.last_run.mlflow_run_id == run.info.run_id and runner.last_run.attempts == 2
     assert run.info.status == "FINISHED" and run.data.tags["spark_dl.restarts"] == "1"
     assert "spark_dl.error" not in run.data.tags
     # attempt 1 logged steps 0..24 (those before its last checkpoint, 0..19, surely reached the
