@@ -17,6 +17,7 @@ EXAMPLES = [
     ("## The launcher: `HorovodRunner`", 1),
     ("## Training on a Spark DataFrame", 0),
     ("## Horovod-compatible API", 0),
+    ("## Horovod-compatible API", 2),
     ("## Gradient compression", 0),
     ("## Tracking with MLflow", 0),
     ("## Tracking with MLflow", 1),

@@ -66,6 +66,7 @@ from .ops import (
     poll,
     synchronize,
 )
+from . import elastic
 from .optimizer import DistributedOptimizer
 from .sync_batch_norm import SyncBatchNorm
 
@@ -75,7 +76,7 @@ __all__ = [
     "mpi_enabled", "mpi_threads_supported", "gloo_enabled", "cuda_built", "rocm_built", "ccl_built",
     "ddl_built", "start_timeline", "stop_timeline",
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
-    "Compression",
+    "Compression", "elastic",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
     "allgather", "allgather_async", "grouped_allreduce", "grouped_allreduce_",
     "grouped_allreduce_async", "grouped_allreduce_async_", "alltoall", "alltoall_async", "reducescatter",
