@@ -35,7 +35,7 @@ class State:
 
     def __init__(self) -> None:
         self._reset_callbacks: list[Callable[[], None]] = []
-        self.commits = 0
+        self._commits = 0  # not a public name: a user attribute may be called "commits"
 
     def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
         """Callables run after the state is restored from a commit (a restarted attempt)."""
@@ -52,8 +52,8 @@ class State:
         """Save the state, on the driver: a failure after this resumes from here. Call it on every
         rank at the same points (it gathers the samplers' progress from all ranks)."""
         self.save()
-        self.commits += 1
-        _checkpoint.save_checkpoint({_KEY: self._snapshot(), "commits": self.commits}, step=self.commits)
+        self._commits += 1
+        _checkpoint.save_checkpoint({_KEY: self._snapshot(), "commits": self._commits}, step=self._commits)
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
@@ -271,7 +271,7 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
         resumed = isinstance(saved, dict) and _KEY in saved
         if resumed:
             state._load_snapshot(saved[_KEY])
-            state.commits = saved.get("commits", 0)
+            state._commits = saved.get("commits", 0)
         state.sync()
         if resumed:
             state.on_reset()

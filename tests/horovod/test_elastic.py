@@ -32,7 +32,7 @@ def elastic_train(out_dir, epochs=3, crash=(1, 6)):
 
     @hvd.elastic.run
     def train(state):
-        start = {"epoch": state.epoch, "len": len(loader), "commits": state.commits,
+        start = {"epoch": state.epoch, "len": len(loader), "commits": state._commits,
                  "committed": sorted(state.train_sampler.processed_indices)}
         for state.epoch in range(state.epoch, epochs):
             for batch_idx, (x, idx) in enumerate(loader):
@@ -53,7 +53,7 @@ def elastic_train(out_dir, epochs=3, crash=(1, 6)):
     state.register_reset_callbacks([lambda: resets.append(state.epoch)])
     start = train(state)
     out = {"attempt": attempt, "start": start, "seen": seen, "resets": resets,
-           "params": [p.detach().tolist() for p in model.parameters()], "commits": state.commits}
+           "params": [p.detach().tolist() for p in model.parameters()], "commits": state._commits}
     with open(os.path.join(out_dir, f"rank{hvd.rank()}.json"), "w") as f:
         json.dump(out, f)
     return out
@@ -121,3 +121,13 @@ def test_sampler_pads_uneven_shares_and_skips_processed_indices():
     assert s.epoch == 3 and len(s) == 8
     s.set_epoch(4)
     assert len(s) == 10 and s.state_dict() == {"epoch": 4, "processed_indices": []}
+
+
+def test_a_user_attribute_named_commits_is_the_users():
+    import spark_dl.horovod as hvd
+
+    s = hvd.elastic.ObjectState(commits=5, epoch=1)
+    s.commit()  # outside a rank process: saved locally, nothing sent
+    s.epoch = 7
+    s.restore()
+    assert (s.commits, s.epoch) == (5, 1)
