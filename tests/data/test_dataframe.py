@@ -85,3 +85,21 @@ def test_bad_dataframes_are_refused_before_launch(spark, df):
         shards(df, ["nope"])
     with pytest.raises(LaunchRefused, match="np > 0"):
         HorovodRunner(np=-2).run(read_epochs, data=shards(df), epochs=1, batch_size=4)
+
+
+def read_then_fail_once(data, epochs, batch_size):
+    import os
+
+    out = read_epochs(data, epochs, batch_size)
+    if spark_dl.get_context().attempt == 0 and spark_dl.get_context().rank == 1:
+        os._exit(4)
+    return {**out, "attempt": spark_dl.get_context().attempt}
+
+
+def test_a_restarted_run_reads_the_dataframe_again(df):
+    runner = HorovodRunner(np=2, max_restarts=1)
+    ranks = runner.run_all(read_then_fail_once, data=shards(df, ["id"], seed=7), epochs=1, batch_size=16)
+    assert [r["attempt"] for r in ranks] == [1, 1] and runner.last_run.attempts == 2
+    a, b = ranks[0]["epochs"][0], ranks[1]["epochs"][0]
+    assert len(a) == len(b) == 51 and not set(a) & set(b) and len(set(a) | set(b)) == 102
+    assert all("restart1" in r["shard_file"] for r in ranks)  # the second attempt's own partition files
