@@ -25,16 +25,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 import spark_dl.compression as C  # noqa: E402
-
-
-def best(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
+from kernels import best  # noqa: E402  (benchmarks/kernels.py, beside this script)
 
 
 def _init(rank: int, world: int, port: int) -> None:

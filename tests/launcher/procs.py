@@ -25,6 +25,12 @@ def record_self_and_child(pid_dir: str, wait_for: int = 2) -> None:
         time.sleep(0.05)
 
 
+def record_then_wait(pid_dir: str) -> None:
+    """A rank's ``main`` for the interrupt tests: record the pids, then wait to be stopped."""
+    record_self_and_child(pid_dir)
+    time.sleep(120)
+
+
 def recorded_pids(pid_dir: str) -> list[int]:
     pids: list[int] = []
     for name in os.listdir(pid_dir):

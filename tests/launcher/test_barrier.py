@@ -6,7 +6,7 @@ import threading
 import time
 
 import pytest
-from procs import interrupt_main_when_recorded, record_self_and_child, recorded_pids, wait_all_dead
+from procs import interrupt_main_when_recorded, record_self_and_child, record_then_wait, recorded_pids, wait_all_dead
 
 import spark_dl
 from spark_dl import HorovodRunner, JobFailed, LaunchRefused, RankFailed
@@ -137,15 +137,9 @@ def test_lost_task_is_reported_and_its_rank_does_not_survive(spark, tmp_path):
 
 
 def test_keyboard_interrupt_cancels_the_barrier_job(spark, tmp_path):
-    def main(pid_dir):
-        import time
-
-        record_self_and_child(pid_dir)
-        time.sleep(120)
-
     interrupt_main_when_recorded(str(tmp_path))
     with pytest.raises(KeyboardInterrupt):
-        HorovodRunner(np=2).run(main, pid_dir=str(tmp_path))
+        HorovodRunner(np=2).run(record_then_wait, pid_dir=str(tmp_path))
     assert wait_all_dead(recorded_pids(str(tmp_path)), timeout=2) == []
     assert no_active_jobs(spark)
 

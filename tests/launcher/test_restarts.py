@@ -8,7 +8,7 @@ import time
 
 import psutil
 import pytest
-from procs import interrupt_main_when_recorded, record_self_and_child, recorded_pids, wait_all_dead
+from procs import interrupt_main_when_recorded, record_self_and_child, record_then_wait, recorded_pids, wait_all_dead
 
 import spark_dl
 from spark_dl import HorovodRunner, JobFailed, LaunchRefused, RankFailed
@@ -112,14 +112,10 @@ def test_bad_max_restarts_is_refused(bad):
 
 
 def test_ctrl_c_is_not_retried(tmp_path):
-    def main(pid_dir):
-        record_self_and_child(pid_dir)
-        time.sleep(120)
-
     interrupt_main_when_recorded(str(tmp_path))
     t = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
-        HorovodRunner(np=-2, max_restarts=3).run(main, pid_dir=str(tmp_path))
+        HorovodRunner(np=-2, max_restarts=3).run(record_then_wait, pid_dir=str(tmp_path))
     assert time.monotonic() - t < 30
     assert len(recorded_pids(str(tmp_path))) == 4  # one attempt: 2 ranks and their children
     assert wait_all_dead(recorded_pids(str(tmp_path)), timeout=3) == []
