@@ -20,8 +20,8 @@ import torch
 
 from .. import checkpoint as _checkpoint
 from .. import rank as _rank_api
-from .basics import rank, size
-from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from .basics import rank
+from .functions import _to_cpu, allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
 
 _KEY = "spark_dl.horovod.elastic"
 
@@ -131,9 +131,9 @@ class TorchState(ObjectState):
 
     def save(self) -> None:
         if self.model is not None:
-            self._saved_model = _cpu_copy(self.model.state_dict())
+            self._saved_model = _to_cpu(self.model.state_dict(), copy=True)
         if self.optimizer is not None:
-            self._saved_optimizer = _cpu_copy(self.optimizer.state_dict())
+            self._saved_optimizer = _to_cpu(self.optimizer.state_dict(), copy=True)
         # a sampler's progress is every rank's batches: gather them so rank 0's commit has all of it
         self._saved_samplers = {name: s._gathered_state_dict() for name, s in self._samplers.items()}
         super().save()
@@ -165,16 +165,6 @@ class TorchState(ObjectState):
         self._saved_optimizer = snapshot["optimizer"]
         self._saved_samplers = dict(snapshot["samplers"])
         super()._load_snapshot(snapshot)
-
-
-def _cpu_copy(value: Any) -> Any:
-    if torch.is_tensor(value):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {k: _cpu_copy(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cpu_copy(v) for v in value)
-    return copy.deepcopy(value)
 
 
 class ElasticSampler(torch.utils.data.Sampler):

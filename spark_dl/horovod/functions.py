@@ -60,13 +60,15 @@ def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
     return [cloudpickle.loads(part.cpu().numpy().tobytes()) for part in allgather_parts(data)]
 
 
-def _to_cpu(value: Any) -> Any:
+def _to_cpu(value: Any, copy: bool = False) -> Any:
+    """``value`` (a state_dict, nested) with its tensors in host memory; ``copy``: always new
+    tensors, never views of the live ones (a snapshot that later steps must not change)."""
     if torch.is_tensor(value):
-        return value.detach().cpu()
+        return value.detach().to("cpu", copy=copy)
     if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
+        return {k: _to_cpu(v, copy) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(v) for v in value)
+        return type(value)(_to_cpu(v, copy) for v in value)
     return value
 
 
