@@ -9,7 +9,8 @@ their MAC checks out, so nothing unauthenticated is ever unpickled.
 Frame: u64 length | body | 32-byte HMAC-SHA256(key, seq || body), body = u32 n | pickle((kind, data)),
 then n frames of raw bytes, each framed and authenticated the same way: the ``pickle.PickleBuffer``
 objects inside ``data`` (checkpoints, results) travel out of band, so a large payload is neither
-copied into the pickle nor out of it; the receiver gets each one back as a ``bytearray``.
+copied into the pickle nor out of it; the receiver gets each one back as a buffer over the
+received bytes (a read-only ``memoryview`` when the sender wrapped ``bytes``).
 """
 from __future__ import annotations
 

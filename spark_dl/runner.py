@@ -244,9 +244,8 @@ class HorovodRunner:
         observers: list[Observer],
     ) -> "_Launcher":
         """Say why and how the run restarts, then prepare the next attempt's launch."""
-        first = str(error).splitlines()[0] if str(error) else type(error).__name__
         sys.stderr.write(
-            f"[spark-dl] attempt {attempt} of {self.max_restarts + 1} failed: {first}\n"
+            f"[spark-dl] attempt {attempt} of {self.max_restarts + 1} failed: {_first_line(error)}\n"
             f"[spark-dl] restarting all {abs(self.np)} ranks (restart {attempt} of max_restarts={self.max_restarts}); "
             f"{store.describe()}\n"
         )
@@ -478,14 +477,18 @@ def _driver_failure(e: BaseException) -> str:
     return f"the driver failed: {type(e).__name__}: {e}"
 
 
+def _first_line(e: BaseException) -> str:
+    text = str(e)
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 def _note_earlier_failures(error: JobFailed, earlier: list[JobFailed], max_restarts: int) -> None:
     """Say on the final error that the run was restarted, and why each earlier attempt failed."""
     error.previous_failures = tuple(earlier)
     lines = [f"spark-dl restarted this run {len(earlier)} time(s) (max_restarts={max_restarts}); the attempts "
              "before failed with:"]
     for i, e in enumerate(earlier, 1):
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        lines.append(f"  attempt {i}: {type(e).__name__}: {first}")
+        lines.append(f"  attempt {i}: {type(e).__name__}: {_first_line(e)}")
     error.add_note("\n".join(lines))
 
 
