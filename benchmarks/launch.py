@@ -1,8 +1,9 @@
-"""End-to-end launch time of a trivial 2-rank job: spark-dl vs PySpark's TorchDistributor.
+"""End-to-end launch time of a trivial 2-rank job: spark-dl (HorovodRunner and its TorchDistributor)
+vs PySpark's TorchDistributor.
 
     python benchmarks/launch.py [--runs 5] [--master 'local-cluster[2,1,1024]']
 
-Both run on the same warm SparkSession, interleaved, so machine noise hits both alike. The job:
+All run on the same warm SparkSession, interleaved, so machine noise hits them alike. The job:
 init a Gloo process group, one barrier, return. Prints the medians and their ratio.
 """
 from __future__ import annotations
@@ -35,6 +36,7 @@ def main() -> None:
     from pyspark.ml.torch.distributor import TorchDistributor
     from pyspark.sql import SparkSession
 
+    import spark_dl
     from spark_dl import HorovodRunner
 
     spark = (
@@ -48,25 +50,31 @@ def main() -> None:
     def ours() -> None:
         assert HorovodRunner(np=2).run(trivial) == 0
 
+    def ours_distributor() -> None:  # the same API as theirs, on spark-dl's launcher
+        assert spark_dl.TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(trivial) == 0
+
     def theirs() -> None:
         TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(trivial)
 
-    for warm in (ours, theirs):  # executors, Python workers and page cache warm for both
+    contestants = {"spark-dl HorovodRunner": ours, "spark-dl TorchDistributor": ours_distributor,
+                   "PySpark TorchDistributor": theirs}
+    for warm in contestants.values():  # executors, Python workers and page cache warm for all
         warm()
-    times: dict[str, list[float]] = {"spark-dl HorovodRunner": [], "TorchDistributor": []}
+    times: dict[str, list[float]] = {name: [] for name in contestants}
     for _ in range(args.runs):
-        for name, fn in (("spark-dl HorovodRunner", ours), ("TorchDistributor", theirs)):
+        for name, fn in contestants.items():
             t = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t)
 
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"\n{args.runs} interleaved runs each on {args.master}, trivial 2-rank job (init, barrier, return)")
-    print(f"{'launcher':<24} {'median s':>9} {'min s':>7} {'max s':>7}")
+    print(f"{'launcher':<26} {'median s':>9} {'min s':>7} {'max s':>7}")
     for k, v in times.items():
-        print(f"{k:<24} {med[k]:>9.2f} {min(v):>7.2f} {max(v):>7.2f}")
-    print(f"ratio spark-dl / TorchDistributor: {med['spark-dl HorovodRunner'] / med['TorchDistributor']:.3f} "
-          f"({med['TorchDistributor'] / med['spark-dl HorovodRunner']:.1f}x faster)")
+        print(f"{k:<26} {med[k]:>9.2f} {min(v):>7.2f} {max(v):>7.2f}")
+    base = med["PySpark TorchDistributor"]
+    for k in ("spark-dl HorovodRunner", "spark-dl TorchDistributor"):
+        print(f"ratio {k} / PySpark TorchDistributor: {med[k] / base:.3f} ({base / med[k]:.1f}x faster)")
     spark.stop()
 
 

@@ -1,10 +1,11 @@
 """spark-dl: train PyTorch models across an Apache Spark cluster.
 
-Driver side: :class:`HorovodRunner`. Inside the training function: :func:`init`,
+Driver side: :class:`HorovodRunner` (or :class:`TorchDistributor`, PySpark's API). Inside the training function: :func:`init`,
 :func:`log_to_driver`, :func:`get_context`, :func:`log_metrics`, :func:`log_params`, :func:`log_model`,
 :func:`save_checkpoint`, :func:`load_checkpoint`.
 """
 from .checkpoint import load_checkpoint, save_checkpoint
+from .distributor import TorchDistributor
 from .errors import JobFailed, LaunchRefused, RankFailed, SparkDLError
 from .rank import RankContext, get_context, init, log_to_driver
 from .runner import HorovodRunner, RunInfo
@@ -14,6 +15,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "HorovodRunner",
+    "TorchDistributor",
     "init",
     "log_to_driver",
     "get_context",

@@ -12,8 +12,10 @@ class LaunchRefused(SparkDLError, ValueError):
     """A run was refused before anything was launched (bad arguments or cluster state)."""
 
 
-class JobFailed(SparkDLError):
+class JobFailed(SparkDLError, RuntimeError):
     """A run failed outside user code: lost executor, failed Spark stage, time-out, bad channel.
+
+    A ``RuntimeError``, as PySpark's ``TorchDistributor`` raises, so code catching that keeps working.
 
     ``previous_failures`` holds the errors of the attempts before this one when the run was
     restarted (``HorovodRunner(max_restarts=...)``), oldest first.

@@ -9,11 +9,11 @@ import time
 import uuid
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from . import channel, cluster
 from .checkpoint import CheckpointStore
-from .data import DataFrameShards
+from .data import SHARD_ENV, DataFrameShards
 from .driver import VERBOSITIES, Failure, JobMonitor, Observer
 from .errors import JobFailed, LaunchRefused
 from .launch.layout import RankSpec
@@ -64,6 +64,9 @@ class HorovodRunner:
         checkpoint_dir: a directory on the driver where rank 0's latest checkpoint is kept after
             ``run()`` returns; a later run given the same directory resumes from it (a job
             retried by its scheduler, a notebook re-run). None: a temporary one per ``run()``.
+        env: environment variables set in every rank process (``{"NCCL_DEBUG": "INFO"}``), on top
+            of the executor's; the variables spark-dl sets itself (``RANK``, ``MASTER_ADDR``, ...)
+            are refused.
 
     The signature matches Databricks' ``sparkdl.HorovodRunner``, so notebooks switch by
     changing one import.
@@ -80,6 +83,7 @@ class HorovodRunner:
         max_restarts: int = 0,
         checkpoint_dir: str | os.PathLike | None = None,
         run_timeout: float | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         if isinstance(np, bool) or not isinstance(np, int):
             raise LaunchRefused(f"np must be an int (ranks on Spark if > 0, local processes if < 0), got {np!r}")
@@ -102,22 +106,24 @@ class HorovodRunner:
         self.driver_log_verbosity = driver_log_verbosity
         self.start_timeout = _seconds("start_timeout", start_timeout)
         self.run_timeout = None if run_timeout is None else _seconds("run_timeout", run_timeout)
+        self.env = _rank_env(env)
         self.tracking = tracking
         self.progress = progress
         self.observers: list[Observer] = []
+        self._ranks_per_task: int | None = None  # None: one per GPU a task gets (TorchDistributor sets 1)
         self.last_run: RunInfo | None = None  # set by every run(), run_all() and run_script()
 
-    def run(self, main: Callable[..., Any], **kwargs: Any) -> Any:
-        """Run ``main(**kwargs)`` on every rank; return rank 0's return value.
+    def run(self, main: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``main(*args, **kwargs)`` on every rank; return rank 0's return value.
 
         Raises :class:`spark_dl.RankFailed` (with the rank, host, remote traceback and last output
         lines) if any rank fails; the other ranks are stopped first.
         """
-        return self._run(main, kwargs, all_results=False)
+        return self._run(main, kwargs, all_results=False, args=args)
 
-    def run_all(self, main: Callable[..., Any], **kwargs: Any) -> list[Any]:
+    def run_all(self, main: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Like :meth:`run`, but return every rank's return value, in rank order."""
-        return self._run(main, kwargs, all_results=True)
+        return self._run(main, kwargs, all_results=True, args=args)
 
     def run_script(self, path: str | os.PathLike, *args: str) -> None:
         """Run a training script on every rank, as ``python path *args`` would.
@@ -129,9 +135,10 @@ class HorovodRunner:
         self._run(Script(full, source), {"script": full, "argv": [str(a) for a in args]}, all_results=False)
 
     # ------------------------------------------------------------------------------------------
-    def _run(self, main: Callable[..., Any], kwargs: dict[str, Any], all_results: bool) -> Any:
+    def _run(self, main: Callable[..., Any], kwargs: dict[str, Any], all_results: bool,
+             args: tuple[Any, ...] = ()) -> Any:
         kwargs, data = _take_dataframe(kwargs, self.np)
-        payload = serialize_job(main, kwargs)
+        payload = serialize_job(main, kwargs, args)
         launcher = self._launcher(data)
         job_id = f"spark-dl-{uuid.uuid4().hex[:12]}"
         started = time.monotonic()
@@ -151,6 +158,7 @@ class HorovodRunner:
             "ranks_per_task": launcher.ranks_per_task,
             "main": getattr(main, "__qualname__", repr(main)),
             "kwargs": dict(kwargs),
+            "args": tuple(args),
         }
         for o in observers:
             o.on_start(job)
@@ -191,7 +199,7 @@ class HorovodRunner:
     def _launcher(self, data: DataFrameShards | None, wait_s: float | None = None) -> "_Launcher":
         if self.np < 0:
             return _LocalLauncher(-self.np)
-        return _SparkLauncher.prepare(self.np, data, wait_s)
+        return _SparkLauncher.prepare(self.np, data, wait_s, self._ranks_per_task)
 
     def _attempt(
         self, launcher: "_Launcher", job_id: str, attempt: int, payload: bytes, all_results: bool,
@@ -229,6 +237,8 @@ class HorovodRunner:
             tracking=tracker is not None,
             system_metrics_s=tracker.system_metrics_s if tracker is not None else 0.0,
             attempt=attempt,
+            max_restarts=self.max_restarts,
+            rank_env=dict(self.env),
         )
         try:
             launcher.start(spec, monitor)
@@ -382,13 +392,16 @@ class _SparkLauncher(_Launcher):
         self._cancelled = False
 
     @classmethod
-    def prepare(cls, np: int, data: DataFrameShards | None = None, wait_s: float | None = None) -> "_SparkLauncher":
+    def prepare(cls, np: int, data: DataFrameShards | None = None, wait_s: float | None = None,
+                per_task: int | None = None) -> "_SparkLauncher":
         """Check the cluster and build the launcher; ``wait_s``: wait that long for enough task
-        slots (a restart, while a lost executor is replaced) instead of refusing at once."""
+        slots (a restart, while a lost executor is replaced) instead of refusing at once;
+        ``per_task``: ranks per task (default: one per GPU a task gets)."""
         session = cluster.active_session(np)
         sc = session.sparkContext
         cluster.check_dynamic_allocation(sc)
-        per_task = cluster.ranks_per_task(sc)
+        if per_task is None:
+            per_task = cluster.ranks_per_task(sc)
         if np % per_task:
             raise LaunchRefused(
                 f"np={np} is not a multiple of spark.task.resource.gpu.amount={per_task} "
@@ -458,6 +471,37 @@ def _seconds(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise LaunchRefused(f"{name} must be a number of seconds > 0, got {value!r}")
     return float(value)
+
+
+# what each rank's place in the world and the run's own plumbing are made of: not the user's to set
+_RESERVED_ENV = frozenset(RankSpec(0, 1, 0, 1, 0, 1, "", "", 0).env()) | {
+    "SPARK_DL_JOB_ID", "SPARK_DL_ATTEMPT", "SPARK_DL_CUDA_DEVICE", SHARD_ENV,
+    "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
+}
+
+
+def _rank_env(env: Mapping[str, str] | None) -> dict[str, str]:
+    """``env=`` checked: string names and values that the OS accepts, none of spark-dl's own."""
+    if env is None:
+        return {}
+    if not isinstance(env, Mapping):
+        raise LaunchRefused(f"env must be a dict of environment variables (str -> str), got {type(env).__name__}")
+    out: dict[str, str] = {}
+    for key, value in env.items():
+        if not isinstance(key, str) or not key or "=" in key or "\0" in key:
+            raise LaunchRefused(f"env: {key!r} is not an environment variable name (a non-empty str without '=')")
+        if not isinstance(value, str) or "\0" in value:
+            raise LaunchRefused(
+                f"env[{key!r}] must be a str without NUL characters, got {value!r} ({type(value).__name__}): "
+                f"write env={{{key!r}: {str(value)!r}}}"
+            )
+        if key in _RESERVED_ENV:
+            raise LaunchRefused(
+                f"env sets {key}, which spark-dl sets in every rank itself (its place in the world or the run's "
+                f"plumbing); remove it. Variables spark-dl sets: {', '.join(sorted(_RESERVED_ENV))}"
+            )
+        out[key] = value
+    return out
 
 
 def _run_timeout_message(limit: float, monitor: JobMonitor) -> str:

@@ -107,17 +107,24 @@ def _advice(obj: Any) -> str:
     return "Create it inside main, or pass the plain values it is built from."
 
 
-def serialize_job(main: Callable[..., Any], kwargs: dict[str, Any]) -> bytes:
-    """cloudpickle ``(main, kwargs)``; raise :class:`LaunchRefused` naming whatever does not pickle."""
+def serialize_job(main: Callable[..., Any], kwargs: dict[str, Any], args: tuple[Any, ...] = ()) -> bytes:
+    """cloudpickle ``(main, args, kwargs)``; raise :class:`LaunchRefused` naming whatever does not pickle."""
     if not callable(main):
         raise LaunchRefused(
             f"main must be a callable (the training function), got {_describe(main)}: {main!r:.80}. "
             "Pass the function itself: run(main, lr=0.1), not run(main(), lr=0.1)."
         )
     try:
-        return cloudpickle.dumps((main, kwargs))
+        return cloudpickle.dumps((main, tuple(args), kwargs))
     except Exception:  # noqa: BLE001 - find out which part, below
         pass
+    for i, value in enumerate(args):
+        if _pickle_error(value) is not None:
+            path, culprit, err = find_culprit(value, f"args[{i}]")
+            raise LaunchRefused(
+                f"positional argument {i} cannot be sent to the ranks: {path} is a {_describe(culprit)}, "
+                f"which cannot be pickled ({type(err).__name__}: {err}). {_advice(culprit)}"
+            )
     for name, value in kwargs.items():
         if _pickle_error(value) is not None:
             path, culprit, err = find_culprit(value, name)

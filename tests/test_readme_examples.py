@@ -15,6 +15,7 @@ README = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
 EXAMPLES = [
     ("## Quick start", 0),
     ("## The launcher: `HorovodRunner`", 1),
+    ("## PySpark's `TorchDistributor`, on this launcher", 0),
     ("## Training on a Spark DataFrame", 0),
     ("## Horovod-compatible API", 0),
     ("## Horovod-compatible API", 2),

@@ -49,6 +49,11 @@ class RankSpec:
             "NODE_RANK": str(self.cross_rank),
             "CROSS_RANK": str(self.cross_rank),
             "CROSS_SIZE": str(self.cross_size),
+            # the rest of torchrun's per-worker variables, read by code written for torchrun
+            "GROUP_WORLD_SIZE": str(self.cross_size),
+            "ROLE_NAME": "default",
+            "ROLE_RANK": str(self.rank),
+            "ROLE_WORLD_SIZE": str(self.world_size),
         }
         if self.gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpus)

@@ -3,7 +3,7 @@
 Started by a task (barrier or local) before the rendezvous finishes, so the interpreter start and
 the ``torch`` import overlap with it. The task then writes the bootstrap (rank environment,
 payload, driver address and secret) to stdin. The rank connects to the driver, runs
-``main(**kwargs)``, and reports the result or the error. If the driver goes away, the rank kills
+``main(*args, **kwargs)``, and reports the result or the error. If the driver goes away, the rank kills
 its own process group: no orphans.
 """
 from __future__ import annotations
@@ -125,9 +125,9 @@ def main() -> int:
 
     code = 0
     try:
-        fn, kwargs = cloudpickle.loads(boot["payload"])
+        fn, args, kwargs = cloudpickle.loads(boot["payload"])
         try:
-            result = fn(**kwargs)
+            result = fn(*args, **kwargs)
         except SystemExit as e:
             if e.code not in (None, 0):
                 raise RuntimeError(f"main called sys.exit({e.code!r})") from e

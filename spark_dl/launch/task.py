@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from .. import channel
@@ -43,6 +43,8 @@ class JobSpec:
     tracking: bool = False  # ranks buffer and send metrics (the driver has an observer for them)
     system_metrics_s: float = 0.0  # executors sample CPU/memory/GPU this often; 0: not at all
     attempt: int = 0  # restarts so far (HorovodRunner's max_restarts)
+    max_restarts: int = 0
+    rank_env: dict[str, str] = field(default_factory=dict)  # HorovodRunner(env=...), set last
 
 
 def free_port() -> int:
@@ -189,7 +191,13 @@ def run_task(spec: JobSpec, partition: int, host: str, rendezvous: Callable[[], 
         env = r.env()
         env["SPARK_DL_JOB_ID"] = spec.job_id
         env["SPARK_DL_ATTEMPT"] = str(spec.attempt)
+        env["TORCHELASTIC_RUN_ID"] = spec.job_id
+        env["TORCHELASTIC_RESTART_COUNT"] = str(spec.attempt)
+        env["TORCHELASTIC_MAX_RESTARTS"] = str(spec.max_restarts)
         env.update(extra_env or {})
+        env.update(spec.rank_env)
+        if env.get("CUDA_VISIBLE_DEVICES") == "":  # GPUs hidden on purpose: no device index either
+            env.pop("SPARK_DL_CUDA_DEVICE", None)
         env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS") or omp_threads(r.local_size))
         boot = {
             "rank": r.rank,

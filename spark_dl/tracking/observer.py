@@ -111,7 +111,8 @@ class TrackingObserver:
             "np": job["np"], "mode": job["mode"], "world_size": job["world_size"], "num_tasks": job["num_tasks"],
             "ranks_per_task": job["ranks_per_task"], "main": job["main"],
         }
-        user = flatten({k: v for k, v in job["kwargs"].items() if is_plain(v)})
+        positional = {f"arg{i}": v for i, v in enumerate(job.get("args", ()))}  # run(train, 1e-3, 64)
+        user = flatten({k: v for k, v in {**positional, **job["kwargs"]}.items() if is_plain(v)})
         self.writer.log_params({clean_name(k): v for k, v in {**params, **user}.items()})
         self.writer.set_tags({"spark_dl.job_id": job["job_id"]})
         if self.options.rank_logs:

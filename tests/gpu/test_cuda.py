@@ -224,3 +224,27 @@ def test_two_ranks_share_a_gpu_over_gloo_and_agree():
     assert torch.equal(a, b)
     for k in da:
         assert torch.equal(da[k], db[k]) and da[k].shape == (5000, 40) and bool(da[k].isfinite().all()), k
+
+
+def _nccl_rank():
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl")  # the TorchDistributor idiom: the backend named, the env read
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    t = torch.ones(1, device="cuda") * (dist.get_rank() + 1)
+    dist.all_reduce(t)
+    out = {"sum": t.item(), "world": dist.get_world_size(), "cvd": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    dist.destroy_process_group()
+    return out
+
+
+def test_torch_distributor_local_mode_uses_one_process_per_driver_gpu(capfd):
+    from spark_dl import TorchDistributor
+
+    gpus = torch.cuda.device_count()
+    out = TorchDistributor(num_processes=gpus + 1, local_mode=True, use_gpu=True).run(_nccl_rank)
+    assert out["world"] == gpus and out["sum"] == gpus * (gpus + 1) / 2  # one process per GPU, NCCL
+    assert f"training with {gpus} processes, one per GPU" in capfd.readouterr().err

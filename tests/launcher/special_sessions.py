@@ -7,14 +7,15 @@ import tempfile
 
 from pyspark.sql import SparkSession
 
-from spark_dl import HorovodRunner, LaunchRefused
+from spark_dl import HorovodRunner, LaunchRefused, TorchDistributor
 
 
-def gpu_discovery_script() -> str:
-    """Spark runs this on the worker to find its GPUs: two pretend GPUs, '0' and '1'."""
+def gpu_discovery_script(n: int = 2) -> str:
+    """Spark runs this on the worker to find its GPUs: ``n`` pretend GPUs, '0', '1', ..."""
     fd, path = tempfile.mkstemp(suffix=".sh")
+    addresses = json.dumps({"name": "gpu", "addresses": [str(i) for i in range(n)]})
     with os.fdopen(fd, "w") as f:
-        f.write('#!/bin/sh\necho \'{"name": "gpu", "addresses": ["0", "1"]}\'\n')
+        f.write(f"#!/bin/sh\necho '{addresses}'\n")
     os.chmod(path, 0o755)
     return path
 
@@ -37,6 +38,17 @@ def gpu_env():
     return {**{k: os.environ.get(k) for k in keys}, "task_pid": os.getppid()}
 
 
+def gathered_gpu_env():
+    """Every rank's gpu_env(), gathered over the process group the TorchDistributor way."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, gpu_env())
+    dist.destroy_process_group()
+    return out
+
+
 if __name__ == "__main__":
     mode = sys.argv[1]
     if mode.startswith("gpu"):
@@ -47,6 +59,15 @@ if __name__ == "__main__":
                    "spark.executor.resource.gpu.amount": "2",
                    "spark.task.resource.gpu.amount": mode[3:]})
         print("RESULT " + json.dumps(HorovodRunner(np=2).run_all(gpu_env)), flush=True)
+    elif mode == "distributor":  # two tasks' worth of GPUs each (4 pretend GPUs, 2 per task)
+        session(**{"master": "local-cluster[1,2,1024]",
+                   "spark.worker.resource.gpu.amount": "4",
+                   "spark.worker.resource.gpu.discoveryScript": gpu_discovery_script(4),
+                   "spark.executor.resource.gpu.amount": "4",
+                   "spark.task.resource.gpu.amount": "2"})
+        on_gpus = TorchDistributor(num_processes=2, local_mode=False, use_gpu=True).run(gathered_gpu_env)
+        on_cpus = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(gathered_gpu_env)
+        print("RESULT " + json.dumps({"use_gpu": on_gpus, "no_gpu": on_cpus}), flush=True)
     elif mode == "dynalloc":
         session(**{"master": "local-cluster[1,1,1024]",
                    "spark.dynamicAllocation.enabled": "true",

@@ -110,6 +110,16 @@ def test_failed_rank_keeps_its_metrics_and_fails_the_run(tracking_uri):
     assert "ValueError: bad batch at step 30" in text
 
 
+def test_torch_distributor_positional_args_are_params(tracking_uri):
+    """TorchDistributor users pass positional args (run(train, 1e-3, 64)): they become arg0, arg1."""
+    out = spark_dl.TorchDistributor(num_processes=2, use_gpu=False, progress=False).run(train, 5, 0.25)
+    assert out == "done"
+    run = _only_run()
+    p = run.data.params
+    assert p["arg0"] == "5" and p["arg1"] == "0.25" and p["np"] == "-2" and p["main"] == "train"
+    assert [m.step for m in _history(run, "loss")] == list(range(5))
+
+
 def train_resumable(steps, fail_at):
     import torch
     import torch.distributed as dist

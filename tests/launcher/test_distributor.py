@@ -1,0 +1,212 @@
+"""``spark_dl.TorchDistributor``: PySpark's TorchDistributor API on spark-dl's launcher, checked
+against PySpark's own class on the same functions."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spark_dl import HorovodRunner, LaunchRefused, RankFailed, TorchDistributor
+
+from test_sessions import result, run_script
+
+TORCHRUN_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                 "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+                 "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "CUDA_VISIBLE_DEVICES")
+
+
+def allreduce_rank(scale, offset=0.0):
+    """What a TorchDistributor user writes: the process group from torchrun's environment."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group(backend="gloo")
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    env = {k: os.environ.get(k) for k in TORCHRUN_KEYS}
+    dist.destroy_process_group()
+    return {"sum": t.item() * scale + offset, "env": env}
+
+
+def test_local_mode_runs_a_torchrun_style_function_with_args_and_kwargs():
+    out = TorchDistributor(num_processes=2, local_mode=True, use_gpu=False).run(allreduce_rank, 10.0, offset=1.0)
+    assert out["sum"] == 31.0  # (1 + 2) * 10 + 1: rank 0's value, the group formed from the env alone
+    env = out["env"]
+    assert env["RANK"] == "0" and env["WORLD_SIZE"] == "2" and env["LOCAL_WORLD_SIZE"] == "2"
+    assert env["ROLE_RANK"] == "0" and env["ROLE_WORLD_SIZE"] == "2" and env["GROUP_WORLD_SIZE"] == "1"
+    assert env["TORCHELASTIC_RUN_ID"].startswith("spark-dl-") and env["TORCHELASTIC_RESTART_COUNT"] == "0"
+    assert env["CUDA_VISIBLE_DEVICES"] == "", "use_gpu=False hides the GPUs"
+
+
+def test_distributed_mode_runs_a_barrier_stage(spark):
+    d = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False)
+    out = d.run(allreduce_rank, 1.0)
+    assert out["sum"] == 3.0 and out["env"]["WORLD_SIZE"] == "2"
+    assert d.last_run is not None and d.last_run.succeeded and d.last_run.attempts == 1
+
+
+def make_train_ddp():
+    """Nested, so both launchers pickle it by value (PySpark's workers cannot import this test module)."""
+
+    def train_ddp(lr, steps=20):
+        """A deterministic DDP run: the same parameters whichever launcher runs it."""
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        g = torch.Generator().manual_seed(100 + rank)  # each rank its own data
+        for _ in range(steps):
+            x = torch.randn(8, 4, generator=g)
+            loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        state = [p.detach().tolist() for p in model.parameters()]
+        dist.destroy_process_group()
+        return state
+
+    return train_ddp
+
+
+def test_same_parameters_as_pysparks_torch_distributor(spark):
+    """The drop-in claim: a function written for PySpark's class gives the same result under ours."""
+    from pyspark.ml.torch.distributor import TorchDistributor as PySparkTorchDistributor
+
+    train_ddp = make_train_ddp()
+    theirs = PySparkTorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(train_ddp, 0.05)
+    ours = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(train_ddp, 0.05)
+    assert ours == theirs
+    torch.manual_seed(0)
+    assert ours != [p.detach().tolist() for p in torch.nn.Linear(4, 1).parameters()], "it trained"
+
+
+SCRIPT = """
+import argparse, os, sys
+import torch, torch.distributed as dist
+p = argparse.ArgumentParser()
+p.add_argument("--out")
+p.add_argument("--fail", action="store_true")
+a = p.parse_args()
+dist.init_process_group("gloo")
+t = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(t)
+if a.fail and dist.get_rank() == 1:
+    raise ValueError("bad batch on rank 1")
+open(os.path.join(a.out, f"rank{os.environ['RANK']}.txt"), "w").write(str(t.item()))
+"""
+
+
+def test_script_path_runs_with_command_line_args_and_returns_none(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    assert TorchDistributor(num_processes=2, use_gpu=False).run(str(script), "--out", str(tmp_path)) is None
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)] == ["3.0", "3.0"]
+
+
+def test_a_failing_script_raises_the_rank_error_as_a_runtime_error(tmp_path):
+    """PySpark's class raises RuntimeError; ours is one too, and names the rank and the cause."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    with pytest.raises(RuntimeError) as e:
+        TorchDistributor(num_processes=2, use_gpu=False).run(str(script), "--out", str(tmp_path), "--fail")
+    assert isinstance(e.value, RankFailed) and e.value.rank == 1
+    assert e.value.exc_type == "builtins.ValueError" and "bad batch on rank 1" in str(e.value)
+
+
+def fail_first_attempt():
+    import os
+
+    if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["RANK"] == "1":
+        raise RuntimeError("first attempt fails")
+    return {k: os.environ[k] for k in ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS")}
+
+
+def test_restarts_show_in_torchelastic_restart_count():
+    d = TorchDistributor(num_processes=2, use_gpu=False, max_restarts=2)
+    assert d.run(fail_first_attempt) == {"TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_MAX_RESTARTS": "2"}
+    assert d.last_run.attempts == 2
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"num_processes": 0}, "num_processes must be an int >= 1"),
+    ({"num_processes": True}, "num_processes must be an int >= 1"),
+    ({"num_processes": "2"}, "num_processes must be an int >= 1"),
+    ({"local_mode": "yes"}, "local_mode must be True or False"),
+    ({"use_gpu": 1}, "use_gpu must be True or False"),
+    ({"max_restarts": -1}, "max_restarts must be an int >= 0"),
+    ({"env": {"RANK": "3"}}, "env sets RANK"),
+])
+def test_bad_arguments_are_refused_at_construction(kwargs, match):
+    with pytest.raises(LaunchRefused, match=match):
+        TorchDistributor(**{"use_gpu": False, **kwargs})
+
+
+def test_bad_train_objects_are_refused(tmp_path):
+    d = TorchDistributor(num_processes=2, use_gpu=False)
+    with pytest.raises(LaunchRefused, match="training function or the path of a training script"):
+        d.run(42)
+    with pytest.raises(LaunchRefused, match="command-line arguments only.*'lr'"):
+        d.run(str(tmp_path / "train.py"), lr=0.1)
+    with pytest.raises(LaunchRefused, match="does not exist"):
+        d.run(str(tmp_path / "missing.py"))
+    with pytest.raises(LaunchRefused, match="positional argument 1 cannot be sent.*_thread.lock"):
+        import threading
+
+        d.run(allreduce_rank, 1.0, threading.Lock())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a driver without GPUs; tests/gpu covers the other case")
+def test_use_gpu_on_a_driver_without_gpus_is_refused():
+    with pytest.raises(LaunchRefused, match=r"torch.cuda.device_count\(\) == 0.*use_gpu=False"):
+        TorchDistributor(num_processes=2, local_mode=True, use_gpu=True).run(allreduce_rank, 1.0)
+
+
+def test_use_gpu_without_spark_gpu_scheduling_is_refused(spark):
+    with pytest.raises(LaunchRefused, match="spark.task.resource.gpu.amount=0.*use_gpu=False"):
+        TorchDistributor(num_processes=2, local_mode=False, use_gpu=True).run(allreduce_rank, 1.0)
+
+
+def test_gpus_per_task_decide_processes_per_task_only_with_use_gpu():
+    """4 pretend GPUs, 2 per task: use_gpu=True starts both processes in one task (one per GPU),
+    use_gpu=False one per task, as PySpark does, with the GPUs hidden."""
+    out = result(run_script("distributor"))
+    on_gpus, no_gpu = out["use_gpu"], out["no_gpu"]
+    assert on_gpus[0]["task_pid"] == on_gpus[1]["task_pid"]
+    assert [r["SPARK_DL_CUDA_DEVICE"] for r in on_gpus] == ["0", "1"]
+    assert no_gpu[0]["task_pid"] != no_gpu[1]["task_pid"]
+    assert [r["CUDA_VISIBLE_DEVICES"] for r in no_gpu] == ["", ""]
+    assert [r["SPARK_DL_CUDA_DEVICE"] for r in no_gpu] == [None, None]
+
+
+# -- HorovodRunner's env= and positional args, which TorchDistributor is built on --------------------------
+
+def read_env(*names):
+    import os
+
+    return {n: os.environ.get(n) for n in names}
+
+
+def test_runner_env_reaches_every_rank_locally_and_on_spark(spark):
+    env = {"SPARK_DL_TEST_VAR": "x y", "OMP_NUM_THREADS": "1"}
+    for np in (-2, 2):
+        values = HorovodRunner(np=np, env=env).run_all(read_env, "SPARK_DL_TEST_VAR", "OMP_NUM_THREADS")
+        assert values == [env, env]
+
+
+@pytest.mark.parametrize("env, match", [
+    ({"MASTER_PORT": "1234"}, "env sets MASTER_PORT, which spark-dl sets"),
+    ({"TORCHELASTIC_USE_AGENT_STORE": "True"}, "env sets TORCHELASTIC_USE_AGENT_STORE"),
+    ({"OMP_NUM_THREADS": 4}, r"env\['OMP_NUM_THREADS'\] must be a str.*\{'OMP_NUM_THREADS': '4'\}"),
+    ({"A=B": "1"}, "not an environment variable name"),
+    ({"": "1"}, "not an environment variable name"),
+    ({"X": "a\0b"}, "without NUL"),
+    (["X=1"], "env must be a dict"),
+])
+def test_runner_env_refusals(env, match):
+    with pytest.raises(LaunchRefused, match=match):
+        HorovodRunner(np=-2, env=env)
