@@ -2,10 +2,12 @@
 
 Driver side: :class:`HorovodRunner` (or :class:`TorchDistributor`, PySpark's API). Inside the training function: :func:`init`,
 :func:`log_to_driver`, :func:`get_context`, :func:`log_metrics`, :func:`log_params`, :func:`log_model`,
-:func:`save_checkpoint`, :func:`load_checkpoint`.
+:func:`save_checkpoint`, :func:`load_checkpoint`, and Ray Train's :func:`get_device`, :func:`prepare_model`,
+:func:`prepare_data_loader`.
 """
 from .checkpoint import load_checkpoint, save_checkpoint
 from .distributor import TorchDistributor
+from .prepare import get_device, prepare_data_loader, prepare_model
 from .errors import JobFailed, LaunchRefused, RankFailed, SparkDLError
 from .rank import RankContext, get_context, init, log_to_driver
 from .runner import HorovodRunner, RunInfo
@@ -24,6 +26,9 @@ __all__ = [
     "log_model",
     "save_checkpoint",
     "load_checkpoint",
+    "get_device",
+    "prepare_model",
+    "prepare_data_loader",
     "Tracking",
     "RankContext",
     "RunInfo",

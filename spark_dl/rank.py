@@ -74,13 +74,20 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> str:
                 f"per rank. Use at most {count} rank(s) per host (np), give each task its own GPU "
                 "(spark.task.resource.gpu.amount), or call spark_dl.init(backend='gloo')."
             )
-        device = int(os.environ.get("SPARK_DL_CUDA_DEVICE", os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device % count)
+        torch.cuda.set_device(cuda_index())
     kwargs: dict[str, Any] = {"backend": backend}
     if timeout_s is not None:
         kwargs["timeout"] = timedelta(seconds=timeout_s)
     dist.init_process_group(**kwargs)
     return backend
+
+
+def cuda_index() -> int:
+    """The index of this rank's GPU among those it sees: the task's assignment, else its local rank."""
+    import torch
+
+    index = int(os.environ.get("SPARK_DL_CUDA_DEVICE", os.environ.get("LOCAL_RANK", "0")))
+    return index % torch.cuda.device_count()
 
 
 class _Outbox:

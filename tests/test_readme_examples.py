@@ -14,7 +14,8 @@ README = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
 
 EXAMPLES = [
     ("## Quick start", 0),
-    ("## The launcher: `HorovodRunner`", 1),
+    ("## The launcher: `HorovodRunner`", 0),
+    ("## The launcher: `HorovodRunner`", 2),
     ("## PySpark's `TorchDistributor`, on this launcher", 0),
     ("## Training on a Spark DataFrame", 0),
     ("## Horovod-compatible API", 0),

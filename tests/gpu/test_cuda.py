@@ -248,3 +248,21 @@ def test_torch_distributor_local_mode_uses_one_process_per_driver_gpu(capfd):
     out = TorchDistributor(num_processes=gpus + 1, local_mode=True, use_gpu=True).run(_nccl_rank)
     assert out["world"] == gpus and out["sum"] == gpus * (gpus + 1) / 2  # one process per GPU, NCCL
     assert f"training with {gpus} processes, one per GPU" in capfd.readouterr().err
+
+
+def _prepared_on_gpu():
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import spark_dl
+
+    model = spark_dl.prepare_model(torch.nn.Linear(3, 1))
+    loader = spark_dl.prepare_data_loader(DataLoader(TensorDataset(torch.randn(8, 3), torch.randn(8, 1)), batch_size=4))
+    devices = {str(t.device) for x, y in loader for t in (x, y)}
+    return {"model": str(next(model.parameters()).device), "batches": sorted(devices),
+            "device": str(spark_dl.get_device())}
+
+
+def test_prepared_model_and_loader_live_on_the_ranks_gpu():
+    out = HorovodRunner(np=-1).run(_prepared_on_gpu)
+    assert out == {"model": "cuda:0", "batches": ["cuda:0"], "device": "cuda:0"}
