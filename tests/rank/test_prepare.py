@@ -149,7 +149,6 @@ def test_an_iterable_dataset_passes_with_add_dist_sampler_false():
 
 
 def test_outside_a_rank_the_helpers_say_where_they_belong():
-    import torch
     from torch.utils.data import DataLoader
 
     import spark_dl
