@@ -111,6 +111,7 @@ class HorovodRunner:
         self.progress = progress
         self.observers: list[Observer] = []
         self._ranks_per_task: int | None = None  # None: one per GPU a task gets (TorchDistributor sets 1)
+        self._task_nodes = False  # TorchDistributor: each task is a torchrun "node"
         self.last_run: RunInfo | None = None  # set by every run(), run_all() and run_script()
 
     def run(self, main: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -239,6 +240,7 @@ class HorovodRunner:
             attempt=attempt,
             max_restarts=self.max_restarts,
             rank_env=dict(self.env),
+            task_nodes=self._task_nodes,
         )
         try:
             launcher.start(spec, monitor)

@@ -36,6 +36,7 @@ class RankSpec:
     cuda_device: int | None = None  # index of this rank's own GPU within ``gpus``
     partition: int = 0
     extra_env: dict[str, str] = field(default_factory=dict)
+    host_size: int = 0  # ranks on this host (sizes OMP_NUM_THREADS); 0: local_size
 
     def env(self) -> dict[str, str]:
         env = {
@@ -69,10 +70,14 @@ def _unique(items: list[str]) -> list[str]:
     return list(seen)
 
 
-def compute_layout(tasks: list[TaskInfo], ranks_per_task: int = 1) -> dict[int, list[RankSpec]]:
+def compute_layout(tasks: list[TaskInfo], ranks_per_task: int = 1, task_nodes: bool = False) -> dict[int, list[RankSpec]]:
     """Assign global ranks to tasks: ranks on one host are consecutive, hosts in order of their
     first task. With ``ranks_per_task > 1`` (several GPUs per task), rank j of a task gets the
     task's j-th GPU. Returns ``{partition: [RankSpec, ...]}``.
+
+    A "node" (local rank and size, cross rank and size, the GPUs a rank sees) is a host, as in
+    Horovod; with ``task_nodes`` it is a task, as PySpark's TorchDistributor runs one torchrun per
+    task: local ranks count within the task, which sees only its own GPUs.
     """
     if not tasks:
         raise ValueError("no tasks to lay out")
@@ -99,23 +104,30 @@ def compute_layout(tasks: list[TaskInfo], ranks_per_task: int = 1) -> dict[int, 
 
     rank0 = ordered[0]
     out: dict[int, list[RankSpec]] = {t.partition: [] for t in ordered}
-    for r, (t, _, own) in enumerate(slots):
-        local = by_host[t.host]
-        gpus = tuple(host_gpus[t.host]) if own else ()
+    for r, (t, j, own) in enumerate(slots):
+        if task_nodes:
+            local_rank, local_size = j, ranks_per_task
+            cross_rank, cross_size = ordered.index(t), len(ordered)
+            gpus = tuple(t.gpus) if own else ()
+        else:
+            local_rank, local_size = by_host[t.host].index(r), len(by_host[t.host])
+            cross_rank, cross_size = host_order.index(t.host), len(host_order)
+            gpus = tuple(host_gpus[t.host]) if own else ()
         out[t.partition].append(
             RankSpec(
                 rank=r,
                 world_size=world,
-                local_rank=local.index(r),
-                local_size=len(local),
-                cross_rank=host_order.index(t.host),
-                cross_size=len(host_order),
+                local_rank=local_rank,
+                local_size=local_size,
+                cross_rank=cross_rank,
+                cross_size=cross_size,
                 host=t.host,
                 master_addr=rank0.host,
                 master_port=rank0.port,
                 gpus=gpus,
                 cuda_device=gpus.index(own[0]) if own else None,
                 partition=t.partition,
+                host_size=len(by_host[t.host]),
             )
         )
     return out

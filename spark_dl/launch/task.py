@@ -45,6 +45,7 @@ class JobSpec:
     attempt: int = 0  # restarts so far (HorovodRunner's max_restarts)
     max_restarts: int = 0
     rank_env: dict[str, str] = field(default_factory=dict)  # HorovodRunner(env=...), set last
+    task_nodes: bool = False  # each task is a "node" (TorchDistributor), not each host (Horovod)
 
 
 def free_port() -> int:
@@ -198,7 +199,7 @@ def run_task(spec: JobSpec, partition: int, host: str, rendezvous: Callable[[], 
         env.update(spec.rank_env)
         if env.get("CUDA_VISIBLE_DEVICES") == "":  # GPUs hidden on purpose: no device index either
             env.pop("SPARK_DL_CUDA_DEVICE", None)
-        env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS") or omp_threads(r.local_size))
+        env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS") or omp_threads(r.host_size or r.local_size))
         boot = {
             "rank": r.rank,
             "env": env,
@@ -252,7 +253,7 @@ def _in_barrier_task(spec: JobSpec, extra_env: dict[str, str] | None = None) -> 
         me = TaskInfo(partition=partition, host=host, gpus=gpus, port=free_port())
         gathered = ctx.allGather(json.dumps(me.__dict__))
         tasks = [TaskInfo(**{**json.loads(g), "gpus": tuple(json.loads(g)["gpus"])}) for g in gathered]
-        return compute_layout(tasks, spec.ranks_per_task)[partition]
+        return compute_layout(tasks, spec.ranks_per_task, spec.task_nodes)[partition]
 
     return run_task(spec, partition, host, rendezvous, extra_env)
 

@@ -34,7 +34,8 @@ def session(**conf):
 def gpu_env():
     import os
 
-    keys = ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES", "SPARK_DL_CUDA_DEVICE")
+    keys = ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "CUDA_VISIBLE_DEVICES", "SPARK_DL_CUDA_DEVICE",
+            "OMP_NUM_THREADS")
     return {**{k: os.environ.get(k) for k in keys}, "task_pid": os.getppid()}
 
 

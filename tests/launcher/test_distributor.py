@@ -2,6 +2,8 @@
 against PySpark's own class on the same functions."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -172,15 +174,21 @@ def test_use_gpu_without_spark_gpu_scheduling_is_refused(spark):
 
 
 def test_gpus_per_task_decide_processes_per_task_only_with_use_gpu():
-    """4 pretend GPUs, 2 per task: use_gpu=True starts both processes in one task (one per GPU),
-    use_gpu=False one per task, as PySpark does, with the GPUs hidden."""
+    """4 pretend GPUs, 2 per task, one executor: use_gpu=True starts both processes in one task (one
+    per GPU, seeing that task's two), use_gpu=False one per task, as PySpark does, GPUs hidden. Each
+    task is a torchrun "node": LOCAL_RANK counts within it, GROUP_RANK numbers the tasks."""
     out = result(run_script("distributor"))
     on_gpus, no_gpu = out["use_gpu"], out["no_gpu"]
     assert on_gpus[0]["task_pid"] == on_gpus[1]["task_pid"]
+    assert [(r["LOCAL_RANK"], r["LOCAL_WORLD_SIZE"], r["GROUP_RANK"]) for r in on_gpus] == [("0", "2", "0"), ("1", "2", "0")]
     assert [r["SPARK_DL_CUDA_DEVICE"] for r in on_gpus] == ["0", "1"]
+    assert len(set(on_gpus[0]["CUDA_VISIBLE_DEVICES"].split(","))) == 2
     assert no_gpu[0]["task_pid"] != no_gpu[1]["task_pid"]
+    assert [(r["LOCAL_RANK"], r["LOCAL_WORLD_SIZE"], r["GROUP_RANK"]) for r in no_gpu] == [("0", "1", "0"), ("0", "1", "1")]
     assert [r["CUDA_VISIBLE_DEVICES"] for r in no_gpu] == ["", ""]
     assert [r["SPARK_DL_CUDA_DEVICE"] for r in no_gpu] == [None, None]
+    cores = str(max(1, len(os.sched_getaffinity(0)) // 2))
+    assert [r["OMP_NUM_THREADS"] for r in no_gpu] == [cores, cores], "the host's cores shared by its 2 ranks"
 
 
 # -- HorovodRunner's env= and positional args, which TorchDistributor is built on --------------------------
@@ -210,3 +218,52 @@ def test_runner_env_reaches_every_rank_locally_and_on_spark(spark):
 def test_runner_env_refusals(env, match):
     with pytest.raises(LaunchRefused, match=match):
         HorovodRunner(np=-2, env=env)
+
+
+def make_lightning_train():
+    """PyTorch Lightning as PySpark's TorchDistributor docs show it (nested: pickled by value)."""
+
+    def train(devices, num_nodes):
+        import lightning as L
+        import torch
+        from torch.utils.data import DataLoader, TensorDataset
+
+        class Net(L.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.layer = torch.nn.Linear(4, 1)
+
+            def training_step(self, batch, _):
+                x, y = batch
+                return (self.layer(x) - y).pow(2).mean()
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.05)
+
+        torch.manual_seed(0)
+        x = torch.randn(256, 4)
+        data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=16)
+        trainer = L.Trainer(accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy="ddp", max_epochs=2,
+                            enable_progress_bar=False, enable_checkpointing=False, logger=False,
+                            enable_model_summary=False)
+        model = Net()
+        trainer.fit(model, data)
+        return {"environment": type(trainer.strategy.cluster_environment).__name__, "world": trainer.world_size,
+                "batches": trainer.num_training_batches, "weight": model.layer.weight.detach().tolist()}
+
+    return train
+
+
+def test_pytorch_lightning_runs_with_both_of_pysparks_idioms(spark):
+    """Local mode: devices=num_processes, num_nodes=1. On executors: devices=1, num_nodes=num_processes,
+    which needs each task to be its own node (LOCAL_RANK 0) even with both tasks on one host. Lightning
+    recognises torchrun's environment, shards the data (8 of 16 batches each) and trains the same."""
+    train = make_lightning_train()
+    local = TorchDistributor(num_processes=2, local_mode=True, use_gpu=False).run(train, 2, 1)
+    spread = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(train, 1, 2)
+    for out in (local, spread):
+        assert out["environment"] == "TorchElasticEnvironment" and out["world"] == 2 and out["batches"] == 8
+    assert local["weight"] == spread["weight"]
+    torch.manual_seed(0)
+    torch.randn(256, 4)
+    assert local["weight"] != torch.nn.Linear(4, 1).weight.tolist(), "it trained"

@@ -64,3 +64,27 @@ def test_bad_layout_inputs():
         compute_layout([])
     with pytest.raises(ValueError):
         compute_layout([TaskInfo(0, "h")], ranks_per_task=0)
+
+
+def test_task_nodes_make_each_task_a_torchrun_node():
+    """TorchDistributor's view: two tasks with one GPU each on one host are two "nodes", each with
+    LOCAL_RANK 0 and only its own GPU visible (so cuda:0 is its GPU); ranks still consecutive per
+    host, OpenMP threads still shared out per host."""
+    tasks = [TaskInfo(0, "h", gpus=("3",), port=1), TaskInfo(1, "h", gpus=("1",), port=2),
+             TaskInfo(2, "g", gpus=("0",), port=3)]
+    ranks = flat(compute_layout(tasks, task_nodes=True))
+    assert [(r.rank, r.partition, r.local_rank, r.local_size) for r in ranks] == [
+        (0, 0, 0, 1), (1, 1, 0, 1), (2, 2, 0, 1)]
+    assert [r.env()["GROUP_RANK"] for r in ranks] == ["0", "1", "2"]
+    assert {r.env()["GROUP_WORLD_SIZE"] for r in ranks} == {"3"}
+    assert [r.env()["CUDA_VISIBLE_DEVICES"] for r in ranks] == ["3", "1", "0"]
+    assert [r.env()["SPARK_DL_CUDA_DEVICE"] for r in ranks] == ["0", "0", "0"]
+    assert [r.host_size for r in ranks] == [2, 2, 1]
+
+
+def test_task_nodes_with_several_gpus_per_task():
+    tasks = [TaskInfo(0, "h", gpus=("2", "3")), TaskInfo(1, "h", gpus=("0", "1"))]
+    ranks = flat(compute_layout(tasks, ranks_per_task=2, task_nodes=True))
+    assert [(r.local_rank, r.local_size, r.cross_rank) for r in ranks] == [(0, 2, 0), (1, 2, 0), (0, 2, 1), (1, 2, 1)]
+    assert [r.env()["CUDA_VISIBLE_DEVICES"] for r in ranks] == ["2,3", "2,3", "0,1", "0,1"]
+    assert [r.cuda_device for r in ranks] == [0, 1, 0, 1]
