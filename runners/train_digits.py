@@ -10,49 +10,15 @@ has too few task slots, ...: the reason is on stderr); 2 bad arguments; 3 the ac
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from typing import Callable, Sequence
+from typing import Sequence
 
 from spark_dl.examples.digits import COMPRESSIONS
+from spark_dl.submit import (EXIT_FAILED, EXIT_OK, fraction, non_negative_int, nonzero_int, positive_float,
+                             positive_int, spark_session, stderr_writer)
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_BELOW_MIN = 0, 1, 2, 3
+EXIT_BELOW_MIN = 3
 PROG = "train_digits.py"
-
-
-def _nonzero_int(text: str) -> int:
-    value = int(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError("must not be 0 (N > 0: N ranks on Spark; -N: N local processes)")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
-    return value
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -64,23 +30,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         epilog="Exit codes: 0 success; 1 the run failed or was refused (reason on stderr); 2 bad arguments; "
                "3 accuracy below --min-accuracy.",
     )
-    parser.add_argument("--np", type=_nonzero_int, default=2,
+    parser.add_argument("--np", type=nonzero_int, default=2,
                         help="number of ranks: N > 0 runs N ranks in a Spark barrier stage (needs N task slots); "
                              "-N runs N local processes on the driver without Spark (default: %(default)s)")
-    parser.add_argument("--epochs", type=_positive_int, default=10, help="passes over the training set (default: %(default)s)")
-    parser.add_argument("--batch-size", type=_positive_int, default=16, help="batch size per rank (default: %(default)s)")
-    parser.add_argument("--lr", type=_positive_float, default=0.002,
+    parser.add_argument("--epochs", type=positive_int, default=10, help="passes over the training set (default: %(default)s)")
+    parser.add_argument("--batch-size", type=positive_int, default=16, help="batch size per rank (default: %(default)s)")
+    parser.add_argument("--lr", type=positive_float, default=0.002,
                         help="Adam learning rate per rank; the run uses lr * ranks (Horovod's scaling) (default: %(default)s)")
     parser.add_argument("--compression", choices=COMPRESSIONS, default="none",
                         help="gradient compression for DistributedOptimizer (topk and randomk send 10%% "
                              "of the gradient, with error feedback) (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=42, help="seed for weights and data order (default: %(default)s)")
-    parser.add_argument("--min-accuracy", type=_fraction, default=0.0,
+    parser.add_argument("--min-accuracy", type=fraction, default=0.0,
                         help="exit with code 3 if the final test accuracy is below this (default: %(default)s)")
-    parser.add_argument("--max-restarts", type=_non_negative_int, default=0,
+    parser.add_argument("--max-restarts", type=non_negative_int, default=0,
                         help="launch a failed run again up to this many times (a lost executor, a killed rank), "
                              "resuming after the last finished epoch (default: %(default)s)")
-    parser.add_argument("--run-timeout", type=_positive_float, default=None,
+    parser.add_argument("--run-timeout", type=positive_float, default=None,
                         help="stop every rank and fail the attempt after this many seconds (a hang); "
                              "retried with --max-restarts (default: no limit)")
     parser.add_argument("--checkpoint-dir", default=None,
@@ -95,44 +61,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _spark_session(args: argparse.Namespace, error: Callable[[str], None]):
-    """The SparkSession to run on: spark-submit's, or one on --master / local[np] under plain python."""
-    from pyspark.sql import SparkSession
-
-    builder = SparkSession.builder.appName("spark-dl train_digits")
-    # spark-submit hands its JVM to Python through PYSPARK_GATEWAY_PORT; its --master and --conf
-    # are already in that JVM's configuration and must win.
-    if "PYSPARK_GATEWAY_PORT" in os.environ:
-        spark = builder.getOrCreate()
-        configured = spark.sparkContext.master
-        if args.master and args.master != configured:
-            error(f"{PROG}: ignoring --master {args.master}: spark-submit set the master to {configured}; "
-                  "pass --master to spark-submit instead")
-        return spark
-    return builder.master(args.master or f"local[{args.np}]").getOrCreate()
-
-
-def _stderr_writer() -> Callable[[str], None]:
-    """A function printing a line on the stderr of the command the user ran.
-
-    spark-submit merges the Python driver's stderr into its own stdout, so under spark-submit the
-    line goes through the JVM's System.err instead, where `2>` and log collectors expect errors.
-    """
-    if "PYSPARK_GATEWAY_PORT" not in os.environ:
-        return lambda line: print(line, file=sys.stderr, flush=True)
-    from pyspark import SparkContext
-
-    SparkContext._ensure_initialized()
-    system_err = SparkContext._jvm.System.err
-
-    def write(line: str) -> None:
-        sys.stdout.flush()
-        system_err.println(line)
-        system_err.flush()
-
-    return write
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the training job; return the process exit code."""
     args = parse_args(argv)
@@ -140,8 +68,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from spark_dl import HorovodRunner, LaunchRefused, SparkDLError
     from spark_dl.examples.digits import train_digits
 
-    error = _stderr_writer()
-    spark = _spark_session(args, error) if args.np > 0 else None
+    error = stderr_writer()
+    spark = spark_session(PROG, "spark-dl train_digits", args.master, args.np, error) if args.np > 0 else None
     try:
         runner = HorovodRunner(np=args.np, tracking=None if args.tracking else False, max_restarts=args.max_restarts,
                                checkpoint_dir=args.checkpoint_dir, run_timeout=args.run_timeout)

@@ -100,6 +100,7 @@ def prepare_data_loader(data_loader, *, add_dist_sampler: bool = True, move_to_d
             multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
             prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None,
             persistent_workers=loader.persistent_workers, pin_memory_device=loader.pin_memory_device,
+            **({"in_order": loader.in_order} if hasattr(loader, "in_order") else {}),
         )
     device = get_device() if move_to_device else None
     return ShardedLoader(loader, device if device is not None and device != torch.device("cpu") else None)

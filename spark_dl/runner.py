@@ -138,6 +138,9 @@ class HorovodRunner:
     # ------------------------------------------------------------------------------------------
     def _run(self, main: Callable[..., Any], kwargs: dict[str, Any], all_results: bool,
              args: tuple[Any, ...] = ()) -> Any:
+        if any(isinstance(a, DataFrameShards) for a in args):
+            raise LaunchRefused("pass spark_dl.data.shards(df) as a keyword argument (run(main, data=shards(df))), "
+                                "not a positional one: its name is how main receives its rows")
         kwargs, data = _take_dataframe(kwargs, self.np)
         payload = serialize_job(main, kwargs, args)
         launcher = self._launcher(data)

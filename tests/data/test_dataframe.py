@@ -85,6 +85,8 @@ def test_bad_dataframes_are_refused_before_launch(spark, df):
         shards(df, ["nope"])
     with pytest.raises(LaunchRefused, match="np > 0"):
         HorovodRunner(np=-2).run(read_epochs, data=shards(df), epochs=1, batch_size=4)
+    with pytest.raises(LaunchRefused, match="as a keyword argument"):
+        HorovodRunner(np=2).run(read_epochs, shards(df), 1, 4)
 
 
 def read_then_fail_once(data, epochs, batch_size):

@@ -1,0 +1,91 @@
+"""What the ``spark-submit`` entry points in ``runners/`` share: argument types, the SparkSession
+(spark-submit's, or one of their own under plain ``python``), and error lines on the right stderr."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Callable
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def nonzero_int(text: str) -> int:
+    value = int(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must not be 0 (N > 0: N ranks on Spark; -N: N local processes)")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
+    return value
+
+
+def env_pair(text: str) -> tuple[str, str]:
+    """``NAME=VALUE`` from the command line."""
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"must be NAME=VALUE, got {text!r}")
+    return name, value
+
+
+def spark_session(prog: str, app_name: str, master: str | None, np: int, error: Callable[[str], None]):
+    """The SparkSession to run on: spark-submit's, or one on ``master`` / ``local[np]`` under plain python."""
+    from pyspark.sql import SparkSession
+
+    builder = SparkSession.builder.appName(app_name)
+    # spark-submit hands its JVM to Python through PYSPARK_GATEWAY_PORT; its --master and --conf
+    # are already in that JVM's configuration and must win.
+    if "PYSPARK_GATEWAY_PORT" in os.environ:
+        spark = builder.getOrCreate()
+        configured = spark.sparkContext.master
+        if master and master != configured:
+            error(f"{prog}: ignoring --master {master}: spark-submit set the master to {configured}; "
+                  "pass --master to spark-submit instead")
+        return spark
+    return builder.master(master or f"local[{np}]").getOrCreate()
+
+
+def stderr_writer() -> Callable[[str], None]:
+    """A function printing a line on the stderr of the command the user ran.
+
+    spark-submit merges the Python driver's stderr into its own stdout, so under spark-submit the
+    line goes through the JVM's System.err instead, where `2>` and log collectors expect errors.
+    """
+    if "PYSPARK_GATEWAY_PORT" not in os.environ:
+        return lambda line: print(line, file=sys.stderr, flush=True)
+    from pyspark import SparkContext
+
+    SparkContext._ensure_initialized()
+    system_err = SparkContext._jvm.System.err
+
+    def write(line: str) -> None:
+        sys.stdout.flush()
+        system_err.println(line)
+        system_err.flush()
+
+    return write

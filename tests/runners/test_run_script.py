@@ -1,0 +1,111 @@
+"""runners/run_script.py, torchrun for Spark, as a user runs it: real spark-submit on a two-executor
+local cluster once; the rest under plain python with SPARK_HOME pointing nowhere, so any JVM start
+would fail them."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pyspark
+
+ROOT = Path(__file__).resolve().parents[2]
+RUNNER = str(ROOT / "runners" / "run_script.py")
+OPTIONS = ("--np", "--env", "--max-restarts", "--run-timeout", "--start-timeout", "--checkpoint-dir", "--quiet",
+           "--no-tracking", "--master")
+
+TRAIN = """
+import argparse, os
+import torch, torch.distributed as dist
+p = argparse.ArgumentParser()
+p.add_argument("--np", type=int)            # the same name as a runner option: it must reach the script
+p.add_argument("--fail-first-attempt", action="store_true")
+p.add_argument("--exit", type=int, default=0)
+a = p.parse_args()
+dist.init_process_group("gloo")
+t = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(t)
+if dist.get_rank() == 1 and (a.exit or (a.fail_first_attempt and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0")):
+    raise SystemExit(a.exit or 5)
+print(f"rank {dist.get_rank()} of {dist.get_world_size()}: sum {t.item()}, --np {a.np}, "
+      f"MY_VAR={os.environ.get('MY_VAR')}, attempt {os.environ['TORCHELASTIC_RESTART_COUNT']}", flush=True)
+"""
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable,
+            "SPARK_DL_TRACKING": "0", **extra}
+
+
+def _python(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, RUNNER, *args], capture_output=True, text=True,
+                          env=_env(SPARK_HOME="/nonexistent/spark"), cwd=ROOT, timeout=timeout)
+
+
+def _script(tmp_path) -> str:
+    path = tmp_path / "train.py"
+    path.write_text(TRAIN)
+    return str(path)
+
+
+def test_spark_submit_runs_the_script_on_every_rank_with_its_own_arguments(tmp_path):
+    exe = shutil.which("spark-submit") or os.path.join(os.path.dirname(pyspark.__file__), "bin", "spark-submit")
+    cmd = [exe, "--master", "local-cluster[2,1,1024]", "--conf", "spark.executor.memory=768m",
+           "--conf", "spark.ui.enabled=false", RUNNER, "--np", "2", "--env", "MY_VAR=x=1", _script(tmp_path),
+           "--np", "7"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in (0, 1):  # streamed to the driver, tagged with the rank
+        assert f"[{r}]<stdout>: rank {r} of 2: sum 3.0, --np 7, MY_VAR=x=1, attempt 0" in proc.stdout
+    assert "run_script.py: " in proc.stderr and "finished on 2 ranks" in proc.stderr
+
+
+def test_local_processes_without_spark(tmp_path):
+    proc = _python("--np", "-2", _script(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[1]<stdout>: rank 1 of 2: sum 3.0, --np None" in proc.stdout
+
+
+def test_a_failing_rank_exits_1_naming_the_rank_and_status(tmp_path):
+    proc = _python("--np", "-2", _script(tmp_path), "--exit", "3")
+    assert proc.returncode == 1
+    assert f"run_script.py: {tmp_path / 'train.py'} failed: rank 1 on localhost failed" in proc.stderr
+    assert "exited with status 3" in proc.stderr
+
+
+def test_max_restarts_reruns_a_failed_attempt(tmp_path):
+    proc = _python("--np", "-2", "--max-restarts", "1", _script(tmp_path), "--fail-first-attempt")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 0 of 2: sum 3.0, --np None, MY_VAR=None, attempt 1" in proc.stdout
+    assert "finished on 2 ranks, 1 restart(s)" in proc.stderr
+
+
+def test_quiet_keeps_rank_output_off_the_driver(tmp_path):
+    proc = _python("--np", "-2", "--quiet", _script(tmp_path))
+    assert proc.returncode == 0 and "rank 0 of 2" not in proc.stdout
+
+
+def test_refusals_exit_1_before_spark_starts(tmp_path):
+    for args, needle in [
+        ([str(tmp_path / "missing.py")], "does not exist"),
+        (["--env", "RANK=3", _script(tmp_path)], "env sets RANK"),
+    ]:
+        proc = _python("--np", "2", *args, timeout=30)  # np > 0: Spark would start, and fail, if reached
+        assert proc.returncode == 1, (args, proc.stderr)
+        assert "run_script.py: run refused: " in proc.stderr and needle in proc.stderr, (args, proc.stderr)
+
+
+def test_bad_arguments_exit_2_and_help_lists_options():
+    for args, needle in [
+        ([], "the following arguments are required: script"),
+        (["--np", "0", "x.py"], "must not be 0"),
+        (["--env", "NOVALUE", "x.py"], "must be NAME=VALUE"),
+        (["--run-timeout", "-1", "x.py"], "must be > 0"),
+    ]:
+        proc = _python(*args, timeout=30)
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert needle in proc.stderr, (args, proc.stderr)
+    proc = _python("--help", timeout=30)
+    assert proc.returncode == 0 and all(o in proc.stdout for o in OPTIONS) and "Exit codes" in proc.stdout
