@@ -96,6 +96,33 @@ print("returned:", HorovodRunner(np=2, driver_log_verbosity="all", tracking=Fals
 # COMMAND ----------
 
 # MAGIC %md
+# MAGIC ## Coming from PySpark's `TorchDistributor`
+# MAGIC
+# MAGIC `spark_dl.TorchDistributor` takes PySpark's arguments (`num_processes`, `local_mode`, `use_gpu`)
+# MAGIC and runs the same training functions (positional arguments, `init_process_group` from torchrun's
+# MAGIC environment) and scripts: switch the import. Every process's output is streamed, as PySpark does.
+
+# COMMAND ----------
+
+from spark_dl import TorchDistributor   # was: from pyspark.ml.torch.distributor import TorchDistributor
+
+
+def train(learning_rate):
+    import torch
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    print(f"rank {dist.get_rank()}: all-reduced {t.item()}")
+    dist.destroy_process_group()
+    return t.item() * learning_rate
+
+
+print("returned:", TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, tracking=False).run(train, 0.5))
+
+# COMMAND ----------
+
+# MAGIC %md
 # MAGIC ## When a rank fails
 # MAGIC
 # MAGIC An exception in any rank stops the other ranks and is raised on the driver as

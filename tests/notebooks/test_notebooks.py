@@ -64,6 +64,8 @@ def test_quickstart_runs(kernel_env):
         for i in range(3):
             assert f"[{rank}]<stdout>: hello {i} from rank {rank} of 2" in out
     assert "returned: 0" in out
+    # spark_dl.TorchDistributor: PySpark's arguments, positional args, output streamed
+    assert "[1]<stdout>: rank 1: all-reduced 3.0" in out and "returned: 1.5" in out
     # RankFailed from the rank that raised
     assert "failed rank: 1 | exception: builtins.ValueError" in out
     assert "[1]<stdout>: rank 1 starting" in out
