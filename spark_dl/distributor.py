@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping
 
 from . import cluster
 from .errors import LaunchRefused
-from .runner import START_TIMEOUT_S, HorovodRunner, RunInfo
+from .runner import START_TIMEOUT_S, HorovodRunner, RunInfo, _rank_env
 from .tracking.observer import Tracking
 
 
@@ -62,7 +62,7 @@ class TorchDistributor:
         self._options: dict[str, Any] = dict(
             driver_log_verbosity=driver_log_verbosity, start_timeout=start_timeout, tracking=tracking,
             progress=progress, max_restarts=max_restarts, checkpoint_dir=checkpoint_dir, run_timeout=run_timeout,
-            env={**rank_env, **(env or {})},
+            env={**rank_env, **_rank_env(env)},
         )
         self._runner(num_processes)  # every option checked now, not at run()
         self.last_run: RunInfo | None = None  # what HorovodRunner.last_run says of the latest run()

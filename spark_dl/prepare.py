@@ -44,11 +44,12 @@ def prepare_model(model, *, move_to_device: bool = True, parallel_strategy: str 
         raise TypeError(f"prepare_model takes a torch.nn.Module, got {type(model).__name__}")
     if isinstance(model, DistributedDataParallel):
         return model
+    ctx = get_context()  # outside a rank: says so, before init would fail on a missing MASTER_ADDR
     init()
     device = get_device()
     if move_to_device:
         model = model.to(device)
-    if parallel_strategy is None or get_context().world_size == 1:
+    if parallel_strategy is None or ctx.world_size == 1:
         return model
     kwargs = dict(parallel_strategy_kwargs or {})
     if device.type == "cuda" and move_to_device:

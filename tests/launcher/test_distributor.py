@@ -142,6 +142,7 @@ def test_restarts_show_in_torchelastic_restart_count():
     ({"use_gpu": 1}, "use_gpu must be True or False"),
     ({"max_restarts": -1}, "max_restarts must be an int >= 0"),
     ({"env": {"RANK": "3"}}, "env sets RANK"),
+    ({"env": ["X=1"]}, "env must be a dict"),
 ])
 def test_bad_arguments_are_refused_at_construction(kwargs, match):
     with pytest.raises(LaunchRefused, match=match):

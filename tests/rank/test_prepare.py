@@ -149,9 +149,12 @@ def test_an_iterable_dataset_passes_with_add_dist_sampler_false():
 
 
 def test_outside_a_rank_the_helpers_say_where_they_belong():
+    import torch
     from torch.utils.data import DataLoader
 
     import spark_dl
 
     with pytest.raises(RuntimeError, match="not inside a spark-dl rank process"):
         spark_dl.prepare_data_loader(DataLoader(list(range(4))))
+    with pytest.raises(RuntimeError, match="not inside a spark-dl rank process"):
+        spark_dl.prepare_model(torch.nn.Linear(2, 2))
