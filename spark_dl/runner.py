@@ -9,7 +9,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, TextIO
 
 from . import channel, cluster
 from .checkpoint import CheckpointStore
@@ -112,6 +112,8 @@ class HorovodRunner:
         self.observers: list[Observer] = []
         self._ranks_per_task: int | None = None  # None: one per GPU a task gets (TorchDistributor sets 1)
         self._task_nodes = False  # TorchDistributor: each task is a torchrun "node"
+        self._out: TextIO | None = None  # where rank output goes (horovod.spark.run's stdout/stderr)
+        self._err: TextIO | None = None
         self.last_run: RunInfo | None = None  # set by every run(), run_all() and run_script()
 
     def run(self, main: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -217,6 +219,8 @@ class HorovodRunner:
             verbosity=self.driver_log_verbosity,
             on_failure=lambda f: threading.Thread(target=abort, args=(f,), daemon=True).start(),
             observers=observers,
+            out=self._out,
+            err=self._err,
             checkpoints=store,
         )
         server = channel.ControlServer(secret, monitor.on_message, monitor.on_close, host=launcher.bind_host)

@@ -20,6 +20,7 @@ EXAMPLES = [
     ("## Training on a Spark DataFrame", 0),
     ("## Horovod-compatible API", 0),
     ("## Horovod-compatible API", 2),
+    ("## Horovod-compatible API", 3),
     ("## Gradient compression", 0),
     ("## Tracking with MLflow", 0),
     ("## Tracking with MLflow", 1),

@@ -1,0 +1,147 @@
+"""``horovod.spark.run`` and ``horovod.spark.run_elastic`` on spark-dl's launcher.
+
+Horovod-on-Spark code switches by changing ``import horovod.spark`` to
+``import spark_dl.horovod.spark as horovod_spark`` (and ``horovod.torch`` to ``spark_dl.horovod``).
+The ranks form a ``torch.distributed`` group (Gloo, or NCCL on GPUs) instead of MPI or Horovod's
+Gloo; what has no counterpart there (``use_mpi=True``, ``extra_mpi_args``, ``executable``) is
+refused with the reason.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable, Iterable, Mapping, TextIO
+
+from ..errors import LaunchRefused
+from ..runner import _RESERVED_ENV, HorovodRunner
+
+DEFAULT_START_TIMEOUT_S = 600.0  # Horovod's, unless HOROVOD_SPARK_START_TIMEOUT says otherwise
+DEFAULT_RESET_LIMIT = 3  # Horovod's reset_limit=None means no limit; a deterministic bug would loop forever
+
+
+def run(
+    fn: Callable[..., Any],
+    args: tuple = (),
+    kwargs: Mapping[str, Any] | None = None,
+    num_proc: int | None = None,
+    start_timeout: float | None = None,
+    use_mpi: bool | None = None,
+    use_gloo: bool | None = None,
+    extra_mpi_args: str | None = None,
+    env: Mapping[str, str] | None = None,
+    stdout: TextIO | None = None,
+    stderr: TextIO | None = None,
+    verbose: int = 1,
+    nics: Iterable[str] | None = None,
+    prefix_output_with_timestamp: bool = False,
+    executable: str | None = None,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``num_proc`` ranks in a Spark barrier stage; return every
+    rank's result, in rank order.
+
+    ``num_proc`` defaults to ``spark.default.parallelism``; ``env`` adds variables to the ranks'
+    environment (those spark-dl sets per rank, ``RANK`` and the like, are the launcher's);
+    ``nics`` restricts Gloo and NCCL to those network interfaces; every rank's output goes to
+    ``stdout``/``stderr`` (default: the driver's). ``verbose`` is accepted and has no effect.
+    """
+    runner = _runner(num_proc, start_timeout, use_mpi, extra_mpi_args, env, stdout, stderr, nics,
+                     prefix_output_with_timestamp, executable, max_restarts=0)
+    return runner._run(fn, dict(kwargs or {}), all_results=True, args=tuple(args))
+
+
+def run_elastic(
+    fn: Callable[..., Any],
+    args: tuple = (),
+    kwargs: Mapping[str, Any] | None = None,
+    num_proc: int | None = None,
+    min_num_proc: int | None = None,
+    max_num_proc: int | None = None,
+    start_timeout: float | None = None,
+    elastic_timeout: float | None = None,
+    reset_limit: int | None = None,
+    env: Mapping[str, str] | None = None,
+    stdout: TextIO | None = None,
+    stderr: TextIO | None = None,
+    verbose: int = 1,
+    nics: Iterable[str] | None = None,
+    prefix_output_with_timestamp: bool = False,
+    min_np: int | None = None,
+    max_np: int | None = None,
+) -> list[Any]:
+    """:func:`run` for a function written with ``spark_dl.horovod.elastic`` (``@hvd.elastic.run``
+    and a committed state): a failed attempt is restarted, every rank fresh, up to ``reset_limit``
+    times (default 3), resuming from the last commit.
+
+    Restarts keep ``num_proc`` ranks: a ``min_num_proc``/``max_num_proc`` other than ``num_proc``
+    is refused (a barrier stage has a fixed size). ``elastic_timeout`` bounds each restart's wait
+    for task slots.
+    """
+    num_proc = _num_proc(num_proc)
+    for name, value in (("min_num_proc", min_num_proc if min_np is None else min_np),
+                        ("max_num_proc", max_num_proc if max_np is None else max_np)):
+        if value is not None and value != num_proc:
+            raise LaunchRefused(
+                f"{name}={value} with num_proc={num_proc}: spark-dl restarts a run at the size it started with "
+                "(one Spark barrier stage has a fixed number of tasks). Leave min/max unset or equal to num_proc."
+            )
+    limit = DEFAULT_RESET_LIMIT if reset_limit is None else reset_limit
+    runner = _runner(num_proc, start_timeout if elastic_timeout is None else elastic_timeout, None, None, env,
+                     stdout, stderr, nics, prefix_output_with_timestamp, None, max_restarts=limit)
+    return runner._run(fn, dict(kwargs or {}), all_results=True, args=tuple(args))
+
+
+def _num_proc(num_proc: int | None) -> int:
+    if num_proc is not None:
+        return num_proc
+    from .. import cluster
+
+    return cluster.active_session(2).sparkContext.defaultParallelism
+
+
+def _runner(num_proc, start_timeout, use_mpi, extra_mpi_args, env, stdout, stderr, nics,
+            prefix_output_with_timestamp, executable, max_restarts: int) -> HorovodRunner:
+    if use_mpi:
+        raise LaunchRefused("use_mpi=True: spark-dl has no MPI; its ranks use torch.distributed "
+                            "(Gloo, or NCCL on GPUs). Leave use_mpi unset.")
+    if extra_mpi_args:
+        raise LaunchRefused(f"extra_mpi_args={extra_mpi_args!r}: spark-dl has no MPI to pass them to; drop them")
+    if executable is not None:
+        raise LaunchRefused(f"executable={executable!r}: ranks run the executors' Python (PYSPARK_PYTHON); "
+                            "set that instead")
+    num_proc = _num_proc(num_proc)
+    if isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1:
+        raise LaunchRefused(f"num_proc must be an int >= 1, got {num_proc!r}")
+    if start_timeout is None:
+        start_timeout = float(os.environ.get("HOROVOD_SPARK_START_TIMEOUT", DEFAULT_START_TIMEOUT_S))
+    rank_env = {k: v for k, v in dict(env or {}).items() if k not in _RESERVED_ENV}
+    if nics:
+        names = ",".join(sorted(nics)) if not isinstance(nics, str) else nics
+        rank_env.setdefault("GLOO_SOCKET_IFNAME", names)
+        rank_env.setdefault("NCCL_SOCKET_IFNAME", names)
+    runner = HorovodRunner(np=num_proc, driver_log_verbosity="all", start_timeout=start_timeout,
+                           max_restarts=max_restarts, env=rank_env)
+    if prefix_output_with_timestamp:
+        stdout, stderr = _Timestamped(stdout), _Timestamped(stderr, err=True)
+    runner._out, runner._err = stdout, stderr
+    return runner
+
+
+class _Timestamped:
+    """A stream that starts every line with the time, as Horovod's prefix_output_with_timestamp."""
+
+    def __init__(self, target: TextIO | None, err: bool = False) -> None:
+        self.target = target
+        self.err = err
+
+    def _stream(self) -> TextIO:
+        import sys
+
+        return self.target or (sys.stderr if self.err else sys.stdout)
+
+    def write(self, text: str) -> int:
+        stamp = time.strftime("%a %b %d %H:%M:%S %Y")
+        lines = text.splitlines(keepends=True)
+        return self._stream().write("".join(f"{stamp}{line}" if line.strip() else line for line in lines))
+
+    def flush(self) -> None:
+        self._stream().flush()

@@ -1,0 +1,75 @@
+"""``spark_dl.horovod.spark.run`` / ``run_elastic``: Horovod-on-Spark code (``horovod.spark.run(fn,
+args, kwargs, num_proc)``) in real barrier stages, with Horovod's options mapped or refused."""
+from __future__ import annotations
+
+import io
+import re
+
+import pytest
+
+import spark_dl.horovod.spark as horovod_spark
+from spark_dl import LaunchRefused
+from test_elastic import elastic_train
+
+
+def fn(magic, scale=1.0, main="a kwarg named like HorovodRunner.run's first parameter"):
+    import os
+
+    import torch
+
+    import spark_dl.horovod as hvd
+
+    hvd.init()
+    total = hvd.allreduce(torch.tensor([hvd.rank() + 1.0]), op=hvd.Sum)
+    print(f"rank {hvd.rank()} of {hvd.size()} says hi", flush=True)
+    env = {k: os.environ.get(k) for k in ("MY_VAR", "RANK", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+    return hvd.rank(), total.item() * scale, magic, main, env
+
+
+def test_run_returns_every_ranks_result_in_rank_order(spark):
+    out = horovod_spark.run(fn, args=(7,), kwargs={"scale": 2.0, "main": "m"}, num_proc=2,
+                            env={"MY_VAR": "v", "RANK": "9"}, nics={"lo"})
+    assert [o[:4] for o in out] == [(0, 6.0, 7, "m"), (1, 6.0, 7, "m")]
+    envs = [o[4] for o in out]
+    assert [e["RANK"] for e in envs] == ["0", "1"], "the launcher's RANK, not env's"
+    assert {e["MY_VAR"] for e in envs} == {"v"}
+    assert {(e["GLOO_SOCKET_IFNAME"], e["NCCL_SOCKET_IFNAME"]) for e in envs} == {("lo", "lo")}
+
+
+def test_num_proc_defaults_to_the_default_parallelism(spark):
+    out = horovod_spark.run(fn, args=(1,))
+    assert len(out) == spark.sparkContext.defaultParallelism == 4
+    assert [o[1] for o in out] == [10.0] * 4
+
+
+def test_rank_output_goes_to_the_given_streams_with_timestamps(spark):
+    out, err = io.StringIO(), io.StringIO()
+    horovod_spark.run(fn, args=(1,), num_proc=2, stdout=out, stderr=err, prefix_output_with_timestamp=True)
+    lines = [line for line in out.getvalue().splitlines() if "says hi" in line]
+    assert len(lines) == 2
+    for line in lines:
+        assert re.match(r"\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4}\[\d\]<stdout>: rank \d of 2 says hi$", line), line
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"use_mpi": True}, "spark-dl has no MPI"),
+    ({"extra_mpi_args": "-x FOO"}, "no MPI to pass them to"),
+    ({"executable": "/usr/bin/python3"}, "PYSPARK_PYTHON"),
+    ({"num_proc": 0}, "num_proc must be an int >= 1"),
+])
+def test_what_has_no_counterpart_is_refused(kwargs, match):
+    with pytest.raises(LaunchRefused, match=match):
+        horovod_spark.run(fn, args=(1,), **{"num_proc": 2, **kwargs})
+
+
+def test_run_elastic_restarts_from_the_last_commit(spark, tmp_path):
+    outs = horovod_spark.run_elastic(elastic_train, kwargs={"out_dir": str(tmp_path)}, num_proc=2)
+    assert [o["attempt"] for o in outs] == [1, 1], "one restart after rank 1 died"
+    assert [o["start"]["epoch"] for o in outs] == [1, 1] and outs[0]["params"] == outs[1]["params"]
+
+
+def test_run_elastic_refuses_a_changing_size(spark):
+    with pytest.raises(LaunchRefused, match="min_num_proc=1 with num_proc=2.*fixed number of tasks"):
+        horovod_spark.run_elastic(fn, args=(1,), num_proc=2, min_num_proc=1, max_num_proc=2)
+    with pytest.raises(LaunchRefused, match="max_num_proc=4 with num_proc=2"):
+        horovod_spark.run_elastic(fn, args=(1,), num_proc=2, max_np=4)
