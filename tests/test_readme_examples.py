@@ -18,6 +18,7 @@ EXAMPLES = [
     ("## The launcher: `HorovodRunner`", 2),
     ("## PySpark's `TorchDistributor`, on this launcher", 0),
     ("## Training on a Spark DataFrame", 0),
+    ("## Training on a Spark DataFrame", 1),
     ("## Horovod-compatible API", 0),
     ("## Horovod-compatible API", 2),
     ("## Horovod-compatible API", 3),

@@ -1,0 +1,196 @@
+"""Spark ML-style training: ``TorchEstimator(...).fit(df)`` trains on a DataFrame across ranks and
+returns a ``TorchModel`` whose ``transform(df)`` adds a prediction column, in the manner of
+Horovod's ``horovod.spark.torch.TorchEstimator``.
+
+``fit`` is one :class:`spark_dl.HorovodRunner` run on :func:`spark_dl.data.shards` (a global shuffle
+per epoch, no detour through the driver); ``transform`` is a ``mapInArrow`` over the DataFrame with
+the trained model shipped to the executors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from .errors import LaunchRefused
+
+
+def _names(value: str | Sequence[str], what: str) -> list[str]:
+    names = [value] if isinstance(value, str) else list(value)
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise LaunchRefused(f"{what} must be a column name or a non-empty list of them, got {value!r}")
+    return names
+
+
+class TorchEstimator:
+    """Train ``model`` on a DataFrame's ``feature_cols`` against its ``label_cols``.
+
+    Args:
+        model: the ``torch.nn.Module`` to train; called as ``model(*features)``, one tensor per
+            feature column (numeric columns: 1-D, arrays of numbers: 2-D).
+        optimizer: an optimizer over ``model.parameters()`` (Horovod's style) or a function
+            ``params -> optimizer`` (``functools.partial(torch.optim.SGD, lr=0.1)``).
+        loss: ``loss(output, *labels) -> tensor`` (``torch.nn.functional.cross_entropy``).
+        feature_cols, label_cols: column names (a str for one).
+        batch_size: rows per rank per step; epochs: passes over the data.
+        num_proc: ranks, in one Spark barrier stage.
+        prediction_col: the column ``TorchModel.transform`` adds.
+        shuffle, seed: a new global shuffle of the rows every epoch, from ``seed``.
+        runner_options: more :class:`spark_dl.HorovodRunner` options (``max_restarts``, ``tracking``, ...).
+    """
+
+    def __init__(self, *, model, optimizer, loss: Callable[..., Any], feature_cols: str | Sequence[str],
+                 label_cols: str | Sequence[str], batch_size: int = 32, epochs: int = 1, num_proc: int = 2,
+                 prediction_col: str = "prediction", shuffle: bool = True, seed: int = 0,
+                 **runner_options: Any) -> None:
+        import torch
+
+        if not isinstance(model, torch.nn.Module):
+            raise LaunchRefused(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not (isinstance(optimizer, torch.optim.Optimizer) or callable(optimizer)):
+            raise LaunchRefused(
+                "optimizer must be a torch.optim.Optimizer over model.parameters() or a function params -> "
+                f"optimizer, got {type(optimizer).__name__}"
+            )
+        if isinstance(optimizer, torch.optim.Optimizer):
+            own = {id(p) for p in model.parameters()}
+            if not all(id(p) in own for g in optimizer.param_groups for p in g["params"]):
+                raise LaunchRefused("optimizer was built over parameters that are not model's: build it "
+                                    "with model.parameters(), or pass a function params -> optimizer")
+        if not callable(loss):
+            raise LaunchRefused(f"loss must be a function (output, *labels) -> tensor, got {type(loss).__name__}")
+        for name, value in (("batch_size", batch_size), ("epochs", epochs), ("num_proc", num_proc)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise LaunchRefused(f"{name} must be an int >= 1, got {value!r}")
+        self.model = model
+        self.optimizer = optimizer
+        self.loss = loss
+        self.feature_cols = _names(feature_cols, "feature_cols")
+        self.label_cols = _names(label_cols, "label_cols")
+        self.batch_size = batch_size
+        self.epochs = epochs
+        self.num_proc = num_proc
+        self.prediction_col = prediction_col
+        self.shuffle = shuffle
+        self.seed = seed
+        self.runner_options = runner_options
+
+    def fit(self, df) -> "TorchModel":
+        """Train across ``num_proc`` ranks; return the trained model as a :class:`TorchModel`."""
+        from .data import shards
+        from .runner import HorovodRunner
+
+        missing = [c for c in self.feature_cols + self.label_cols if c not in df.columns]
+        if missing:
+            raise LaunchRefused(f"columns {missing} are not in the DataFrame (it has {df.columns})")
+        data = shards(df, self.feature_cols + self.label_cols, shuffle=self.shuffle, seed=self.seed)
+        runner = HorovodRunner(np=self.num_proc, **self.runner_options)
+        out = runner.run(_fit, data=data, model=self.model, optimizer=self.optimizer, loss=self.loss,
+                         feature_cols=self.feature_cols, label_cols=self.label_cols,
+                         batch_size=self.batch_size, epochs=self.epochs)
+        import copy
+
+        trained = copy.deepcopy(self.model).cpu()
+        trained.load_state_dict(out["state"])
+        return TorchModel(trained, self.feature_cols, self.prediction_col, history=out["history"])
+
+
+def _fit(data, model, optimizer, loss, feature_cols, label_cols, batch_size, epochs):
+    """Each rank: DDP over the rank's device, one pass over its shard per epoch; rank 0 returns the
+    trained weights and the per-epoch loss averaged over every rank's batches."""
+    import torch
+    import torch.distributed as dist
+
+    import spark_dl
+
+    from .prepare import prepare_model
+
+    spark_dl.init()
+    # .to(device) moves parameters in place, so an optimizer unpickled with the model still holds them
+    ddp = prepare_model(model)
+    opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer(ddp.parameters())
+    device = spark_dl.get_device()
+    history = []
+    for epoch in range(epochs):
+        total = torch.zeros(2, dtype=torch.float64)
+        for batch in data.batches(batch_size=batch_size, epoch=epoch):
+            out = ddp(*[batch[c].to(device) for c in feature_cols])
+            value = loss(out, *[batch[c].to(device) for c in label_cols])
+            opt.zero_grad()
+            value.backward()
+            opt.step()
+            total += torch.tensor([value.item(), 1.0], dtype=torch.float64)
+        dist.all_reduce(total)
+        history.append(total[0].item() / max(total[1].item(), 1.0))
+        spark_dl.log_metrics({"train_loss": history[-1]}, step=epoch)
+    return {"state": {k: v.detach().cpu() for k, v in model.state_dict().items()}, "history": history}
+
+
+@dataclass
+class TorchModel:
+    """A trained model that adds its predictions to a DataFrame: ``transform(df)``."""
+
+    model: Any
+    feature_cols: list[str]
+    prediction_col: str = "prediction"
+    history: list[float] = field(default_factory=list)  # per-epoch training loss, averaged over ranks
+
+    def getModel(self):  # noqa: N802 - Horovod's TorchModel name
+        """The trained ``torch.nn.Module`` (on the CPU)."""
+        return self.model
+
+    def transform(self, df):
+        """``df`` with ``prediction_col`` added: the model's output per row (a float for one output,
+        else an array of floats), computed on the executors in Arrow batches."""
+        import cloudpickle
+        from pyspark.sql import types as T
+
+        from .data import _check_type
+
+        if self.prediction_col in df.columns:
+            raise LaunchRefused(f"the DataFrame already has a column {self.prediction_col!r}; "
+                                "pick another prediction_col")
+        kinds = {}
+        for c in self.feature_cols:
+            if c not in df.columns:
+                raise LaunchRefused(f"feature column {c!r} is not in the DataFrame (it has {df.columns})")
+            kinds[c] = _check_type(c, df.schema[c].dataType)
+        width = self._output_width(df, kinds)
+        out_type = T.FloatType() if width == 1 else T.ArrayType(T.FloatType())
+        schema = T.StructType(df.schema.fields + [T.StructField(self.prediction_col, out_type)])
+        blob = cloudpickle.dumps(self.model)
+        cols, name = self.feature_cols, self.prediction_col
+
+        def predict(batches):
+            import cloudpickle
+            import pyarrow as pa
+            import torch
+
+            from spark_dl.data import _to_tensor
+
+            model = cloudpickle.loads(blob).eval()
+            for batch in batches:
+                with torch.no_grad():
+                    out = model(*[_to_tensor(batch.column(c), kinds[c], c) for c in cols]).float()
+                flat = out.reshape(len(batch), -1).numpy()
+                if width == 1:
+                    column = pa.array(flat[:, 0], type=pa.float32())
+                else:
+                    offsets = pa.array(range(0, flat.size + 1, width), type=pa.int32())
+                    column = pa.ListArray.from_arrays(offsets, pa.array(flat.reshape(-1), type=pa.float32()))
+                yield pa.RecordBatch.from_arrays(list(batch.columns) + [column],
+                                                 names=list(batch.schema.names) + [name])
+
+        return df.mapInArrow(predict, schema)
+
+    def _output_width(self, df, kinds) -> int:
+        """How many numbers the model gives per row, from one row run through it on the driver."""
+        import torch
+
+        from .data import _to_tensor
+
+        sample = df.select(*self.feature_cols).limit(1).toArrow()
+        if sample.num_rows == 0:
+            raise LaunchRefused("the DataFrame is empty: nothing to predict")
+        with torch.no_grad():
+            out = self.model.eval()(*[_to_tensor(sample.column(c), kinds[c], c) for c in self.feature_cols])
+        return int(out.reshape(1, -1).shape[1])

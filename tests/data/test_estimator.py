@@ -1,0 +1,117 @@
+"""TorchEstimator.fit(df) / TorchModel.transform(df): training on a DataFrame across ranks in a barrier
+stage and predicting on the executors, checked against the same model run on the driver."""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+from spark_dl import LaunchRefused, RankFailed
+from spark_dl.estimator import TorchEstimator, TorchModel
+
+
+@pytest.fixture
+def digits(spark):
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    rows = [([float(v) / 16 for v in x], int(y)) for x, y in zip(d.data, d.target)]
+    df = spark.createDataFrame(rows, "pixels array<float>, label long")
+    return df.randomSplit([0.8, 0.2], seed=0)
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+
+
+def test_fit_then_transform_classifies_held_out_digits(digits):
+    train, test = digits
+    model = _mlp()
+    est = TorchEstimator(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=0.01),  # Horovod's style
+                         loss=torch.nn.functional.cross_entropy, feature_cols="pixels", label_cols="label",
+                         batch_size=32, epochs=5, num_proc=2)
+    fitted = est.fit(train)
+    assert len(fitted.history) == 5 and fitted.history[-1] < fitted.history[0] / 3
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), _mlp().state_dict().values())), \
+        "the estimator's own model is left as it was"
+    predicted = fitted.transform(test)
+    assert predicted.schema["prediction"].dataType.simpleString() == "array<float>"
+    rows = predicted.select("pixels", "label", "prediction").collect()
+    accuracy = np.mean([int(np.argmax(r.prediction)) == r.label for r in rows])
+    assert accuracy > 0.9, accuracy
+    # the executors' predictions are the trained model's, row for row
+    x = torch.tensor([r.pixels for r in rows])
+    with torch.no_grad():
+        expected = fitted.getModel()(x)
+    torch.testing.assert_close(torch.tensor([r.prediction for r in rows]), expected)
+
+
+class TwoInputs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Linear(2, 1)
+
+    def forward(self, a, b):  # one tensor per feature column
+        return self.w(torch.stack([a, b], dim=1)).squeeze(1)
+
+
+def test_regression_with_two_feature_columns_and_an_optimizer_factory(spark):
+    from pyspark.sql import functions as F
+
+    df = spark.range(400).select((F.rand(1) * 2 - 1).alias("a"), (F.rand(2) * 2 - 1).alias("b"))
+    df = df.withColumn("y", 3 * F.col("a") - 2 * F.col("b") + 0.5)
+    df = df.select(*[F.col(c).cast("float").alias(c) for c in ("a", "b", "y")])
+    torch.manual_seed(0)
+    fitted = TorchEstimator(model=TwoInputs(), optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+                            loss=torch.nn.functional.mse_loss, feature_cols=["a", "b"], label_cols=["y"],
+                            batch_size=16, epochs=20, num_proc=2, prediction_col="y_hat").fit(df)
+    w, bias = fitted.getModel().w.weight.detach()[0].tolist(), fitted.getModel().w.bias.item()
+    assert w == pytest.approx([3, -2], abs=0.05) and bias == pytest.approx(0.5, abs=0.05)
+    predicted = fitted.transform(df)
+    assert predicted.schema["y_hat"].dataType.simpleString() == "float"
+    errors = [abs(r.y_hat - r.y) for r in predicted.collect()]
+    assert max(errors) < 0.1
+
+
+def test_bad_estimators_and_inputs_are_refused(spark, digits):
+    train, _ = digits
+    model = _mlp()
+    other = torch.nn.Linear(2, 2)
+    good = dict(model=model, optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+                loss=torch.nn.functional.cross_entropy, feature_cols="pixels", label_cols="label")
+    for change, match in [
+        ({"model": "net"}, "model must be a torch.nn.Module"),
+        ({"optimizer": torch.optim.SGD(other.parameters(), lr=0.1)}, "parameters that are not model's"),
+        ({"optimizer": 0.1}, "optimizer must be a torch.optim.Optimizer"),
+        ({"loss": "mse"}, "loss must be a function"),
+        ({"batch_size": 0}, "batch_size must be an int >= 1"),
+        ({"feature_cols": []}, "feature_cols must be a column name"),
+    ]:
+        with pytest.raises(LaunchRefused, match=match):
+            TorchEstimator(**{**good, **change})
+    with pytest.raises(LaunchRefused, match=r"columns \['image'\] are not in the DataFrame"):
+        TorchEstimator(**{**good, "feature_cols": "image"}).fit(train)
+    strings = spark.createDataFrame([("a", 1)], "pixels string, label long")
+    with pytest.raises(LaunchRefused, match="column 'pixels' has type string"):
+        TorchEstimator(**good).fit(strings)
+    fitted = TorchModel(model, ["pixels"])
+    with pytest.raises(LaunchRefused, match="already has a column 'label'"):
+        TorchModel(model, ["pixels"], prediction_col="label").transform(train)
+    with pytest.raises(LaunchRefused, match="empty"):
+        fitted.transform(train.limit(0))
+
+
+def failing_loss(output, labels):
+    raise ValueError(f"labels of shape {tuple(labels.shape)} do not fit outputs of shape {tuple(output.shape)}")
+
+
+def test_a_loss_that_fails_on_the_ranks_raises_rank_failed(digits):
+    train, _ = digits
+    model = _mlp()
+    est = TorchEstimator(model=model, optimizer=functools.partial(torch.optim.SGD, lr=0.1), loss=failing_loss,
+                         feature_cols="pixels", label_cols="label", batch_size=8, num_proc=2)
+    with pytest.raises(RankFailed, match=r"labels of shape \(8,\) do not fit outputs of shape \(8, 10\)"):
+        est.fit(train)
