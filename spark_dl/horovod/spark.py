@@ -113,7 +113,9 @@ def _runner(num_proc, start_timeout, use_mpi, extra_mpi_args, env, stdout, stder
         raise LaunchRefused(f"num_proc must be an int >= 1, got {num_proc!r}")
     if start_timeout is None:
         start_timeout = float(os.environ.get("HOROVOD_SPARK_START_TIMEOUT", DEFAULT_START_TIMEOUT_S))
-    rank_env = {k: v for k, v in dict(env or {}).items() if k not in _RESERVED_ENV}
+    if env is not None and not isinstance(env, Mapping):
+        raise LaunchRefused(f"env must be a dict of environment variables (str -> str), got {type(env).__name__}")
+    rank_env = {k: v for k, v in (env or {}).items() if k not in _RESERVED_ENV}
     if nics:
         names = ",".join(sorted(nics)) if not isinstance(nics, str) else nics
         rank_env.setdefault("GLOO_SOCKET_IFNAME", names)

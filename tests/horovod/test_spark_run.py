@@ -56,6 +56,7 @@ def test_rank_output_goes_to_the_given_streams_with_timestamps(spark):
     ({"extra_mpi_args": "-x FOO"}, "no MPI to pass them to"),
     ({"executable": "/usr/bin/python3"}, "PYSPARK_PYTHON"),
     ({"num_proc": 0}, "num_proc must be an int >= 1"),
+    ({"env": ["X=1"]}, "env must be a dict"),
 ])
 def test_what_has_no_counterpart_is_refused(kwargs, match):
     with pytest.raises(LaunchRefused, match=match):
