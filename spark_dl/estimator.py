@@ -8,10 +8,12 @@ the trained model shipped to the executors.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from .errors import LaunchRefused
+from .runner import HorovodRunner, RunInfo
 
 
 def _names(value: str | Sequence[str], what: str) -> list[str]:
@@ -73,22 +75,24 @@ class TorchEstimator:
         self.shuffle = shuffle
         self.seed = seed
         self.runner_options = runner_options
+        HorovodRunner(np=num_proc, **runner_options)  # bad runner options are refused now, not at fit()
+        self.last_run: RunInfo | None = None  # the latest fit()'s HorovodRunner.last_run
 
     def fit(self, df) -> "TorchModel":
         """Train across ``num_proc`` ranks; return the trained model as a :class:`TorchModel`."""
         from .data import shards
-        from .runner import HorovodRunner
 
         missing = [c for c in self.feature_cols + self.label_cols if c not in df.columns]
         if missing:
             raise LaunchRefused(f"columns {missing} are not in the DataFrame (it has {df.columns})")
         data = shards(df, self.feature_cols + self.label_cols, shuffle=self.shuffle, seed=self.seed)
         runner = HorovodRunner(np=self.num_proc, **self.runner_options)
-        out = runner.run(_fit, data=data, model=self.model, optimizer=self.optimizer, loss=self.loss,
-                         feature_cols=self.feature_cols, label_cols=self.label_cols,
-                         batch_size=self.batch_size, epochs=self.epochs)
-        import copy
-
+        try:
+            out = runner.run(_fit, data=data, model=self.model, optimizer=self.optimizer, loss=self.loss,
+                             feature_cols=self.feature_cols, label_cols=self.label_cols,
+                             batch_size=self.batch_size, epochs=self.epochs)
+        finally:
+            self.last_run = runner.last_run
         trained = copy.deepcopy(self.model).cpu()
         trained.load_state_dict(out["state"])
         return TorchModel(trained, self.feature_cols, self.prediction_col, history=out["history"])

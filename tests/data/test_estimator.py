@@ -34,6 +34,7 @@ def test_fit_then_transform_classifies_held_out_digits(digits):
                          loss=torch.nn.functional.cross_entropy, feature_cols="pixels", label_cols="label",
                          batch_size=32, epochs=5, num_proc=2)
     fitted = est.fit(train)
+    assert est.last_run.succeeded and est.last_run.attempts == 1
     assert len(fitted.history) == 5 and fitted.history[-1] < fitted.history[0] / 3
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), _mlp().state_dict().values())), \
         "the estimator's own model is left as it was"
@@ -89,6 +90,7 @@ def test_bad_estimators_and_inputs_are_refused(spark, digits):
         ({"loss": "mse"}, "loss must be a function"),
         ({"batch_size": 0}, "batch_size must be an int >= 1"),
         ({"feature_cols": []}, "feature_cols must be a column name"),
+        ({"max_restarts": -1}, "max_restarts must be an int >= 0"),
     ]:
         with pytest.raises(LaunchRefused, match=match):
             TorchEstimator(**{**good, **change})
