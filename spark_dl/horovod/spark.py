@@ -93,9 +93,16 @@ def run_elastic(
 def _num_proc(num_proc: int | None) -> int:
     if num_proc is not None:
         return num_proc
-    from .. import cluster
+    from pyspark.sql import SparkSession
 
-    return cluster.active_session(2).sparkContext.defaultParallelism
+    session = SparkSession.getActiveSession() or SparkSession._instantiatedSession
+    if session is None:
+        raise LaunchRefused(
+            "horovod.spark.run runs in a Spark barrier stage, but there is no active SparkSession: create one "
+            "first, e.g. spark = SparkSession.builder.master('local[4]').getOrCreate(), or pass num_proc and "
+            "use a cluster's session"
+        )
+    return session.sparkContext.defaultParallelism
 
 
 def _runner(num_proc, start_timeout, use_mpi, extra_mpi_args, env, stdout, stderr, nics,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -74,3 +76,11 @@ def test_run_elastic_refuses_a_changing_size(spark):
         horovod_spark.run_elastic(fn, args=(1,), num_proc=2, min_num_proc=1, max_num_proc=2)
     with pytest.raises(LaunchRefused, match="max_num_proc=4 with num_proc=2"):
         horovod_spark.run_elastic(fn, args=(1,), num_proc=2, max_np=4)
+
+
+def test_without_a_session_num_proc_cannot_default_and_says_so():
+    code = "import spark_dl.horovod.spark as hs\nhs.run(print)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "LaunchRefused" in proc.stderr and "no active SparkSession" in proc.stderr
+    assert "SparkSession.builder" in proc.stderr

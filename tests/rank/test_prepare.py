@@ -127,6 +127,8 @@ def misuse(what):
         spark_dl.prepare_model(torch.nn.Linear(2, 2), parallel_strategy="fsdp")
     elif what == "not a loader":
         spark_dl.prepare_data_loader([1, 2, 3])
+    elif what == "not a model":
+        spark_dl.prepare_model(lambda x: x)
     elif what == "iterable, no sampler":  # allowed: the user shards it
         loader = spark_dl.prepare_data_loader(DataLoader(Stream(), batch_size=2), add_dist_sampler=False)
         return [b.tolist() for b in loader]
@@ -138,6 +140,7 @@ def misuse(what):
     ("batch_sampler", r"batch_sampler \(list\) decides the batches.*add_dist_sampler=False"),
     ("fsdp", "parallel_strategy must be 'ddp' or None, got 'fsdp'"),
     ("not a loader", "takes a torch.utils.data.DataLoader, got list"),
+    ("not a model", "prepare_model takes a torch.nn.Module, got function"),
 ])
 def test_what_cannot_be_prepared_is_refused_with_the_fix(what, match):
     with pytest.raises(RankFailed, match=match):
