@@ -48,6 +48,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--checkpoint-dir", default=None,
                         help="keep the script's latest spark_dl.save_checkpoint() in this directory on the "
                              "driver; running again with it resumes (default: none)")
+    parser.add_argument("--nodes", choices=("hosts", "tasks"), default="hosts",
+                        help="what LOCAL_RANK/GROUP_RANK count: ranks per host (Horovod's) or one node per Spark "
+                             "task, each seeing only its own GPUs (PySpark TorchDistributor's; for Lightning's "
+                             "devices=1, num_nodes=NP) (default: %(default)s)")
     parser.add_argument("--quiet", action="store_true",
                         help="show only what ranks send with spark_dl.log_to_driver, not their stdout/stderr")
     parser.add_argument("--no-tracking", dest="tracking", action="store_false",
@@ -73,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             np=args.np, driver_log_verbosity="log_callback_only" if args.quiet else "all",
             start_timeout=args.start_timeout, tracking=None if args.tracking else False,
             max_restarts=args.max_restarts, checkpoint_dir=args.checkpoint_dir, run_timeout=args.run_timeout,
-            env=dict(args.env),
+            env=dict(args.env), nodes=args.nodes,
         )
         read_script(args.script)  # a missing or broken script is refused before Spark starts
     except LaunchRefused as e:  # the arguments alone are wrong

@@ -96,12 +96,11 @@ class TorchDistributor:
 
     # ------------------------------------------------------------------------------------------
     def _runner(self, processes: int) -> HorovodRunner:
-        runner = HorovodRunner(np=-processes if self.local_mode else processes, **self._options)
-        if not self.use_gpu:
-            runner._ranks_per_task = 1  # GPUs or not in the tasks, one process each (PySpark's count)
         # PySpark runs one torchrun per task: LOCAL_RANK counts within a task, GROUP_RANK numbers
         # the tasks, and a task sees only its own GPUs (Lightning's devices=1, num_nodes=N idiom)
-        runner._task_nodes = True
+        runner = HorovodRunner(np=-processes if self.local_mode else processes, nodes="tasks", **self._options)
+        if not self.use_gpu:
+            runner._ranks_per_task = 1  # GPUs or not in the tasks, one process each (PySpark's count)
         return runner
 
     def _processes(self) -> int:

@@ -38,6 +38,7 @@ class RunInfo:
 
 
 START_TIMEOUT_S = 300.0
+NODES = ("hosts", "tasks")
 ABORT_GRACE_S = 15.0
 
 
@@ -67,6 +68,9 @@ class HorovodRunner:
         env: environment variables set in every rank process (``{"NCCL_DEBUG": "INFO"}``), on top
             of the executor's; the variables spark-dl sets itself (``RANK``, ``MASTER_ADDR``, ...)
             are refused.
+        nodes: what a "node" is for ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``/``GROUP_RANK`` and the GPUs a
+            rank sees: ``"hosts"`` (default, Horovod's local ranks) or ``"tasks"`` (one torchrun-style
+            node per Spark task, as PySpark's TorchDistributor: each task sees only its own GPUs).
 
     The signature matches Databricks' ``sparkdl.HorovodRunner``, so notebooks switch by
     changing one import.
@@ -84,6 +88,7 @@ class HorovodRunner:
         checkpoint_dir: str | os.PathLike | None = None,
         run_timeout: float | None = None,
         env: Mapping[str, str] | None = None,
+        nodes: str = "hosts",
     ) -> None:
         if isinstance(np, bool) or not isinstance(np, int):
             raise LaunchRefused(f"np must be an int (ranks on Spark if > 0, local processes if < 0), got {np!r}")
@@ -107,11 +112,13 @@ class HorovodRunner:
         self.start_timeout = _seconds("start_timeout", start_timeout)
         self.run_timeout = None if run_timeout is None else _seconds("run_timeout", run_timeout)
         self.env = _rank_env(env)
+        if nodes not in NODES:
+            raise LaunchRefused(f"nodes must be one of {NODES} (what LOCAL_RANK counts within), got {nodes!r}")
+        self.nodes = nodes
         self.tracking = tracking
         self.progress = progress
         self.observers: list[Observer] = []
         self._ranks_per_task: int | None = None  # None: one per GPU a task gets (TorchDistributor sets 1)
-        self._task_nodes = False  # TorchDistributor: each task is a torchrun "node"
         self._out: TextIO | None = None  # where rank output goes (horovod.spark.run's stdout/stderr)
         self._err: TextIO | None = None
         self.last_run: RunInfo | None = None  # set by every run(), run_all() and run_script()
@@ -247,7 +254,7 @@ class HorovodRunner:
             attempt=attempt,
             max_restarts=self.max_restarts,
             rank_env=dict(self.env),
-            task_nodes=self._task_nodes,
+            task_nodes=self.nodes == "tasks",
         )
         try:
             launcher.start(spec, monitor)

@@ -207,6 +207,17 @@ def test_runner_env_reaches_every_rank_locally_and_on_spark(spark):
         assert values == [env, env]
 
 
+def test_runner_nodes_tasks_counts_local_ranks_per_task(spark):
+    """Two tasks on one host: one node with local ranks 0, 1 by default; two nodes with nodes="tasks"."""
+    keys = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE")
+    hosts = HorovodRunner(np=2).run_all(read_env, *keys)
+    tasks = HorovodRunner(np=2, nodes="tasks").run_all(read_env, *keys)
+    assert [tuple(v.values()) for v in hosts] == [("0", "2", "0", "1"), ("1", "2", "0", "1")]
+    assert [tuple(v.values()) for v in tasks] == [("0", "1", "0", "2"), ("0", "1", "1", "2")]
+    with pytest.raises(LaunchRefused, match=r"nodes must be one of \('hosts', 'tasks'\).*got 'task'"):
+        HorovodRunner(np=2, nodes="task")
+
+
 @pytest.mark.parametrize("env, match", [
     ({"MASTER_PORT": "1234"}, "env sets MASTER_PORT, which spark-dl sets"),
     ({"TORCHELASTIC_USE_AGENT_STORE": "True"}, "env sets TORCHELASTIC_USE_AGENT_STORE"),

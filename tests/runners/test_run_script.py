@@ -13,7 +13,7 @@ import pyspark
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNNER = str(ROOT / "runners" / "run_script.py")
-OPTIONS = ("--np", "--env", "--max-restarts", "--run-timeout", "--start-timeout", "--checkpoint-dir", "--quiet",
+OPTIONS = ("--np", "--env", "--nodes", "--max-restarts", "--run-timeout", "--start-timeout", "--checkpoint-dir", "--quiet",
            "--no-tracking", "--master")
 
 TRAIN = """
@@ -31,6 +31,7 @@ if dist.get_rank() == 1 and (a.exit or (a.fail_first_attempt and os.environ["TOR
     raise SystemExit(a.exit or 5)
 print(f"rank {dist.get_rank()} of {dist.get_world_size()}: sum {t.item()}, --np {a.np}, "
       f"MY_VAR={os.environ.get('MY_VAR')}, attempt {os.environ['TORCHELASTIC_RESTART_COUNT']}", flush=True)
+print(f"rank {dist.get_rank()} local rank {os.environ['LOCAL_RANK']} node {os.environ['GROUP_RANK']}", flush=True)
 """
 
 
@@ -82,6 +83,15 @@ def test_max_restarts_reruns_a_failed_attempt(tmp_path):
     assert "finished on 2 ranks, 1 restart(s)" in proc.stderr
 
 
+def test_nodes_tasks_makes_each_spark_task_a_node(tmp_path):
+    """Under plain python on local[2]: both tasks share the host, yet each is its own node."""
+    proc = subprocess.run([sys.executable, RUNNER, "--np", "2", "--master", "local[2]", "--nodes", "tasks",
+                           "--no-tracking", _script(tmp_path)],
+                          capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 0 local rank 0 node 0" in proc.stdout and "rank 1 local rank 0 node 1" in proc.stdout
+
+
 def test_quiet_keeps_rank_output_off_the_driver(tmp_path):
     proc = _python("--np", "-2", "--quiet", _script(tmp_path))
     assert proc.returncode == 0 and "rank 0 of 2" not in proc.stdout
@@ -103,6 +113,7 @@ def test_bad_arguments_exit_2_and_help_lists_options():
         (["--np", "0", "x.py"], "must not be 0"),
         (["--env", "NOVALUE", "x.py"], "must be NAME=VALUE"),
         (["--run-timeout", "-1", "x.py"], "must be > 0"),
+        (["--nodes", "racks", "x.py"], "invalid choice: 'racks'"),
     ]:
         proc = _python(*args, timeout=30)
         assert proc.returncode == 2, (args, proc.stderr)
