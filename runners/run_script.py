@@ -16,8 +16,8 @@ import argparse
 import sys
 from typing import Sequence
 
-from spark_dl.submit import (EXIT_FAILED, EXIT_OK, env_pair, non_negative_int, nonzero_int, positive_float,
-                             spark_session, stderr_writer)
+from spark_dl.submit import (EXIT_FAILED, EXIT_OK, env_pair, launch, non_negative_int, nonzero_int,
+                             positive_float, stderr_writer)
 
 PROG = "run_script.py"
 
@@ -68,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the script on every rank; return the process exit code."""
     args = parse_args(argv)
 
-    from spark_dl import HorovodRunner, LaunchRefused, SparkDLError
+    from spark_dl import HorovodRunner, LaunchRefused
     from spark_dl.script import read_script
 
     error = stderr_writer()
@@ -83,19 +83,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LaunchRefused as e:  # the arguments alone are wrong
         error(f"{PROG}: run refused: {e}")
         return EXIT_FAILED
-    spark = spark_session(PROG, f"spark-dl {args.script}", args.master, args.np, error) if args.np > 0 else None
-    try:
-        runner.run_script(args.script, *args.script_args)
-    except LaunchRefused as e:
-        error(f"{PROG}: run refused: {e}")
-        return EXIT_FAILED
-    except SparkDLError as e:
-        # RankFailed's message already holds the rank, host, remote traceback and last lines.
-        error(f"{PROG}: {args.script} failed: {e}")
-        return EXIT_FAILED
-    finally:
-        if spark is not None:
-            spark.stop()
+    code, _ = launch(PROG, args.script, f"spark-dl {args.script}", args.master, args.np, error,
+                     lambda: runner.run_script(args.script, *args.script_args))
+    if code != EXIT_OK:
+        return code
     info = runner.last_run
     restarts = f", {info.attempts - 1} restart(s)" if info is not None and info.attempts > 1 else ""
     error(f"{PROG}: {args.script} finished on {abs(args.np)} ranks{restarts}")

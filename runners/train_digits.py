@@ -14,8 +14,8 @@ import sys
 from typing import Sequence
 
 from spark_dl.examples.digits import COMPRESSIONS
-from spark_dl.submit import (EXIT_FAILED, EXIT_OK, fraction, non_negative_int, nonzero_int, positive_float,
-                             positive_int, spark_session, stderr_writer)
+from spark_dl.submit import (EXIT_OK, fraction, launch, non_negative_int, nonzero_int, positive_float, positive_int,
+                             stderr_writer)
 
 EXIT_BELOW_MIN = 3
 PROG = "train_digits.py"
@@ -65,28 +65,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the training job; return the process exit code."""
     args = parse_args(argv)
 
-    from spark_dl import HorovodRunner, LaunchRefused, SparkDLError
+    from spark_dl import HorovodRunner
     from spark_dl.examples.digits import train_digits
 
-    error = stderr_writer()
-    spark = spark_session(PROG, "spark-dl train_digits", args.master, args.np, error) if args.np > 0 else None
-    try:
+    def train() -> dict:
         runner = HorovodRunner(np=args.np, tracking=None if args.tracking else False, max_restarts=args.max_restarts,
                                checkpoint_dir=args.checkpoint_dir, run_timeout=args.run_timeout)
-        result = runner.run(
-            train_digits, epochs=args.epochs, batch_size=args.batch_size, base_lr=args.lr,
-            compression=args.compression, seed=args.seed,
-        )
-    except LaunchRefused as e:
-        error(f"{PROG}: run refused: {e}")
-        return EXIT_FAILED
-    except SparkDLError as e:
-        # RankFailed's message already holds the rank, host, remote traceback and last lines.
-        error(f"{PROG}: training failed: {e}")
-        return EXIT_FAILED
-    finally:
-        if spark is not None:
-            spark.stop()
+        return runner.run(train_digits, epochs=args.epochs, batch_size=args.batch_size, base_lr=args.lr,
+                          compression=args.compression, seed=args.seed)
+
+    error = stderr_writer()
+    code, result = launch(PROG, "training", "spark-dl train_digits", args.master, args.np, error, train)
+    if code != EXIT_OK:
+        return code
 
     accuracy = result["accuracy"]
     print(f"test accuracy: {accuracy:.4f} ({abs(args.np)} ranks, compression={args.compression}, "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Callable
+from typing import Any, Callable
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -89,3 +89,23 @@ def stderr_writer() -> Callable[[str], None]:
         system_err.flush()
 
     return write
+
+
+def launch(prog: str, what: str, app_name: str, master: str | None, np: int, error: Callable[[str], None],
+           run: Callable[[], Any]) -> tuple[int, Any]:
+    """``(exit code, run()'s value)``: Spark started first when ``np > 0`` and stopped after; a
+    refusal or a failed run is one message on ``error`` (``"prog: what failed: ..."``) and exit 1."""
+    from .errors import LaunchRefused, SparkDLError
+
+    spark = spark_session(prog, app_name, master, np, error) if np > 0 else None
+    try:
+        return EXIT_OK, run()
+    except LaunchRefused as e:
+        error(f"{prog}: run refused: {e}")
+    except SparkDLError as e:
+        # RankFailed's message already holds the rank, host, remote traceback and last lines.
+        error(f"{prog}: {what} failed: {e}")
+    finally:
+        if spark is not None:
+            spark.stop()
+    return EXIT_FAILED, None
