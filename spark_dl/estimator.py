@@ -113,12 +113,13 @@ def _fit(data, model, optimizer, loss, feature_cols, label_cols, batch_size, epo
     ddp = prepare_model(model)
     opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer(ddp.parameters())
     device = spark_dl.get_device()
+    dtype = _float_dtype(model)
     history = []
     for epoch in range(epochs):
         total = torch.zeros(2, dtype=torch.float64)
         for batch in data.batches(batch_size=batch_size, epoch=epoch):
-            out = ddp(*[batch[c].to(device) for c in feature_cols])
-            value = loss(out, *[batch[c].to(device) for c in label_cols])
+            out = ddp(*[_as(batch[c], device, dtype) for c in feature_cols])
+            value = loss(out, *[_as(batch[c], device, dtype) for c in label_cols])
             opt.zero_grad()
             value.backward()
             opt.step()
@@ -127,6 +128,19 @@ def _fit(data, model, optimizer, loss, feature_cols, label_cols, batch_size, epo
         history.append(total[0].item() / max(total[1].item(), 1.0))
         spark_dl.log_metrics({"train_loss": history[-1]}, step=epoch)
     return {"state": {k: v.detach().cpu() for k, v in model.state_dict().items()}, "history": history}
+
+
+def _float_dtype(model):
+    """The dtype of the model's floating parameters (float32 unless it was converted)."""
+    import torch
+
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
+def _as(tensor, device, dtype):
+    """A column's tensor on ``device``; floating columns in the model's dtype (a Spark double column
+    would otherwise meet float32 weights), integer ones (class labels) as they are."""
+    return tensor.to(device, dtype=dtype if tensor.is_floating_point() else tensor.dtype)
 
 
 @dataclass
@@ -171,10 +185,14 @@ class TorchModel:
 
             from spark_dl.data import _to_tensor
 
+            from spark_dl.estimator import _as, _float_dtype
+
             model = cloudpickle.loads(blob).eval()
+            dtype = _float_dtype(model)
             for batch in batches:
                 with torch.no_grad():
-                    out = model(*[_to_tensor(batch.column(c), kinds[c], c) for c in cols]).float()
+                    xs = [_as(_to_tensor(batch.column(c), kinds[c], c), "cpu", dtype) for c in cols]
+                    out = model(*xs).float()
                 flat = out.reshape(len(batch), -1).numpy()
                 if width == 1:
                     column = pa.array(flat[:, 0], type=pa.float32())
@@ -195,6 +213,8 @@ class TorchModel:
         sample = df.select(*self.feature_cols).limit(1).toArrow()
         if sample.num_rows == 0:
             raise LaunchRefused("the DataFrame is empty: nothing to predict")
+        dtype = _float_dtype(self.model)
         with torch.no_grad():
-            out = self.model.eval()(*[_to_tensor(sample.column(c), kinds[c], c) for c in self.feature_cols])
+            xs = [_as(_to_tensor(sample.column(c), kinds[c], c), "cpu", dtype) for c in self.feature_cols]
+            out = self.model.eval()(*xs)
         return int(out.reshape(1, -1).shape[1])

@@ -63,8 +63,7 @@ def test_regression_with_two_feature_columns_and_an_optimizer_factory(spark):
     from pyspark.sql import functions as F
 
     df = spark.range(400).select((F.rand(1) * 2 - 1).alias("a"), (F.rand(2) * 2 - 1).alias("b"))
-    df = df.withColumn("y", 3 * F.col("a") - 2 * F.col("b") + 0.5)
-    df = df.select(*[F.col(c).cast("float").alias(c) for c in ("a", "b", "y")])
+    df = df.withColumn("y", 3 * F.col("a") - 2 * F.col("b") + 0.5)  # double columns, float32 weights: cast
     torch.manual_seed(0)
     fitted = TorchEstimator(model=TwoInputs(), optimizer=functools.partial(torch.optim.SGD, lr=0.1),
                             loss=torch.nn.functional.mse_loss, feature_cols=["a", "b"], label_cols=["y"],
