@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from .rank import cuda_index, get_context, init
+from .tensors import map_tensors
 
 PARALLEL_STRATEGIES = ("ddp", None)
 
@@ -140,14 +141,4 @@ class ShardedLoader:
 
 def to_device(batch, device):
     """``batch`` with every tensor in it (in tuples, lists, dicts, named tuples) on ``device``."""
-    import torch
-
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(to_device(v, device) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(v, device) for v in batch)
-    return batch
+    return map_tensors(batch, lambda t: t.to(device, non_blocking=True))

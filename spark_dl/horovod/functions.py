@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .basics import _check, comm_device, rank
+from ..tensors import map_tensors
 from .ops import allgather_parts, fused_inplace
 
 
@@ -63,13 +64,7 @@ def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
 def _to_cpu(value: Any, copy: bool = False) -> Any:
     """``value`` (a state_dict, nested) with its tensors in host memory; ``copy``: always new
     tensors, never views of the live ones (a snapshot that later steps must not change)."""
-    if torch.is_tensor(value):
-        return value.detach().to("cpu", copy=copy)
-    if isinstance(value, dict):
-        return {k: _to_cpu(v, copy) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(v, copy) for v in value)
-    return value
+    return map_tensors(value, lambda t: t.detach().to("cpu", copy=copy))
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
