@@ -54,19 +54,25 @@ def _check_type(name: str, dtype: Any) -> str:
     )
 
 
+def column_kinds(df: Any, columns: list[str]) -> dict[str, str]:
+    """``{column: "scalar" | "array"}``: how each column becomes a tensor; a refusal naming the fix
+    for a column that is missing or cannot be one."""
+    names = list(df.columns)
+    missing = [c for c in columns if c not in names]
+    if missing:
+        raise LaunchRefused(f"columns {missing} are not in the DataFrame (it has {names})")
+    fields = {f.name: f.dataType for f in df.schema.fields}
+    return {c: _check_type(c, fields[c]) for c in columns}
+
+
 class DataFrameShards:
     """Driver-side marker: a DataFrame to shard across the ranks. Validated before launch."""
 
     def __init__(self, df: Any, columns: list[str] | None, shuffle: bool, seed: int, remainder: str) -> None:
         if remainder not in ("drop", "pad"):
             raise LaunchRefused(f"remainder must be 'drop' or 'pad', got {remainder!r}")
-        names = list(df.columns)
-        columns = list(columns) if columns is not None else names
-        missing = [c for c in columns if c not in names]
-        if missing:
-            raise LaunchRefused(f"columns {missing} are not in the DataFrame (it has {names})")
-        fields = {f.name: f.dataType for f in df.schema.fields}
-        kinds = {c: _check_type(c, fields[c]) for c in columns}
+        columns = list(columns) if columns is not None else list(df.columns)
+        kinds = column_kinds(df, columns)
         self.df = df.select(*columns)
         self.spec = Shards(columns=columns, kinds=kinds, shuffle=shuffle, seed=seed, remainder=remainder)
 

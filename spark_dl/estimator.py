@@ -75,24 +75,21 @@ class TorchEstimator:
         self.shuffle = shuffle
         self.seed = seed
         self.runner_options = runner_options
-        HorovodRunner(np=num_proc, **runner_options)  # bad runner options are refused now, not at fit()
-        self.last_run: RunInfo | None = None  # the latest fit()'s HorovodRunner.last_run
+        self._runner = HorovodRunner(np=num_proc, **runner_options)  # bad options are refused now, not at fit()
+
+    @property
+    def last_run(self) -> RunInfo | None:
+        """The latest ``fit()``'s :attr:`spark_dl.HorovodRunner.last_run`."""
+        return self._runner.last_run
 
     def fit(self, df) -> "TorchModel":
         """Train across ``num_proc`` ranks; return the trained model as a :class:`TorchModel`."""
         from .data import shards
 
-        missing = [c for c in self.feature_cols + self.label_cols if c not in df.columns]
-        if missing:
-            raise LaunchRefused(f"columns {missing} are not in the DataFrame (it has {df.columns})")
         data = shards(df, self.feature_cols + self.label_cols, shuffle=self.shuffle, seed=self.seed)
-        runner = HorovodRunner(np=self.num_proc, **self.runner_options)
-        try:
-            out = runner.run(_fit, data=data, model=self.model, optimizer=self.optimizer, loss=self.loss,
-                             feature_cols=self.feature_cols, label_cols=self.label_cols,
-                             batch_size=self.batch_size, epochs=self.epochs)
-        finally:
-            self.last_run = runner.last_run
+        out = self._runner.run(_fit, data=data, model=self.model, optimizer=self.optimizer, loss=self.loss,
+                               feature_cols=self.feature_cols, label_cols=self.label_cols,
+                               batch_size=self.batch_size, epochs=self.epochs)
         trained = copy.deepcopy(self.model).cpu()
         trained.load_state_dict(out["state"])
         return TorchModel(trained, self.feature_cols, self.prediction_col, history=out["history"])
@@ -137,6 +134,13 @@ def _float_dtype(model):
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
+def _features(table, cols, kinds, dtype):
+    """The model's inputs from an Arrow table or batch: one CPU tensor per feature column."""
+    from .data import _to_tensor
+
+    return [_as(_to_tensor(table.column(c), kinds[c], c), "cpu", dtype) for c in cols]
+
+
 def _as(tensor, device, dtype):
     """A column's tensor on ``device``; floating columns in the model's dtype (a Spark double column
     would otherwise meet float32 weights), integer ones (class labels) as they are."""
@@ -162,16 +166,12 @@ class TorchModel:
         import cloudpickle
         from pyspark.sql import types as T
 
-        from .data import _check_type
+        from .data import column_kinds
 
         if self.prediction_col in df.columns:
             raise LaunchRefused(f"the DataFrame already has a column {self.prediction_col!r}; "
                                 "pick another prediction_col")
-        kinds = {}
-        for c in self.feature_cols:
-            if c not in df.columns:
-                raise LaunchRefused(f"feature column {c!r} is not in the DataFrame (it has {df.columns})")
-            kinds[c] = _check_type(c, df.schema[c].dataType)
+        kinds = column_kinds(df, self.feature_cols)
         width = self._output_width(df, kinds)
         out_type = T.FloatType() if width == 1 else T.ArrayType(T.FloatType())
         schema = T.StructType(df.schema.fields + [T.StructField(self.prediction_col, out_type)])
@@ -183,16 +183,13 @@ class TorchModel:
             import pyarrow as pa
             import torch
 
-            from spark_dl.data import _to_tensor
-
-            from spark_dl.estimator import _as, _float_dtype
+            from spark_dl.estimator import _features, _float_dtype
 
             model = cloudpickle.loads(blob).eval()
             dtype = _float_dtype(model)
             for batch in batches:
                 with torch.no_grad():
-                    xs = [_as(_to_tensor(batch.column(c), kinds[c], c), "cpu", dtype) for c in cols]
-                    out = model(*xs).float()
+                    out = model(*_features(batch, cols, kinds, dtype)).float()
                 flat = out.reshape(len(batch), -1).numpy()
                 if width == 1:
                     column = pa.array(flat[:, 0], type=pa.float32())
@@ -208,13 +205,9 @@ class TorchModel:
         """How many numbers the model gives per row, from one row run through it on the driver."""
         import torch
 
-        from .data import _to_tensor
-
         sample = df.select(*self.feature_cols).limit(1).toArrow()
         if sample.num_rows == 0:
             raise LaunchRefused("the DataFrame is empty: nothing to predict")
-        dtype = _float_dtype(self.model)
         with torch.no_grad():
-            xs = [_as(_to_tensor(sample.column(c), kinds[c], c), "cpu", dtype) for c in self.feature_cols]
-            out = self.model.eval()(*xs)
+            out = self.model.eval()(*_features(sample, self.feature_cols, kinds, _float_dtype(self.model)))
         return int(out.reshape(1, -1).shape[1])
