@@ -16,7 +16,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from spark_dl.submit import (EXIT_FAILED, EXIT_OK, env_pair, launch, non_negative_int, nonzero_int,
+from spark_dl.submit import (EXIT_FAILED, EXIT_OK, add_cluster_options, env_pair, launch, non_negative_int,
                              positive_float, stderr_writer)
 
 PROG = "run_script.py"
@@ -32,9 +32,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         epilog="Exit codes: 0 every rank finished; 1 the run failed or was refused (reason on stderr); "
                "2 bad arguments.",
     )
-    parser.add_argument("--np", type=nonzero_int, default=2,
-                        help="number of ranks: N > 0 runs N ranks in a Spark barrier stage (needs N task slots); "
-                             "-N runs N local processes on the driver without Spark (default: %(default)s)")
+    add_cluster_options(parser)
     parser.add_argument("--env", type=env_pair, action="append", default=[], metavar="NAME=VALUE",
                         help="set an environment variable in every rank (repeatable), e.g. --env NCCL_DEBUG=INFO")
     parser.add_argument("--max-restarts", type=non_negative_int, default=0,
@@ -56,9 +54,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="show only what ranks send with spark_dl.log_to_driver, not their stdout/stderr")
     parser.add_argument("--no-tracking", dest="tracking", action="store_false",
                         help="do not log the run to MLflow (default: the current MLflow experiment)")
-    parser.add_argument("--master", default=None,
-                        help="Spark master when not launched by spark-submit (default: local[NP]); "
-                             "under spark-submit, pass --master to spark-submit instead")
     parser.add_argument("script", help="the training script (read on the driver and shipped to the ranks)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
     return parser.parse_args(argv)

@@ -14,8 +14,8 @@ import sys
 from typing import Sequence
 
 from spark_dl.examples.digits import COMPRESSIONS
-from spark_dl.submit import (EXIT_OK, fraction, launch, non_negative_int, nonzero_int, positive_float, positive_int,
-                             stderr_writer)
+from spark_dl.submit import (EXIT_OK, add_cluster_options, fraction, launch, non_negative_int, positive_float,
+                             positive_int, stderr_writer)
 
 EXIT_BELOW_MIN = 3
 PROG = "train_digits.py"
@@ -30,9 +30,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         epilog="Exit codes: 0 success; 1 the run failed or was refused (reason on stderr); 2 bad arguments; "
                "3 accuracy below --min-accuracy.",
     )
-    parser.add_argument("--np", type=nonzero_int, default=2,
-                        help="number of ranks: N > 0 runs N ranks in a Spark barrier stage (needs N task slots); "
-                             "-N runs N local processes on the driver without Spark (default: %(default)s)")
+    add_cluster_options(parser)
     parser.add_argument("--epochs", type=positive_int, default=10, help="passes over the training set (default: %(default)s)")
     parser.add_argument("--batch-size", type=positive_int, default=16, help="batch size per rank (default: %(default)s)")
     parser.add_argument("--lr", type=positive_float, default=0.002,
@@ -55,9 +53,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-tracking", dest="tracking", action="store_false",
                         help="do not log the run to MLflow (default: log params and per-epoch "
                              "train_loss/test_accuracy to the current MLflow experiment)")
-    parser.add_argument("--master", default=None,
-                        help="Spark master when not launched by spark-submit (default: local[NP]); "
-                             "under spark-submit, pass --master to spark-submit instead")
     return parser.parse_args(argv)
 
 

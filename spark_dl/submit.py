@@ -53,6 +53,16 @@ def env_pair(text: str) -> tuple[str, str]:
     return name, value
 
 
+def add_cluster_options(parser: argparse.ArgumentParser) -> None:
+    """``--np`` and ``--master``, which :func:`launch` takes: where the ranks run."""
+    parser.add_argument("--np", type=nonzero_int, default=2,
+                        help="number of ranks: N > 0 runs N ranks in a Spark barrier stage (needs N task slots); "
+                             "-N runs N local processes on the driver without Spark (default: %(default)s)")
+    parser.add_argument("--master", default=None,
+                        help="Spark master when not launched by spark-submit (default: local[NP]); "
+                             "under spark-submit, pass --master to spark-submit instead")
+
+
 def spark_session(prog: str, app_name: str, master: str | None, np: int, error: Callable[[str], None]):
     """The SparkSession to run on: spark-submit's, or one on ``master`` / ``local[np]`` under plain python."""
     from pyspark.sql import SparkSession
