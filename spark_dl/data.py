@@ -71,7 +71,8 @@ class DataFrameShards:
     def __init__(self, df: Any, columns: list[str] | None, shuffle: bool, seed: int, remainder: str) -> None:
         if remainder not in ("drop", "pad"):
             raise LaunchRefused(f"remainder must be 'drop' or 'pad', got {remainder!r}")
-        columns = list(columns) if columns is not None else list(df.columns)
+        # a column named twice (an autoencoder's features as its labels) is sent once
+        columns = list(dict.fromkeys(columns if columns is not None else df.columns))
         kinds = column_kinds(df, columns)
         self.df = df.select(*columns)
         self.spec = Shards(columns=columns, kinds=kinds, shuffle=shuffle, seed=seed, remainder=remainder)

@@ -76,6 +76,16 @@ def test_regression_with_two_feature_columns_and_an_optimizer_factory(spark):
     assert max(errors) < 0.1
 
 
+def test_a_column_that_is_both_feature_and_label_is_sent_once(digits):
+    train, _ = digits  # an autoencoder: the pixels are its input and its target
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 8), torch.nn.ReLU(), torch.nn.Linear(8, 64))
+    fitted = TorchEstimator(model=model, optimizer=functools.partial(torch.optim.Adam, lr=0.01),
+                            loss=torch.nn.functional.mse_loss, feature_cols="pixels", label_cols="pixels",
+                            batch_size=64, epochs=4, num_proc=2).fit(train)
+    assert fitted.history[-1] < fitted.history[0] / 2
+
+
 def test_bad_estimators_and_inputs_are_refused(spark, digits):
     train, _ = digits
     model = _mlp()
