@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 import time
 from dataclasses import dataclass
 
@@ -24,34 +25,61 @@ class Slots:
         return max(0, self.total - self.busy)
 
 
-def active_session(np: int):
-    """The active SparkSession, or a refusal that says how to get one."""
+def is_connect(session) -> bool:
+    """A Spark Connect session: this process holds no SparkContext, only the DataFrame API."""
+    return type(session).__module__.startswith("pyspark.sql.connect")
+
+
+def find_session():
+    """This thread's active SparkSession, else the process's (classic, or Spark Connect's default:
+    Connect's active session is per thread), else ``None``."""
     try:
         from pyspark.sql import SparkSession
     except ImportError as e:  # pragma: no cover - pyspark is a dependency
         raise LaunchRefused(f"pyspark is not importable ({e}); pip install pyspark") from e
     session = SparkSession.getActiveSession() or SparkSession._instantiatedSession
+    connect = sys.modules.get("pyspark.sql.connect.session")  # loaded once a Connect session was made
+    if session is None and connect is not None:
+        session = connect.SparkSession._get_default_session()
+    return session
+
+
+def active_session(np: int):
+    """The active SparkSession (classic or Spark Connect), or a refusal that says how to get one."""
+    session = find_session()
     if session is None:
         raise LaunchRefused(
             f"HorovodRunner(np={np}) runs on Spark, but there is no active SparkSession. Create one "
             "first, e.g. spark = SparkSession.builder.master('local[4]').getOrCreate() "
             f"(or use a cluster), or run {abs(np)} processes on this machine without Spark with np=-{abs(np)}."
         )
+    if is_connect(session):
+        if session.is_stopped:
+            raise LaunchRefused("the active Spark Connect session has been stopped; create a new one with "
+                                "SparkSession.builder.remote(...).getOrCreate()")
+        return session
     try:
         sc = session.sparkContext
-    except Exception as e:  # noqa: BLE001 - Spark Connect sessions have no SparkContext
+    except Exception as e:  # noqa: BLE001 - a session of a kind this code does not know
         raise LaunchRefused(
-            "this SparkSession has no SparkContext (Spark Connect / a shared-access cluster): barrier "
-            "mode needs a classic SparkSession on a single-user cluster."
+            f"this SparkSession ({type(session).__module__}) has no SparkContext and is not a Spark Connect "
+            "session: spark-dl needs one or the other"
         ) from e
     if sc._jsc is None:
         raise LaunchRefused("the active SparkSession has been stopped; create a new one with SparkSession.builder.getOrCreate()")
     return session
 
 
-def ranks_per_task(sc) -> int:
+def conf(session, key: str, default: str | None = None) -> str | None:
+    """One Spark setting, from the SparkContext's conf, or the server's through Spark Connect."""
+    if is_connect(session):
+        return session.conf.get(key, default)
+    return session.sparkContext.getConf().get(key, default)
+
+
+def ranks_per_task(session) -> int:
     """One rank per GPU when a task gets several GPUs (spark.task.resource.gpu.amount > 1)."""
-    raw = sc.getConf().get("spark.task.resource.gpu.amount", "0")
+    raw = conf(session, "spark.task.resource.gpu.amount", "0")
     amount = float(raw)
     if amount <= 1:
         return 1
@@ -63,11 +91,10 @@ def ranks_per_task(sc) -> int:
     return int(amount)
 
 
-def check_dynamic_allocation(sc) -> None:
-    conf = sc.getConf()
-    master = conf.get("spark.master", "")
+def check_dynamic_allocation(session) -> None:
+    master = conf(session, "spark.master", "")
     local = master == "local" or master.startswith("local[")
-    if conf.get("spark.dynamicAllocation.enabled", "false").lower() == "true" and not local:
+    if (conf(session, "spark.dynamicAllocation.enabled", "false") or "").lower() == "true" and not local:
         raise LaunchRefused(
             "spark.dynamicAllocation.enabled=true, but Spark's barrier execution mode (which "
             "HorovodRunner uses) does not support dynamic allocation. Start the cluster with "
@@ -75,11 +102,11 @@ def check_dynamic_allocation(sc) -> None:
         )
 
 
-def _expected_executors(conf) -> int | None:
-    m = re.fullmatch(r"local-cluster\[\s*(\d+)\s*,.*\]", conf.get("spark.master", ""))
+def _expected_executors(settings) -> int | None:
+    m = re.fullmatch(r"local-cluster\[\s*(\d+)\s*,.*\]", settings.get("spark.master", ""))
     if m:
         return int(m.group(1))
-    inst = conf.get("spark.executor.instances", None)
+    inst = settings.get("spark.executor.instances", None)
     return int(inst) if inst else None
 
 
@@ -129,11 +156,47 @@ def check_slots(sc, np: int, num_tasks: int, wait_s: float = EXECUTOR_WAIT_S, wa
         time.sleep(0.25)
         s = slots(sc)
     if s.total < num_tasks:
-        gpu = f", spark.task.resource.gpu.amount={s.task_gpus:g}" if s.task_gpus else ""
-        per = f" ({num_tasks} tasks)" if num_tasks != np else ""
-        raise LaunchRefused(
-            f"np={np}{per} needs {num_tasks} task slots at once, but this cluster has only {s.total} "
-            f"({s.executors} executor(s), spark.task.cpus={s.task_cpus}{gpu}); {s.busy} of them are busy now. "
-            f"Use np <= {s.total}, add executors or cores, or run on the driver with np=-{np}."
-        )
+        raise _too_few(np, num_tasks, s.total, f"{s.executors} executor(s), ", s.task_cpus, s.task_gpus,
+                       f"; {s.busy} of them are busy now")
     return s
+
+
+def _too_few(np: int, num_tasks: int, total: int, executors: str, task_cpus: int, task_gpus: float,
+             busy: str) -> LaunchRefused:
+    gpu = f", spark.task.resource.gpu.amount={task_gpus:g}" if task_gpus else ""
+    per = f" ({num_tasks} tasks)" if num_tasks != np else ""
+    return LaunchRefused(
+        f"np={np}{per} needs {num_tasks} task slots at once, but this cluster has only {total} "
+        f"({executors}spark.task.cpus={task_cpus}{gpu}){busy}. "
+        f"Use np <= {total}, add executors or cores, or run on the driver with np=-{np}."
+    )
+
+
+def declared_slots(session) -> int | None:
+    """Task slots as the cluster's settings declare them (Spark Connect, where the scheduler cannot
+    be asked); ``None`` where they do not say."""
+    return slots_of_master(conf(session, "spark.master", "") or "", int(conf(session, "spark.task.cpus", "1") or 1))
+
+
+def slots_of_master(master: str, task_cpus: int = 1) -> int | None:
+    """``local[N]`` and ``local-cluster[E,C,M]`` say how many tasks run at once; ``local[*]``
+    (the server's cores) and cluster managers (their executors) do not."""
+    master = master.strip()
+    if master == "local":
+        return 1 // task_cpus
+    if m := re.fullmatch(r"local\[\s*(\d+)\s*(?:,\s*\d+\s*)?\]", master):
+        return int(m.group(1)) // task_cpus
+    if m := re.fullmatch(r"local-cluster\[\s*(\d+)\s*,\s*(\d+)\s*,.*\]", master):
+        return int(m.group(1)) * (int(m.group(2)) // task_cpus)
+    return None
+
+
+def check_declared_slots(session, np: int, num_tasks: int) -> int | None:
+    """:func:`check_slots` for Spark Connect: refuse when the declared slots are too few; when the
+    settings do not say, the barrier stage's ``start_timeout`` is the check."""
+    total = declared_slots(session)
+    if total is not None and total < num_tasks:
+        raise _too_few(np, num_tasks, total, f"spark.master={conf(session, 'spark.master')}, ",
+                       int(conf(session, "spark.task.cpus", "1") or 1),
+                       float(conf(session, "spark.task.resource.gpu.amount", "0") or 0), "")
+    return total

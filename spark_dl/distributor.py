@@ -108,8 +108,8 @@ class TorchDistributor:
         if not self.use_gpu:
             return self.num_processes
         if not self.local_mode:
-            sc = cluster.active_session(self.num_processes).sparkContext
-            raw = sc.getConf().get("spark.task.resource.gpu.amount", "0")
+            session = cluster.active_session(self.num_processes)
+            raw = cluster.conf(session, "spark.task.resource.gpu.amount", "0") or "0"
             if float(raw) < 1:
                 raise LaunchRefused(
                     f"use_gpu=True runs one process per GPU, but spark.task.resource.gpu.amount={raw}, so Spark "

@@ -17,7 +17,7 @@ from .data import SHARD_ENV, DataFrameShards
 from .driver import VERBOSITIES, Failure, JobMonitor, Observer
 from .errors import JobFailed, LaunchRefused
 from .launch.layout import RankSpec
-from .launch.task import JobSpec, arrow_barrier_task, barrier_task, free_port, run_task
+from .launch.task import JobSpec, arrow_barrier_task, barrier_task, free_port, range_barrier_task, run_task
 from .script import Script, read_script
 from .serialize import serialize_job
 from .tracking.observer import Tracking, TrackingObserver, make_observer
@@ -395,38 +395,41 @@ class _SparkLauncher(_Launcher):
 
     bind_host = "0.0.0.0"
 
-    def __init__(self, sc, np: int, ranks_per_task: int, data: DataFrameShards | None = None) -> None:
-        self.sc = sc
+    def __init__(self, session, np: int, ranks_per_task: int, data: DataFrameShards | None = None) -> None:
+        self.session = session
         self.data = data
         self.world_size = np
         self.ranks_per_task = ranks_per_task
         self.num_tasks = np // ranks_per_task
-        self.driver_host = sc.getConf().get("spark.driver.host")
+        # the tasks call back to this process there (with Spark Connect: a client on the driver's host)
+        self.driver_host = cluster.conf(session, "spark.driver.host")
         self.job_group = ""
         self._thread: threading.Thread | None = None
         self._error: str | None = None
         self._cancelled = False
 
-    @classmethod
-    def prepare(cls, np: int, data: DataFrameShards | None = None, wait_s: float | None = None,
+    @staticmethod
+    def prepare(np: int, data: DataFrameShards | None = None, wait_s: float | None = None,
                 per_task: int | None = None) -> "_SparkLauncher":
         """Check the cluster and build the launcher; ``wait_s``: wait that long for enough task
         slots (a restart, while a lost executor is replaced) instead of refusing at once;
         ``per_task``: ranks per task (default: one per GPU a task gets)."""
         session = cluster.active_session(np)
-        sc = session.sparkContext
-        cluster.check_dynamic_allocation(sc)
+        connect = cluster.is_connect(session)
+        cluster.check_dynamic_allocation(session)
         if per_task is None:
-            per_task = cluster.ranks_per_task(sc)
+            per_task = cluster.ranks_per_task(session)
         if np % per_task:
             raise LaunchRefused(
                 f"np={np} is not a multiple of spark.task.resource.gpu.amount={per_task} "
                 f"(one rank per GPU, {per_task} GPUs per task): use np={np - np % per_task or per_task}"
             )
-        if wait_s is None:
-            cluster.check_slots(sc, np, np // per_task)
+        if connect:
+            cluster.check_declared_slots(session, np, np // per_task)
+        elif wait_s is None:
+            cluster.check_slots(session.sparkContext, np, np // per_task)
         else:
-            cluster.check_slots(sc, np, np // per_task, wait_s=wait_s, wait_for_new=True)
+            cluster.check_slots(session.sparkContext, np, np // per_task, wait_s=wait_s, wait_for_new=True)
         if data is not None:
             if per_task > 1:
                 raise LaunchRefused(
@@ -434,38 +437,47 @@ class _SparkLauncher(_Launcher):
                     "set spark.task.resource.gpu.amount=1"
                 )
             data.check_not_empty()
-        return cls(sc, np, per_task, data)
+        return (_ConnectLauncher if connect else _SparkLauncher)(session, np, per_task, data)
 
     def start(self, spec: JobSpec, monitor: JobMonitor) -> None:
         from pyspark import InheritableThread
 
         self.job_group = spec.job_id
+        # the stage's thread keeps this one's job properties (Spark Connect: its operation tags)
         self._thread = InheritableThread(
-            target=self._run_stage, args=(spec, monitor), name="spark-dl-stage", daemon=True
+            target=self._run_stage, args=(spec, monitor), name="spark-dl-stage", daemon=True, session=self.session
         )
         self._thread.start()
 
     def _run_stage(self, spec: JobSpec, monitor: JobMonitor) -> None:
-        sc = self.sc
         try:
-            sc.setJobGroup(spec.job_id, f"spark-dl: {self.world_size} ranks", interruptOnCancel=True)
-            if self.data is None:
-                rdd = sc.parallelize(range(self.num_tasks), self.num_tasks)
-                rdd.barrier().mapPartitions(partial(barrier_task, spec)).collect()
-            else:  # each task's partition holds its share of the rows, as Arrow batches
-                df = self.data.df.repartition(self.num_tasks)
-                task = partial(arrow_barrier_task, spec, self.data.arrow_schema())
-                df.mapInArrow(task, "status string", barrier=True).collect()
+            self._collect(spec)
         except Exception as e:  # noqa: BLE001 - reported by the wait loop, unless we cancelled it
             if not self._cancelled:
                 self._error = "the Spark barrier stage failed: " + spark_error_summary(e)
         finally:
             monitor.poke()
 
+    def _collect(self, spec: JobSpec) -> None:
+        sc = self.session.sparkContext
+        sc.setJobGroup(spec.job_id, f"spark-dl: {self.world_size} ranks", interruptOnCancel=True)
+        if self.data is None:
+            rdd = sc.parallelize(range(self.num_tasks), self.num_tasks)
+            rdd.barrier().mapPartitions(partial(barrier_task, spec)).collect()
+        else:
+            self._collect_shards(spec)
+
+    def _collect_shards(self, spec: JobSpec) -> None:
+        # each task's partition holds its share of the rows, as Arrow batches
+        assert self.data is not None
+        df = self.data.df.repartition(self.num_tasks)
+        task = partial(arrow_barrier_task, spec, self.data.arrow_schema())
+        df.mapInArrow(task, "status string", barrier=True).collect()
+
     def cancel(self) -> None:
         self._cancelled = True
         try:
-            self.sc.cancelJobGroup(self.job_group)
+            self.session.sparkContext.cancelJobGroup(self.job_group)
         except Exception:  # noqa: BLE001 - a stopped context has nothing left to cancel
             pass
 
@@ -476,10 +488,47 @@ class _SparkLauncher(_Launcher):
         return self._error
 
     def start_timeout_message(self, started: int, timeout: float) -> str:
-        s = cluster.slots(self.sc)
+        s = cluster.slots(self.session.sparkContext)
         return (
             f"only {started} of {self.num_tasks} barrier tasks started within {timeout:.0f} s: the cluster has "
             f"{s.total} task slots, {s.busy} busy with other jobs. Free slots, lower np, or raise start_timeout."
+        )
+
+
+class _ConnectLauncher(_SparkLauncher):
+    """The barrier stage through Spark Connect: a DataFrame's ``mapInArrow(barrier=True)``, the
+    job tagged so that it can be interrupted."""
+
+    def _collect(self, spec: JobSpec) -> None:
+        self.session.addTag(self._tag)  # tags are per thread: this one runs the stage
+        try:
+            if self.data is None:
+                df = self.session.range(0, self.num_tasks, 1, self.num_tasks)
+                df.mapInArrow(partial(range_barrier_task, spec), "status string", barrier=True).collect()
+            else:
+                self._collect_shards(spec)
+        finally:
+            self.session.removeTag(self._tag)
+
+    @property
+    def _tag(self) -> str:
+        return f"spark-dl-{self.job_group}"
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        try:
+            self.session.interruptTag(self._tag)
+        except Exception:  # noqa: BLE001 - a closed session has nothing left to interrupt
+            pass
+
+    def start_timeout_message(self, started: int, timeout: float) -> str:
+        total = cluster.declared_slots(self.session)
+        slots = f"its settings declare {total} task slots" if total is not None else "Spark Connect cannot say how many task slots it has"
+        return (
+            f"only {started} of {self.num_tasks} barrier tasks started within {timeout:.0f} s: {slots}, and "
+            f"other jobs may hold some. The tasks call back to this Python process at {self.driver_host} "
+            "(spark.driver.host): a Spark Connect client must run on the driver's host. Free slots, lower np, "
+            "or raise start_timeout."
         )
 
 
@@ -572,6 +621,7 @@ def spark_error_summary(e: BaseException, max_lines: int = 30) -> str:
     """The useful part of a Py4J error: the Python traceback from the executor, or the first lines."""
     # Py4J prefixes "An error occurred while calling o43.isEmpty.\n: " to the Java exception
     text = re.sub(r"^An error occurred while calling [\w.]+\.\s*\n?:?\s*", "", str(e))
+    text = text.split("\nJVM stacktrace:")[0]  # Spark Connect appends the server's Java stack
     start = text.rfind("Traceback (most recent call last)")
     if start >= 0:
         lines = []

@@ -12,6 +12,7 @@ import os
 import time
 from typing import Any, Callable, Iterable, Mapping, TextIO
 
+from .. import cluster
 from ..errors import LaunchRefused
 from ..runner import _RESERVED_ENV, HorovodRunner
 
@@ -93,16 +94,24 @@ def run_elastic(
 def _num_proc(num_proc: int | None) -> int:
     if num_proc is not None:
         return num_proc
-    from pyspark.sql import SparkSession
-
-    session = SparkSession.getActiveSession() or SparkSession._instantiatedSession
+    session = cluster.find_session()
     if session is None:
         raise LaunchRefused(
             "horovod.spark.run runs in a Spark barrier stage, but there is no active SparkSession: create one "
             "first, e.g. spark = SparkSession.builder.master('local[4]').getOrCreate(), or pass num_proc and "
             "use a cluster's session"
         )
-    return session.sparkContext.defaultParallelism
+    if not cluster.is_connect(session):
+        return session.sparkContext.defaultParallelism
+    # Spark Connect: the setting, else the slots local masters declare (what defaultParallelism is there)
+    declared = cluster.conf(session, "spark.default.parallelism")
+    n = int(declared) if declared else cluster.declared_slots(session)
+    if n is None:
+        raise LaunchRefused(
+            f"num_proc is unset, and through Spark Connect the cluster's parallelism is unknown here "
+            f"(spark.master={cluster.conf(session, 'spark.master')}, no spark.default.parallelism): pass num_proc"
+        )
+    return n
 
 
 def _runner(num_proc, start_timeout, use_mpi, extra_mpi_args, env, stdout, stderr, nics,

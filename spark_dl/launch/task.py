@@ -263,6 +263,16 @@ def barrier_task(spec: JobSpec, _partition_rows) -> list:
     return [json.dumps(_in_barrier_task(spec))]
 
 
+def range_barrier_task(spec: JobSpec, batches):
+    """``mapInArrow`` body of the barrier stage over ``spark.range(num_tasks)`` (Spark Connect,
+    which has no RDDs): the rows only give each task its partition."""
+    import pyarrow as pa
+
+    for _ in batches:
+        pass
+    yield pa.RecordBatch.from_pylist([{"status": json.dumps(_in_barrier_task(spec))}])
+
+
 def arrow_barrier_task(spec: JobSpec, schema, batches):
     """``mapInArrow`` body of the barrier stage of a run that trains on a DataFrame: this
     partition's rows go to a local Arrow file that this task's rank reads."""

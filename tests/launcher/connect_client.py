@@ -1,0 +1,153 @@
+"""A Spark Connect client that runs spark-dl against a real Spark Connect server.
+
+A Connect session switches pyspark in its process to Connect mode, so each check runs here, in a
+process of its own: ``python connect_client.py MODE sc://HOST:PORT``. Prints ``RESULT <json>``.
+"""
+import json
+import os
+import sys
+import threading
+import time
+
+import cloudpickle
+import procs
+from pyspark.sql import SparkSession
+
+from spark_dl import HorovodRunner, JobFailed, LaunchRefused, TorchDistributor
+
+cloudpickle.register_pickle_by_value(procs)  # the ranks cannot import this directory's modules
+
+
+def world(tag, *, y=0):
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    print(f"hello from rank {dist.get_rank()}", flush=True)
+    return {"tag": tag, "y": y, "sum": t.item(), "rank": os.environ["RANK"], "pid": os.getpid(),
+            "ppid": os.getppid(), "host": socket.gethostname()}
+
+
+def fail_on_rank_1(pid_dir):
+    procs.record_self_and_child(pid_dir)
+    if os.environ["RANK"] == "1":
+        raise ValueError("loss is NaN on rank 1")
+    time.sleep(120)
+
+
+def fail_first_attempt():
+    if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["RANK"] == "1":
+        raise RuntimeError("executor lost (pretend)")
+    return int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+
+
+def errors(fn, *args, **kwargs) -> dict:
+    t = time.monotonic()
+    try:
+        fn(*args, **kwargs)
+    except (LaunchRefused, JobFailed) as e:
+        return {"type": type(e).__name__, "message": str(e), "seconds": time.monotonic() - t,
+                "rank": getattr(e, "rank", None)}
+    return {"type": None, "seconds": time.monotonic() - t}
+
+
+def run_mode(spark) -> dict:
+    out = {"ranks": HorovodRunner(np=2, driver_log_verbosity="all").run_all(world, "a", y=4)}
+    pid_dir = os.environ["PID_DIR"]
+    out["failure"] = errors(HorovodRunner(np=2).run, fail_on_rank_1, pid_dir=pid_dir)
+    out["left_alive"] = procs.wait_all_dead(procs.recorded_pids(pid_dir), timeout=20)
+    out["after_failure"] = HorovodRunner(np=2).run(world, "b")["sum"]
+    out["restarted"] = HorovodRunner(np=2, max_restarts=1).run(fail_first_attempt)
+    out["too_many"] = errors(HorovodRunner(np=3).run, world, "c")
+
+    def hang():
+        time.sleep(120)
+
+    out["run_timeout"] = errors(HorovodRunner(np=2, run_timeout=3).run, hang)
+    with open("train.py", "w") as f:  # a script that writes what torchrun would have given it
+        f.write("import os, sys\nimport torch.distributed as dist\ndist.init_process_group('gloo')\n"
+                "print('script rank', dist.get_rank(), 'of', dist.get_world_size(), sys.argv[1:], flush=True)\n"
+                "sys.exit(int(sys.argv[2]) if dist.get_rank() == 1 else 0)\n")
+    HorovodRunner(np=2, driver_log_verbosity="all").run_script("train.py", "--code", "0")
+    out["script_failure"] = errors(HorovodRunner(np=2).run_script, "train.py", "--code", "3")
+    return out
+
+
+def data_mode(spark) -> dict:
+    import torch
+
+    from spark_dl.data import shards
+    from spark_dl.estimator import TorchEstimator
+    from spark_dl.horovod import spark as hvd_spark
+
+    def rows(data):
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        return sorted(float(x) for b in data.batches(2) for x in b["x"])
+
+    df = spark.createDataFrame([(float(i), 3.0 * i - 2.0) for i in range(40)], "x double, y double")
+    out = {"shards": HorovodRunner(np=2).run_all(rows, data=shards(df.filter("x < 10"), remainder="pad"))}
+
+    def rank_and_size(a):
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        return [dist.get_rank(), dist.get_world_size(), os.environ["LOCAL_RANK"], a]
+
+    out["distributor"] = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(rank_and_size, 5)
+    out["distributor_gpu"] = errors(TorchDistributor(num_processes=2, local_mode=False, use_gpu=True).run,
+                                    rank_and_size, 5)
+
+    def hvd_rank():
+        import spark_dl.horovod as hvd
+
+        hvd.init()
+        return hvd.rank()
+
+    out["horovod_spark"] = hvd_spark.run(hvd_rank)  # num_proc from the local cluster's declared slots
+
+    class Line(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(1, 1)
+
+        def forward(self, x):
+            return self.lin(x.unsqueeze(1)).squeeze(1)
+
+    torch.manual_seed(0)
+    est = TorchEstimator(model=Line(), optimizer=lambda p: torch.optim.SGD(p, lr=0.5),
+                         loss=torch.nn.functional.mse_loss, feature_cols="x", label_cols="y",
+                         epochs=60, batch_size=8, num_proc=2)
+    scaled = df.selectExpr("x / 40 as x", "y / 40 as y")
+    model = est.fit(scaled)
+    predicted = model.transform(scaled).orderBy("x").collect()
+    out["estimator"] = {"weight": model.model.lin.weight.item(), "bias": model.model.lin.bias.item(),
+                        "max_error": max(abs(r["prediction"] - r["y"]) for r in predicted), "rows": len(predicted)}
+    return out
+
+
+def timeout_mode(spark) -> dict:
+    def sleeper():
+        time.sleep(20)
+
+    holder = threading.Thread(target=HorovodRunner(np=2).run, args=(sleeper,))  # holds both task slots
+    holder.start()
+    time.sleep(8)
+    out = {"timed_out": errors(HorovodRunner(np=2, start_timeout=4).run, world, "d")}
+    holder.join()
+    out["after"] = HorovodRunner(np=2).run(world, "e")["sum"]
+    spark.stop()
+    out["stopped"] = errors(HorovodRunner(np=2).run, world, "f")
+    return out
+
+
+if __name__ == "__main__":
+    mode, url = sys.argv[1], sys.argv[2]
+    session = SparkSession.builder.remote(url).getOrCreate()
+    result = {"run": run_mode, "data": data_mode, "timeout": timeout_mode}[mode](session)
+    print("RESULT " + json.dumps(result), flush=True)
