@@ -16,6 +16,7 @@ EXAMPLES = [
     ("## Quick start", 0),
     ("## The launcher: `HorovodRunner`", 0),
     ("## The launcher: `HorovodRunner`", 2),
+    ("## The launcher: `HorovodRunner`", 3),  # Spark Connect
     ("## PySpark's `TorchDistributor`, on this launcher", 0),
     ("## Training on a Spark DataFrame", 0),
     ("## Training on a Spark DataFrame", 1),
