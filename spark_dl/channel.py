@@ -125,7 +125,14 @@ class Connection:
 
 def connect(host: str, port: int, secret: bytes, timeout: float = 30.0) -> Connection:
     """Connect to a :class:`ControlServer` and authenticate both ways."""
-    sock = socket.create_connection((host, port), timeout=timeout)
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except OSError as e:
+        raise ChannelError(
+            f"cannot reach the spark-dl driver at {host}:{port} ({type(e).__name__}: {e}): the executors must be "
+            "able to connect to the driver's host (spark.driver.host); with Spark Connect, the client must run "
+            "on the driver's host. Check firewalls between executors and driver."
+        ) from e
     try:
         sock.settimeout(HANDSHAKE_TIMEOUT_S)
         hello = bytes(_recv_exact(sock, len(_MAGIC) + _NONCE))

@@ -184,3 +184,14 @@ def test_a_driver_of_another_version_is_named_as_such():
     with pytest.raises(channel.ChannelError, match=r"speaks channel version SDL1, this executor SDL2: install the same spark-dl version"):
         channel.connect("127.0.0.1", port, channel.new_secret())
     listener.close()
+
+
+def test_a_driver_the_executor_cannot_reach_is_named_with_the_fix():
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    listener.close()  # nothing listens there now
+    t = time.monotonic()
+    with pytest.raises(channel.ChannelError, match=rf"cannot reach the spark-dl driver at 127.0.0.1:{port} "
+                                                   r"\(ConnectionRefusedError.*spark.driver.host.*Spark Connect"):
+        channel.connect("127.0.0.1", port, channel.new_secret())
+    assert time.monotonic() - t < 5
