@@ -3,7 +3,9 @@
 Driver side: :class:`HorovodRunner` (or :class:`TorchDistributor`, PySpark's API). Inside the training function: :func:`init`,
 :func:`log_to_driver`, :func:`get_context`, :func:`log_metrics`, :func:`log_params`, :func:`log_model`,
 :func:`save_checkpoint`, :func:`load_checkpoint`, and Ray Train's :func:`get_device`, :func:`prepare_model`,
-:func:`prepare_data_loader`.
+:func:`prepare_data_loader`. Other launchers' APIs: :mod:`spark_dl.horovod` (``horovod.torch``),
+:mod:`spark_dl.horovod.spark`, :mod:`spark_dl.ray_train` (Ray Train's ``TorchTrainer``),
+:mod:`spark_dl.estimator` (``TorchEstimator``).
 """
 from .checkpoint import load_checkpoint, save_checkpoint
 from .distributor import TorchDistributor

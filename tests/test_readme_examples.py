@@ -14,9 +14,10 @@ README = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
 
 EXAMPLES = [
     ("## Quick start", 0),
-    ("## The launcher: `HorovodRunner`", 0),
-    ("## The launcher: `HorovodRunner`", 2),
-    ("## The launcher: `HorovodRunner`", 3),  # Spark Connect
+    ("## The launcher: `HorovodRunner`", 0),  # Ray Train's helpers
+    ("## The launcher: `HorovodRunner`", 1),  # Ray Train's TorchTrainer
+    ("## The launcher: `HorovodRunner`", 3),  # restarts and checkpoints
+    ("## The launcher: `HorovodRunner`", 4),  # Spark Connect
     ("## PySpark's `TorchDistributor`, on this launcher", 0),
     ("## Training on a Spark DataFrame", 0),
     ("## Training on a Spark DataFrame", 1),

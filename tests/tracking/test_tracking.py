@@ -323,3 +323,26 @@ def test_communication_metrics_of_a_compressed_run(tracking_uri):
     # QSGD at 4.06 bits per element: about 7.9x fewer bytes than fp32 on the wire
     assert 7.0 < run.data.metrics["comm/compression_ratio"] < 8.5
     assert run.data.metrics["comm/bytes_sent_per_step"] > 0
+
+
+def ray_style_loop(config):
+    import spark_dl.ray_train as ray_train
+
+    for epoch in range(config["epochs"]):
+        ray_train.report({"loss": 1.0 / (epoch + 1), "phase": "train"})  # a str is kept in the result only
+
+
+def test_ray_train_reports_are_metrics_and_the_config_params(tracking_uri):
+    from spark_dl.ray_train import RunConfig, ScalingConfig, TorchTrainer
+
+    result = TorchTrainer(ray_style_loop, train_loop_config={"epochs": 4, "lr": 0.1}, local_mode=True,
+                          scaling_config=ScalingConfig(num_workers=2),
+                          run_config=RunConfig(name="ray-style", storage_path=str(tracking_uri[len("sqlite:///"):])
+                                               + ".results")).fit()
+    assert result.metrics == {"loss": 0.25, "phase": "train"}
+    run = _only_run()
+    assert run.info.run_name == "ray-style"
+    p = run.data.params
+    assert p["main"] == "ray_style_loop" and p["train_loop_config.epochs"] == "4" and p["train_loop_config.lr"] == "0.1"
+    assert [(m.step, m.value) for m in _history(run, "loss")] == [(0, 1.0), (1, 0.5), (2, 1 / 3), (3, 0.25)]
+    assert "phase" not in run.data.metrics

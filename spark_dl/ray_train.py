@@ -1,0 +1,408 @@
+"""Ray Train's ``TorchTrainer`` API (``ray.train``, ``ray.train.torch``) on spark-dl's launcher.
+
+Ray Train code switches by changing imports: ``from spark_dl.ray_train import TorchTrainer,
+ScalingConfig, RunConfig, FailureConfig, Checkpoint`` and ``import spark_dl.ray_train as train`` for
+``train.report``, ``train.get_context``, ``train.get_checkpoint``, ``train.get_dataset_shard``.
+The workers are a barrier stage's ranks (:class:`spark_dl.TorchDistributor`); ``report`` logs to
+MLflow, and rank 0's checkpoints travel to the driver (``spark_dl.save_checkpoint``), so a
+restarted run (``FailureConfig(max_failures=N)``) resumes from the latest.
+"""
+from __future__ import annotations
+
+import inspect
+import io
+import math
+import os
+import shutil
+import tarfile
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping
+
+from .checkpoint import load_checkpoint, save_checkpoint
+from .data import DataFrameShards, shards
+from .distributor import TorchDistributor
+from .errors import LaunchRefused
+from .prepare import get_device, prepare_data_loader, prepare_model
+from .rank import init
+from .tracking import Tracking, log_metrics
+
+__all__ = [
+    "TorchTrainer", "ScalingConfig", "RunConfig", "FailureConfig", "CheckpointConfig", "Checkpoint", "Result",
+    "report", "get_context", "get_checkpoint", "get_dataset_shard", "TrainContext",
+    "get_device", "prepare_model", "prepare_data_loader",
+]
+
+
+# -- configuration (Ray's names and defaults) ----------------------------------------------------
+@dataclass
+class ScalingConfig:
+    """``num_workers`` ranks, each with a GPU when ``use_gpu`` (Spark GPU scheduling on executors).
+    ``resources_per_worker`` may say ``{"CPU": n}`` (Spark's ``spark.task.cpus`` decides; the value is
+    not applied) and ``{"GPU": 1}``; ``placement_strategy`` is Spark's to decide and is ignored."""
+
+    num_workers: int = 1
+    use_gpu: bool = False
+    resources_per_worker: dict | None = None
+    placement_strategy: str = "PACK"
+    trainer_resources: dict | None = None
+
+
+@dataclass
+class FailureConfig:
+    """``max_failures``: restarts of the whole run (``HorovodRunner(max_restarts=...)``)."""
+
+    max_failures: int = 0
+    fail_fast: bool = False
+
+
+@dataclass
+class CheckpointConfig:
+    """Accepted for Ray's signature: the latest reported checkpoint is the one kept."""
+
+    num_to_keep: int | None = None
+    checkpoint_score_attribute: str | None = None
+    checkpoint_score_order: str = "max"
+
+
+@dataclass
+class RunConfig:
+    """``name`` names the MLflow run and the result folder ``storage_path/name`` (default
+    ``~/spark_dl_results``, as Ray's is ``~/ray_results``)."""
+
+    name: str | None = None
+    storage_path: str | os.PathLike | None = None
+    failure_config: FailureConfig | None = None
+    checkpoint_config: CheckpointConfig | None = None
+    verbose: int | None = None
+
+
+# -- checkpoints: directories, packed for the trip to the driver -----------------------------------
+class Checkpoint:
+    """A directory of files, as Ray's ``Checkpoint``."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+
+    @classmethod
+    def from_directory(cls, path: str | os.PathLike) -> "Checkpoint":
+        if not os.path.isdir(path):
+            raise ValueError(f"Checkpoint.from_directory({os.fspath(path)!r}): not a directory")
+        return cls(path)
+
+    def to_directory(self, path: str | os.PathLike | None = None) -> str:
+        """A copy of the files in ``path`` (default: a new temporary directory); returns it."""
+        dest = os.fspath(path) if path is not None else tempfile.mkdtemp(prefix="checkpoint-")
+        shutil.copytree(self.path, dest, dirs_exist_ok=True)
+        return dest
+
+    @contextmanager
+    def as_directory(self) -> Iterator[str]:
+        yield self.path
+
+    def __repr__(self) -> str:
+        return f"Checkpoint(path={self.path!r})"
+
+
+def _pack(directory: str) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        tar.add(directory, arcname=".")
+    return buf.getvalue()
+
+
+def _unpack(data: bytes, directory: str) -> Checkpoint:
+    os.makedirs(directory, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
+        if hasattr(tarfile, "data_filter"):  # Python >= 3.10.12 / 3.11.4: no paths outside ``directory``
+            tar.extractall(directory, filter="data")
+        else:  # pragma: no cover - older Pythons
+            tar.extractall(directory)
+    return Checkpoint(directory)
+
+
+# -- inside the workers ----------------------------------------------------------------------------
+@dataclass
+class TrainContext:
+    """What ``ray.train.get_context()`` answers."""
+
+    world_rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    experiment_name: str
+
+    def get_world_rank(self) -> int:
+        return self.world_rank
+
+    def get_world_size(self) -> int:
+        return self.world_size
+
+    def get_local_rank(self) -> int:
+        return self.local_rank
+
+    def get_local_world_size(self) -> int:
+        return self.local_world_size
+
+    def get_node_rank(self) -> int:
+        return self.node_rank
+
+    def get_experiment_name(self) -> str:
+        return self.experiment_name
+
+    def get_trial_name(self) -> str:
+        return self.experiment_name
+
+
+@dataclass
+class _Worker:
+    name: str
+    checkpoint: bytes | None  # the latest: reported in this attempt, saved before a restart, or resumed from
+    datasets: dict[str, Any]
+    reports: list[dict] = field(default_factory=list)
+    directory: str | None = None  # where get_checkpoint() unpacked ``checkpoint``
+
+
+_worker: _Worker | None = None
+
+
+def _current() -> _Worker:
+    if _worker is None:
+        raise RuntimeError("not inside a TorchTrainer worker: call this from train_loop_per_worker")
+    return _worker
+
+
+def get_context() -> TrainContext:
+    """This worker's place in the world."""
+    env = os.environ
+    return TrainContext(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]),
+                        int(env["LOCAL_WORLD_SIZE"]), int(env["GROUP_RANK"]), _current().name)
+
+
+def report(metrics: Mapping[str, Any], checkpoint: Checkpoint | None = None) -> None:
+    """Report ``metrics`` (rank 0's land in MLflow, step = the report's index, and in the result)
+    and, from rank 0, a ``checkpoint``: its files are sent to the driver and kept, for a restart
+    and for ``Result.checkpoint``. Other ranks' checkpoints are not kept."""
+    w = _current()
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"report(metrics): metrics must be a dict, got {type(metrics).__name__}")
+    values = {k: _plain(v) for k, v in metrics.items()}
+    step = len(w.reports)
+    w.reports.append(values)
+    numbers = {k: v for k, v in values.items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+    if numbers:
+        log_metrics(numbers, step=step)
+    if checkpoint is not None:
+        if not isinstance(checkpoint, Checkpoint):
+            raise TypeError(f"report(checkpoint=...) takes a Checkpoint, got {type(checkpoint).__name__}: "
+                            "Checkpoint.from_directory(path)")
+        if get_context().world_rank == 0:
+            w.checkpoint = _pack(checkpoint.path)
+            save_checkpoint({"ray_train_checkpoint": w.checkpoint, "reports": w.reports}, step=step)
+
+
+def get_checkpoint() -> Checkpoint | None:
+    """The latest checkpoint: rank 0's last report before a restart, else ``resume_from_checkpoint``."""
+    w = _current()
+    if w.checkpoint is None:
+        return None
+    if w.directory is None:
+        w.directory = tempfile.mkdtemp(prefix="spark-dl-checkpoint-")
+        _unpack(w.checkpoint, w.directory)
+    return Checkpoint(w.directory)
+
+
+class DataShard:
+    """``get_dataset_shard(name)``: this rank's share of a Spark DataFrame passed in ``datasets``."""
+
+    def __init__(self, data) -> None:
+        self._data = data
+        self._epoch = 0
+
+    def iter_torch_batches(self, *, batch_size: int = 256, drop_last: bool = False, device: Any = None,
+                           **_ray_only: Any) -> Iterator[dict]:
+        """Each call is the next epoch (a new shuffle unless ``shuffle=False`` was asked for)."""
+        epoch, self._epoch = self._epoch, self._epoch + 1
+        for batch in self._data.batches(batch_size, epoch=epoch, drop_last=drop_last):
+            yield {k: v.to(device) for k, v in batch.items()} if device is not None else batch
+
+
+def get_dataset_shard(name: str) -> DataShard:
+    w = _current()
+    if name not in w.datasets:
+        raise KeyError(f"no dataset named {name!r}: TorchTrainer(datasets=...) has {sorted(w.datasets)}")
+    return w.datasets[name]
+
+
+def _required_parameters(fn: Callable) -> int:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return 0
+    return sum(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+
+
+def _takes_config(fn: Callable) -> bool:
+    """Ray calls ``train_loop_per_worker(config)`` when it has a parameter, else with none."""
+    try:
+        return len(inspect.signature(fn).parameters) > 0
+    except (TypeError, ValueError):  # a builtin or C callable: Ray's rule cannot be read, pass it
+        return True
+
+
+def _plain(value: Any) -> Any:
+    item = getattr(value, "item", None)  # a one-element tensor or numpy scalar
+    return item() if callable(item) and getattr(value, "ndim", 0) == 0 else value
+
+
+class _Loop:
+    """What every rank runs: ``train_loop_per_worker`` in a Ray worker's setting."""
+
+    def __init__(self, fn: Callable, name: str, resume: bytes | None) -> None:
+        self.fn, self.name, self.resume = fn, name, resume
+        self.__qualname__ = getattr(fn, "__qualname__", "train_loop_per_worker")  # the MLflow run's "main"
+
+    def __call__(self, train_loop_config: dict | None = None, **datasets: Any) -> dict | None:
+        global _worker
+        init()  # Ray's workers start with the process group up (NCCL on GPUs, Gloo otherwise)
+        saved = load_checkpoint()  # set when this is a restart and rank 0 had reported a checkpoint
+        _worker = _Worker(self.name, saved["ray_train_checkpoint"] if saved else self.resume,
+                          {k: DataShard(v) for k, v in datasets.items()},
+                          reports=list(saved["reports"]) if saved else [])
+        try:
+            if _takes_config(self.fn):
+                self.fn(train_loop_config if train_loop_config is not None else {})
+            else:
+                self.fn()
+            w = _worker
+            if get_context().world_rank != 0:
+                return None
+            return {"reports": w.reports, "checkpoint": w.checkpoint}
+        finally:
+            if _worker.directory is not None:
+                shutil.rmtree(_worker.directory, ignore_errors=True)
+            _worker = None
+
+
+# -- the driver ------------------------------------------------------------------------------------
+@dataclass
+class Result:
+    """What ``TorchTrainer.fit()`` returns: rank 0's last reported ``metrics``, the latest
+    ``checkpoint`` (in ``path``), ``error`` (always None: a failed run raises)."""
+
+    metrics: dict | None
+    checkpoint: Checkpoint | None
+    path: str
+    reports: list[dict]
+    error: BaseException | None = None
+
+    @property
+    def metrics_dataframe(self):
+        """Every report of rank 0, in order, as a pandas DataFrame."""
+        import pandas as pd
+
+        return pd.DataFrame(self.reports)
+
+
+class TorchTrainer:
+    """Ray Train's ``TorchTrainer``: ``train_loop_per_worker(train_loop_config)`` on
+    ``scaling_config.num_workers`` ranks.
+
+    spark-dl's additions (keyword-only): ``local_mode=True`` runs the workers as processes on the
+    driver (no Spark), and ``datasets`` takes Spark DataFrames (one per run) or
+    ``spark_dl.data.shards(df, ...)``.
+    """
+
+    def __init__(self, train_loop_per_worker: Callable, *, train_loop_config: dict | None = None,
+                 scaling_config: ScalingConfig | None = None, run_config: RunConfig | None = None,
+                 datasets: Mapping[str, Any] | None = None, resume_from_checkpoint: Checkpoint | None = None,
+                 torch_config: Any = None, metadata: dict | None = None, local_mode: bool = False) -> None:
+        if not callable(train_loop_per_worker):
+            raise LaunchRefused(f"train_loop_per_worker must be a function, got {type(train_loop_per_worker).__name__}")
+        required = _required_parameters(train_loop_per_worker)
+        if required > 1:
+            raise LaunchRefused(f"train_loop_per_worker takes 0 or 1 arguments (the train_loop_config dict), "
+                                f"but {getattr(train_loop_per_worker, '__name__', 'it')} requires {required}")
+        if train_loop_config is not None and not isinstance(train_loop_config, Mapping):
+            raise LaunchRefused(f"train_loop_config must be a dict, got {type(train_loop_config).__name__}")
+        if torch_config is not None:
+            raise LaunchRefused("torch_config is not supported: the backend is NCCL on GPUs and Gloo on CPUs "
+                                "(spark_dl.init picks it); drop torch_config")
+        if resume_from_checkpoint is not None and not isinstance(resume_from_checkpoint, Checkpoint):
+            raise LaunchRefused("resume_from_checkpoint must be a Checkpoint: Checkpoint.from_directory(path)")
+        workers = (scaling_config or ScalingConfig()).num_workers
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise LaunchRefused(f"ScalingConfig(num_workers={workers!r}): give an int >= 1, the number of ranks")
+        self.train_loop_per_worker = train_loop_per_worker
+        self.train_loop_config = dict(train_loop_config) if train_loop_config is not None else None
+        self.scaling = scaling_config or ScalingConfig()
+        self.run_config = run_config or RunConfig()
+        self.resume_from_checkpoint = resume_from_checkpoint
+        self.datasets = self._datasets(datasets)
+        self.local_mode = local_mode
+        self.max_failures = self._max_failures()
+        self._gpu = self._use_gpu()
+        self.name = self.run_config.name or time.strftime("TorchTrainer_%Y-%m-%d_%H-%M-%S")
+        self.path = os.path.join(os.path.expanduser(os.fspath(self.run_config.storage_path or "~/spark_dl_results")),
+                                 self.name)
+        self._distributor()  # every option checked now, not at fit()
+
+    def _datasets(self, datasets: Mapping[str, Any] | None) -> dict[str, DataFrameShards]:
+        if datasets is None:
+            return {}
+        if not isinstance(datasets, Mapping) or len(datasets) > 1:
+            raise LaunchRefused("datasets takes one Spark DataFrame per run, e.g. datasets={'train': df}; "
+                                "split validation data on the ranks or evaluate after fit()")
+        out = {}
+        for name, value in datasets.items():
+            if name == "train_loop_config" or not isinstance(name, str) or not name.isidentifier():
+                raise LaunchRefused(f"datasets: name the DataFrame with an identifier other than "
+                                    f"'train_loop_config', e.g. 'train'; got {name!r}")
+            if isinstance(value, DataFrameShards):
+                out[name] = value
+            elif hasattr(value, "schema") and hasattr(value, "mapInArrow"):
+                out[name] = shards(value)
+            else:
+                raise LaunchRefused(f"datasets[{name!r}] is a {type(value).__name__}; spark-dl shards Spark "
+                                    "DataFrames (ray.data Datasets: convert with ds.to_spark(spark) or load with Spark)")
+        return out
+
+    def _max_failures(self) -> int:
+        failures = (self.run_config.failure_config or FailureConfig()).max_failures
+        if isinstance(failures, bool) or not isinstance(failures, int) or failures < 0:
+            raise LaunchRefused(f"FailureConfig(max_failures={failures!r}): give a number of restarts >= 0 "
+                                "(unlimited restarts, -1, are not supported)")
+        return failures
+
+    def _use_gpu(self) -> bool:
+        resources = dict(self.scaling.resources_per_worker or {})
+        unknown = sorted(set(resources) - {"CPU", "GPU"})
+        if unknown:
+            raise LaunchRefused(f"resources_per_worker: {unknown} are Ray resources; Spark schedules CPUs "
+                                "(spark.task.cpus) and GPUs (spark.task.resource.gpu.amount) only")
+        gpus = resources.get("GPU", 1 if self.scaling.use_gpu else 0)
+        if gpus not in (0, 1) or (gpus and not self.scaling.use_gpu):
+            raise LaunchRefused(f"resources_per_worker={{'GPU': {gpus}}} with use_gpu={self.scaling.use_gpu}: "
+                                "each worker has one GPU with use_gpu=True and none without")
+        return bool(self.scaling.use_gpu)
+
+    def _distributor(self) -> TorchDistributor:
+        return TorchDistributor(self.scaling.num_workers, local_mode=self.local_mode, use_gpu=self._gpu,
+                                max_restarts=self.max_failures, tracking=Tracking(run_name=self.name))
+
+    def fit(self) -> Result:
+        """Train; returns a :class:`Result`, or raises the failing rank's error
+        (:class:`spark_dl.RankFailed`, a ``RuntimeError``) when the restarts run out."""
+        resume = _pack(self.resume_from_checkpoint.path) if self.resume_from_checkpoint is not None else None
+        config = {"train_loop_config": self.train_loop_config} if self.train_loop_config is not None else {}
+        loop = _Loop(self.train_loop_per_worker, self.name, resume)
+        out = self._distributor().run(loop, **config, **self.datasets)  # the config's values become MLflow params
+        reports = out["reports"]
+        checkpoint = None
+        if out["checkpoint"] is not None:
+            checkpoint = _unpack(out["checkpoint"], os.path.join(self.path, f"checkpoint_{len(reports):06d}"))
+        return Result(reports[-1] if reports else None, checkpoint, self.path, reports)

@@ -1,0 +1,162 @@
+"""Ray Train's TorchTrainer API (spark_dl.ray_train): reports, checkpoints across a restart and into
+the result, resuming from a checkpoint, DataFrame shards through get_dataset_shard, refusals."""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+
+import spark_dl.ray_train as train
+from spark_dl import LaunchRefused, RankFailed
+from spark_dl.ray_train import (Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig,
+                                TorchTrainer)
+
+
+def train_func(config):
+    """Ray's idiom: resume from get_checkpoint(), report every epoch, rank 0 with a checkpoint;
+    rank 1 dies in epoch 2 of the first attempt."""
+    model = train.prepare_model(torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=config["lr"])
+    start = 0
+    checkpoint = train.get_checkpoint()
+    if checkpoint:
+        with checkpoint.as_directory() as d:
+            state = torch.load(os.path.join(d, "model.pt"))
+        model.module.load_state_dict(state["model"])
+        start = state["epoch"] + 1
+    ctx = train.get_context()
+    g = torch.Generator().manual_seed(ctx.get_world_rank())
+    for epoch in range(start, config["epochs"]):
+        for _ in range(10):
+            x = torch.randn(16, 4, generator=g)
+            loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        if epoch == config.get("crash_at") and ctx.get_world_rank() == 1 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+            os._exit(3)
+        with tempfile.TemporaryDirectory() as d:
+            saved = None
+            if ctx.get_world_rank() == 0:
+                torch.save({"model": model.module.state_dict(), "epoch": epoch}, os.path.join(d, "model.pt"))
+                saved = Checkpoint.from_directory(d)
+            train.report({"loss": loss, "epoch": epoch, "started_at": start,
+                          "world": [ctx.get_world_size(), ctx.get_local_rank(), ctx.get_node_rank()],
+                          "name": ctx.get_experiment_name()}, checkpoint=saved)
+
+
+def test_a_restarted_run_resumes_from_its_last_reported_checkpoint(tmp_path):
+    trainer = TorchTrainer(
+        train_func, train_loop_config={"lr": 0.05, "epochs": 5, "crash_at": 2},
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name="linear", storage_path=str(tmp_path), failure_config=FailureConfig(max_failures=1),
+                             checkpoint_config=CheckpointConfig(num_to_keep=1)),
+        local_mode=True)
+    result = trainer.fit()
+    reports = result.reports
+    assert [r["epoch"] for r in reports] == [0, 1, 2, 3, 4]  # the reports kept with the checkpoint, then the rest
+    assert [r["started_at"] for r in reports][-1] in (2, 3)  # resumed, not started over
+    assert result.metrics == reports[-1] and isinstance(result.metrics["loss"], float)  # tensors reported as numbers
+    assert result.metrics["loss"] < reports[0]["loss"] / 10
+    assert result.metrics["world"] == [2, 0, 0] and result.metrics["name"] == "linear"
+    assert list(result.metrics_dataframe["epoch"]) == [0, 1, 2, 3, 4]
+    assert result.path == str(tmp_path / "linear") and result.error is None
+    assert result.checkpoint.path.startswith(result.path) and os.listdir(result.checkpoint.path) == ["model.pt"]
+    assert torch.load(os.path.join(result.checkpoint.path, "model.pt"))["epoch"] == 4
+
+
+def test_resume_from_checkpoint_gives_every_worker_its_files(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "step.txt").write_text("41")
+
+    def read_it():  # no parameter: Ray calls it with no config
+        with train.get_checkpoint().as_directory() as d:
+            step = int(open(os.path.join(d, "step.txt")).read())
+        train.report({"step": step + 1, "rank": train.get_context().get_world_rank()})
+
+    resumed = TorchTrainer(read_it, scaling_config=ScalingConfig(num_workers=2), local_mode=True,
+                           resume_from_checkpoint=Checkpoint.from_directory(tmp_path / "ckpt"),
+                           run_config=RunConfig(storage_path=str(tmp_path))).fit()
+    assert resumed.metrics == {"step": 42, "rank": 0} and resumed.checkpoint is not None
+    assert open(os.path.join(resumed.checkpoint.path, "step.txt")).read() == "41"  # the latest is the one resumed
+    assert resumed.checkpoint.to_directory(tmp_path / "copy") == str(tmp_path / "copy")
+    assert (tmp_path / "copy" / "step.txt").read_text() == "41"
+
+
+def test_a_spark_dataframe_is_sharded_through_get_dataset_shard(spark, tmp_path):
+    df = spark.createDataFrame([(float(i), i % 2) for i in range(24)], "x double, label long")
+
+    def loop(config):
+        import torch.distributed as dist
+
+        shard = train.get_dataset_shard("train")
+        epochs = [[float(v) for b in shard.iter_torch_batches(batch_size=config["batch"]) for v in b["x"]]
+                  for _ in range(2)]
+        seen = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, epochs)
+        train.report({"seen": seen})
+
+    result = TorchTrainer(loop, train_loop_config={"batch": 5}, scaling_config=ScalingConfig(num_workers=2),
+                          datasets={"train": df}, run_config=RunConfig(storage_path=str(tmp_path))).fit()
+    (r0_e0, r0_e1), (r1_e0, r1_e1) = result.metrics["seen"]
+    assert sorted(r0_e0 + r1_e0) == sorted(r0_e1 + r1_e1) == [float(i) for i in range(24)]  # each epoch: every row once
+    assert len(r0_e0) == len(r1_e0) == 12 and r0_e0 != r0_e1  # equal shares, a new shuffle per epoch
+    assert result.checkpoint is None
+
+
+def test_a_failure_without_restarts_raises_the_ranks_error(tmp_path):
+    def loop():
+        if train.get_context().get_world_rank() == 1:
+            raise ValueError("diverged")
+
+    with pytest.raises(RankFailed, match="diverged") as e:
+        TorchTrainer(loop, scaling_config=ScalingConfig(num_workers=2), local_mode=True,
+                     run_config=RunConfig(storage_path=str(tmp_path))).fit()
+    assert e.value.rank == 1 and isinstance(e.value, RuntimeError)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"run_config": RunConfig(failure_config=FailureConfig(max_failures=-1))}, "unlimited restarts"),
+    ({"scaling_config": ScalingConfig(num_workers=2, resources_per_worker={"TPU": 1})}, "Ray resources"),
+    ({"scaling_config": ScalingConfig(num_workers=2, use_gpu=True, resources_per_worker={"GPU": 2})}, "one GPU"),
+    ({"scaling_config": ScalingConfig(num_workers=0)}, r"num_workers=0\): give an int >= 1"),
+    ({"datasets": {"train": [1, 2, 3]}}, "spark-dl shards Spark DataFrames"),
+    ({"torch_config": object()}, "torch_config is not supported"),
+    ({"train_loop_config": [0.1]}, "train_loop_config must be a dict"),
+    ({"resume_from_checkpoint": "/tmp/ckpt"}, "Checkpoint.from_directory"),
+])
+def test_bad_trainers_are_refused_at_construction(kwargs, message):
+    with pytest.raises(LaunchRefused, match=message):
+        TorchTrainer(lambda config: None, local_mode=True, **kwargs)
+
+
+def test_bad_loops_and_calls_are_refused():
+    with pytest.raises(LaunchRefused, match="takes 0 or 1 arguments"):
+        TorchTrainer(lambda a, b: None, local_mode=True)
+    with pytest.raises(LaunchRefused, match="must be a function"):
+        TorchTrainer("train.py", local_mode=True)
+    with pytest.raises(ValueError, match="not a directory"):
+        Checkpoint.from_directory("/nonexistent/spark-dl")
+    with pytest.raises(RuntimeError, match="not inside a TorchTrainer worker"):
+        train.report({"loss": 1.0})
+
+
+def test_misuse_inside_a_worker_names_the_fix(tmp_path):
+    def loop():
+        errors = []
+        for call in (lambda: train.report({"loss": 1.0}, checkpoint="/tmp/x"),
+                     lambda: train.get_dataset_shard("validation"),
+                     lambda: train.report([("loss", 1.0)])):
+            try:
+                call()
+            except (TypeError, KeyError) as e:
+                errors.append(str(e))
+        train.report({"errors": errors})
+
+    errors = TorchTrainer(loop, scaling_config=ScalingConfig(num_workers=1), local_mode=True,
+                          run_config=RunConfig(storage_path=str(tmp_path))).fit().metrics["errors"]
+    assert "Checkpoint.from_directory" in errors[0]
+    assert "no dataset named 'validation'" in errors[1]
+    assert "metrics must be a dict" in errors[2]
