@@ -177,9 +177,10 @@ def _current() -> _Worker:
 
 def get_context() -> TrainContext:
     """This worker's place in the world."""
+    name = _current().name
     env = os.environ
     return TrainContext(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]),
-                        int(env["LOCAL_WORLD_SIZE"]), int(env["GROUP_RANK"]), _current().name)
+                        int(env["LOCAL_WORLD_SIZE"]), int(env["GROUP_RANK"]), name)
 
 
 def report(metrics: Mapping[str, Any], checkpoint: Checkpoint | None = None) -> None:

@@ -444,8 +444,9 @@ class _SparkLauncher(_Launcher):
 
         self.job_group = spec.job_id
         # the stage's thread keeps this one's job properties (Spark Connect: its operation tags)
+        connect = {"session": self.session} if cluster.is_connect(self.session) else {}
         self._thread = InheritableThread(
-            target=self._run_stage, args=(spec, monitor), name="spark-dl-stage", daemon=True, session=self.session
+            target=self._run_stage, args=(spec, monitor), name="spark-dl-stage", daemon=True, **connect
         )
         self._thread.start()
 
@@ -523,7 +524,8 @@ class _ConnectLauncher(_SparkLauncher):
 
     def start_timeout_message(self, started: int, timeout: float) -> str:
         total = cluster.declared_slots(self.session)
-        slots = f"its settings declare {total} task slots" if total is not None else "Spark Connect cannot say how many task slots it has"
+        slots = (f"its settings declare {total} task slots" if total is not None
+                 else "Spark Connect cannot say how many task slots it has")
         return (
             f"only {started} of {self.num_tasks} barrier tasks started within {timeout:.0f} s: {slots}, and "
             f"other jobs may hold some. The tasks call back to this Python process at {self.driver_host} "

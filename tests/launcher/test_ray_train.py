@@ -139,8 +139,9 @@ def test_bad_loops_and_calls_are_refused():
         TorchTrainer("train.py", local_mode=True)
     with pytest.raises(ValueError, match="not a directory"):
         Checkpoint.from_directory("/nonexistent/spark-dl")
-    with pytest.raises(RuntimeError, match="not inside a TorchTrainer worker"):
-        train.report({"loss": 1.0})
+    for call in (lambda: train.report({"loss": 1.0}), train.get_context, train.get_checkpoint):
+        with pytest.raises(RuntimeError, match="not inside a TorchTrainer worker"):
+            call()
 
 
 def test_misuse_inside_a_worker_names_the_fix(tmp_path):
