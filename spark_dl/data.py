@@ -82,9 +82,53 @@ class DataFrameShards:
 
         return to_arrow_schema(self.df.schema)
 
-    def check_not_empty(self) -> None:
+    def check_not_empty(self, name: str = "") -> None:
         if self.df.isEmpty():
-            raise LaunchRefused("the DataFrame to train on is empty: there is nothing to shard")
+            which = f" ({name}=)" if name else ""
+            raise LaunchRefused(f"the DataFrame to train on{which} is empty: there is nothing to shard")
+
+
+class ShardSet:
+    """Driver side: the run's DataFrames, by keyword, read in one barrier stage. Several are sent
+    as one union, each row tagged with its DataFrame and carried in a struct column of its own, and
+    each task splits its partition into one Arrow file per DataFrame."""
+
+    TAG = "__spark_dl_dataset"
+
+    def __init__(self, named: dict[str, DataFrameShards]) -> None:
+        self.named = named
+        for key, data in named.items():
+            data.spec.key = key
+
+    def check_not_empty(self) -> None:
+        for key, data in self.named.items():
+            data.check_not_empty(key if len(self.named) > 1 else "")
+
+    def schemas(self) -> dict[str, Any]:
+        return {key: data.arrow_schema() for key, data in self.named.items()}
+
+    def dataframe(self):
+        """What the barrier stage maps over: the one DataFrame, or the tagged union of several."""
+        if len(self.named) == 1:
+            return next(iter(self.named.values())).df
+        from pyspark.sql import functions as F
+        from pyspark.sql import types as T
+
+        keys = list(self.named)
+        parts = []
+        for key, data in self.named.items():
+            cols = [F.lit(key).alias(self.TAG)]
+            for other in keys:
+                if other == key:
+                    cols.append(F.struct(*[data.df[c] for c in data.spec.columns]).alias(other))
+                else:
+                    shape = T.StructType(self.named[other].df.schema.fields)
+                    cols.append(F.lit(None).cast(shape).alias(other))
+            parts.append(data.df.select(*cols))
+        union = parts[0]
+        for part in parts[1:]:
+            union = union.unionByName(part)
+        return union
 
 
 @dataclass
@@ -96,6 +140,7 @@ class Shards:
     shuffle: bool = True
     seed: int = 0
     remainder: str = "drop"
+    key: str = "data"  # the keyword it was passed as: its file in the task's shard directory
     _state: dict = field(default_factory=dict, repr=False, compare=False)
 
     # -- the world's rows ----------------------------------------------------------------------
@@ -106,9 +151,10 @@ class Shards:
         import torch
         import torch.distributed as dist
 
-        path = os.environ.get(SHARD_ENV)
-        if path is None:
+        directory = os.environ.get(SHARD_ENV)
+        if directory is None:
             raise RuntimeError("no shard for this rank: pass spark_dl.data.shards(df) to HorovodRunner(np>0).run")
+        path = os.path.join(directory, f"{self.key}.arrow")
         if not dist.is_initialized():
             raise RuntimeError("call spark_dl.init() (or dist.init_process_group) before reading the data")
         table = pa.ipc.open_file(pa.memory_map(path)).read_all()
@@ -232,6 +278,31 @@ def _to_tensor(column, kind: str, name: str):
         raise ValueError(f"array column {name!r} has rows of different lengths; pad them to one length")
     values = np.array(column.flatten().to_numpy(zero_copy_only=False))
     return torch.from_numpy(values.reshape(len(column), -1))
+
+
+def write_partitions(batches: Iterator, directory: str, schemas: dict[str, Any]) -> None:
+    """Barrier task: this partition's rows, one Arrow file per DataFrame (``<key>.arrow``); with
+    several, each batch is split by :attr:`ShardSet.TAG` and each key's struct column unpacked."""
+    if len(schemas) == 1:
+        key, schema = next(iter(schemas.items()))
+        write_partition(batches, os.path.join(directory, f"{key}.arrow"), schema)
+        return
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    sinks = {key: pa.OSFile(os.path.join(directory, f"{key}.arrow"), "wb") for key in schemas}
+    writers = {key: pa.ipc.new_file(sinks[key], schema) for key, schema in schemas.items()}
+    try:
+        for batch in batches:
+            tags = batch.column(ShardSet.TAG)
+            for key, schema in schemas.items():
+                rows = batch.column(key).filter(pc.equal(tags, key))
+                if len(rows):
+                    writers[key].write_batch(pa.RecordBatch.from_arrays(rows.flatten(), schema=schema))
+    finally:
+        for key in schemas:
+            writers[key].close()
+            sinks[key].close()
 
 
 def write_partition(batches: Iterator, path: str, schema) -> int:

@@ -37,13 +37,16 @@ class TorchEstimator:
         num_proc: ranks, in one Spark barrier stage.
         prediction_col: the column ``TorchModel.transform`` adds.
         shuffle, seed: a new global shuffle of the rows every epoch, from ``seed``.
+        validation: as Horovod's: a fraction of the rows held out at random (``0.1``), or the name of
+            a column whose true (or 1) rows are held out; their loss after each epoch is
+            ``TorchModel.val_history``.
         runner_options: more :class:`spark_dl.HorovodRunner` options (``max_restarts``, ``tracking``, ...).
     """
 
     def __init__(self, *, model, optimizer, loss: Callable[..., Any], feature_cols: str | Sequence[str],
                  label_cols: str | Sequence[str], batch_size: int = 32, epochs: int = 1, num_proc: int = 2,
                  prediction_col: str = "prediction", shuffle: bool = True, seed: int = 0,
-                 **runner_options: Any) -> None:
+                 validation: float | str | None = None, **runner_options: Any) -> None:
         import torch
 
         if not isinstance(model, torch.nn.Module):
@@ -60,6 +63,9 @@ class TorchEstimator:
                                     "with model.parameters(), or pass a function params -> optimizer")
         if not callable(loss):
             raise LaunchRefused(f"loss must be a function (output, *labels) -> tensor, got {type(loss).__name__}")
+        if validation is not None and not (isinstance(validation, str) and validation) and not (
+                isinstance(validation, float) and 0 < validation < 1):
+            raise LaunchRefused(f"validation must be a fraction of the rows in (0, 1) or a column name, got {validation!r}")
         for name, value in (("batch_size", batch_size), ("epochs", epochs), ("num_proc", num_proc)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise LaunchRefused(f"{name} must be an int >= 1, got {value!r}")
@@ -74,6 +80,7 @@ class TorchEstimator:
         self.prediction_col = prediction_col
         self.shuffle = shuffle
         self.seed = seed
+        self.validation = validation
         self.runner_options = runner_options
         self._runner = HorovodRunner(np=num_proc, **runner_options)  # bad options are refused now, not at fit()
 
@@ -86,18 +93,40 @@ class TorchEstimator:
         """Train across ``num_proc`` ranks; return the trained model as a :class:`TorchModel`."""
         from .data import shards
 
-        data = shards(df, self.feature_cols + self.label_cols, shuffle=self.shuffle, seed=self.seed)
-        out = self._runner.run(_fit, data=data, model=self.model, optimizer=self.optimizer, loss=self.loss,
+        columns = self.feature_cols + self.label_cols
+        train, held_out = self._split(df)
+        data = shards(train, columns, shuffle=self.shuffle, seed=self.seed)
+        # every held-out row once per rank's share ("pad" repeats a few when they do not divide evenly)
+        val = shards(held_out, columns, shuffle=False, remainder="pad") if held_out is not None else None
+        out = self._runner.run(_fit, data=data, val=val, model=self.model, optimizer=self.optimizer, loss=self.loss,
                                feature_cols=self.feature_cols, label_cols=self.label_cols,
                                batch_size=self.batch_size, epochs=self.epochs)
         trained = copy.deepcopy(self.model).cpu()
         trained.load_state_dict(out["state"])
-        return TorchModel(trained, self.feature_cols, self.prediction_col, history=out["history"])
+        return TorchModel(trained, self.feature_cols, self.prediction_col, history=out["history"],
+                          val_history=out["val_history"])
+
+    def _split(self, df):
+        """(training rows, held-out rows or None), as ``validation`` says."""
+        v = self.validation
+        if v is None:
+            return df, None
+        if isinstance(v, float):
+            train, held_out = df.randomSplit([1 - v, v], seed=self.seed)
+            return train, held_out
+        from pyspark.sql import functions as F
+
+        if v not in df.columns:
+            raise LaunchRefused(f"validation={v!r} is not a column of the DataFrame (it has {list(df.columns)}); "
+                                "pass a column of booleans or 0/1, or a fraction such as 0.1")
+        held = F.coalesce(F.col(v).cast("boolean"), F.lit(False))
+        return df.filter(~held), df.filter(held)
 
 
-def _fit(data, model, optimizer, loss, feature_cols, label_cols, batch_size, epochs):
+def _fit(data, val, model, optimizer, loss, feature_cols, label_cols, batch_size, epochs):
     """Each rank: DDP over the rank's device, one pass over its shard per epoch; rank 0 returns the
-    trained weights and the per-epoch loss averaged over every rank's batches."""
+    trained weights, the per-epoch loss averaged over every rank's batches and, with ``val``, the
+    held-out rows' loss after each epoch (averaged over rows)."""
     import torch
     import torch.distributed as dist
 
@@ -111,7 +140,7 @@ def _fit(data, model, optimizer, loss, feature_cols, label_cols, batch_size, epo
     opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer(ddp.parameters())
     device = spark_dl.get_device()
     dtype = _float_dtype(model)
-    history = []
+    history, val_history = [], []
     for epoch in range(epochs):
         total = torch.zeros(2, dtype=torch.float64)
         for batch in data.batches(batch_size=batch_size, epoch=epoch):
@@ -123,8 +152,32 @@ def _fit(data, model, optimizer, loss, feature_cols, label_cols, batch_size, epo
             total += torch.tensor([value.item(), 1.0], dtype=torch.float64)
         dist.all_reduce(total)
         history.append(total[0].item() / max(total[1].item(), 1.0))
-        spark_dl.log_metrics({"train_loss": history[-1]}, step=epoch)
-    return {"state": {k: v.detach().cpu() for k, v in model.state_dict().items()}, "history": history}
+        metrics = {"train_loss": history[-1]}
+        if val is not None:
+            val_history.append(_held_out_loss(val, getattr(ddp, "module", ddp), loss, feature_cols, label_cols,
+                                              batch_size, device, dtype))
+            metrics["val_loss"] = val_history[-1]
+        spark_dl.log_metrics(metrics, step=epoch)
+    return {"state": {k: v.detach().cpu() for k, v in model.state_dict().items()}, "history": history,
+            "val_history": val_history}
+
+
+def _held_out_loss(val, model, loss, feature_cols, label_cols, batch_size, device, dtype) -> float:
+    """The loss over every rank's held-out rows, weighted by rows (batches may be short)."""
+    import torch
+    import torch.distributed as dist
+
+    total = torch.zeros(2, dtype=torch.float64)
+    model.eval()
+    with torch.no_grad():
+        for batch in val.batches(batch_size=batch_size):
+            rows = len(batch[feature_cols[0]])
+            value = loss(model(*[_as(batch[c], device, dtype) for c in feature_cols]),
+                         *[_as(batch[c], device, dtype) for c in label_cols])
+            total += torch.tensor([value.item() * rows, rows], dtype=torch.float64)
+    model.train()
+    dist.all_reduce(total)
+    return total[0].item() / max(total[1].item(), 1.0)
 
 
 def _float_dtype(model):
@@ -155,6 +208,7 @@ class TorchModel:
     feature_cols: list[str]
     prediction_col: str = "prediction"
     history: list[float] = field(default_factory=list)  # per-epoch training loss, averaged over ranks
+    val_history: list[float] = field(default_factory=list)  # per-epoch held-out loss (``validation``)
 
     def getModel(self):  # noqa: N802 - Horovod's TorchModel name
         """The trained ``torch.nn.Module`` (on the CPU)."""

@@ -163,7 +163,8 @@ class _Worker:
     checkpoint: bytes | None  # the latest: reported in this attempt, saved before a restart, or resumed from
     datasets: dict[str, Any]
     reports: list[dict] = field(default_factory=list)
-    directory: str | None = None  # where get_checkpoint() unpacked ``checkpoint``
+    directory: str | None = None  # where get_checkpoint() unpacked ``unpacked``
+    unpacked: bytes | None = None
 
 
 _worker: _Worker | None = None
@@ -211,9 +212,12 @@ def get_checkpoint() -> Checkpoint | None:
     w = _current()
     if w.checkpoint is None:
         return None
-    if w.directory is None:
+    if w.unpacked is not w.checkpoint:  # first call, or a checkpoint reported since
+        if w.directory is not None:
+            shutil.rmtree(w.directory, ignore_errors=True)
         w.directory = tempfile.mkdtemp(prefix="spark-dl-checkpoint-")
         _unpack(w.checkpoint, w.directory)
+        w.unpacked = w.checkpoint
     return Checkpoint(w.directory)
 
 
@@ -224,12 +228,14 @@ class DataShard:
         self._data = data
         self._epoch = 0
 
-    def iter_torch_batches(self, *, batch_size: int = 256, drop_last: bool = False, device: Any = None,
+    def iter_torch_batches(self, *, batch_size: int = 256, drop_last: bool = False, device: Any = "auto",
                            **_ray_only: Any) -> Iterator[dict]:
-        """Each call is the next epoch (a new shuffle unless ``shuffle=False`` was asked for)."""
+        """``{column: tensor}`` batches on ``device`` (``"auto"``: the worker's, as in Ray). Each
+        pass is the next epoch (a new shuffle unless ``shards(df, shuffle=False)`` was passed)."""
         epoch, self._epoch = self._epoch, self._epoch + 1
+        target = get_device() if device == "auto" else device
         for batch in self._data.batches(batch_size, epoch=epoch, drop_last=drop_last):
-            yield {k: v.to(device) for k, v in batch.items()} if device is not None else batch
+            yield {k: v.to(target) for k, v in batch.items()} if target is not None else batch
 
 
 def get_dataset_shard(name: str) -> DataShard:
@@ -314,7 +320,7 @@ class TorchTrainer:
     ``scaling_config.num_workers`` ranks.
 
     spark-dl's additions (keyword-only): ``local_mode=True`` runs the workers as processes on the
-    driver (no Spark), and ``datasets`` takes Spark DataFrames (one per run) or
+    driver (no Spark), and ``datasets`` takes Spark DataFrames or
     ``spark_dl.data.shards(df, ...)``.
     """
 
@@ -355,9 +361,9 @@ class TorchTrainer:
     def _datasets(self, datasets: Mapping[str, Any] | None) -> dict[str, DataFrameShards]:
         if datasets is None:
             return {}
-        if not isinstance(datasets, Mapping) or len(datasets) > 1:
-            raise LaunchRefused("datasets takes one Spark DataFrame per run, e.g. datasets={'train': df}; "
-                                "split validation data on the ranks or evaluate after fit()")
+        if not isinstance(datasets, Mapping):
+            raise LaunchRefused(f"datasets must be a dict of Spark DataFrames, e.g. {{'train': df, 'val': df2}}, "
+                                f"got {type(datasets).__name__}")
         out = {}
         for name, value in datasets.items():
             if name == "train_loop_config" or not isinstance(name, str) or not name.isidentifier():

@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping, TextIO
 
 from . import channel, cluster
 from .checkpoint import CheckpointStore
-from .data import SHARD_ENV, DataFrameShards
+from .data import SHARD_ENV, DataFrameShards, ShardSet
 from .driver import VERBOSITIES, Failure, JobMonitor, Observer
 from .errors import JobFailed, LaunchRefused
 from .launch.layout import RankSpec
@@ -209,7 +209,7 @@ class HorovodRunner:
             return [monitor.result(r) for r in range(launcher.world_size)]
         return monitor.result(0)
 
-    def _launcher(self, data: DataFrameShards | None, wait_s: float | None = None) -> "_Launcher":
+    def _launcher(self, data: ShardSet | None, wait_s: float | None = None) -> "_Launcher":
         if self.np < 0:
             return _LocalLauncher(-self.np)
         return _SparkLauncher.prepare(self.np, data, wait_s, self._ranks_per_task)
@@ -266,7 +266,7 @@ class HorovodRunner:
         return monitor, self._finish(monitor, launcher, server)
 
     def _relaunch(
-        self, data: DataFrameShards | None, attempt: int, error: JobFailed, store: CheckpointStore,
+        self, data: ShardSet | None, attempt: int, error: JobFailed, store: CheckpointStore,
         observers: list[Observer],
     ) -> "_Launcher":
         """Say why and how the run restarts, then prepare the next attempt's launch."""
@@ -395,7 +395,7 @@ class _SparkLauncher(_Launcher):
 
     bind_host = "0.0.0.0"
 
-    def __init__(self, session, np: int, ranks_per_task: int, data: DataFrameShards | None = None) -> None:
+    def __init__(self, session, np: int, ranks_per_task: int, data: ShardSet | None = None) -> None:
         self.session = session
         self.data = data
         self.world_size = np
@@ -409,7 +409,7 @@ class _SparkLauncher(_Launcher):
         self._cancelled = False
 
     @staticmethod
-    def prepare(np: int, data: DataFrameShards | None = None, wait_s: float | None = None,
+    def prepare(np: int, data: ShardSet | None = None, wait_s: float | None = None,
                 per_task: int | None = None) -> "_SparkLauncher":
         """Check the cluster and build the launcher; ``wait_s``: wait that long for enough task
         slots (a restart, while a lost executor is replaced) instead of refusing at once;
@@ -471,8 +471,8 @@ class _SparkLauncher(_Launcher):
     def _collect_shards(self, spec: JobSpec) -> None:
         # each task's partition holds its share of the rows, as Arrow batches
         assert self.data is not None
-        df = self.data.df.repartition(self.num_tasks)
-        task = partial(arrow_barrier_task, spec, self.data.arrow_schema())
+        df = self.data.dataframe().repartition(self.num_tasks)
+        task = partial(arrow_barrier_task, spec, self.data.schemas())
         df.mapInArrow(task, "status string", barrier=True).collect()
 
     def cancel(self) -> None:
@@ -603,20 +603,20 @@ def _note_earlier_failures(error: JobFailed, earlier: list[JobFailed], max_resta
     error.add_note("\n".join(lines))
 
 
-def _take_dataframe(kwargs: dict[str, Any], np: int) -> tuple[dict[str, Any], DataFrameShards | None]:
-    """Swap a :func:`spark_dl.data.shards` kwarg for what its rank reads; at most one per run."""
-    found = [k for k, v in kwargs.items() if isinstance(v, DataFrameShards)]
+def _take_dataframe(kwargs: dict[str, Any], np: int) -> tuple[dict[str, Any], ShardSet | None]:
+    """Swap each :func:`spark_dl.data.shards` kwarg for what its rank reads."""
+    found = {k: v for k, v in kwargs.items() if isinstance(v, DataFrameShards)}
     if not found:
         return kwargs, None
-    if len(found) > 1:
-        raise LaunchRefused(f"kwargs {found} are all DataFrames to shard; a run trains on one (join them first)")
     if np < 0:
         raise LaunchRefused(
             "training on a DataFrame reads each rank's rows in its Spark task: use np > 0 "
             f"(np=-{-np} runs local processes that have no partitions to read)"
         )
-    data = kwargs[found[0]]
-    return {**kwargs, found[0]: data.spec}, data
+    if len({id(v) for v in found.values()}) < len(found):
+        raise LaunchRefused(f"kwargs {sorted(found)} pass the same shards(df) twice: call shards() once per kwarg")
+    data = ShardSet(found)
+    return {**kwargs, **{k: v.spec for k, v in found.items()}}, data
 
 
 def spark_error_summary(e: BaseException, max_lines: int = 30) -> str:

@@ -273,23 +273,20 @@ def range_barrier_task(spec: JobSpec, batches):
     yield pa.RecordBatch.from_pylist([{"status": json.dumps(_in_barrier_task(spec))}])
 
 
-def arrow_barrier_task(spec: JobSpec, schema, batches):
-    """``mapInArrow`` body of the barrier stage of a run that trains on a DataFrame: this
-    partition's rows go to a local Arrow file that this task's rank reads."""
+def arrow_barrier_task(spec: JobSpec, schemas, batches):
+    """``mapInArrow`` body of the barrier stage of a run that trains on DataFrames: this
+    partition's rows go to local Arrow files (one per DataFrame) that this task's rank reads."""
     import shutil
     import tempfile
 
     import pyarrow as pa
 
-    from ..data import SHARD_ENV, write_partition
-
-    from pyspark import BarrierTaskContext
+    from ..data import SHARD_ENV, write_partitions
 
     directory = tempfile.mkdtemp(prefix=f"{spec.job_id}-")
     try:
-        path = os.path.join(directory, f"shard-{BarrierTaskContext.get().partitionId()}.arrow")
-        write_partition(batches, path, schema)
-        statuses = _in_barrier_task(spec, {SHARD_ENV: path})
+        write_partitions(batches, directory, schemas)
+        statuses = _in_barrier_task(spec, {SHARD_ENV: directory})
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     yield pa.RecordBatch.from_pylist([{"status": json.dumps(statuses)}])

@@ -13,7 +13,9 @@ def read_epochs(data, epochs, batch_size):
     import os
 
     spark_dl.init()
-    out = {"len": len(data), "total": data.total_rows, "epochs": [], "shard_file": os.environ.get("SPARK_DL_SHARD")}
+    directory = os.environ.get("SPARK_DL_SHARD")
+    out = {"len": len(data), "total": data.total_rows, "epochs": [], "shard_file": os.path.join(directory, f"{data.key}.arrow"),
+           "shard_files": sorted(os.listdir(directory))}
     for e in range(epochs):
         ids, feats = [], []
         for batch in data.batches(batch_size, epoch=e):
@@ -55,7 +57,7 @@ def test_each_rank_reads_an_equal_shard_and_every_epoch_is_one_global_shuffle(df
     i = ranks[0]["id_for_x_first"]
     assert ranks[0]["x_first"] == [float(i), float(2 * i)]
     # the rows came from the task's own partition file, not through the driver
-    assert all(r["shard_file"].endswith(".arrow") for r in ranks)
+    assert all(r["shard_files"] == ["data.arrow"] for r in ranks)
 
 
 def test_pad_repeats_rows_so_no_row_is_lost(df):
@@ -105,3 +107,33 @@ def test_a_restarted_run_reads_the_dataframe_again(df):
     a, b = ranks[0]["epochs"][0], ranks[1]["epochs"][0]
     assert len(a) == len(b) == 51 and not set(a) & set(b) and len(set(a) | set(b)) == 102
     assert all("restart1" in r["shard_file"] for r in ranks)  # the second attempt's own partition files
+
+
+def read_two(train, val):
+    import torch.distributed as dist
+
+    spark_dl.init()
+    mine = {"train": [int(v) for b in train.batches(4) for v in b["id"]],
+            "val": [(float(b["y"][i]), b["v"][i].tolist()) for b in val.batches(3) for i in range(len(b["y"]))],
+            "columns": (train.columns, val.columns)}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return every
+
+
+def test_several_dataframes_in_one_run_each_sharded_on_its_own(spark, df):
+    val = spark.createDataFrame([(float(i), [float(i), -float(i)]) for i in range(7)], "y double, v array<double>")
+    out = HorovodRunner(np=2).run(read_two, train=shards(df.select("id"), shuffle=False),
+                                  val=shards(val, shuffle=False, remainder="pad"))
+    train = out[0]["train"] + out[1]["train"]
+    assert len(train) == len(set(train)) == 102 and set(train) <= set(range(103))  # 103 rows, "drop": one left out
+    held_out = out[0]["val"] + out[1]["val"]
+    assert len(out[0]["val"]) == len(out[1]["val"]) == 4  # 7 rows padded to 4 per rank
+    assert {y for y, _ in held_out} == {float(i) for i in range(7)} and all(v == [y, -y] for y, v in held_out)
+    assert out[0]["columns"] == (["id"], ["y", "v"])
+
+
+def test_the_same_shards_twice_is_refused(df):
+    data = shards(df)
+    with pytest.raises(LaunchRefused, match="same shards"):
+        HorovodRunner(np=2).run(read_two, train=data, val=data)

@@ -76,6 +76,26 @@ def test_regression_with_two_feature_columns_and_an_optimizer_factory(spark):
     assert max(errors) < 0.1
 
 
+def test_validation_holds_rows_out_and_reports_their_loss(spark):
+    from pyspark.sql import functions as F
+
+    df = spark.range(400).select((F.rand(1) * 2 - 1).alias("a"), (F.rand(2) * 2 - 1).alias("b"))
+    df = df.withColumn("y", 3 * F.col("a") - 2 * F.col("b") + 0.5).withColumn("is_val", F.col("a") > 0.8)
+    for validation in (0.25, "is_val"):
+        torch.manual_seed(0)
+        fitted = TorchEstimator(model=TwoInputs(), optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+                                loss=torch.nn.functional.mse_loss, feature_cols=["a", "b"], label_cols="y",
+                                batch_size=16, epochs=6, num_proc=2, validation=validation).fit(df)
+        assert len(fitted.history) == len(fitted.val_history) == 6
+        assert fitted.val_history[-1] < fitted.val_history[0] / 10 and fitted.val_history[-1] < 0.05
+    with pytest.raises(LaunchRefused, match="validation must be a fraction"):
+        TorchEstimator(model=TwoInputs(), optimizer=torch.optim.SGD, loss=torch.nn.functional.mse_loss,
+                       feature_cols=["a", "b"], label_cols="y", validation=1.5)
+    with pytest.raises(LaunchRefused, match="'held' is not a column"):
+        TorchEstimator(model=TwoInputs(), optimizer=torch.optim.SGD, loss=torch.nn.functional.mse_loss,
+                       feature_cols=["a", "b"], label_cols="y", validation="held").fit(df)
+
+
 def test_a_column_that_is_both_feature_and_label_is_sent_once(digits):
     train, _ = digits  # an autoencoder: the pixels are its input and its target
     torch.manual_seed(0)

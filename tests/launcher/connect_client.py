@@ -122,12 +122,13 @@ def data_mode(spark) -> dict:
     torch.manual_seed(0)
     est = TorchEstimator(model=Line(), optimizer=lambda p: torch.optim.SGD(p, lr=0.5),
                          loss=torch.nn.functional.mse_loss, feature_cols="x", label_cols="y",
-                         epochs=60, batch_size=8, num_proc=2)
+                         epochs=60, batch_size=8, num_proc=2, validation=0.25)  # a second DataFrame in the run
     scaled = df.selectExpr("x / 40 as x", "y / 40 as y")
     model = est.fit(scaled)
     predicted = model.transform(scaled).orderBy("x").collect()
     out["estimator"] = {"weight": model.model.lin.weight.item(), "bias": model.model.lin.bias.item(),
-                        "max_error": max(abs(r["prediction"] - r["y"]) for r in predicted), "rows": len(predicted)}
+                        "max_error": max(abs(r["prediction"] - r["y"]) for r in predicted), "rows": len(predicted),
+                        "val_history": model.val_history}
     return out
 
 

@@ -107,6 +107,7 @@ def test_data_and_compatibility_layers_through_spark_connect(connect_url, tmp_pa
     est = out["estimator"]  # y = 3x - 0.05, fitted by DDP, predicted by the executors
     assert est["rows"] == 40
     assert abs(est["weight"] - 3.0) < 0.05 and abs(est["bias"] + 0.05) < 0.05 and est["max_error"] < 0.05
+    assert len(est["val_history"]) == 60 and est["val_history"][-1] < 1e-3  # held-out rows, a second DataFrame
 
 
 def test_start_timeout_and_stopped_session_through_spark_connect(connect_url, tmp_path):

@@ -85,8 +85,9 @@ def test_resume_from_checkpoint_gives_every_worker_its_files(tmp_path):
     assert (tmp_path / "copy" / "step.txt").read_text() == "41"
 
 
-def test_a_spark_dataframe_is_sharded_through_get_dataset_shard(spark, tmp_path):
+def test_spark_dataframes_are_sharded_through_get_dataset_shard(spark, tmp_path):
     df = spark.createDataFrame([(float(i), i % 2) for i in range(24)], "x double, label long")
+    held_out = spark.createDataFrame([(100.0 + i,) for i in range(6)], "x double")
 
     def loop(config):
         import torch.distributed as dist
@@ -94,16 +95,35 @@ def test_a_spark_dataframe_is_sharded_through_get_dataset_shard(spark, tmp_path)
         shard = train.get_dataset_shard("train")
         epochs = [[float(v) for b in shard.iter_torch_batches(batch_size=config["batch"]) for v in b["x"]]
                   for _ in range(2)]
+        val = [float(v) for b in train.get_dataset_shard("val").iter_torch_batches(batch_size=2) for v in b["x"]]
         seen = [None] * dist.get_world_size()
-        dist.all_gather_object(seen, epochs)
+        dist.all_gather_object(seen, (epochs, val))
         train.report({"seen": seen})
 
     result = TorchTrainer(loop, train_loop_config={"batch": 5}, scaling_config=ScalingConfig(num_workers=2),
-                          datasets={"train": df}, run_config=RunConfig(storage_path=str(tmp_path))).fit()
-    (r0_e0, r0_e1), (r1_e0, r1_e1) = result.metrics["seen"]
+                          datasets={"train": df, "val": held_out}, run_config=RunConfig(storage_path=str(tmp_path))).fit()
+    ((r0_e0, r0_e1), val0), ((r1_e0, r1_e1), val1) = result.metrics["seen"]
     assert sorted(r0_e0 + r1_e0) == sorted(r0_e1 + r1_e1) == [float(i) for i in range(24)]  # each epoch: every row once
     assert len(r0_e0) == len(r1_e0) == 12 and r0_e0 != r0_e1  # equal shares, a new shuffle per epoch
+    assert sorted(val0 + val1) == [100.0 + i for i in range(6)]  # the second DataFrame, on its own
     assert result.checkpoint is None
+
+
+def test_get_checkpoint_follows_the_latest_report(tmp_path):
+    def loop():
+        seen = [train.get_checkpoint()]
+        for step in (1, 2):
+            with tempfile.TemporaryDirectory() as d:
+                with open(os.path.join(d, "step"), "w") as f:
+                    f.write(str(step))
+                train.report({"step": step}, checkpoint=Checkpoint.from_directory(d))
+            with train.get_checkpoint().as_directory() as d:
+                seen.append(open(os.path.join(d, "step")).read())
+        train.report({"seen": seen})
+
+    result = TorchTrainer(loop, local_mode=True, run_config=RunConfig(storage_path=str(tmp_path))).fit()
+    assert result.metrics["seen"] == [None, "1", "2"]
+    assert open(os.path.join(result.checkpoint.path, "step")).read() == "2"
 
 
 def test_a_failure_without_restarts_raises_the_ranks_error(tmp_path):
@@ -123,6 +143,7 @@ def test_a_failure_without_restarts_raises_the_ranks_error(tmp_path):
     ({"scaling_config": ScalingConfig(num_workers=2, use_gpu=True, resources_per_worker={"GPU": 2})}, "one GPU"),
     ({"scaling_config": ScalingConfig(num_workers=0)}, r"num_workers=0\): give an int >= 1"),
     ({"datasets": {"train": [1, 2, 3]}}, "spark-dl shards Spark DataFrames"),
+    ({"datasets": [("train", None)]}, "datasets must be a dict"),
     ({"torch_config": object()}, "torch_config is not supported"),
     ({"train_loop_config": [0.1]}, "train_loop_config must be a dict"),
     ({"resume_from_checkpoint": "/tmp/ckpt"}, "Checkpoint.from_directory"),
