@@ -16,8 +16,9 @@ EXAMPLES = [
     ("## Quick start", 0),
     ("## The launcher: `HorovodRunner`", 0),  # Ray Train's helpers
     ("## The launcher: `HorovodRunner`", 1),  # Ray Train's TorchTrainer
-    ("## The launcher: `HorovodRunner`", 3),  # restarts and checkpoints
-    ("## The launcher: `HorovodRunner`", 4),  # Spark Connect
+    ("## The launcher: `HorovodRunner`", 2),  # ... with Lightning
+    ("## The launcher: `HorovodRunner`", 4),  # restarts and checkpoints
+    ("## The launcher: `HorovodRunner`", 5),  # Spark Connect
     ("## PySpark's `TorchDistributor`, on this launcher", 0),
     ("## Training on a Spark DataFrame", 0),
     ("## Training on a Spark DataFrame", 1),

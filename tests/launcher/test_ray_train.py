@@ -182,3 +182,77 @@ def test_misuse_inside_a_worker_names_the_fix(tmp_path):
     assert "Checkpoint.from_directory" in errors[0]
     assert "no dataset named 'validation'" in errors[1]
     assert "metrics must be a dict" in errors[2]
+
+
+def lightning_loop(config):
+    """Ray Train's Lightning idiom; rank 1 dies in epoch 2 of the first attempt."""
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from spark_dl.ray_train.lightning import (RayDDPStrategy, RayLightningEnvironment, RayTrainReportCallback,
+                                              prepare_trainer)
+
+    class Net(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, _):
+            x, y = batch
+            if (self.current_epoch == 2 and self.global_rank == 1
+                    and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"):
+                os._exit(3)
+            loss = (self.layer(x) - y).pow(2).mean()
+            self.log("train_loss", loss, sync_dist=True)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    torch.manual_seed(0)
+    x = torch.randn(256, 4)
+    data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=16)
+    trainer = L.Trainer(max_epochs=config["epochs"], devices="auto", accelerator="cpu", strategy=RayDDPStrategy(),
+                        plugins=[RayLightningEnvironment()], callbacks=[RayTrainReportCallback()],
+                        enable_checkpointing=False, enable_progress_bar=False, logger=False,
+                        enable_model_summary=False)
+    trainer = prepare_trainer(trainer)
+    checkpoint = train.get_checkpoint()
+    if checkpoint is None:
+        trainer.fit(Net(), data)
+    else:
+        with checkpoint.as_directory() as d:
+            trainer.fit(Net(), data, ckpt_path=os.path.join(d, RayTrainReportCallback.CHECKPOINT_NAME))
+    train.report({"batches": trainer.num_training_batches, "world": trainer.world_size,
+                  "environment": type(trainer.strategy.cluster_environment).__name__})
+
+
+def test_lightning_with_rays_callback_resumes_after_a_restart(tmp_path):
+    result = TorchTrainer(lightning_loop, train_loop_config={"epochs": 5}, local_mode=True,
+                          scaling_config=ScalingConfig(num_workers=2),
+                          run_config=RunConfig(storage_path=str(tmp_path), failure_config=FailureConfig(max_failures=1))
+                          ).fit()
+    *epochs, last = result.reports
+    assert [r["epoch"] for r in epochs] == [0, 1, 2, 3, 4]  # epoch 2 redone from epoch 1's checkpoint
+    assert last == {"batches": 8, "world": 2, "environment": "RayLightningEnvironment"}  # each rank half the data
+    assert epochs[-1]["train_loss"] < epochs[0]["train_loss"] / 5
+    state = torch.load(os.path.join(result.checkpoint.path, "checkpoint.ckpt"), weights_only=False)
+    assert state["epoch"] == 4 and "layer.weight" in state["state_dict"]
+
+
+def test_prepare_trainer_refuses_a_trainer_that_would_train_alone_on_each_worker(tmp_path):
+    def loop():
+        import lightning as L
+
+        from spark_dl.ray_train.lightning import prepare_trainer
+
+        trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+        try:
+            prepare_trainer(trainer)
+        except RuntimeError as e:
+            train.report({"error": str(e)})
+
+    result = TorchTrainer(loop, local_mode=True, scaling_config=ScalingConfig(num_workers=2),
+                          run_config=RunConfig(storage_path=str(tmp_path))).fit()
+    assert "would train alone on each of the run's 2 workers (SingleDeviceStrategy" in result.metrics["error"]
+    assert "strategy=RayDDPStrategy()" in result.metrics["error"]

@@ -21,13 +21,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
-from .checkpoint import load_checkpoint, save_checkpoint
-from .data import DataFrameShards, shards
-from .distributor import TorchDistributor
-from .errors import LaunchRefused
-from .prepare import get_device, prepare_data_loader, prepare_model
-from .rank import init
-from .tracking import Tracking, log_metrics
+from ..checkpoint import load_checkpoint, save_checkpoint
+from ..data import DataFrameShards, shards
+from ..distributor import TorchDistributor
+from ..errors import LaunchRefused
+from ..prepare import get_device, prepare_data_loader, prepare_model
+from ..rank import init
+from ..tracking import Tracking, log_metrics
 
 __all__ = [
     "TorchTrainer", "ScalingConfig", "RunConfig", "FailureConfig", "CheckpointConfig", "Checkpoint", "Result",
