@@ -346,3 +346,43 @@ def test_ray_train_reports_are_metrics_and_the_config_params(tracking_uri):
     assert p["main"] == "ray_style_loop" and p["train_loop_config.epochs"] == "4" and p["train_loop_config.lr"] == "0.1"
     assert [(m.step, m.value) for m in _history(run, "loss")] == [(0, 1.0), (1, 0.5), (2, 1 / 3), (3, 0.25)]
     assert "phase" not in run.data.metrics
+
+
+def lightning_train(lr):
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from spark_dl.tracking.lightning import SparkDLLogger
+
+    class Net(L.LightningModule):
+        def __init__(self, lr, hidden=4):
+            super().__init__()
+            self.save_hyperparameters()
+            self.layer = torch.nn.Linear(hidden, 1)
+
+        def training_step(self, batch, _):
+            x, y = batch
+            loss = (self.layer(x) - y).pow(2).mean()
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+    torch.manual_seed(0)
+    x = torch.randn(128, 4)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=2, log_every_n_steps=1,
+                        logger=SparkDLLogger(), enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(Net(lr), DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=16))
+    return trainer.global_step
+
+
+def test_lightning_metrics_and_hyperparameters_reach_the_run(tracking_uri):
+    steps = spark_dl.TorchDistributor(num_processes=2, use_gpu=False, progress=False).run(lightning_train, 0.05)
+    assert steps == 8  # 2 epochs of 4 steps on each rank's half
+    run = _only_run()
+    assert run.data.params["lr"] == "0.05" and run.data.params["hidden"] == "4"
+    history = _history(run, "train_loss")
+    assert [m.step for m in history] == list(range(8)) and history[-1].value < history[0].value

@@ -1,0 +1,53 @@
+"""A PyTorch Lightning logger that sends ``self.log(...)`` metrics and hyperparameters to the
+run's MLflow run, through the job's channel like :func:`spark_dl.log_metrics` (executors need no
+route to the tracking server): ``Trainer(logger=SparkDLLogger())``."""
+from __future__ import annotations
+
+import os
+from argparse import Namespace
+from typing import Any, Mapping
+
+try:  # Lightning 2 ships as ``lightning``; older installs as ``pytorch_lightning``
+    from lightning.pytorch.loggers import Logger
+    from lightning.pytorch.utilities import rank_zero_only
+except ImportError:  # pragma: no cover - exercised only without the lightning package
+    try:
+        from pytorch_lightning.loggers import Logger
+        from pytorch_lightning.utilities import rank_zero_only
+    except ImportError as e:
+        raise ImportError("spark_dl.tracking.lightning needs PyTorch Lightning: pip install lightning") from e
+
+from .params import is_plain
+from .rank import flush_metrics, log_metrics, log_params
+
+__all__ = ["SparkDLLogger"]
+
+
+class SparkDLLogger(Logger):
+    """Rank 0's logged metrics (at Lightning's ``global_step``) and ``save_hyperparameters()``
+    land in the MLflow run of the ``HorovodRunner``/``TorchDistributor``/``TorchTrainer`` run."""
+
+    @property
+    def name(self) -> str:
+        return "spark-dl"
+
+    @property
+    def version(self) -> str:
+        return os.environ.get("SPARK_DL_JOB_ID", "local")
+
+    @rank_zero_only
+    def log_hyperparams(self, params: Mapping[str, Any] | Namespace, *args: Any, **kwargs: Any) -> None:
+        values = vars(params) if isinstance(params, Namespace) else dict(params)
+        log_params({k: v for k, v in values.items() if is_plain(v)})  # modules, tensors, ...: not params
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        log_metrics(metrics, step=step)
+
+    @rank_zero_only
+    def save(self) -> None:
+        flush_metrics()
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        flush_metrics()
