@@ -84,8 +84,8 @@ class DataFrameShards:
 
     def check_not_empty(self, name: str = "") -> None:
         if self.df.isEmpty():
-            which = f" ({name}=)" if name else ""
-            raise LaunchRefused(f"the DataFrame to train on{which} is empty: there is nothing to shard")
+            which = f"passed as {name}=" if name else "to train on"
+            raise LaunchRefused(f"the DataFrame {which} is empty: there is nothing to shard")
 
 
 class ShardSet:

@@ -98,7 +98,7 @@ class TorchEstimator:
         data = shards(train, columns, shuffle=self.shuffle, seed=self.seed)
         # every held-out row once per rank's share ("pad" repeats a few when they do not divide evenly)
         val = shards(held_out, columns, shuffle=False, remainder="pad") if held_out is not None else None
-        out = self._runner.run(_fit, data=data, val=val, model=self.model, optimizer=self.optimizer, loss=self.loss,
+        out = self._runner.run(_fit, data=data, validation=val, model=self.model, optimizer=self.optimizer, loss=self.loss,
                                feature_cols=self.feature_cols, label_cols=self.label_cols,
                                batch_size=self.batch_size, epochs=self.epochs)
         trained = copy.deepcopy(self.model).cpu()
@@ -123,10 +123,10 @@ class TorchEstimator:
         return df.filter(~held), df.filter(held)
 
 
-def _fit(data, val, model, optimizer, loss, feature_cols, label_cols, batch_size, epochs):
+def _fit(data, validation, model, optimizer, loss, feature_cols, label_cols, batch_size, epochs):
     """Each rank: DDP over the rank's device, one pass over its shard per epoch; rank 0 returns the
-    trained weights, the per-epoch loss averaged over every rank's batches and, with ``val``, the
-    held-out rows' loss after each epoch (averaged over rows)."""
+    trained weights, the per-epoch loss averaged over every rank's batches and, with
+    ``validation``, the held-out rows' loss after each epoch (averaged over rows)."""
     import torch
     import torch.distributed as dist
 
@@ -153,8 +153,8 @@ def _fit(data, val, model, optimizer, loss, feature_cols, label_cols, batch_size
         dist.all_reduce(total)
         history.append(total[0].item() / max(total[1].item(), 1.0))
         metrics = {"train_loss": history[-1]}
-        if val is not None:
-            val_history.append(_held_out_loss(val, getattr(ddp, "module", ddp), loss, feature_cols, label_cols,
+        if validation is not None:
+            val_history.append(_held_out_loss(validation, getattr(ddp, "module", ddp), loss, feature_cols, label_cols,
                                               batch_size, device, dtype))
             metrics["val_loss"] = val_history[-1]
         spark_dl.log_metrics(metrics, step=epoch)

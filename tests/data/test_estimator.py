@@ -91,6 +91,9 @@ def test_validation_holds_rows_out_and_reports_their_loss(spark):
     with pytest.raises(LaunchRefused, match="validation must be a fraction"):
         TorchEstimator(model=TwoInputs(), optimizer=torch.optim.SGD, loss=torch.nn.functional.mse_loss,
                        feature_cols=["a", "b"], label_cols="y", validation=1.5)
+    with pytest.raises(LaunchRefused, match="the DataFrame passed as validation= is empty"):
+        TorchEstimator(model=TwoInputs(), optimizer=torch.optim.SGD, loss=torch.nn.functional.mse_loss,
+                       feature_cols=["a", "b"], label_cols="y", validation="is_val").fit(df.filter("a < 0.5"))
     with pytest.raises(LaunchRefused, match="'held' is not a column"):
         TorchEstimator(model=TwoInputs(), optimizer=torch.optim.SGD, loss=torch.nn.functional.mse_loss,
                        feature_cols=["a", "b"], label_cols="y", validation="held").fit(df)
