@@ -14,6 +14,7 @@ import io
 import math
 import os
 import shutil
+import sys
 import tarfile
 import tempfile
 import time
@@ -21,10 +22,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
-from ..checkpoint import load_checkpoint, save_checkpoint
+from ..checkpoint import CheckpointStore, load_checkpoint, save_checkpoint
 from ..data import DataFrameShards, shards
 from ..distributor import TorchDistributor
-from ..errors import LaunchRefused
+from ..errors import JobFailed, LaunchRefused
 from ..prepare import get_device, prepare_data_loader, prepare_model
 from ..rank import init
 from ..tracking import Tracking, log_metrics
@@ -397,19 +398,47 @@ class TorchTrainer:
                                 "each worker has one GPU with use_gpu=True and none without")
         return bool(self.scaling.use_gpu)
 
-    def _distributor(self) -> TorchDistributor:
+    def _distributor(self, checkpoint_dir: str | None = None) -> TorchDistributor:
         return TorchDistributor(self.scaling.num_workers, local_mode=self.local_mode, use_gpu=self._gpu,
-                                max_restarts=self.max_failures, tracking=Tracking(run_name=self.name))
+                                max_restarts=self.max_failures, tracking=Tracking(run_name=self.name),
+                                checkpoint_dir=checkpoint_dir)
 
     def fit(self) -> Result:
         """Train; returns a :class:`Result`, or raises the failing rank's error
-        (:class:`spark_dl.RankFailed`, a ``RuntimeError``) when the restarts run out."""
+        (:class:`spark_dl.RankFailed`, a ``RuntimeError``) when the restarts run out, after keeping
+        the latest reported checkpoint in ``path`` (the error's note says where)."""
         resume = _pack(self.resume_from_checkpoint.path) if self.resume_from_checkpoint is not None else None
         config = {"train_loop_config": self.train_loop_config} if self.train_loop_config is not None else {}
         loop = _Loop(self.train_loop_per_worker, self.name, resume)
-        out = self._distributor().run(loop, **config, **self.datasets)  # the config's values become MLflow params
+        # the driver keeps rank 0's reports in a store of this fit's own, so a failed run's survive it
+        state_dir = tempfile.mkdtemp(prefix="spark-dl-trainer-")
+        try:
+            try:
+                out = self._distributor(state_dir).run(loop, **config, **self.datasets)  # config -> MLflow params
+            except JobFailed as e:
+                kept = self._keep_latest(state_dir)
+                if kept is not None:
+                    note = (f"the latest reported checkpoint is kept in {kept.path}: continue with "
+                            f"TorchTrainer(..., resume_from_checkpoint=Checkpoint({kept.path!r}))")
+                    if hasattr(e, "add_note"):  # Python >= 3.11
+                        e.add_note(note)
+                    sys.stderr.write(f"[spark-dl] {note}\n")
+                raise
+        finally:
+            shutil.rmtree(state_dir, ignore_errors=True)
         reports = out["reports"]
         checkpoint = None
         if out["checkpoint"] is not None:
             checkpoint = _unpack(out["checkpoint"], os.path.join(self.path, f"checkpoint_{len(reports):06d}"))
         return Result(reports[-1] if reports else None, checkpoint, self.path, reports)
+
+    def _keep_latest(self, state_dir: str) -> Checkpoint | None:
+        """The checkpoint rank 0 reported last, unpacked into ``path``; None if it reported none."""
+        import cloudpickle
+
+        blob = CheckpointStore(state_dir).load()
+        if blob is None:
+            return None
+        state = cloudpickle.loads(blob)
+        return _unpack(state["ray_train_checkpoint"],
+                       os.path.join(self.path, f"checkpoint_{len(state['reports']):06d}"))

@@ -256,3 +256,23 @@ def test_prepare_trainer_refuses_a_trainer_that_would_train_alone_on_each_worker
                           run_config=RunConfig(storage_path=str(tmp_path))).fit()
     assert "would train alone on each of the run's 2 workers (SingleDeviceStrategy" in result.metrics["error"]
     assert "strategy=RayDDPStrategy()" in result.metrics["error"]
+
+
+def test_a_run_that_fails_for_good_keeps_its_latest_checkpoint_to_resume_from(tmp_path):
+    config = {"lr": 0.05, "epochs": 4, "crash_at": 2}
+    run = RunConfig(name="failing", storage_path=str(tmp_path))
+    with pytest.raises(RankFailed) as e:  # no restarts: rank 1 dies in epoch 2
+        TorchTrainer(train_func, train_loop_config=config, scaling_config=ScalingConfig(num_workers=2),
+                     run_config=run, local_mode=True).fit()
+    kept = [d for d in os.listdir(tmp_path / "failing") if d.startswith("checkpoint_")]
+    assert len(kept) == 1
+    path = str(tmp_path / "failing" / kept[0])
+    assert f"the latest reported checkpoint is kept in {path}" in "\n".join(getattr(e.value, "__notes__", []))
+    epoch = torch.load(os.path.join(path, "model.pt"))["epoch"]
+    assert epoch in (1, 2)  # epoch 2's report may or may not have beaten rank 1's death
+
+    resumed = TorchTrainer(train_func, train_loop_config={**config, "crash_at": None},
+                           scaling_config=ScalingConfig(num_workers=2), run_config=run, local_mode=True,
+                           resume_from_checkpoint=Checkpoint.from_directory(path)).fit()
+    assert [r["epoch"] for r in resumed.reports] == list(range(epoch + 1, 4))
+    assert {r["started_at"] for r in resumed.reports} == {epoch + 1}
