@@ -64,6 +64,7 @@ class TorchDistributor:
             progress=progress, max_restarts=max_restarts, checkpoint_dir=checkpoint_dir, run_timeout=run_timeout,
             env={**rank_env, **_rank_env(env)},
         )
+        self._observers: list[Any] = []  # driver-side Observers for each run (spark_dl.ray_train's)
         self._runner(num_processes)  # every option checked now, not at run()
         self.last_run: RunInfo | None = None  # what HorovodRunner.last_run says of the latest run()
 
@@ -101,6 +102,7 @@ class TorchDistributor:
         runner = HorovodRunner(np=-processes if self.local_mode else processes, nodes="tasks", **self._options)
         if not self.use_gpu:
             runner._ranks_per_task = 1  # GPUs or not in the tasks, one process each (PySpark's count)
+        runner.observers.extend(self._observers)
         return runner
 
     def _processes(self) -> int:

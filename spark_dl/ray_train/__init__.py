@@ -17,17 +17,18 @@ import shutil
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
-from ..checkpoint import CheckpointStore, load_checkpoint, save_checkpoint
+from ..checkpoint import load_checkpoint, save_checkpoint
 from ..data import DataFrameShards, shards
 from ..distributor import TorchDistributor
 from ..errors import JobFailed, LaunchRefused
 from ..prepare import get_device, prepare_data_loader, prepare_model
-from ..rank import init
+from ..rank import init, send_to_driver
 from ..tracking import Tracking, log_metrics
 
 __all__ = [
@@ -61,7 +62,9 @@ class FailureConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Accepted for Ray's signature: the latest reported checkpoint is the one kept."""
+    """Which reported checkpoints stay in ``storage_path/name``: all (``num_to_keep=None``), else
+    the ``num_to_keep`` latest, or the best by ``checkpoint_score_attribute`` (a reported metric;
+    ``checkpoint_score_order`` "max" or "min"); the latest is always among them."""
 
     num_to_keep: int | None = None
     checkpoint_score_attribute: str | None = None
@@ -205,7 +208,8 @@ def report(metrics: Mapping[str, Any], checkpoint: Checkpoint | None = None) -> 
                             "Checkpoint.from_directory(path)")
         if get_context().world_rank == 0:
             w.checkpoint = _pack(checkpoint.path)
-            save_checkpoint({"ray_train_checkpoint": w.checkpoint, "reports": w.reports}, step=step)
+            save_checkpoint({"ray_train_checkpoint": w.checkpoint, "reports": w.reports}, step=step)  # for restarts
+            send_to_driver(_KEEP, {"index": step, "blob": w.checkpoint, "metrics": values})  # to storage_path
 
 
 def get_checkpoint() -> Checkpoint | None:
@@ -289,7 +293,7 @@ class _Loop:
             w = _worker
             if get_context().world_rank != 0:
                 return None
-            return {"reports": w.reports, "checkpoint": w.checkpoint}
+            return {"reports": w.reports}  # checkpoints reach the driver as reported (_CheckpointKeeper)
         finally:
             if _worker.directory is not None:
                 shutil.rmtree(_worker.directory, ignore_errors=True)
@@ -297,6 +301,63 @@ class _Loop:
 
 
 # -- the driver ------------------------------------------------------------------------------------
+_KEEP = "ray_train/checkpoint"
+
+
+class _CheckpointKeeper:
+    """Driver-side observer: writes each checkpoint rank 0 reports into ``path`` as it arrives
+    (``checkpoint_<report index>``) and keeps ``num_to_keep`` of them: the best by
+    ``checkpoint_score_attribute`` if set, else the latest; the latest is always kept."""
+
+    def __init__(self, path: str, config: CheckpointConfig) -> None:
+        self.path = path
+        self.config = config
+        self.kept: list[tuple[Checkpoint, dict]] = []
+        self.latest: Checkpoint | None = None
+        self._lock = threading.Lock()
+
+    def on_start(self, job: dict) -> None:
+        pass
+
+    def on_log(self, rank: int, stream: str, line: str) -> None:
+        pass
+
+    def on_finish(self, error: BaseException | None) -> None:
+        pass
+
+    def on_message(self, rank: int, kind: str, data: Any) -> None:
+        if kind != _KEEP:
+            return
+        checkpoint = _unpack(data["blob"], os.path.join(self.path, f"checkpoint_{data['index']:06d}"))
+        with self._lock:
+            self.kept = [(c, m) for c, m in self.kept if c.path != checkpoint.path]  # a restart's redo
+            self.kept.append((checkpoint, data["metrics"]))
+            self.latest = checkpoint
+            self._prune()
+
+    def _prune(self) -> None:
+        n = self.config.num_to_keep
+        if n is None or len(self.kept) <= n:
+            return
+        attr = self.config.checkpoint_score_attribute
+        if attr is None:
+            keep = self.kept[-n:]
+        else:
+            sign = 1 if self.config.checkpoint_score_order == "max" else -1
+            ranked = sorted(self.kept, key=lambda cm: sign * _score(cm[1], attr), reverse=True)
+            keep = ranked[:n]
+            if self.kept[-1] not in keep:  # the latest is what a resumed run needs
+                keep = keep[:-1] + [self.kept[-1]] if n > 1 else [self.kept[-1]]
+        for c, m in self.kept:
+            if (c, m) not in keep:
+                shutil.rmtree(c.path, ignore_errors=True)
+        self.kept = [cm for cm in self.kept if cm in keep]  # in report order
+
+
+def _score(metrics: dict, attr: str) -> float:
+    value = metrics.get(attr)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else -math.inf
+
 @dataclass
 class Result:
     """What ``TorchTrainer.fit()`` returns: rank 0's last reported ``metrics``, the latest
@@ -307,6 +368,7 @@ class Result:
     path: str
     reports: list[dict]
     error: BaseException | None = None
+    best_checkpoints: list[tuple[Checkpoint, dict]] = field(default_factory=list)  # kept, in report order
 
     @property
     def metrics_dataframe(self):
@@ -353,6 +415,13 @@ class TorchTrainer:
         self.datasets = self._datasets(datasets)
         self.local_mode = local_mode
         self.max_failures = self._max_failures()
+        keeping = self.run_config.checkpoint_config or CheckpointConfig()
+        if keeping.num_to_keep is not None and (isinstance(keeping.num_to_keep, bool)
+                                                or not isinstance(keeping.num_to_keep, int) or keeping.num_to_keep < 1):
+            raise LaunchRefused(f"CheckpointConfig(num_to_keep={keeping.num_to_keep!r}): give an int >= 1, or None to keep all")
+        if keeping.checkpoint_score_order not in ("max", "min"):
+            raise LaunchRefused(f"CheckpointConfig(checkpoint_score_order={keeping.checkpoint_score_order!r}): "
+                                "'max' or 'min'")
         self._gpu = self._use_gpu()
         self.name = self.run_config.name or time.strftime("TorchTrainer_%Y-%m-%d_%H-%M-%S")
         self.path = os.path.join(os.path.expanduser(os.fspath(self.run_config.storage_path or "~/spark_dl_results")),
@@ -398,47 +467,30 @@ class TorchTrainer:
                                 "each worker has one GPU with use_gpu=True and none without")
         return bool(self.scaling.use_gpu)
 
-    def _distributor(self, checkpoint_dir: str | None = None) -> TorchDistributor:
+    def _distributor(self) -> TorchDistributor:
         return TorchDistributor(self.scaling.num_workers, local_mode=self.local_mode, use_gpu=self._gpu,
-                                max_restarts=self.max_failures, tracking=Tracking(run_name=self.name),
-                                checkpoint_dir=checkpoint_dir)
+                                max_restarts=self.max_failures, tracking=Tracking(run_name=self.name))
 
     def fit(self) -> Result:
         """Train; returns a :class:`Result`, or raises the failing rank's error
-        (:class:`spark_dl.RankFailed`, a ``RuntimeError``) when the restarts run out, after keeping
-        the latest reported checkpoint in ``path`` (the error's note says where)."""
+        (:class:`spark_dl.RankFailed`, a ``RuntimeError``) when the restarts run out; the reported
+        checkpoints are in ``path`` either way (the error's note names the latest)."""
         resume = _pack(self.resume_from_checkpoint.path) if self.resume_from_checkpoint is not None else None
         config = {"train_loop_config": self.train_loop_config} if self.train_loop_config is not None else {}
         loop = _Loop(self.train_loop_per_worker, self.name, resume)
-        # the driver keeps rank 0's reports in a store of this fit's own, so a failed run's survive it
-        state_dir = tempfile.mkdtemp(prefix="spark-dl-trainer-")
+        keeper = _CheckpointKeeper(self.path, self.run_config.checkpoint_config or CheckpointConfig())
+        distributor = self._distributor()
+        distributor._observers.append(keeper)
         try:
-            try:
-                out = self._distributor(state_dir).run(loop, **config, **self.datasets)  # config -> MLflow params
-            except JobFailed as e:
-                kept = self._keep_latest(state_dir)
-                if kept is not None:
-                    note = (f"the latest reported checkpoint is kept in {kept.path}: continue with "
-                            f"TorchTrainer(..., resume_from_checkpoint=Checkpoint({kept.path!r}))")
-                    if hasattr(e, "add_note"):  # Python >= 3.11
-                        e.add_note(note)
-                    sys.stderr.write(f"[spark-dl] {note}\n")
-                raise
-        finally:
-            shutil.rmtree(state_dir, ignore_errors=True)
+            out = distributor.run(loop, **config, **self.datasets)  # the config's values become MLflow params
+        except JobFailed as e:
+            if keeper.latest is not None:
+                note = (f"the latest reported checkpoint is kept in {keeper.latest.path}: continue with "
+                        f"TorchTrainer(..., resume_from_checkpoint=Checkpoint({keeper.latest.path!r}))")
+                if hasattr(e, "add_note"):  # Python >= 3.11
+                    e.add_note(note)
+                sys.stderr.write(f"[spark-dl] {note}\n")
+            raise
         reports = out["reports"]
-        checkpoint = None
-        if out["checkpoint"] is not None:
-            checkpoint = _unpack(out["checkpoint"], os.path.join(self.path, f"checkpoint_{len(reports):06d}"))
-        return Result(reports[-1] if reports else None, checkpoint, self.path, reports)
-
-    def _keep_latest(self, state_dir: str) -> Checkpoint | None:
-        """The checkpoint rank 0 reported last, unpacked into ``path``; None if it reported none."""
-        import cloudpickle
-
-        blob = CheckpointStore(state_dir).load()
-        if blob is None:
-            return None
-        state = cloudpickle.loads(blob)
-        return _unpack(state["ray_train_checkpoint"],
-                       os.path.join(self.path, f"checkpoint_{len(state['reports']):06d}"))
+        return Result(reports[-1] if reports else None, keeper.latest, self.path, reports,
+                      best_checkpoints=list(keeper.kept))

@@ -79,10 +79,10 @@ def test_resume_from_checkpoint_gives_every_worker_its_files(tmp_path):
     resumed = TorchTrainer(read_it, scaling_config=ScalingConfig(num_workers=2), local_mode=True,
                            resume_from_checkpoint=Checkpoint.from_directory(tmp_path / "ckpt"),
                            run_config=RunConfig(storage_path=str(tmp_path))).fit()
-    assert resumed.metrics == {"step": 42, "rank": 0} and resumed.checkpoint is not None
-    assert open(os.path.join(resumed.checkpoint.path, "step.txt")).read() == "41"  # the latest is the one resumed
-    assert resumed.checkpoint.to_directory(tmp_path / "copy") == str(tmp_path / "copy")
-    assert (tmp_path / "copy" / "step.txt").read_text() == "41"
+    assert resumed.metrics == {"step": 42, "rank": 0}
+    assert resumed.checkpoint is None and resumed.best_checkpoints == []  # none reported in this run
+    copy = Checkpoint.from_directory(tmp_path / "ckpt").to_directory(tmp_path / "copy")
+    assert copy == str(tmp_path / "copy") and (tmp_path / "copy" / "step.txt").read_text() == "41"
 
 
 def test_spark_dataframes_are_sharded_through_get_dataset_shard(spark, tmp_path):
@@ -147,6 +147,8 @@ def test_a_failure_without_restarts_raises_the_ranks_error(tmp_path):
     ({"torch_config": object()}, "torch_config is not supported"),
     ({"train_loop_config": [0.1]}, "train_loop_config must be a dict"),
     ({"resume_from_checkpoint": "/tmp/ckpt"}, "Checkpoint.from_directory"),
+    ({"run_config": RunConfig(checkpoint_config=CheckpointConfig(num_to_keep=0))}, "num_to_keep=0"),
+    ({"run_config": RunConfig(checkpoint_config=CheckpointConfig(checkpoint_score_order="best"))}, "'max' or 'min'"),
 ])
 def test_bad_trainers_are_refused_at_construction(kwargs, message):
     with pytest.raises(LaunchRefused, match=message):
@@ -264,9 +266,9 @@ def test_a_run_that_fails_for_good_keeps_its_latest_checkpoint_to_resume_from(tm
     with pytest.raises(RankFailed) as e:  # no restarts: rank 1 dies in epoch 2
         TorchTrainer(train_func, train_loop_config=config, scaling_config=ScalingConfig(num_workers=2),
                      run_config=run, local_mode=True).fit()
-    kept = [d for d in os.listdir(tmp_path / "failing") if d.startswith("checkpoint_")]
-    assert len(kept) == 1
-    path = str(tmp_path / "failing" / kept[0])
+    kept = sorted(d for d in os.listdir(tmp_path / "failing") if d.startswith("checkpoint_"))
+    assert kept[:2] == ["checkpoint_000000", "checkpoint_000001"]  # written as they were reported
+    path = str(tmp_path / "failing" / kept[-1])
     assert f"the latest reported checkpoint is kept in {path}" in "\n".join(getattr(e.value, "__notes__", []))
     epoch = torch.load(os.path.join(path, "model.pt"))["epoch"]
     assert epoch in (1, 2)  # epoch 2's report may or may not have beaten rank 1's death
@@ -276,3 +278,27 @@ def test_a_run_that_fails_for_good_keeps_its_latest_checkpoint_to_resume_from(tm
                            resume_from_checkpoint=Checkpoint.from_directory(path)).fit()
     assert [r["epoch"] for r in resumed.reports] == list(range(epoch + 1, 4))
     assert {r["started_at"] for r in resumed.reports} == {epoch + 1}
+
+
+def report_scored_checkpoints(config):
+    for i, score in enumerate(config["scores"]):
+        with tempfile.TemporaryDirectory() as d:
+            with open(os.path.join(d, "i"), "w") as f:
+                f.write(str(i))
+            train.report({"score": score, "i": i}, checkpoint=Checkpoint.from_directory(d))
+
+
+@pytest.mark.parametrize("keeping, kept", [
+    (CheckpointConfig(), [0, 1, 2, 3, 4]),  # Ray's default: every reported checkpoint
+    (CheckpointConfig(num_to_keep=2), [3, 4]),  # the latest
+    (CheckpointConfig(num_to_keep=3, checkpoint_score_attribute="score"), [0, 2, 4]),  # best two, and the latest
+    (CheckpointConfig(num_to_keep=2, checkpoint_score_attribute="score", checkpoint_score_order="min"), [1, 4]),
+])
+def test_checkpoints_are_kept_in_storage_as_checkpoint_config_says(tmp_path, keeping, kept):
+    result = TorchTrainer(report_scored_checkpoints, train_loop_config={"scores": [3, 1, 5, 2, 0]}, local_mode=True,
+                          run_config=RunConfig(name="scored", storage_path=str(tmp_path), checkpoint_config=keeping)).fit()
+    on_disk = sorted(d for d in os.listdir(tmp_path / "scored") if d.startswith("checkpoint_"))
+    assert on_disk == [f"checkpoint_{i:06d}" for i in kept]
+    assert [m["i"] for _, m in result.best_checkpoints] == kept
+    assert all(open(os.path.join(c.path, "i")).read() == str(m["i"]) for c, m in result.best_checkpoints)
+    assert result.checkpoint.path.endswith("checkpoint_000004")
