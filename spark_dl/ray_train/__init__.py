@@ -4,8 +4,9 @@ Ray Train code switches by changing imports: ``from spark_dl.ray_train import To
 ScalingConfig, RunConfig, FailureConfig, Checkpoint`` and ``import spark_dl.ray_train as train`` for
 ``train.report``, ``train.get_context``, ``train.get_checkpoint``, ``train.get_dataset_shard``.
 The workers are a barrier stage's ranks (:class:`spark_dl.TorchDistributor`); ``report`` logs to
-MLflow, and rank 0's checkpoints travel to the driver (``spark_dl.save_checkpoint``), so a
-restarted run (``FailureConfig(max_failures=N)``) resumes from the latest.
+MLflow, and rank 0's checkpoints travel to the driver, which writes them to
+``storage_path/name`` as they arrive and keeps the latest for a restarted run
+(``FailureConfig(max_failures=N)``) to resume from.
 """
 from __future__ import annotations
 
