@@ -359,10 +359,12 @@ def _score(metrics: dict, attr: str) -> float:
     value = metrics.get(attr)
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else -math.inf
 
+
 @dataclass
 class Result:
     """What ``TorchTrainer.fit()`` returns: rank 0's last reported ``metrics``, the latest
-    ``checkpoint`` (in ``path``), ``error`` (always None: a failed run raises)."""
+    ``checkpoint`` reported in this fit (in ``path``), the kept ``best_checkpoints`` with their
+    metrics, ``error`` (always None: a failed run raises)."""
 
     metrics: dict | None
     checkpoint: Checkpoint | None
