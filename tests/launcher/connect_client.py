@@ -111,6 +111,17 @@ def data_mode(spark) -> dict:
 
     out["horovod_spark"] = hvd_spark.run(hvd_rank)  # num_proc from the local cluster's declared slots
 
+    from spark_dl.ray_train import RunConfig, ScalingConfig, TorchTrainer
+
+    def ray_loop(config):
+        import spark_dl.ray_train as train
+
+        rows = [float(v) for b in train.get_dataset_shard("train").iter_torch_batches(batch_size=4) for v in b["x"]]
+        train.report({"rows": len(rows), "world": train.get_context().get_world_size(), "lr": config["lr"]})
+
+    out["ray"] = TorchTrainer(ray_loop, train_loop_config={"lr": 0.1}, scaling_config=ScalingConfig(num_workers=2),
+                              datasets={"train": df}, run_config=RunConfig(storage_path="ray_results")).fit().metrics
+
     class Line(torch.nn.Module):
         def __init__(self):
             super().__init__()

@@ -104,6 +104,7 @@ def test_data_and_compatibility_layers_through_spark_connect(connect_url, tmp_pa
     refused = out["distributor_gpu"]
     assert refused["type"] == "LaunchRefused" and "spark.task.resource.gpu.amount=0" in refused["message"]
     assert out["horovod_spark"] == [0, 1]  # num_proc defaults to the declared parallelism
+    assert out["ray"] == {"rows": 20, "world": 2, "lr": 0.1}  # Ray Train's TorchTrainer, 40 rows in two shards
     est = out["estimator"]  # y = 3x - 0.05, fitted by DDP, predicted by the executors
     assert est["rows"] == 40
     assert abs(est["weight"] - 3.0) < 0.05 and abs(est["bias"] + 0.05) < 0.05 and est["max_error"] < 0.05
