@@ -313,6 +313,8 @@ class _CheckpointKeeper:
     def __init__(self, path: str, config: CheckpointConfig) -> None:
         self.path = path
         self.config = config
+        # numbering continues after what the folder holds (a restored or repeated run): none overwritten
+        self.offset = 1 + max(_checkpoint_indices(path), default=-1)
         self.kept: list[tuple[Checkpoint, dict]] = []
         self.latest: Checkpoint | None = None
         self._lock = threading.Lock()
@@ -329,7 +331,7 @@ class _CheckpointKeeper:
     def on_message(self, rank: int, kind: str, data: Any) -> None:
         if kind != _KEEP:
             return
-        checkpoint = _unpack(data["blob"], os.path.join(self.path, f"checkpoint_{data['index']:06d}"))
+        checkpoint = _unpack(data["blob"], os.path.join(self.path, f"checkpoint_{self.offset + data['index']:06d}"))
         with self._lock:
             self.kept = [(c, m) for c, m in self.kept if c.path != checkpoint.path]  # a restart's redo
             self.kept.append((checkpoint, data["metrics"]))
@@ -353,6 +355,13 @@ class _CheckpointKeeper:
             if (c, m) not in keep:
                 shutil.rmtree(c.path, ignore_errors=True)
         self.kept = [cm for cm in self.kept if cm in keep]  # in report order
+
+
+def _checkpoint_indices(path: str) -> list[int]:
+    if not os.path.isdir(path):
+        return []
+    return [int(d[len("checkpoint_"):]) for d in os.listdir(path)
+            if d.startswith("checkpoint_") and d[len("checkpoint_"):].isdigit()]
 
 
 def _score(metrics: dict, attr: str) -> float:
@@ -484,12 +493,13 @@ class TorchTrainer:
         keeper = _CheckpointKeeper(self.path, self.run_config.checkpoint_config or CheckpointConfig())
         distributor = self._distributor()
         distributor._observers.append(keeper)
+        self._save_for_restore()
         try:
             out = distributor.run(loop, **config, **self.datasets)  # the config's values become MLflow params
         except JobFailed as e:
             if keeper.latest is not None:
                 note = (f"the latest reported checkpoint is kept in {keeper.latest.path}: continue with "
-                        f"TorchTrainer(..., resume_from_checkpoint=Checkpoint({keeper.latest.path!r}))")
+                        f"TorchTrainer.restore({self.path!r}).fit()")
                 if hasattr(e, "add_note"):  # Python >= 3.11
                     e.add_note(note)
                 sys.stderr.write(f"[spark-dl] {note}\n")
@@ -497,3 +507,52 @@ class TorchTrainer:
         reports = out["reports"]
         return Result(reports[-1] if reports else None, keeper.latest, self.path, reports,
                       best_checkpoints=list(keeper.kept))
+
+    # -- restore: Ray's way to continue an experiment that failed or was interrupted -------------
+    _STATE = "spark_dl_trainer.pkl"
+
+    def _save_for_restore(self) -> None:
+        """What :meth:`restore` needs, in ``path``: the loop, its config and the run's settings
+        (not the datasets, which are passed again, as in Ray)."""
+        import cloudpickle
+
+        os.makedirs(self.path, exist_ok=True)
+        state = {"train_loop_per_worker": self.train_loop_per_worker, "train_loop_config": self.train_loop_config,
+                 "scaling_config": self.scaling, "run_config": self.run_config, "local_mode": self.local_mode}
+        try:
+            blob = cloudpickle.dumps(state)
+        except Exception:  # noqa: BLE001 - the run itself says what cannot be sent; restore is then unavailable
+            return
+        with open(os.path.join(self.path, self._STATE), "wb") as f:
+            f.write(blob)
+
+    @classmethod
+    def can_restore(cls, path: str | os.PathLike) -> bool:
+        """Whether ``path`` holds a ``TorchTrainer`` run that :meth:`restore` can continue."""
+        return os.path.isfile(os.path.join(os.fspath(path), cls._STATE))
+
+    @classmethod
+    def restore(cls, path: str | os.PathLike, train_loop_per_worker: Callable | None = None,
+                train_loop_config: dict | None = None, datasets: Mapping[str, Any] | None = None,
+                scaling_config: ScalingConfig | None = None) -> "TorchTrainer":
+        """The trainer of the run in ``path`` (``Result.path``), resuming from its latest kept
+        checkpoint; arguments given replace the saved ones (datasets must be passed again)."""
+        import cloudpickle
+
+        path = os.fspath(path)
+        if not cls.can_restore(path):
+            raise LaunchRefused(f"{path} holds no TorchTrainer run to restore (no {cls._STATE}): pass a Result.path")
+        with open(os.path.join(path, cls._STATE), "rb") as f:
+            state = cloudpickle.load(f)
+        latest = max(_checkpoint_indices(path), default=None)
+        run_config = state["run_config"]
+        # the same folder: later checkpoints join the earlier ones
+        run_config = RunConfig(name=os.path.basename(path), storage_path=os.path.dirname(path),
+                               failure_config=run_config.failure_config, checkpoint_config=run_config.checkpoint_config,
+                               verbose=run_config.verbose)
+        return cls(train_loop_per_worker or state["train_loop_per_worker"],
+                   train_loop_config=train_loop_config if train_loop_config is not None else state["train_loop_config"],
+                   scaling_config=scaling_config or state["scaling_config"], run_config=run_config, datasets=datasets,
+                   resume_from_checkpoint=(Checkpoint(os.path.join(path, f"checkpoint_{latest:06d}"))
+                                           if latest is not None else None),
+                   local_mode=state["local_mode"])

@@ -266,18 +266,26 @@ def test_a_run_that_fails_for_good_keeps_its_latest_checkpoint_to_resume_from(tm
     with pytest.raises(RankFailed) as e:  # no restarts: rank 1 dies in epoch 2
         TorchTrainer(train_func, train_loop_config=config, scaling_config=ScalingConfig(num_workers=2),
                      run_config=run, local_mode=True).fit()
-    kept = sorted(d for d in os.listdir(tmp_path / "failing") if d.startswith("checkpoint_"))
+    folder = tmp_path / "failing"
+    kept = sorted(d for d in os.listdir(folder) if d.startswith("checkpoint_"))
     assert kept[:2] == ["checkpoint_000000", "checkpoint_000001"]  # written as they were reported
-    path = str(tmp_path / "failing" / kept[-1])
-    assert f"the latest reported checkpoint is kept in {path}" in "\n".join(getattr(e.value, "__notes__", []))
+    path = str(folder / kept[-1])
+    note = "\n".join(getattr(e.value, "__notes__", []))
+    assert f"the latest reported checkpoint is kept in {path}" in note and f"TorchTrainer.restore({str(folder)!r})" in note
     epoch = torch.load(os.path.join(path, "model.pt"))["epoch"]
     assert epoch in (1, 2)  # epoch 2's report may or may not have beaten rank 1's death
 
-    resumed = TorchTrainer(train_func, train_loop_config={**config, "crash_at": None},
-                           scaling_config=ScalingConfig(num_workers=2), run_config=run, local_mode=True,
-                           resume_from_checkpoint=Checkpoint.from_directory(path)).fit()
+    assert TorchTrainer.can_restore(folder) and not TorchTrainer.can_restore(tmp_path)
+    restored = TorchTrainer.restore(folder, train_loop_config={**config, "crash_at": None})  # Ray's way back
+    resumed = restored.fit()
     assert [r["epoch"] for r in resumed.reports] == list(range(epoch + 1, 4))
     assert {r["started_at"] for r in resumed.reports} == {epoch + 1}
+    after = sorted(d for d in os.listdir(folder) if d.startswith("checkpoint_"))
+    assert after[:len(kept)] == kept and len(after) == len(kept) + len(resumed.reports)  # numbering goes on
+    assert resumed.checkpoint.path == str(folder / after[-1])
+    assert torch.load(os.path.join(resumed.checkpoint.path, "model.pt"))["epoch"] == 3
+    with pytest.raises(LaunchRefused, match="no TorchTrainer run to restore"):
+        TorchTrainer.restore(tmp_path)
 
 
 def report_scored_checkpoints(config):
