@@ -539,7 +539,7 @@ class TorchTrainer:
         checkpoint; arguments given replace the saved ones (datasets must be passed again)."""
         import cloudpickle
 
-        path = os.fspath(path)
+        path = os.path.normpath(os.fspath(path))  # "runs/linear/" names the folder "linear" too
         if not cls.can_restore(path):
             raise LaunchRefused(f"{path} holds no TorchTrainer run to restore (no {cls._STATE}): pass a Result.path")
         with open(os.path.join(path, cls._STATE), "rb") as f:

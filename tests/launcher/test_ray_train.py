@@ -276,7 +276,8 @@ def test_a_run_that_fails_for_good_keeps_its_latest_checkpoint_to_resume_from(tm
     assert epoch in (1, 2)  # epoch 2's report may or may not have beaten rank 1's death
 
     assert TorchTrainer.can_restore(folder) and not TorchTrainer.can_restore(tmp_path)
-    restored = TorchTrainer.restore(folder, train_loop_config={**config, "crash_at": None})  # Ray's way back
+    restored = TorchTrainer.restore(f"{folder}/", train_loop_config={**config, "crash_at": None})  # Ray's way back
+    assert restored.path == str(folder)
     resumed = restored.fit()
     assert [r["epoch"] for r in resumed.reports] == list(range(epoch + 1, 4))
     assert {r["started_at"] for r in resumed.reports} == {epoch + 1}
