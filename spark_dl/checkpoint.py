@@ -170,8 +170,9 @@ class CheckpointStore:
                 raise ValueError(f"{self._path()} is truncated: {len(blob)} of {info.nbytes} bytes")
             return blob
 
-    def handle(self, conn, rank: int | None, kind: str, data: dict) -> None:
-        """Serve a rank's ``checkpoint/*`` request (on its channel thread) and reply."""
+    def handle(self, conn, rank: int | None, kind: str, data: dict) -> bool:
+        """Serve a rank's ``checkpoint/*`` request (on its channel thread) and reply; whether it
+        was served."""
         reply: dict[str, Any] = {"id": data.get("id")}
         try:
             if kind == "checkpoint/save":
@@ -189,6 +190,7 @@ class CheckpointStore:
             conn.send("reply", reply)
         except OSError:
             pass  # the rank is gone; its failure is reported on its own
+        return "error" not in reply
 
     def describe(self) -> str:
         """For the driver's messages: which checkpoint the next attempt will find."""

@@ -39,7 +39,8 @@ class Observer(Protocol):
     every output line, and ``on_finish`` once, after every rank has exited, with the error that
     ``run`` is about to raise (None on success). Callbacks run on channel threads: keep them cheap.
     An observer may also define ``on_restart(attempt, error)``, called on the driver's thread
-    before a failed attempt is launched again (``HorovodRunner(max_restarts=...)``).
+    before a failed attempt is launched again (``HorovodRunner(max_restarts=...)``), and
+    ``on_checkpoint(blob, step)``, called once rank 0's checkpoint (the pickled state) is stored.
     """
 
     def on_start(self, job: dict) -> None: ...
@@ -202,7 +203,11 @@ class JobMonitor:
                 self.changed.notify_all()
             self.fail(Failure(rank, f"{data['exc_type']}: {data['message']}", data))
         elif kind.startswith("checkpoint/") and self.checkpoints is not None:
-            self.checkpoints.handle(conn, rank, kind, data)
+            if self.checkpoints.handle(conn, rank, kind, data) and kind == "checkpoint/save":
+                for o in self.observers:
+                    on_checkpoint = getattr(o, "on_checkpoint", None)
+                    if on_checkpoint is not None:
+                        on_checkpoint(data["blob"], data.get("step"))
         else:
             for o in self.observers:
                 o.on_message(rank, kind, data)

@@ -29,7 +29,7 @@ from ..data import DataFrameShards, shards
 from ..distributor import TorchDistributor
 from ..errors import JobFailed, LaunchRefused
 from ..prepare import get_device, prepare_data_loader, prepare_model
-from ..rank import init, send_to_driver
+from ..rank import init
 from ..tracking import Tracking, log_metrics
 
 __all__ = [
@@ -209,8 +209,8 @@ def report(metrics: Mapping[str, Any], checkpoint: Checkpoint | None = None) -> 
                             "Checkpoint.from_directory(path)")
         if get_context().world_rank == 0:
             w.checkpoint = _pack(checkpoint.path)
-            save_checkpoint({"ray_train_checkpoint": w.checkpoint, "reports": w.reports}, step=step)  # for restarts
-            send_to_driver(_KEEP, {"index": step, "blob": w.checkpoint, "metrics": values})  # to storage_path
+            # the driver keeps it for restarts and writes it to storage_path (_CheckpointKeeper)
+            save_checkpoint({"ray_train_checkpoint": w.checkpoint, "reports": w.reports}, step=step)
 
 
 def get_checkpoint() -> Checkpoint | None:
@@ -302,7 +302,6 @@ class _Loop:
 
 
 # -- the driver ------------------------------------------------------------------------------------
-_KEEP = "ray_train/checkpoint"
 
 
 class _CheckpointKeeper:
@@ -329,12 +328,17 @@ class _CheckpointKeeper:
         pass
 
     def on_message(self, rank: int, kind: str, data: Any) -> None:
-        if kind != _KEEP:
-            return
-        checkpoint = _unpack(data["blob"], os.path.join(self.path, f"checkpoint_{self.offset + data['index']:06d}"))
+        pass
+
+    def on_checkpoint(self, blob: Any, step: int | None) -> None:
+        """Rank 0's ``report`` stored a checkpoint: ``step`` is the report's index."""
+        import cloudpickle
+
+        state = cloudpickle.loads(blob)
+        checkpoint = _unpack(state["ray_train_checkpoint"], os.path.join(self.path, f"checkpoint_{self.offset + step:06d}"))
         with self._lock:
             self.kept = [(c, m) for c, m in self.kept if c.path != checkpoint.path]  # a restart's redo
-            self.kept.append((checkpoint, data["metrics"]))
+            self.kept.append((checkpoint, state["reports"][step]))
             self.latest = checkpoint
             self._prune()
 
