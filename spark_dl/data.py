@@ -15,6 +15,7 @@ uneven inputs would hang collectives at the end of an epoch.
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -77,10 +78,15 @@ class DataFrameShards:
         self.df = df.select(*columns)
         self.spec = Shards(columns=columns, kinds=kinds, shuffle=shuffle, seed=seed, remainder=remainder)
 
+    @functools.cached_property
+    def schema(self):
+        """The selected columns' Spark schema (asked of Spark once: through Connect, a round trip)."""
+        return self.df.schema
+
     def arrow_schema(self):
         from pyspark.sql.pandas.types import to_arrow_schema
 
-        return to_arrow_schema(self.df.schema)
+        return to_arrow_schema(self.schema)
 
     def check_not_empty(self, name: str = "") -> None:
         if self.df.isEmpty():
@@ -122,7 +128,7 @@ class ShardSet:
                 if other == key:
                     cols.append(F.struct(*[data.df[c] for c in data.spec.columns]).alias(other))
                 else:
-                    shape = T.StructType(self.named[other].df.schema.fields)
+                    shape = T.StructType(self.named[other].schema.fields)
                     cols.append(F.lit(None).cast(shape).alias(other))
             parts.append(data.df.select(*cols))
         union = parts[0]
