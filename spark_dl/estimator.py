@@ -144,8 +144,7 @@ def _fit(data, validation, model, optimizer, loss, feature_cols, label_cols, bat
     for epoch in range(epochs):
         total = torch.zeros(2, dtype=torch.float64)
         for batch in data.batches(batch_size=batch_size, epoch=epoch):
-            out = ddp(*[_as(batch[c], device, dtype) for c in feature_cols])
-            value = loss(out, *[_as(batch[c], device, dtype) for c in label_cols])
+            value = _batch_loss(ddp, loss, batch, feature_cols, label_cols, device, dtype)
             opt.zero_grad()
             value.backward()
             opt.step()
@@ -172,8 +171,7 @@ def _held_out_loss(val, model, loss, feature_cols, label_cols, batch_size, devic
     with torch.no_grad():
         for batch in val.batches(batch_size=batch_size):
             rows = len(batch[feature_cols[0]])
-            value = loss(model(*[_as(batch[c], device, dtype) for c in feature_cols]),
-                         *[_as(batch[c], device, dtype) for c in label_cols])
+            value = _batch_loss(model, loss, batch, feature_cols, label_cols, device, dtype)
             total += torch.tensor([value.item() * rows, rows], dtype=torch.float64)
     model.train()
     dist.all_reduce(total)
@@ -192,6 +190,12 @@ def _features(table, cols, kinds, dtype):
     from .data import _to_tensor
 
     return [_as(_to_tensor(table.column(c), kinds[c], c), "cpu", dtype) for c in cols]
+
+
+def _batch_loss(model, loss, batch, feature_cols, label_cols, device, dtype):
+    """``loss(model(*features), *labels)`` for one batch of shard rows."""
+    return loss(model(*[_as(batch[c], device, dtype) for c in feature_cols]),
+                *[_as(batch[c], device, dtype) for c in label_cols])
 
 
 def _as(tensor, device, dtype):
