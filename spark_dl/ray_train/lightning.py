@@ -12,22 +12,16 @@ import shutil
 import tempfile
 from typing import Any
 
-try:  # Lightning 2 ships as ``lightning``; older code and installs as ``pytorch_lightning``
-    from lightning.pytorch import Callback, Trainer
-    from lightning.pytorch.plugins.environments import TorchElasticEnvironment
-    from lightning.pytorch.strategies import DDPStrategy
-except ImportError:  # pragma: no cover - exercised only without the lightning package
-    try:
-        from pytorch_lightning import Callback, Trainer
-        from pytorch_lightning.plugins.environments import TorchElasticEnvironment
-        from pytorch_lightning.strategies import DDPStrategy
-    except ImportError as e:
-        raise ImportError("spark_dl.ray_train.lightning needs PyTorch Lightning: pip install lightning") from e
-
 import torch
 
+from ..lightning_import import lightning_module
 from ..prepare import get_device
 from . import Checkpoint, get_context, report
+
+_USER = "spark_dl.ray_train.lightning"
+Callback, Trainer = lightning_module(_USER).Callback, lightning_module(_USER).Trainer
+TorchElasticEnvironment = lightning_module(_USER, "plugins.environments").TorchElasticEnvironment
+DDPStrategy = lightning_module(_USER, "strategies").DDPStrategy
 
 __all__ = ["RayDDPStrategy", "RayLightningEnvironment", "RayTrainReportCallback", "prepare_trainer"]
 

@@ -7,18 +7,12 @@ import os
 from argparse import Namespace
 from typing import Any, Mapping
 
-try:  # Lightning 2 ships as ``lightning``; older installs as ``pytorch_lightning``
-    from lightning.pytorch.loggers import Logger
-    from lightning.pytorch.utilities import rank_zero_only
-except ImportError:  # pragma: no cover - exercised only without the lightning package
-    try:
-        from pytorch_lightning.loggers import Logger
-        from pytorch_lightning.utilities import rank_zero_only
-    except ImportError as e:
-        raise ImportError("spark_dl.tracking.lightning needs PyTorch Lightning: pip install lightning") from e
-
+from ..lightning_import import lightning_module
 from .params import is_plain
 from .rank import flush_metrics, log_metrics, log_params
+
+Logger = lightning_module("spark_dl.tracking.lightning", "loggers").Logger
+rank_zero_only = lightning_module("spark_dl.tracking.lightning", "utilities").rank_zero_only
 
 __all__ = ["SparkDLLogger"]
 
