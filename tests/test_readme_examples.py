@@ -23,8 +23,9 @@ EXAMPLES = [
     ("## Training on a Spark DataFrame", 0),
     ("## Training on a Spark DataFrame", 1),
     ("## Horovod-compatible API", 0),
-    ("## Horovod-compatible API", 2),
-    ("## Horovod-compatible API", 3),
+    ("## Horovod-compatible API", 2),  # Adasum
+    ("## Horovod-compatible API", 3),  # elastic
+    ("## Horovod-compatible API", 4),  # horovod.spark.run
     ("## Gradient compression", 0),
     ("## Tracking with MLflow", 0),
     ("## Tracking with MLflow", 1),

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 
 class ReduceOp(enum.IntEnum):
-    """Horovod's reduction ops. ``Adasum`` is accepted as a name but not implemented."""
+    """Horovod's reduction ops (``Adasum``: adaptive summation, see :mod:`spark_dl.horovod.adasum`)."""
 
     Average = 0
     Sum = 1

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from spark_dl.compression import FP16
 
 from . import compression as _compression
-from .basics import Average, ReduceOp, Sum, _check, rank, size
+from .basics import Adasum, Average, ReduceOp, Sum, _check, rank, size
 from .compression import Compression
 from .ops import (_on_comm_device, _reduce_into, _register, allgather, allgather_parts, allreduce,
                   fused_inplace, resolve_op)
@@ -135,6 +135,8 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: An
     """
     _check()
     op = resolve_op(op)
+    if op == Adasum:
+        raise ValueError("reducescatter does not take op=hvd.Adasum (nor does Horovod's): use Average or Sum")
     if tensor.dim() == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension (it slices dimension 0)")
     compressor = _compression.resolve(compression)
@@ -174,9 +176,9 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
     compressor = _compression.resolve(compression)
     _check_items(tensors, "grouped_allreduce")
 
-    def reduce(j: int, flat: torch.Tensor) -> torch.Tensor:
+    def reduce(j: int, flat: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         key = None if name is None else f"{name}.group{j}"
-        return _reduce_into(flat, op, key, compressor, prescale_factor, postscale_factor)
+        return _reduce_into(flat, op, key, compressor, prescale_factor, postscale_factor, sizes)
 
     fused_inplace(list(tensors), reduce)
     return list(tensors)

@@ -30,7 +30,7 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any], roo
         if not torch.is_tensor(t):
             raise ValueError(f"broadcast_parameters got a {type(t).__name__}, expected tensors")
 
-    def broadcast(_j: int, flat: torch.Tensor) -> torch.Tensor:
+    def broadcast(_j: int, flat: torch.Tensor, _sizes: list[int]) -> torch.Tensor:
         dist.broadcast(flat, src=root_rank)
         return flat
 

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from . import adasum as _adasum
 from . import compression as _compression
 from .basics import Adasum, Average, ReduceOp, Sum, _check, comm_device, rank, size
 from .compression import Compression
@@ -33,12 +34,7 @@ def resolve_op(op: Any, average: bool | None = None) -> ReduceOp:
     if average is not None:
         warnings.warn("average= is deprecated, use op=hvd.Average or op=hvd.Sum", DeprecationWarning, stacklevel=3)
         return Average if average else Sum
-    op = Average if op is None else ReduceOp(op)
-    if op == Adasum:
-        raise NotImplementedError(
-            "Adasum is not implemented by spark_dl.horovod; use op=hvd.Average (the default) or hvd.Sum."
-        )
-    return op
+    return Average if op is None else ReduceOp(op)
 
 
 def _on_comm_device(tensor: torch.Tensor) -> torch.Tensor:
@@ -46,16 +42,18 @@ def _on_comm_device(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.device == dev else tensor.to(dev)
 
 
-def fused_inplace(tensors: list[torch.Tensor], run: Callable[[int, torch.Tensor], torch.Tensor]) -> None:
+def fused_inplace(tensors: list[torch.Tensor], run: Callable[..., torch.Tensor]) -> None:
     """Run one collective per dtype and device over ``tensors`` fused into a flat buffer on the
     comm device (groups in first-seen order, the same on every rank), and copy the result back
-    into each tensor. ``run(j, flat)`` does group j's collective and returns the result."""
+    into each tensor. ``run(j, flat, sizes)`` does group j's collective and returns the result;
+    ``sizes`` are the numels of the tensors packed in ``flat``."""
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:
         groups.setdefault((t.dtype, t.device), []).append(t)
     with torch.no_grad():
         for j, group in enumerate(groups.values()):
-            flat = run(j, _on_comm_device(torch.cat([t.detach().reshape(-1) for t in group])))
+            flat = run(j, _on_comm_device(torch.cat([t.detach().reshape(-1) for t in group])),
+                       [t.numel() for t in group])
             offset = 0
             for t in group:
                 t.copy_(flat[offset:offset + t.numel()].view_as(t))
@@ -63,11 +61,17 @@ def fused_inplace(tensors: list[torch.Tensor], run: Callable[[int, torch.Tensor]
 
 
 def _reduce_into(work: torch.Tensor, op: ReduceOp, name: str | None, compressor: Any,
-                 prescale_factor: float, postscale_factor: float) -> torch.Tensor:
-    """Reduce ``work`` (a private buffer on the comm device; may be modified). Returns the result."""
+                 prescale_factor: float, postscale_factor: float,
+                 sizes: list[int] | None = None) -> torch.Tensor:
+    """Reduce ``work`` (a private buffer on the comm device; may be modified). Returns the result.
+    ``sizes``: the tensors fused in ``work``, for Adasum's per-tensor coefficients."""
     if prescale_factor != 1.0:
         work.mul_(prescale_factor)
-    if op in (Average, Sum):
+    if op == Adasum:
+        if not _compression.is_none(compressor):
+            raise ValueError("op=hvd.Adasum combines full-precision tensors: pass compression=hvd.Compression.none")
+        work = _adasum.allreduce(work.reshape(-1), sizes).view_as(work)
+    elif op in (Average, Sum):
         work = _compression.reduce(work, compressor, average=op == Average, name=name)
     else:
         if not _compression.is_none(compressor):
@@ -182,6 +186,12 @@ def synchronize(handle: int) -> torch.Tensor:
 def _async_reduce(tensor: torch.Tensor, output: torch.Tensor, op: ReduceOp, name: str | None,
                   prescale_factor: float, postscale_factor: float) -> int:
     _check()
+    if op == Adasum:
+        # point-to-point rounds, each depending on the last: done before the handle is returned
+        result = _allreduce_copy(tensor, op, name, Compression.none, prescale_factor, postscale_factor)
+        with torch.no_grad():
+            output.copy_(result)
+        return _register(None, lambda: output)
     inplace_ok = output is tensor and tensor.device == comm_device() and tensor.is_contiguous()
     work_t = tensor if inplace_ok else _on_comm_device(tensor.detach()).clone()
     if prescale_factor != 1.0:

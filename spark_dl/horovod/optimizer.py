@@ -17,10 +17,12 @@ from typing import Any, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from . import adasum as _adasum
 from . import compression as _compression
 from .basics import Adasum, Average, ReduceOp, Sum, _check, comm_device
 from .compression import Compression
 from .fusion import BucketReducer, fusion_threshold, plan_buckets
+from .ops import fused_inplace
 
 _TOO_MANY_PASSES = (
     "Gradients were computed more than backward_passes_per_step times before call to "
@@ -168,6 +170,45 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvd_reset()
 
 
+class _DistributedAdasumOptimizer(torch.optim.Optimizer):
+    """``op=Adasum``, as Horovod does it: every rank steps its optimizer on its own gradients,
+    then the ranks' parameter updates (not gradients) are combined by Adasum and applied from
+    where the step started. Optimizer state (momentum, Adam's moments) stays per rank."""
+
+    def _hvd_setup(self, named_parameters: Any, compressor: Any, backward_passes_per_step: int,
+                   op: ReduceOp, gradient_predivide_factor: float, sparse_as_dense: bool = False) -> None:
+        all_params = [p for group in self.param_groups for p in group["params"]]
+        self._hvd_names = _parameter_names(all_params, named_parameters)
+        self._hvd_params = [p for p in all_params if p.requires_grad]
+        self.backward_passes_per_step = backward_passes_per_step
+        self._hvd_group = dist.new_group()
+
+    def step(self, closure: Any = None) -> Any:
+        with torch.no_grad():
+            start = [p.detach().clone() for p in self._hvd_params]
+        loss = super().step(closure)
+        with torch.no_grad():
+            deltas = [p.detach() - s for p, s in zip(self._hvd_params, start)]
+            fused_inplace(deltas, lambda _j, flat, sizes: _adasum.allreduce(flat, sizes, self._hvd_group))
+            for p, s, d in zip(self._hvd_params, start, deltas):
+                p.copy_(s + d)
+        return loss
+
+    def synchronize(self) -> None:
+        """Nothing to wait for: with Adasum, gradients stay local and ``step()`` combines updates."""
+
+    @contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Accepted for code written for the other ops; ``synchronize()`` does nothing here."""
+        yield
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Gradients accumulate locally until ``step()``; the count is kept for Horovod's API."""
+        if passes < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")
+        self.backward_passes_per_step = passes
+
+
 def _parameter_names(params: list[torch.Tensor], named_parameters: Any) -> dict[torch.Tensor, str]:
     if named_parameters is None:
         return {p: f"allreduce.noname.{j}" for j, p in enumerate(params)}
@@ -211,7 +252,8 @@ def DistributedOptimizer(
         compression: a compressor, e.g. ``Compression.fp16``; applied per fusion bucket.
         backward_passes_per_step: backward passes whose gradients are accumulated (summed,
             as in Horovod) locally before one reduction; call ``step()`` after the last.
-        op: ``Average`` or ``Sum``.
+        op: ``Average``, ``Sum``, or ``Adasum`` (each rank steps on its own gradients and the
+            updates are combined by Adasum; see :class:`_DistributedAdasumOptimizer`).
         gradient_predivide_factor: with ``Average``, divide by this before the sum and multiply
             by ``factor / size`` after it (the result is the same average; it trades overflow
             against underflow in low precision).
@@ -223,19 +265,20 @@ def DistributedOptimizer(
     """
     _check()
     op = ReduceOp(op)
-    if op == Adasum:
-        raise NotImplementedError("Adasum is not implemented by spark_dl.horovod; use op=hvd.Average or hvd.Sum.")
-    if op not in (Average, Sum):
-        raise ValueError(f"DistributedOptimizer supports op=Average or Sum, got {op.name}")
+    if op not in (Average, Sum, Adasum):
+        raise ValueError(f"DistributedOptimizer supports op=Average, Sum or Adasum, got {op.name}")
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     if backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
-    if isinstance(optimizer, _DistributedOptimizer):
+    if isinstance(optimizer, (_DistributedOptimizer, _DistributedAdasumOptimizer)):
         raise ValueError("optimizer is already a DistributedOptimizer")
     compressor = _compression.resolve(compression)
+    if op == Adasum and not _compression.is_none(compressor):
+        raise ValueError("op=hvd.Adasum combines full-precision updates: pass compression=hvd.Compression.none")
     base = type(optimizer)
-    cls = type(base.__name__, (_DistributedOptimizer, base), {"__module__": __name__})
+    mixin = _DistributedAdasumOptimizer if op == Adasum else _DistributedOptimizer
+    cls = type(base.__name__, (mixin, base), {"__module__": __name__})
     wrapped = cls.__new__(cls)
     # Share the wrapped optimizer's param groups, state and hooks; an instance-level `step`
     # (an LR scheduler's patch of the original) must not shadow ours.

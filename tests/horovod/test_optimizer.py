@@ -85,7 +85,7 @@ def optimizer_main():
 
     # op and gradient_predivide_factor: rank r's gradient is r + 1 everywhere.
     for label, kwargs in [("average", {}), ("sum", {"op": hvd.Sum}),
-                          ("predivide4", {"gradient_predivide_factor": 4.0})]:
+                          ("predivide4", {"gradient_predivide_factor": 4.0}), ("adasum", {"op": hvd.Adasum})]:
         w = torch.nn.Parameter(torch.zeros(3))
         opt = hvd.DistributedOptimizer(torch.optim.SGD([w], lr=1.0), **kwargs)
         (w * (r + 1)).sum().backward()
@@ -96,9 +96,9 @@ def optimizer_main():
     except ValueError as e:
         out["predivide_with_sum"] = str(e)
     try:
-        hvd.DistributedOptimizer(torch.optim.SGD([w], lr=1.0), op=hvd.Adasum)
-    except NotImplementedError:
-        out["adasum"] = "NotImplementedError"
+        hvd.DistributedOptimizer(torch.optim.SGD([w], lr=1.0), op=hvd.Adasum, compression=hvd.Compression.fp16)
+    except ValueError as e:
+        out["adasum_compressed"] = str(e)
 
     # Parameters without gradients on one rank, and backward order that differs between ranks,
     # with one bucket per tensor, tiny buckets, and the default single bucket.
@@ -243,7 +243,9 @@ def test_sum_average_and_gradient_predivide_factor(ranks):
         assert o["op_sum"] == [-3.0, -3.0, -3.0]
         assert o["op_predivide4"] == [-1.5, -1.5, -1.5]  # same average, split as /4 then *4/size
         assert o["predivide_with_sum"] == "gradient_predivide_factor not supported with op != Average"
-        assert o["adasum"] == "NotImplementedError"
+        # Adasum of parallel updates (-1 and -2 everywhere) is their average
+        assert o["op_adasum"] == [-1.5, -1.5, -1.5]
+        assert "Compression.none" in o["adasum_compressed"]
 
 
 def test_parameters_without_gradients_and_any_bucket_size(ranks):
