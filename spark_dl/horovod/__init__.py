@@ -67,6 +67,7 @@ from .ops import (
     synchronize,
 )
 from . import elastic
+from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from .optimizer import DistributedOptimizer
 from .sync_batch_norm import SyncBatchNorm
 
@@ -76,7 +77,7 @@ __all__ = [
     "mpi_enabled", "mpi_threads_supported", "gloo_enabled", "cuda_built", "rocm_built", "ccl_built",
     "ddl_built", "start_timeline", "stop_timeline",
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
-    "Compression", "elastic",
+    "Compression", "elastic", "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
     "allgather", "allgather_async", "grouped_allreduce", "grouped_allreduce_",
     "grouped_allreduce_async", "grouped_allreduce_async_", "alltoall", "alltoall_async", "reducescatter",

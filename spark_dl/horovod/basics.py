@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import process_sets as _process_sets
+
 
 class ReduceOp(enum.IntEnum):
     """Horovod's reduction ops (``Adasum``: adaptive summation, see :mod:`spark_dl.horovod.adasum`)."""
@@ -40,16 +42,21 @@ _owns_group = False
 def init(comm: Any = None, process_sets: Any = None) -> None:
     """Join the job's process group; idempotent, like ``hvd.init()``.
 
-    ``comm`` (an MPI communicator) and ``process_sets`` are Horovod features this module does
-    not have; passing them raises ``NotImplementedError`` rather than silently using the world.
+    ``process_sets``: a list of :class:`~spark_dl.horovod.ProcessSet` to register (every rank
+    passes the same list), or ``"dynamic"`` (accepted; sets can always be added later with
+    ``add_process_set``). ``comm`` (an MPI communicator) has no counterpart here: passing one
+    raises ``NotImplementedError`` rather than silently using the world.
     """
     global _initialized, _owns_group
-    if comm is not None or process_sets is not None:
+    if comm is not None:
         raise NotImplementedError(
-            "spark_dl.horovod.init() runs on the whole job: MPI communicators and process sets "
-            "are not supported. Call init() without arguments."
+            "spark_dl.horovod.init() runs on the whole job: MPI communicators are not supported. "
+            "Call init() without comm=; for subsets of ranks use process sets (hvd.ProcessSet([...]))."
         )
     if _initialized:
+        if process_sets is not None and process_sets != "dynamic":
+            raise ValueError("hvd.init(process_sets=[...]) after Horovod was initialized: register the sets "
+                             "with hvd.add_process_set() instead")
         return
     if not dist.is_initialized():
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -61,6 +68,11 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         _owns_group = True
     _initialized = True
+    try:
+        _process_sets.setup(process_sets)
+    except BaseException:
+        _initialized = False  # a bad process_sets= argument: init() may be called again
+        raise
 
 
 def shutdown() -> None:

@@ -14,14 +14,15 @@ import torch.distributed as dist
 from spark_dl.compression import FP16
 
 from . import compression as _compression
-from .basics import Adasum, Average, ReduceOp, Sum, _check, rank, size
+from .basics import Adasum, Average, ReduceOp, Sum, _check
 from .compression import Compression
+from .process_sets import ProcessSet, global_process_set, group_of
+from .process_sets import resolve as resolve_set
 from .ops import (_on_comm_device, _reduce_into, _register, allgather, allgather_parts, allreduce,
                   fused_inplace, resolve_op)
 
 
-def _splits_list(splits: Any, rows: int) -> list[int]:
-    world = size()
+def _splits_list(splits: Any, rows: int, world: int) -> list[int]:
     if splits is None:
         if rows % world:
             raise ValueError(
@@ -38,32 +39,34 @@ def _splits_list(splits: Any, rows: int) -> list[int]:
     return out
 
 
-def _alltoall(tensor: torch.Tensor, splits: list[int]) -> tuple[torch.Tensor, list[int]]:
+def _alltoall(tensor: torch.Tensor, splits: list[int], ps: ProcessSet) -> tuple[torch.Tensor, list[int]]:
     """Exchange the row counts, then the rows; returns (received rows, rows from each rank)."""
     x = _on_comm_device(tensor.detach()).contiguous()
     sent = torch.tensor(splits, dtype=torch.int64, device=x.device)
     got = torch.empty_like(sent)
-    dist.all_to_all_single(got, sent)
+    group = group_of(ps)
+    dist.all_to_all_single(got, sent, group=group)
     received = [int(v) for v in got.tolist()]
     out = x.new_empty((sum(received),) + tuple(x.shape[1:]))
-    dist.all_to_all_single(out, x, output_split_sizes=received, input_split_sizes=splits)
+    dist.all_to_all_single(out, x, output_split_sizes=received, input_split_sizes=splits, group=group)
     return out.to(tensor.device), received
 
 
 class _Alltoall(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, splits):
-        out, received = _alltoall(tensor, splits)
-        ctx.received = received
+    def forward(ctx, tensor, splits, ps):
+        out, received = _alltoall(tensor, splits, ps)
+        ctx.received, ctx.ps = received, ps
         return out, torch.tensor(received, dtype=torch.int32)
 
     @staticmethod
     def backward(ctx, grad, _splits_grad):
         # the rows went from splits to received; their gradients go the other way
-        return _alltoall(grad, ctx.received)[0], None
+        return _alltoall(grad, ctx.received, ctx.ps)[0], None, None
 
 
-def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None) -> Any:
+def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
+             process_set: ProcessSet = global_process_set) -> Any:
     """Send ``splits[r]`` consecutive rows of ``tensor`` (dimension 0) to rank r and return the
     rows every rank sent here, in rank order. Without ``splits`` the rows are divided equally.
 
@@ -72,15 +75,16 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None) 
     different numbers of rows; the other dimensions must agree.
     """
     _check()
+    ps = resolve_set(process_set)
     if tensor.dim() == 0:
         raise ValueError("alltoall needs a tensor with at least one dimension (it slices dimension 0)")
-    out, received = _Alltoall.apply(tensor, _splits_list(splits, tensor.shape[0]))
+    out, received = _Alltoall.apply(tensor, _splits_list(splits, tensor.shape[0], ps.size()), ps)
     return out if splits is None else (out, received)
 
 
 def _reducescatter(tensor: torch.Tensor, op: ReduceOp, half: bool, prescale: float,
-                   postscale: float) -> torch.Tensor:
-    world, me = size(), rank()
+                   postscale: float, ps: ProcessSet) -> torch.Tensor:
+    world, me = ps.size(), ps.rank()
     x = _on_comm_device(tensor.detach())
     if prescale != 1.0:
         x = x * prescale
@@ -91,7 +95,8 @@ def _reducescatter(tensor: torch.Tensor, op: ReduceOp, half: bool, prescale: flo
     got = wire.new_empty((world * mine,) + tuple(x.shape[1:]))
     # every rank sends each rank that rank's slice and receives W copies of its own: the
     # reduction is then local, and each rank sends (W - 1) / W of the tensor, as a ring would
-    dist.all_to_all_single(got, wire.contiguous(), output_split_sizes=[mine] * world, input_split_sizes=rows)
+    dist.all_to_all_single(got, wire.contiguous(), output_split_sizes=[mine] * world, input_split_sizes=rows,
+                           group=group_of(ps))
     parts = got.view((world, mine) + tuple(x.shape[1:])).to(x.dtype)
     if op in (Average, Sum):
         out = parts.sum(0)
@@ -110,31 +115,34 @@ def _reducescatter(tensor: torch.Tensor, op: ReduceOp, half: bool, prescale: flo
 
 class _Reducescatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, op, half, prescale, postscale):
-        ctx.args = (op, prescale, postscale)
-        return _reducescatter(tensor, op, half, prescale, postscale)
+    def forward(ctx, tensor, op, half, prescale, postscale, ps):
+        ctx.args = (op, prescale, postscale, ps)
+        return _reducescatter(tensor, op, half, prescale, postscale, ps)
 
     @staticmethod
     def backward(ctx, grad):
-        op, prescale, postscale = ctx.args
+        op, prescale, postscale, ps = ctx.args
         if op not in (Average, Sum):
             raise RuntimeError(f"reducescatter with op={op.name} has no gradient (Horovod defines Average and Sum)")
-        full = torch.cat(allgather_parts(grad)).to(grad.device)
-        scale = prescale * postscale / (size() if op == Average else 1)
-        return full * scale if scale != 1.0 else full, None, None, None, None
+        full = torch.cat(allgather_parts(grad, ps)).to(grad.device)
+        scale = prescale * postscale / (ps.size() if op == Average else 1)
+        return full * scale if scale != 1.0 else full, None, None, None, None, None
 
 
 def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: Any = Compression.none,
-                  op: Any = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+                  op: Any = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                  process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Reduce ``tensor`` over all ranks (``op``: Average by default, Sum, Min, Max, Product) and
     return this rank's slice of the result along dimension 0: rank r gets the r-th of
-    ``torch.tensor_split(result, size())`` (the first ``rows % size`` ranks one row more).
+    ``torch.tensor_split(result, size())`` (the first ``rows % size`` ranks one row more; with
+    ``process_set``, r is the position in the set and size its size).
 
     ``compression``: ``Compression.none`` or ``Compression.fp16`` (slices travel as float16 and
     are reduced in the tensor's dtype). Differentiable for Average and Sum.
     """
     _check()
     op = resolve_op(op)
+    ps = resolve_set(process_set)
     if op == Adasum:
         raise ValueError("reducescatter does not take op=hvd.Adasum (nor does Horovod's): use Average or Sum")
     if tensor.dim() == 0:
@@ -144,12 +152,13 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: An
     if half and not (isinstance(compressor, FP16) and tensor.is_floating_point()):
         raise ValueError("reducescatter takes compression=hvd.Compression.none or hvd.Compression.fp16 "
                          "(fp16 for floating-point tensors)")
-    return _Reducescatter.apply(tensor, op, half, prescale_factor, postscale_factor)
+    return _Reducescatter.apply(tensor, op, half, prescale_factor, postscale_factor, ps)
 
 
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                       compression: Any = Compression.none, op: Any = None,
-                      prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list[torch.Tensor]:
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """:func:`~spark_dl.horovod.allreduce` of every tensor in ``tensors`` as one operation:
     tensors of one dtype and device travel fused in a single collective. Returns new tensors;
     differentiable (then each tensor is reduced on its own, as the autograd graph needs)."""
@@ -158,49 +167,54 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
     tensors = list(tensors)
     if any(t.requires_grad for t in tensors):
         return [allreduce(t, name=None if name is None else f"{name}.{i}", compression=compression, op=op,
-                          prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+                          prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                          process_set=process_set)
                 for i, t in enumerate(tensors)]
     outs = [t.detach().clone() for t in tensors]
     grouped_allreduce_(outs, name=name, compression=compression, op=op, prescale_factor=prescale_factor,
-                       postscale_factor=postscale_factor)
+                       postscale_factor=postscale_factor, process_set=process_set)
     return outs
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                        compression: Any = Compression.none, op: Any = None,
-                       prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list[torch.Tensor]:
+                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """In-place :func:`grouped_allreduce`: one fused collective per dtype and device; returns
     ``tensors``."""
     _check()
     op = resolve_op(op, average)
+    ps = resolve_set(process_set)
     compressor = _compression.resolve(compression)
     _check_items(tensors, "grouped_allreduce")
 
     def reduce(j: int, flat: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         key = None if name is None else f"{name}.group{j}"
-        return _reduce_into(flat, op, key, compressor, prescale_factor, postscale_factor, sizes)
+        return _reduce_into(flat, op, key, compressor, prescale_factor, postscale_factor, sizes, ps)
 
     fused_inplace(list(tensors), reduce)
     return list(tensors)
 
 
-def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None) -> list[torch.Tensor]:
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
+                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """:func:`~spark_dl.horovod.allgather` of every tensor in ``tensors``, in order (first
     dimensions may differ between ranks); returns the gathered tensors. Differentiable."""
     _check()
     tensors = _tensor_list(tensors, "grouped_allgather")
-    return [allgather(t, None if name is None else f"{name}.{i}") for i, t in enumerate(tensors)]
+    return [allgather(t, None if name is None else f"{name}.{i}", process_set) for i, t in enumerate(tensors)]
 
 
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
                           compression: Any = Compression.none, op: Any = Average,
-                          prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list[torch.Tensor]:
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                          process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """:func:`reducescatter` of every tensor in ``tensors``, in order; returns this rank's slice
     of each. Differentiable for Average and Sum."""
     _check()
     tensors = _tensor_list(tensors, "grouped_reducescatter")
     return [reducescatter(t, None if name is None else f"{name}.{i}", compression, op, prescale_factor,
-                          postscale_factor) for i, t in enumerate(tensors)]
+                          postscale_factor, process_set) for i, t in enumerate(tensors)]
 
 
 def _check_items(tensors: Any, who: str) -> None:
@@ -221,47 +235,54 @@ def _tensor_list(tensors: Any, who: str) -> list[torch.Tensor]:
 # Handles for poll()/synchronize() like Horovod's. These complete before they return (the row
 # counts must be exchanged before the rows can be), so poll() is True at once.
 
-def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None) -> int:
+def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
+                   process_set: ProcessSet = global_process_set) -> int:
     """Start an :func:`alltoall`; ``synchronize(handle)`` returns what :func:`alltoall` would
     (``(tensor, received_splits)`` when ``splits`` is given)."""
-    result = alltoall(tensor.detach(), splits, name)
+    result = alltoall(tensor.detach(), splits, name, process_set)
     return _register(None, lambda: result)
 
 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, compression: Any = Compression.none,
-                        op: Any = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
+                        op: Any = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                        process_set: ProcessSet = global_process_set) -> int:
     """Start a :func:`reducescatter`; ``synchronize(handle)`` returns this rank's slice."""
-    result = reducescatter(tensor.detach(), name, compression, op, prescale_factor, postscale_factor)
+    result = reducescatter(tensor.detach(), name, compression, op, prescale_factor, postscale_factor, process_set)
     return _register(None, lambda: result)
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                             compression: Any = Compression.none, op: Any = None,
-                            prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
+                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_set: ProcessSet = global_process_set) -> int:
     """Start a :func:`grouped_allreduce`; ``synchronize(handle)`` returns the list of results."""
     result = grouped_allreduce([t.detach() for t in tensors], average, name, compression, op,
-                               prescale_factor, postscale_factor)
+                               prescale_factor, postscale_factor, process_set)
     return _register(None, lambda: result)
 
 
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                              compression: Any = Compression.none, op: Any = None,
-                             prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
+                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                             process_set: ProcessSet = global_process_set) -> int:
     """Start a :func:`grouped_allreduce_`; ``synchronize(handle)`` returns ``tensors``, reduced."""
-    result = grouped_allreduce_(tensors, average, name, compression, op, prescale_factor, postscale_factor)
+    result = grouped_allreduce_(tensors, average, name, compression, op, prescale_factor, postscale_factor,
+                                process_set)
     return _register(None, lambda: result)
 
 
-def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None) -> int:
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                            process_set: ProcessSet = global_process_set) -> int:
     """Start a :func:`grouped_allgather`; ``synchronize(handle)`` returns the gathered tensors."""
-    result = grouped_allgather([t.detach() for t in tensors], name)
+    result = grouped_allgather([t.detach() for t in tensors], name, process_set)
     return _register(None, lambda: result)
 
 
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
                                 compression: Any = Compression.none, op: Any = Average,
-                                prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
+                                prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                                process_set: ProcessSet = global_process_set) -> int:
     """Start a :func:`grouped_reducescatter`; ``synchronize(handle)`` returns this rank's slices."""
     result = grouped_reducescatter([t.detach() for t in tensors], name, compression, op, prescale_factor,
-                                   postscale_factor)
+                                   postscale_factor, process_set)
     return _register(None, lambda: result)

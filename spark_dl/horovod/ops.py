@@ -17,8 +17,10 @@ import torch.distributed as dist
 
 from . import adasum as _adasum
 from . import compression as _compression
-from .basics import Adasum, Average, ReduceOp, Sum, _check, comm_device, rank, size
+from .basics import Adasum, Average, ReduceOp, Sum, _check, comm_device, rank
 from .compression import Compression
+from .process_sets import ProcessSet, check_root, global_process_set, group_of
+from .process_sets import resolve as resolve_set
 
 _TORCH_OPS = {
     ReduceOp.Min: dist.ReduceOp.MIN,
@@ -62,90 +64,101 @@ def fused_inplace(tensors: list[torch.Tensor], run: Callable[..., torch.Tensor])
 
 def _reduce_into(work: torch.Tensor, op: ReduceOp, name: str | None, compressor: Any,
                  prescale_factor: float, postscale_factor: float,
-                 sizes: list[int] | None = None) -> torch.Tensor:
-    """Reduce ``work`` (a private buffer on the comm device; may be modified). Returns the result.
-    ``sizes``: the tensors fused in ``work``, for Adasum's per-tensor coefficients."""
+                 sizes: list[int] | None = None, ps: ProcessSet = global_process_set) -> torch.Tensor:
+    """Reduce ``work`` (a private buffer on the comm device; may be modified) over ``ps``.
+    Returns the result. ``sizes``: the tensors fused in ``work``, for Adasum's per-tensor
+    coefficients."""
     if prescale_factor != 1.0:
         work.mul_(prescale_factor)
     if op == Adasum:
         if not _compression.is_none(compressor):
             raise ValueError("op=hvd.Adasum combines full-precision tensors: pass compression=hvd.Compression.none")
-        work = _adasum.allreduce(work.reshape(-1), sizes).view_as(work)
+        work = _adasum.allreduce(work.reshape(-1), sizes, group_of(ps)).view_as(work)
     elif op in (Average, Sum):
-        work = _compression.reduce(work, compressor, average=op == Average, name=name)
+        work = _compression.reduce(work, compressor, average=op == Average, name=name, group=group_of(ps))
     else:
         if not _compression.is_none(compressor):
             raise ValueError(f"compression is only supported with op=Average or Sum, not {op.name}")
-        dist.all_reduce(work, op=_TORCH_OPS[op])
+        dist.all_reduce(work, op=_TORCH_OPS[op], group=group_of(ps))
     if postscale_factor != 1.0:
         work.mul_(postscale_factor)
     return work
 
 
 def _allreduce_copy(tensor: torch.Tensor, op: ReduceOp, name: str | None, compressor: Any,
-                    prescale_factor: float, postscale_factor: float) -> torch.Tensor:
+                    prescale_factor: float, postscale_factor: float,
+                    ps: ProcessSet = global_process_set) -> torch.Tensor:
     work = _on_comm_device(tensor.detach()).clone()
-    out = _reduce_into(work, op, name, compressor, prescale_factor, postscale_factor)
+    out = _reduce_into(work, op, name, compressor, prescale_factor, postscale_factor, ps=ps)
     return out.to(tensor.device)
 
 
 class _Allreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, op, name, compressor, prescale_factor, postscale_factor):
-        ctx.args = (op, prescale_factor, postscale_factor)
-        return _allreduce_copy(tensor, op, name, compressor, prescale_factor, postscale_factor)
+    def forward(ctx, tensor, op, name, compressor, prescale_factor, postscale_factor, ps):
+        ctx.args = (op, prescale_factor, postscale_factor, ps)
+        return _allreduce_copy(tensor, op, name, compressor, prescale_factor, postscale_factor, ps)
 
     @staticmethod
     def backward(ctx, grad):
-        op, pre, post = ctx.args
-        return _allreduce_copy(grad, op, None, Compression.none, pre, post), None, None, None, None, None
+        op, pre, post, ps = ctx.args
+        return _allreduce_copy(grad, op, None, Compression.none, pre, post, ps), None, None, None, None, None, None
 
 
 def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
               compression: Any = Compression.none, op: Any = None,
-              prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
-    """Average (default) or combine ``tensor`` over all ranks; returns a new tensor.
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Average (default) or combine ``tensor`` over all ranks (or ``process_set``'s); returns a
+    new tensor.
 
-    ``op`` is ``Average``, ``Sum``, ``Min``, ``Max`` or ``Product``. The result is
+    ``op`` is ``Average``, ``Sum``, ``Min``, ``Max``, ``Product`` or ``Adasum``. The result is
     ``postscale_factor * op(prescale_factor * tensor)``. ``compression`` applies to Average/Sum.
     The input is not modified; gradients flow back through an all-reduce with the same op.
     """
     _check()
     op = resolve_op(op, average)
+    ps = resolve_set(process_set)
     compressor = _compression.resolve(compression)
-    return _Allreduce.apply(tensor, op, name, compressor, prescale_factor, postscale_factor)
+    return _Allreduce.apply(tensor, op, name, compressor, prescale_factor, postscale_factor, ps)
 
 
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-               op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+               op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """In-place :func:`allreduce`; returns ``tensor``."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor))
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
 
 
-def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
-    """Concatenate every rank's ``tensor`` along dimension 0, in rank order.
+def allgather(tensor: torch.Tensor, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Concatenate every rank's (or ``process_set`` member's) ``tensor`` along dimension 0, in
+    rank order.
 
     Shapes must agree except for the first dimension, which may differ between ranks.
     """
     _check()
-    return _Allgather.apply(tensor, name)
+    return _Allgather.apply(tensor, name, resolve_set(process_set))
 
 
-def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
-    """Return a copy of ``root_rank``'s ``tensor`` on every rank; the input is not modified."""
+def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Return a copy of ``root_rank``'s ``tensor`` on every rank (of ``process_set``; ``root_rank``
+    is a global rank); the input is not modified."""
     _check()
-    return _Broadcast.apply(tensor, root_rank, name)
+    return _Broadcast.apply(tensor, root_rank, name, resolve_set(process_set))
 
 
-def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Overwrite ``tensor`` with ``root_rank``'s value, in place; returns ``tensor``."""
-    return synchronize(broadcast_async_(tensor, root_rank, name))
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
-def barrier() -> None:
-    """Block until every rank reaches this call."""
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Block until every rank (of ``process_set``) reaches this call."""
     _check()
-    dist.barrier()
+    dist.barrier(group=group_of(resolve_set(process_set)))
 
 
 # ---- asynchronous forms: a handle now, the result from synchronize(handle) ------------------------
@@ -184,11 +197,12 @@ def synchronize(handle: int) -> torch.Tensor:
 
 
 def _async_reduce(tensor: torch.Tensor, output: torch.Tensor, op: ReduceOp, name: str | None,
-                  prescale_factor: float, postscale_factor: float) -> int:
+                  prescale_factor: float, postscale_factor: float, process_set: ProcessSet) -> int:
     _check()
+    ps = resolve_set(process_set)
     if op == Adasum:
         # point-to-point rounds, each depending on the last: done before the handle is returned
-        result = _allreduce_copy(tensor, op, name, Compression.none, prescale_factor, postscale_factor)
+        result = _allreduce_copy(tensor, op, name, Compression.none, prescale_factor, postscale_factor, ps)
         with torch.no_grad():
             output.copy_(result)
         return _register(None, lambda: output)
@@ -197,10 +211,10 @@ def _async_reduce(tensor: torch.Tensor, output: torch.Tensor, op: ReduceOp, name
     if prescale_factor != 1.0:
         work_t.mul_(prescale_factor)
     torch_op = dist.ReduceOp.SUM if op in (Average, Sum) else _TORCH_OPS[op]
-    work = dist.all_reduce(work_t, op=torch_op, async_op=True)
+    work = dist.all_reduce(work_t, op=torch_op, async_op=True, group=group_of(ps))
 
     def finish() -> torch.Tensor:
-        scale = postscale_factor / size() if op == Average else postscale_factor
+        scale = postscale_factor / ps.size() if op == Average else postscale_factor
         if scale != 1.0:
             if work_t.is_floating_point() or work_t.is_complex():
                 work_t.mul_(scale)
@@ -215,24 +229,28 @@ def _async_reduce(tensor: torch.Tensor, output: torch.Tensor, op: ReduceOp, name
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-                    op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
+                    op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set: ProcessSet = global_process_set) -> int:
     """Start an out-of-place :func:`allreduce`; the result comes from ``synchronize(handle)``."""
     op = resolve_op(op, average)
-    return _async_reduce(tensor, torch.empty_like(tensor), op, name, prescale_factor, postscale_factor)
+    return _async_reduce(tensor, torch.empty_like(tensor), op, name, prescale_factor, postscale_factor, process_set)
 
 
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-                     op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
+                     op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> int:
     """Start an in-place :func:`allreduce_`; ``synchronize(handle)`` returns ``tensor``."""
     op = resolve_op(op, average)
-    return _async_reduce(tensor, tensor, op, name, prescale_factor, postscale_factor)
+    return _async_reduce(tensor, tensor, op, name, prescale_factor, postscale_factor, process_set)
 
 
-def _async_broadcast(tensor: torch.Tensor, output: torch.Tensor, root_rank: int) -> int:
+def _async_broadcast(tensor: torch.Tensor, output: torch.Tensor, root_rank: int, process_set: ProcessSet) -> int:
     _check()
+    ps = resolve_set(process_set)
+    check_root(ps, root_rank)
     inplace_ok = output is tensor and tensor.device == comm_device() and tensor.is_contiguous()
     work_t = tensor if inplace_ok else _on_comm_device(tensor.detach()).clone()
-    work = dist.broadcast(work_t, src=root_rank, async_op=True)
+    work = dist.broadcast(work_t, src=root_rank, async_op=True, group=group_of(ps))
 
     def finish() -> torch.Tensor:
         if work_t is not output:
@@ -243,74 +261,79 @@ def _async_broadcast(tensor: torch.Tensor, output: torch.Tensor, root_rank: int)
     return _register(work, finish)
 
 
-def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> int:
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> int:
     """Start an out-of-place :func:`broadcast`."""
-    return _async_broadcast(tensor, torch.empty_like(tensor), root_rank)
+    return _async_broadcast(tensor, torch.empty_like(tensor), root_rank, process_set)
 
 
-def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> int:
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> int:
     """Start an in-place :func:`broadcast_`."""
-    return _async_broadcast(tensor, tensor, root_rank)
+    return _async_broadcast(tensor, tensor, root_rank, process_set)
 
 
-def allgather_async(tensor: torch.Tensor, name: str | None = None) -> int:
+def allgather_async(tensor: torch.Tensor, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> int:
     """Start an :func:`allgather`. The first-dimension sizes are exchanged before this returns."""
     _check()
-    out = _allgather_sync(tensor)
+    out = _allgather_sync(tensor, resolve_set(process_set))
     return _register(None, lambda: out)
 
 
 # ---- allgather / broadcast with gradients -------------------------------------------------------
 
-def _gather_sizes(n: int) -> list[int]:
+def _gather_sizes(n: int, ps: ProcessSet) -> list[int]:
     dev = comm_device()
     mine = torch.tensor([n], dtype=torch.int64, device=dev)
-    sizes = [torch.empty_like(mine) for _ in range(size())]
-    dist.all_gather(sizes, mine)
+    sizes = [torch.empty_like(mine) for _ in range(ps.size())]
+    dist.all_gather(sizes, mine, group=group_of(ps))
     return [int(s.item()) for s in sizes]
 
 
-def allgather_parts(tensor: torch.Tensor) -> list[torch.Tensor]:
-    """Every rank's ``tensor`` (first dimensions may differ), in rank order, on the comm device."""
+def allgather_parts(tensor: torch.Tensor, ps: ProcessSet = global_process_set) -> list[torch.Tensor]:
+    """Every rank's (of ``ps``) ``tensor`` (first dimensions may differ), in rank order, on the
+    comm device."""
     if tensor.dim() == 0:
         raise ValueError("allgather needs a tensor with at least one dimension (it concatenates along dim 0)")
     t = _on_comm_device(tensor.detach()).contiguous()
-    sizes = _gather_sizes(t.shape[0])
+    sizes = _gather_sizes(t.shape[0], ps)
     longest = max(sizes)
     if t.shape[0] < longest:
         # torch.distributed gathers equal shapes only: pad, then trim each rank's part.
         t = torch.cat([t, t.new_zeros((longest - t.shape[0],) + tuple(t.shape[1:]))])
     parts = [torch.empty_like(t) for _ in sizes]
-    dist.all_gather(parts, t)
+    dist.all_gather(parts, t, group=group_of(ps))
     return [p[:n] for p, n in zip(parts, sizes)]
 
 
-def _allgather_sync(tensor: torch.Tensor) -> torch.Tensor:
-    return torch.cat(allgather_parts(tensor)).to(tensor.device)
+def _allgather_sync(tensor: torch.Tensor, ps: ProcessSet = global_process_set) -> torch.Tensor:
+    return torch.cat(allgather_parts(tensor, ps)).to(tensor.device)
 
 
 class _Allgather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, name):
+    def forward(ctx, tensor, name, ps):
         ctx.rows = tensor.shape[0] if tensor.dim() else 0
-        return _allgather_sync(tensor)
+        ctx.ps = ps
+        return _allgather_sync(tensor, ps)
 
     @staticmethod
     def backward(ctx, grad):
-        summed = _allreduce_copy(grad, Sum, None, Compression.none, 1.0, 1.0)
-        offset = sum(_gather_sizes(ctx.rows)[: rank()])
-        return summed.narrow(0, offset, ctx.rows), None
+        summed = _allreduce_copy(grad, Sum, None, Compression.none, 1.0, 1.0, ctx.ps)
+        offset = sum(_gather_sizes(ctx.rows, ctx.ps)[: ctx.ps.rank()])
+        return summed.narrow(0, offset, ctx.rows), None, None
 
 
 class _Broadcast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, root_rank, name):
-        ctx.root_rank = root_rank
-        return synchronize(broadcast_async(tensor, root_rank, name))
+    def forward(ctx, tensor, root_rank, name, ps):
+        ctx.root_rank, ctx.ps = root_rank, ps
+        return synchronize(broadcast_async(tensor, root_rank, name, ps))
 
     @staticmethod
     def backward(ctx, grad):
-        summed = _allreduce_copy(grad, Sum, None, Compression.none, 1.0, 1.0)
+        summed = _allreduce_copy(grad, Sum, None, Compression.none, 1.0, 1.0, ctx.ps)
         if rank() != ctx.root_rank:
             summed.zero_()
-        return summed, None, None
+        return summed, None, None, None

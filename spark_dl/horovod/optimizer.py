@@ -23,6 +23,8 @@ from .basics import Adasum, Average, ReduceOp, Sum, _check, comm_device
 from .compression import Compression
 from .fusion import BucketReducer, fusion_threshold, plan_buckets
 from .ops import fused_inplace
+from .process_sets import ProcessSet, global_process_set
+from .process_sets import resolve as resolve_set
 
 _TOO_MANY_PASSES = (
     "Gradients were computed more than backward_passes_per_step times before call to "
@@ -34,7 +36,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     """Mixed in ahead of the wrapped optimizer's class; see :func:`DistributedOptimizer`."""
 
     def _hvd_setup(self, named_parameters: Any, compressor: Any, backward_passes_per_step: int,
-                   op: ReduceOp, gradient_predivide_factor: float, sparse_as_dense: bool = False) -> None:
+                   op: ReduceOp, gradient_predivide_factor: float, sparse_as_dense: bool,
+                   ps: ProcessSet) -> None:
         all_params = [p for group in self.param_groups for p in group["params"]]
         self._hvd_names = _parameter_names(all_params, named_parameters)
         self._hvd_compressor = compressor
@@ -45,7 +48,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         params = [p for p in all_params if p.requires_grad]
         self._hvd_buckets = plan_buckets(params, fusion_threshold())
         self._hvd_bucket_of = {p: i for i, bucket in enumerate(self._hvd_buckets) for p in bucket}
-        self._hvd_group = dist.new_group()
+        self._hvd_group = _optimizer_group(ps)
         self._hvd_reducer = BucketReducer(self._hvd_reduce)
         self._hvd_synchronized = False
         self._hvd_should_synchronize = True
@@ -176,12 +179,13 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
     where the step started. Optimizer state (momentum, Adam's moments) stays per rank."""
 
     def _hvd_setup(self, named_parameters: Any, compressor: Any, backward_passes_per_step: int,
-                   op: ReduceOp, gradient_predivide_factor: float, sparse_as_dense: bool = False) -> None:
+                   op: ReduceOp, gradient_predivide_factor: float, sparse_as_dense: bool,
+                   ps: ProcessSet) -> None:
         all_params = [p for group in self.param_groups for p in group["params"]]
         self._hvd_names = _parameter_names(all_params, named_parameters)
         self._hvd_params = [p for p in all_params if p.requires_grad]
         self.backward_passes_per_step = backward_passes_per_step
-        self._hvd_group = dist.new_group()
+        self._hvd_group = _optimizer_group(ps)
 
     def step(self, closure: Any = None) -> Any:
         with torch.no_grad():
@@ -207,6 +211,13 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
         if passes < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")
         self.backward_passes_per_step = passes
+
+
+def _optimizer_group(ps: ProcessSet) -> Any:
+    # A group of the optimizer's own keeps its background collectives from interleaving with the
+    # training loop's. new_group is collective over the whole job, which a process set's
+    # optimizer (built on its members only) cannot call: the set made one when it was registered.
+    return dist.new_group() if ps is global_process_set else ps._opt_group
 
 
 def _parameter_names(params: list[torch.Tensor], named_parameters: Any) -> dict[torch.Tensor, str]:
@@ -240,6 +251,7 @@ def DistributedOptimizer(
     op: Any = Average,
     gradient_predivide_factor: float = 1.0,
     sparse_as_dense: bool = False,
+    process_set: ProcessSet = global_process_set,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so ``step()`` applies gradients averaged (or summed) over all ranks.
 
@@ -259,11 +271,13 @@ def DistributedOptimizer(
             against underflow in low precision).
         sparse_as_dense: sparse gradients (``nn.Embedding(sparse=True)``) are made dense and
             reduced like the others; without it a sparse gradient raises.
+        process_set: reduce over this set's ranks only (created on its members only).
 
     ``HOROVOD_FUSION_THRESHOLD`` (bytes, default 64 MiB, 0 = one bucket per tensor) sets the
     bucket size.
     """
     _check()
+    ps = resolve_set(process_set)
     op = ReduceOp(op)
     if op not in (Average, Sum, Adasum):
         raise ValueError(f"DistributedOptimizer supports op=Average, Sum or Adasum, got {op.name}")
@@ -284,5 +298,5 @@ def DistributedOptimizer(
     # (an LR scheduler's patch of the original) must not shadow ours.
     wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k != "step"})
     wrapped._hvd_setup(named_parameters, compressor, backward_passes_per_step, op, gradient_predivide_factor,
-                       bool(sparse_as_dense))
+                       bool(sparse_as_dense), ps)
     return wrapped
