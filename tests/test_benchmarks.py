@@ -105,3 +105,11 @@ def test_checkpoint_benchmark_prints_both_comparisons():
     assert any(line.startswith("no failure ") for line in lines)
     assert any(line.startswith("rank 1 lost, restarted ") for line in lines)
     assert any(line.startswith("a lost rank cost ") and "steps redone" in line for line in lines)
+
+
+def test_join_control_benchmark_prints_both_variants():
+    done = _run("benchmarks/join_control.py", "--steps", "20", "--rounds", "1", "--widths", "8")
+    assert done.returncode == 0, done.stderr[-3000:]
+    row = next(line for line in done.stdout.splitlines() if line.startswith("MLP 8-8-1"))
+    assert row.split()[2] == "81" and row.count("ms") == 2  # 8*8+8 + 8+1 parameters
+    assert "the agreement's all-reduce alone" in done.stdout

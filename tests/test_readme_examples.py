@@ -24,9 +24,10 @@ EXAMPLES = [
     ("## Training on a Spark DataFrame", 1),
     ("## Horovod-compatible API", 0),
     ("## Horovod-compatible API", 2),  # Adasum
-    ("## Horovod-compatible API", 3),  # process sets
-    ("## Horovod-compatible API", 4),  # elastic
-    ("## Horovod-compatible API", 5),  # horovod.spark.run
+    ("## Horovod-compatible API", 3),  # join
+    ("## Horovod-compatible API", 4),  # process sets
+    ("## Horovod-compatible API", 5),  # elastic
+    ("## Horovod-compatible API", 6),  # horovod.spark.run
     ("## Gradient compression", 0),
     ("## Tracking with MLflow", 0),
     ("## Tracking with MLflow", 1),

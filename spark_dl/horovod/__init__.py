@@ -68,6 +68,7 @@ from .ops import (
 )
 from . import elastic
 from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from .joining import join
 from .optimizer import DistributedOptimizer
 from .sync_batch_norm import SyncBatchNorm
 
@@ -84,7 +85,7 @@ __all__ = [
     "reducescatter_async", "grouped_allgather", "grouped_allgather_async", "grouped_reducescatter",
     "grouped_reducescatter_async",
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
-    "poll", "synchronize", "barrier",
+    "poll", "synchronize", "barrier", "join",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
     "DistributedOptimizer", "SyncBatchNorm",
 ]

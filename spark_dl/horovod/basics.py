@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import joining as _join
 from . import process_sets as _process_sets
 
 
@@ -70,6 +71,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     _initialized = True
     try:
         _process_sets.setup(process_sets)
+        _join.setup()
     except BaseException:
         _initialized = False  # a bad process_sets= argument: init() may be called again
         raise

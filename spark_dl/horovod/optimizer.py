@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from . import adasum as _adasum
 from . import compression as _compression
+from . import joining as _join
 from .basics import Adasum, Average, ReduceOp, Sum, _check, comm_device
 from .compression import Compression
 from .fusion import BucketReducer, fusion_threshold, plan_buckets
@@ -49,6 +50,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvd_buckets = plan_buckets(params, fusion_threshold())
         self._hvd_bucket_of = {p: i for i, bucket in enumerate(self._hvd_buckets) for p in bucket}
         self._hvd_group = _optimizer_group(ps)
+        self._hvd_join_id = _join.register(self) if ps is global_process_set else None
+        self._hvd_control = None
         self._hvd_reducer = BucketReducer(self._hvd_reduce)
         self._hvd_synchronized = False
         self._hvd_should_synchronize = True
@@ -87,6 +90,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._hvd_launch(self._hvd_next)
 
     def _hvd_launch(self, i: int) -> None:
+        if i == 0 and self._hvd_join_id is not None:
+            self._hvd_control = _join.start_control(self._hvd_join_id)
         grads = []
         for p in self._hvd_buckets[i]:
             if p.grad is None:
@@ -119,12 +124,27 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             out.mul_(self._hvd_predivide)
         return out
 
+    def _hvd_follow_step(self) -> None:
+        """A joined rank's step (see :mod:`.joining`): zeros into every bucket, the result applied."""
+        with torch.no_grad():
+            for i, bucket in enumerate(self._hvd_buckets):
+                flat = torch.zeros(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
+                out = self._hvd_reduce(i, flat, [tuple(p.shape) for p in bucket])
+                offset = 0
+                for p in bucket:
+                    p.grad = out[offset:offset + p.numel()].view_as(p).clone()
+                    offset += p.numel()
+        super().step()
+
     # ---- Horovod's public optimizer API ---------------------------------------------------------
 
     def synchronize(self) -> None:
         """Finish reducing every gradient; after it each ``p.grad`` holds the cross-rank result."""
         for i in range(self._hvd_next, len(self._hvd_buckets)):
             self._hvd_launch(i)
+        # waited for apart from the reducer: a joined rank needs it before it can follow the buckets
+        _join.finish_control(self._hvd_control)
+        self._hvd_control = None
         self._hvd_reducer.wait()
         self._hvd_reset()
         self._hvd_synchronized = True
@@ -186,17 +206,29 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
         self._hvd_params = [p for p in all_params if p.requires_grad]
         self.backward_passes_per_step = backward_passes_per_step
         self._hvd_group = _optimizer_group(ps)
+        self._hvd_join_id = _join.register(self) if ps is global_process_set else None
+        self._hvd_control = None
 
     def step(self, closure: Any = None) -> Any:
+        if self._hvd_join_id is not None:
+            _join.control(self._hvd_join_id)
         with torch.no_grad():
             start = [p.detach().clone() for p in self._hvd_params]
         loss = super().step(closure)
         with torch.no_grad():
-            deltas = [p.detach() - s for p, s in zip(self._hvd_params, start)]
-            fused_inplace(deltas, lambda _j, flat, sizes: _adasum.allreduce(flat, sizes, self._hvd_group))
-            for p, s, d in zip(self._hvd_params, start, deltas):
-                p.copy_(s + d)
+            self._hvd_combine(start, [p.detach() - s for p, s in zip(self._hvd_params, start)])
         return loss
+
+    def _hvd_combine(self, start: list[torch.Tensor], deltas: list[torch.Tensor]) -> None:
+        fused_inplace(deltas, lambda _j, flat, sizes: _adasum.allreduce(flat, sizes, self._hvd_group))
+        for p, s, d in zip(self._hvd_params, start, deltas):
+            p.copy_(s + d)
+
+    def _hvd_follow_step(self) -> None:
+        """A joined rank's step: a zero update into the combination, the result applied."""
+        with torch.no_grad():
+            self._hvd_combine([p.detach().clone() for p in self._hvd_params],
+                              [torch.zeros_like(p) for p in self._hvd_params])
 
     def synchronize(self) -> None:
         """Nothing to wait for: with Adasum, gradients stay local and ``step()`` combines updates."""

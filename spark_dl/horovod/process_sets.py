@@ -135,6 +135,9 @@ def process_sets() -> list[ProcessSet]:
 
 def resolve(process_set: Any) -> ProcessSet:
     """Validate ``process_set=`` for a collective this rank is about to join."""
+    from .joining import check_collective
+
+    check_collective()
     if process_set is None or process_set is global_process_set:
         return global_process_set
     if not isinstance(process_set, ProcessSet):

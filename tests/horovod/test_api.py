@@ -205,8 +205,12 @@ def test_a_plain_script_is_a_world_of_one():
         "import torch, spark_dl.horovod as hvd\n"
         "hvd.init()\n"
         "print(hvd.rank(), hvd.size(), hvd.local_size(), hvd.allreduce(torch.tensor([4.0])).item())\n"
+        "w = torch.nn.Parameter(torch.ones(2))\n"
+        "opt = hvd.DistributedOptimizer(torch.optim.SGD([w], lr=1.0))\n"
+        "w.sum().backward(); opt.step()\n"
+        "print(hvd.join(), w.tolist())\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["0", "1", "1", "4.0"]
+    assert out.stdout.split() == ["0", "1", "1", "4.0", "0", "[0.0,", "0.0]"]

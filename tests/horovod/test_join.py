@@ -1,0 +1,157 @@
+"""``hvd.join()`` on three real ranks (Gloo) with uneven data: ranks out of data follow the others'
+DistributedOptimizer steps with zero gradients, every rank ends with the same model (the one a
+single process computes from the same batches), and join returns the last rank to join."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+BATCHES = [4, 6, 8]  # rank r has BATCHES[r] batches
+LR, MOMENTUM = 0.05, 0.9
+
+
+def data(r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(10 + r)
+    x = torch.randn(BATCHES[r] * 8, 4, generator=gen)
+    return x, x @ torch.tensor([1.0, -2.0, 0.5, 3.0]) + 0.1 * torch.randn(len(x), generator=gen)
+
+
+def fresh_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 1)
+
+
+def join_main(batches, lr, momentum, data, fresh_model):
+    import torch
+    import torch.nn.functional as F
+
+    import spark_dl.horovod as hvd
+
+    hvd.init()
+    r = hvd.rank()
+    out = {}
+    x, y = data(r)
+
+    def params(model):
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    # one optimizer, uneven batches
+    model = fresh_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum),
+                                   named_parameters=model.named_parameters())
+    for b in range(batches[r]):
+        opt.zero_grad()
+        F.mse_loss(model(x[b * 8:(b + 1) * 8]).squeeze(1), y[b * 8:(b + 1) * 8]).backward()
+        opt.step()
+    out["last"] = hvd.join()
+    out["params"] = params(model)
+    out["after_join_allreduce"] = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item()  # all joined: usable again
+
+    # two optimizers stepped alternately, and an Adasum one, all with uneven batches
+    a, b_model, c = fresh_model(), fresh_model(), fresh_model()
+    opt_a = hvd.DistributedOptimizer(torch.optim.SGD(a.parameters(), lr=lr))
+    opt_b = hvd.DistributedOptimizer(torch.optim.Adam(b_model.parameters(), lr=0.01))
+    opt_c = hvd.DistributedOptimizer(torch.optim.SGD(c.parameters(), lr=lr), op=hvd.Adasum)
+    for b in range(batches[r] - 2):
+        for model_, opt_ in ((a, opt_a), (b_model, opt_b), (c, opt_c)):
+            opt_.zero_grad()
+            F.mse_loss(model_(x[b * 8:(b + 1) * 8]).squeeze(1), y[b * 8:(b + 1) * 8]).backward()
+            opt_.step()
+    out["last_three_optimizers"] = hvd.join()
+    out["three_models"] = [params(m) for m in (a, b_model, c)]
+
+    # a collective other than a step while a rank is joined: a clear error, not a hang
+    if r == 0:
+        out["last_misuse"] = hvd.join()
+    else:
+        opt_a.zero_grad()
+        F.mse_loss(a(x[:8]).squeeze(1), y[:8]).backward()
+        opt_a.step()  # learns that rank 0 has joined
+        try:
+            hvd.allreduce(torch.tensor([1.0]))
+        except RuntimeError as e:
+            out["misuse_error"] = str(e)
+        out["last_misuse"] = hvd.join()
+    # no optimizer step at all: join is a barrier, every rank "joined last"
+    out["last_barrier"] = hvd.join()
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    from spark_dl import HorovodRunner
+
+    return HorovodRunner(np=-3).run_all(join_main, batches=BATCHES, lr=LR, momentum=MOMENTUM, data=data,
+                                        fresh_model=fresh_model)
+
+
+def reference_params() -> torch.Tensor:
+    """One process: at step t, every rank with a t-th batch contributes its gradient, the others
+    zeros, divided by the world size."""
+    model = fresh_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    sets = [data(r) for r in range(3)]
+    for t in range(max(BATCHES)):
+        total = [torch.zeros_like(p) for p in model.parameters()]
+        for r, (x, y) in enumerate(sets):
+            if t < BATCHES[r]:
+                model.zero_grad()
+                torch.nn.functional.mse_loss(model(x[t * 8:(t + 1) * 8]).squeeze(1), y[t * 8:(t + 1) * 8]).backward()
+                total = [s + p.grad for s, p in zip(total, model.parameters())]
+        for p, s in zip(model.parameters(), total):
+            p.grad = s / 3
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def test_join_returns_the_last_rank(ranks):
+    assert [o["last"] for o in ranks] == [2, 2, 2]
+    assert [o["last_three_optimizers"] for o in ranks] == [2, 2, 2]
+    assert [o["after_join_allreduce"] for o in ranks] == [3.0, 3.0, 3.0]
+
+
+def test_joined_ranks_follow_so_every_model_is_the_single_process_one(ranks):
+    want = reference_params()
+    for o in ranks:
+        assert torch.equal(o["params"], ranks[0]["params"])
+        assert torch.allclose(o["params"], want, atol=1e-6)
+
+
+def test_several_optimizers_and_adasum_follow_in_step_order(ranks):
+    for o in ranks:
+        for got, rank0 in zip(o["three_models"], ranks[0]["three_models"]):
+            assert torch.equal(got, rank0)
+    # the models did train (the joined ranks did not just keep their own)
+    assert not torch.equal(ranks[0]["three_models"][0], torch.cat([p.detach().reshape(-1) for p in fresh_model().parameters()]))
+
+
+def test_other_collectives_while_a_rank_is_joined_are_refused(ranks):
+    for o in ranks[1:]:
+        assert "hvd.join()" in o["misuse_error"] and "DistributedOptimizer" in o["misuse_error"]
+    # ranks 1 and 2 joined at the same step: the highest of them is reported
+    assert [o["last_misuse"] for o in ranks] == [2, 2, 2]
+    assert [o["last_barrier"] for o in ranks] == [2, 2, 2]
+
+
+def switched_off_main():
+    import torch
+
+    import spark_dl.horovod as hvd
+
+    hvd.init()
+    w = torch.nn.Parameter(torch.zeros(2))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([w], lr=1.0))
+    (w * (hvd.rank() + 1)).sum().backward()
+    opt.step()  # steps work without the agreement
+    try:
+        hvd.join()
+    except RuntimeError as e:
+        return w.tolist(), str(e)
+
+
+def test_switched_off_steps_still_work_and_join_says_why_it_cannot():
+    from spark_dl import HorovodRunner
+
+    for w, error in HorovodRunner(np=-2, env={"SPARK_DL_HVD_JOIN": "0"}).run_all(switched_off_main):
+        assert w == [-1.5, -1.5]
+        assert "SPARK_DL_HVD_JOIN=0" in error and "unset" in error
