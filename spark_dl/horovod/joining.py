@@ -6,9 +6,11 @@ on each step first: every ``DistributedOptimizer`` step (of the whole job, not o
 begins with a two-number all-reduce on a Gloo group of its own, ``[1, optimizer id + 1]`` from a
 rank still training and ``[0, 0]`` from a joined one. A joined rank loops on that all-reduce: a
 non-zero count names the optimizer the others are stepping, and it runs that optimizer's
-collectives with zero gradients and applies the result, so its model stays equal to theirs; a
-zero count means every rank has joined. Averages still divide by the whole job's size (the
-joined ranks' zeros count, as in DDP's join by default).
+collectives with zero gradients; a zero count means every rank has joined. Then every rank takes
+the last joiner's parameters and optimizer state for each optimizer, so all ranks leave
+``join()`` with the same model whatever the loop did between steps (LR schedules, clipping).
+Averages divide by the whole job's size (the joined ranks' zeros count, as in DDP's join by
+default).
 
 The agreement costs one tiny all-reduce per step, started with the step's first bucket so it
 overlaps backward; ``SPARK_DL_HVD_JOIN=0`` leaves it out (and ``join()`` then refuses to run).
@@ -83,8 +85,9 @@ def check_collective() -> None:
 
 
 def join(device: int = -1) -> int:
-    """Mark this rank as out of data and follow the other ranks' ``DistributedOptimizer`` steps
-    (zero gradients from here, the same update applied) until every rank has joined.
+    """Mark this rank as out of data and take part in the other ranks' ``DistributedOptimizer``
+    steps with zero gradients until every rank has joined; then every rank takes the last
+    joiner's parameters and optimizer state.
 
     Returns the rank that joined last (the highest such rank when several joined at the same
     step). ``device`` is accepted for Horovod's signature; zeros go where each gradient lives.
@@ -119,4 +122,12 @@ def join(device: int = -1) -> int:
     dist.all_gather(every, rounds, group=_group)
     _active_rounds = 0
     counts = [int(c) for c in every]
-    return max(range(len(counts)), key=lambda r: (counts[r], r))
+    last = max(range(len(counts)), key=lambda r: (counts[r], r))
+    # an optimizer collected on one rank only must not leave the ranks broadcasting different lists
+    alive = torch.tensor([ref() is not None for ref in _optimizers], dtype=torch.int64)
+    dist.all_reduce(alive, op=dist.ReduceOp.MIN, group=_group)
+    for ref, live in zip(_optimizers, alive.tolist()):
+        opt = ref()
+        if live and opt is not None:
+            opt._hvd_take_from(last)
+    return last

@@ -125,16 +125,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return out
 
     def _hvd_follow_step(self) -> None:
-        """A joined rank's step (see :mod:`.joining`): zeros into every bucket, the result applied."""
+        """A joined rank's part in the others' step (see :mod:`.joining`): zeros into every bucket."""
         with torch.no_grad():
             for i, bucket in enumerate(self._hvd_buckets):
                 flat = torch.zeros(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
-                out = self._hvd_reduce(i, flat, [tuple(p.shape) for p in bucket])
-                offset = 0
-                for p in bucket:
-                    p.grad = out[offset:offset + p.numel()].view_as(p).clone()
-                    offset += p.numel()
-        super().step()
+                self._hvd_reduce(i, flat, [tuple(p.shape) for p in bucket])
+
+    def _hvd_take_from(self, root: int) -> None:
+        _take_from(self, root)
 
     # ---- Horovod's public optimizer API ---------------------------------------------------------
 
@@ -225,10 +223,13 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
             p.copy_(s + d)
 
     def _hvd_follow_step(self) -> None:
-        """A joined rank's step: a zero update into the combination, the result applied."""
+        """A joined rank's part in the others' step: a zero update into the combination."""
         with torch.no_grad():
-            self._hvd_combine([p.detach().clone() for p in self._hvd_params],
-                              [torch.zeros_like(p) for p in self._hvd_params])
+            fused_inplace([torch.zeros_like(p) for p in self._hvd_params],
+                          lambda _j, flat, sizes: _adasum.allreduce(flat, sizes, self._hvd_group))
+
+    def _hvd_take_from(self, root: int) -> None:
+        _take_from(self, root)
 
     def synchronize(self) -> None:
         """Nothing to wait for: with Adasum, gradients stay local and ``step()`` combines updates."""
@@ -243,6 +244,18 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
         if passes < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")
         self.backward_passes_per_step = passes
+
+
+def _take_from(opt: torch.optim.Optimizer, root: int) -> None:
+    """Overwrite this optimizer's parameters and state with rank ``root``'s (after ``join()``)."""
+    from .functions import broadcast_optimizer_state
+
+    def broadcast(_j: int, flat: torch.Tensor, _sizes: list[int]) -> torch.Tensor:
+        dist.broadcast(flat, src=root, group=opt._hvd_group)
+        return flat
+
+    fused_inplace([p for group in opt.param_groups for p in group["params"]], broadcast)
+    broadcast_optimizer_state(opt, root)
 
 
 def _optimizer_group(ps: ProcessSet) -> Any:

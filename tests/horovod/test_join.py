@@ -1,6 +1,7 @@
-"""``hvd.join()`` on three real ranks (Gloo) with uneven data: ranks out of data follow the others'
-DistributedOptimizer steps with zero gradients, every rank ends with the same model (the one a
-single process computes from the same batches), and join returns the last rank to join."""
+"""``hvd.join()`` on three real ranks (Gloo) with uneven data: ranks out of data take part in the
+others' DistributedOptimizer steps with zero gradients, every rank ends with the same model (the
+one a single process computes from the same batches) and optimizer state, and join returns the
+last rank to join."""
 from __future__ import annotations
 
 import pytest
@@ -47,18 +48,29 @@ def join_main(batches, lr, momentum, data, fresh_model):
     out["params"] = params(model)
     out["after_join_allreduce"] = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item()  # all joined: usable again
 
-    # two optimizers stepped alternately, and an Adasum one, all with uneven batches
+    # three optimizers stepped in turn (one with a per-step LR schedule, one with clipping, one
+    # Adasum), all with uneven batches
     a, b_model, c = fresh_model(), fresh_model(), fresh_model()
-    opt_a = hvd.DistributedOptimizer(torch.optim.SGD(a.parameters(), lr=lr))
+    opt_a = hvd.DistributedOptimizer(torch.optim.SGD(a.parameters(), lr=lr, momentum=momentum))
+    sched = torch.optim.lr_scheduler.StepLR(opt_a, step_size=1, gamma=0.8)
     opt_b = hvd.DistributedOptimizer(torch.optim.Adam(b_model.parameters(), lr=0.01))
     opt_c = hvd.DistributedOptimizer(torch.optim.SGD(c.parameters(), lr=lr), op=hvd.Adasum)
     for b in range(batches[r] - 2):
         for model_, opt_ in ((a, opt_a), (b_model, opt_b), (c, opt_c)):
             opt_.zero_grad()
             F.mse_loss(model_(x[b * 8:(b + 1) * 8]).squeeze(1), y[b * 8:(b + 1) * 8]).backward()
-            opt_.step()
+            if opt_ is opt_b:
+                opt_b.synchronize()
+                torch.nn.utils.clip_grad_norm_(b_model.parameters(), 0.5)
+                with opt_b.skip_synchronize():
+                    opt_b.step()
+            else:
+                opt_.step()
+        sched.step()
     out["last_three_optimizers"] = hvd.join()
     out["three_models"] = [params(m) for m in (a, b_model, c)]
+    out["lr_a"] = opt_a.param_groups[0]["lr"]
+    out["adam_state"] = torch.cat([opt_b.state[p]["exp_avg"].reshape(-1) for p in b_model.parameters()])
 
     # a collective other than a step while a rank is joined: a clear error, not a hang
     if r == 0:
@@ -110,17 +122,20 @@ def test_join_returns_the_last_rank(ranks):
     assert [o["after_join_allreduce"] for o in ranks] == [3.0, 3.0, 3.0]
 
 
-def test_joined_ranks_follow_so_every_model_is_the_single_process_one(ranks):
+def test_every_rank_ends_with_the_single_process_model(ranks):
     want = reference_params()
     for o in ranks:
         assert torch.equal(o["params"], ranks[0]["params"])
         assert torch.allclose(o["params"], want, atol=1e-6)
 
 
-def test_several_optimizers_and_adasum_follow_in_step_order(ranks):
+def test_several_optimizers_schedules_and_clipping_end_equal_on_every_rank(ranks):
     for o in ranks:
         for got, rank0 in zip(o["three_models"], ranks[0]["three_models"]):
             assert torch.equal(got, rank0)
+        # the last joiner's optimizer state and hyper-parameters too (rank 2 stepped the schedule 6 times)
+        assert o["lr_a"] == pytest.approx(LR * 0.8 ** 6)
+        assert torch.equal(o["adam_state"], ranks[2]["adam_state"])
     # the models did train (the joined ranks did not just keep their own)
     assert not torch.equal(ranks[0]["three_models"][0], torch.cat([p.detach().reshape(-1) for p in fresh_model().parameters()]))
 
