@@ -43,6 +43,53 @@ def plan_buckets(params: Sequence[torch.Tensor], threshold: int) -> list[list[to
     return buckets
 
 
+def plan_groups(params: Sequence[torch.Tensor], groups: Any) -> list[list[torch.Tensor]]:
+    """Horovod's explicit grouping instead of the size threshold.
+
+    ``groups``: an int n (n buckets of consecutive parameters, last first, as equal in count as
+    they can be), or a list of parameter lists (one bucket each; parameters in none of them get
+    a bucket each). Buckets are ordered by their first parameter, last first, and split where
+    dtype or device changes.
+    """
+    order = list(reversed(params))
+    if isinstance(groups, bool) or not isinstance(groups, (int, list, tuple)):
+        raise ValueError(f"groups must be a number of groups or a list of lists of parameters, got {groups!r}")
+    if isinstance(groups, int):
+        if groups < 1:
+            raise ValueError(f"groups must be >= 1 (or None for the size threshold), got {groups}")
+        n = min(groups, len(order))
+        cut = [round(i * len(order) / n) for i in range(n + 1)]
+        buckets = [order[cut[i]:cut[i + 1]] for i in range(n)]
+    else:
+        position = {id(p): i for i, p in enumerate(order)}
+        seen: set[int] = set()
+        buckets = []
+        for group in groups:
+            if torch.is_tensor(group) or not isinstance(group, (list, tuple)):
+                raise ValueError("groups must be a list of lists of parameters")
+            for p in group:
+                if not torch.is_tensor(p) or id(p) not in position:
+                    raise ValueError("groups names a tensor that is not a parameter of the optimizer "
+                                     "(or one that needs no gradient)")
+                if id(p) in seen:
+                    raise ValueError("a parameter is in two of the groups: each may be in one")
+                seen.add(id(p))
+            if group:
+                buckets.append(sorted(group, key=lambda p: position[id(p)]))
+        buckets += [[p] for p in order if id(p) not in seen]
+        buckets.sort(key=lambda bucket: position[id(bucket[0])])
+    out: list[list[torch.Tensor]] = []
+    for bucket in buckets:
+        runs: list[list[torch.Tensor]] = []
+        for p in bucket:
+            if runs and runs[-1][0].dtype == p.dtype and runs[-1][0].device == p.device:
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        out += runs
+    return out
+
+
 class BucketFailed(RuntimeError):
     """A bucket's reduction raised; the ranks are no longer in lockstep."""
 

@@ -22,7 +22,7 @@ from . import compression as _compression
 from . import joining as _join
 from .basics import Adasum, Average, ReduceOp, Sum, _check, comm_device
 from .compression import Compression
-from .fusion import BucketReducer, fusion_threshold, plan_buckets
+from .fusion import BucketReducer, fusion_threshold, plan_buckets, plan_groups
 from .ops import fused_inplace
 from .process_sets import ProcessSet, global_process_set
 from .process_sets import resolve as resolve_set
@@ -38,7 +38,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _hvd_setup(self, named_parameters: Any, compressor: Any, backward_passes_per_step: int,
                    op: ReduceOp, gradient_predivide_factor: float, sparse_as_dense: bool,
-                   ps: ProcessSet) -> None:
+                   ps: ProcessSet, groups: Any = None) -> None:
         all_params = [p for group in self.param_groups for p in group["params"]]
         self._hvd_names = _parameter_names(all_params, named_parameters)
         self._hvd_compressor = compressor
@@ -47,7 +47,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvd_sparse_as_dense = sparse_as_dense
         self.backward_passes_per_step = backward_passes_per_step
         params = [p for p in all_params if p.requires_grad]
-        self._hvd_buckets = plan_buckets(params, fusion_threshold())
+        self._hvd_buckets = plan_buckets(params, fusion_threshold()) if groups is None else plan_groups(params, groups)
         self._hvd_bucket_of = {p: i for i, bucket in enumerate(self._hvd_buckets) for p in bucket}
         self._hvd_group = _optimizer_group(ps)
         self._hvd_join_id = _join.register(self) if ps is global_process_set else None
@@ -198,7 +198,7 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
 
     def _hvd_setup(self, named_parameters: Any, compressor: Any, backward_passes_per_step: int,
                    op: ReduceOp, gradient_predivide_factor: float, sparse_as_dense: bool,
-                   ps: ProcessSet) -> None:
+                   ps: ProcessSet, groups: Any = None) -> None:
         all_params = [p for group in self.param_groups for p in group["params"]]
         self._hvd_names = _parameter_names(all_params, named_parameters)
         self._hvd_params = [p for p in all_params if p.requires_grad]
@@ -295,6 +295,8 @@ def DistributedOptimizer(
     backward_passes_per_step: int = 1,
     op: Any = Average,
     gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: Any = None,
     sparse_as_dense: bool = False,
     process_set: ProcessSet = global_process_set,
 ) -> torch.optim.Optimizer:
@@ -314,6 +316,10 @@ def DistributedOptimizer(
         gradient_predivide_factor: with ``Average``, divide by this before the sum and multiply
             by ``factor / size`` after it (the result is the same average; it trades overflow
             against underflow in low precision).
+        num_groups: deprecated spelling of ``groups=n`` (as in Horovod).
+        groups: explicit fusion instead of the size threshold: n (that many buckets of
+            consecutive parameters) or a list of parameter lists (one bucket each; parameters
+            in none of them are reduced one by one).
         sparse_as_dense: sparse gradients (``nn.Embedding(sparse=True)``) are made dense and
             reduced like the others; without it a sparse gradient raises.
         process_set: reduce over this set's ranks only (created on its members only).
@@ -330,6 +336,12 @@ def DistributedOptimizer(
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     if backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+    if num_groups:
+        warnings.warn("num_groups is deprecated, use groups=", DeprecationWarning, stacklevel=2)
+        if groups is None:
+            groups = num_groups
+    if isinstance(groups, int) and not isinstance(groups, bool) and groups == 0:
+        groups = None  # Horovod's "no explicit groups"
     if isinstance(optimizer, (_DistributedOptimizer, _DistributedAdasumOptimizer)):
         raise ValueError("optimizer is already a DistributedOptimizer")
     compressor = _compression.resolve(compression)
@@ -343,5 +355,5 @@ def DistributedOptimizer(
     # (an LR scheduler's patch of the original) must not shadow ours.
     wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k != "step"})
     wrapped._hvd_setup(named_parameters, compressor, backward_passes_per_step, op, gradient_predivide_factor,
-                       bool(sparse_as_dense), ps)
+                       bool(sparse_as_dense), ps, groups)
     return wrapped

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from spark_dl import HorovodRunner
-from spark_dl.horovod.fusion import plan_buckets
+from spark_dl.horovod.fusion import plan_buckets, plan_groups
 
 
 def optimizer_main():
@@ -101,9 +101,10 @@ def optimizer_main():
         out["adasum_compressed"] = str(e)
 
     # Parameters without gradients on one rank, and backward order that differs between ranks,
-    # with one bucket per tensor, tiny buckets, and the default single bucket.
-    for threshold in ("0", "64", None):
-        if threshold is None:
+    # with one bucket per tensor, tiny buckets, the default single bucket, and Horovod's explicit
+    # groups (a number of them, or lists of parameters).
+    for threshold in ("0", "64", None, "groups=2", "groups=lists"):
+        if threshold is None or threshold.startswith("groups"):
             os.environ.pop("HOROVOD_FUSION_THRESHOLD", None)
         else:
             os.environ["HOROVOD_FUSION_THRESHOLD"] = threshold
@@ -124,8 +125,10 @@ def optimizer_main():
                 if g is not None:
                     e.add_(g / 2)
         # lr=0 keeps the weights, so both steps must produce the same expected gradients.
+        groups = {"groups=2": 2, "groups=lists": [[model["a"].weight, model["c"].bias], [model["b"].weight]]}
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
-                                       named_parameters=model.named_parameters())
+                                       named_parameters=model.named_parameters(), groups=groups.get(threshold))
+        out[f"buckets_{threshold}"] = len(opt._hvd_buckets)
         ok = []
         for _ in range(2):  # twice: the second step must start from a clean state
             opt.zero_grad()
@@ -253,6 +256,9 @@ def test_parameters_without_gradients_and_any_bucket_size(ranks):
         assert o["unused_ok_0"] is True
         assert o["unused_ok_64"] is True
         assert o["unused_ok_None"] is True
+        assert o["unused_ok_groups=2"] is True and o["buckets_groups=2"] == 2
+        # two listed groups, and the 3 parameters in none of them one bucket each
+        assert o["unused_ok_groups=lists"] is True and o["buckets_groups=lists"] == 5
 
 
 def test_reduction_overlaps_backward(ranks):
@@ -281,6 +287,37 @@ def test_sparse_gradients_as_dense_or_a_clear_error(ranks):
     for o in ranks:
         assert torch.equal(o["sparse_as_dense"], want)
         assert "'emb.weight'" in o["sparse_error"] and "sparse_as_dense=True" in o["sparse_error"]
+
+
+def test_explicit_groups_as_horovod_defines_them():
+    import warnings
+
+    a, b, c, d = (torch.zeros(3) for _ in range(4))
+    h = torch.zeros(3, dtype=torch.float16)
+    assert plan_groups([a, b, c, d], 2) == [[d, c], [b, a]]
+    assert plan_groups([a, b, c], 2) == [[c, b], [a]]
+    assert plan_groups([a, b], 5) == [[b], [a]]  # no more groups than parameters
+    assert plan_groups([a, b, c, d], [[a, c]]) == [[d], [c, a], [b]]  # unlisted ones alone, last first
+    assert plan_groups([a, h, b], [[a, h, b]]) == [[b], [h], [a]]  # split where the dtype changes
+    for bad, message in [(0, ">= 1"), ([[a, a]], "two of the groups"), ([[torch.zeros(1)]], "not a parameter"),
+                         ([a], "list of lists"), ("2", "number of groups")]:
+        with pytest.raises(ValueError, match=message):
+            plan_groups([a, b], bad)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("error")
+        with pytest.raises(DeprecationWarning, match="groups="):
+            _num_groups_warns()
+
+
+def _num_groups_warns():
+    import spark_dl.horovod as hvd
+
+    hvd.init()
+    try:
+        w = torch.nn.Parameter(torch.zeros(2))
+        hvd.DistributedOptimizer(torch.optim.SGD([w], lr=0.1), num_groups=1)
+    finally:
+        hvd.shutdown()
 
 
 def test_buckets_follow_reverse_registration_order_within_the_threshold():
