@@ -205,7 +205,6 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = backward_passes_per_step
         self._hvd_group = _optimizer_group(ps)
         self._hvd_join_id = _join.register(self) if ps is global_process_set else None
-        self._hvd_control = None
 
     def step(self, closure: Any = None) -> Any:
         if self._hvd_join_id is not None:
