@@ -170,3 +170,34 @@ def test_switched_off_steps_still_work_and_join_says_why_it_cannot():
     for w, error in HorovodRunner(np=-2, env={"SPARK_DL_HVD_JOIN": "0"}).run_all(switched_off_main):
         assert w == [-1.5, -1.5]
         assert "SPARK_DL_HVD_JOIN=0" in error and "unset" in error
+
+
+def missing_optimizer_main():
+    import torch
+
+    import spark_dl.horovod as hvd
+
+    hvd.init()
+    model = torch.nn.Linear(2, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    if hvd.rank() == 0:
+        # A program whose ranks built different optimizers cannot get here (building one is
+        # collective), and parameter hooks keep an optimizer alive; forgetting it in the registry
+        # is how this rank comes to lack the optimizer the other one steps.
+        from spark_dl.horovod import joining
+
+        joining._optimizers.clear()
+        return hvd.join()
+    opt.zero_grad()
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    return hvd.join()
+
+
+def test_a_joined_rank_without_the_stepped_optimizer_fails_clearly():
+    from spark_dl import HorovodRunner
+    from spark_dl.errors import RankFailed
+
+    with pytest.raises(RankFailed) as failed:
+        HorovodRunner(np=-2, run_timeout=60).run(missing_optimizer_main)
+    assert "DistributedOptimizer #0, which this rank does not have" in str(failed.value)
