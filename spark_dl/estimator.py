@@ -10,10 +10,37 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from .errors import LaunchRefused
 from .runner import HorovodRunner, RunInfo
+
+
+def _metrics(metrics: Any) -> dict[str, Callable[..., Any]]:
+    """``metrics=`` as {name: function}: a mapping, or a list of functions named by ``__name__``."""
+    if metrics is None:
+        return {}
+    if isinstance(metrics, Mapping):
+        named = dict(metrics)
+    elif isinstance(metrics, (list, tuple)):
+        named = {}
+        for fn in metrics:
+            name = getattr(fn, "__name__", None)
+            if not name or name == "<lambda>" or name in named:
+                raise LaunchRefused("metrics given as a list need distinct function names; pass a dict "
+                                    "{'accuracy': fn, ...} for lambdas, partials or repeated names")
+            named[name] = fn
+    else:
+        raise LaunchRefused(f"metrics must be a dict {{name: fn(output, *labels)}} or a list of functions, "
+                            f"got {type(metrics).__name__}")
+    for name, fn in named.items():
+        if not isinstance(name, str) or not name or name == "loss" or name.startswith("val_"):
+            raise LaunchRefused(f"metric name {name!r}: use a non-empty name other than 'loss' not starting "
+                                "with 'val_' (the history keys are the name and val_ + the name)")
+        if not callable(fn):
+            raise LaunchRefused(f"metric {name!r} must be a function (output, *labels) -> number, got "
+                                f"{type(fn).__name__}")
+    return named
 
 
 def _names(value: str | Sequence[str], what: str) -> list[str]:
@@ -40,13 +67,18 @@ class TorchEstimator:
         validation: as Horovod's: a fraction of the rows held out at random (``0.1``), or the name of
             a column whose true (or 1) rows are held out; their loss after each epoch is
             ``TorchModel.val_history``.
+        metrics: ``{name: fn(output, *labels) -> number}`` (or a list of named functions),
+            computed on every batch without gradients and averaged over all ranks' rows each epoch:
+            ``TorchModel.metric_history[name]``, and ``["val_" + name]`` on the held-out rows.
         runner_options: more :class:`spark_dl.HorovodRunner` options (``max_restarts``, ``tracking``, ...).
     """
 
     def __init__(self, *, model, optimizer, loss: Callable[..., Any], feature_cols: str | Sequence[str],
                  label_cols: str | Sequence[str], batch_size: int = 32, epochs: int = 1, num_proc: int = 2,
                  prediction_col: str = "prediction", shuffle: bool = True, seed: int = 0,
-                 validation: float | str | None = None, **runner_options: Any) -> None:
+                 validation: float | str | None = None,
+                 metrics: Mapping[str, Callable[..., Any]] | Sequence[Callable[..., Any]] | None = None,
+                 **runner_options: Any) -> None:
         import torch
 
         if not isinstance(model, torch.nn.Module):
@@ -81,6 +113,7 @@ class TorchEstimator:
         self.shuffle = shuffle
         self.seed = seed
         self.validation = validation
+        self.metrics = _metrics(metrics)
         self.runner_options = runner_options
         self._runner = HorovodRunner(np=num_proc, **runner_options)  # bad options are refused now, not at fit()
 
@@ -100,11 +133,11 @@ class TorchEstimator:
         val = shards(held_out, columns, shuffle=False, remainder="pad") if held_out is not None else None
         out = self._runner.run(_fit, data=data, validation=val, model=self.model, optimizer=self.optimizer, loss=self.loss,
                                feature_cols=self.feature_cols, label_cols=self.label_cols,
-                               batch_size=self.batch_size, epochs=self.epochs)
+                               batch_size=self.batch_size, epochs=self.epochs, metrics=self.metrics)
         trained = copy.deepcopy(self.model).cpu()
         trained.load_state_dict(out["state"])
         return TorchModel(trained, self.feature_cols, self.prediction_col, history=out["history"],
-                          val_history=out["val_history"])
+                          val_history=out["val_history"], metric_history=out["metric_history"])
 
     def _split(self, df):
         """(training rows, held-out rows or None), as ``validation`` says."""
@@ -123,10 +156,11 @@ class TorchEstimator:
         return df.filter(~held), df.filter(held)
 
 
-def _fit(data, validation, model, optimizer, loss, feature_cols, label_cols, batch_size, epochs):
+def _fit(data, validation, model, optimizer, loss, feature_cols, label_cols, batch_size, epochs, metrics):
     """Each rank: DDP over the rank's device, one pass over its shard per epoch; rank 0 returns the
-    trained weights, the per-epoch loss averaged over every rank's batches and, with
-    ``validation``, the held-out rows' loss after each epoch (averaged over rows)."""
+    trained weights, the per-epoch loss averaged over every rank's batches, the metrics averaged
+    over every rank's rows and, with ``validation``, the held-out rows' loss and metrics after
+    each epoch (averaged over rows)."""
     import torch
     import torch.distributed as dist
 
@@ -141,41 +175,86 @@ def _fit(data, validation, model, optimizer, loss, feature_cols, label_cols, bat
     device = spark_dl.get_device()
     dtype = _float_dtype(model)
     history, val_history = [], []
+    metric_history: dict[str, list[float]] = {}
     for epoch in range(epochs):
         total = torch.zeros(2, dtype=torch.float64)
+        scores = _Scores(metrics)
         for batch in data.batches(batch_size=batch_size, epoch=epoch):
-            value = _batch_loss(ddp, loss, batch, feature_cols, label_cols, device, dtype)
+            output, labels = _forward(ddp, batch, feature_cols, label_cols, device, dtype)
+            value = loss(output, *labels)
             opt.zero_grad()
             value.backward()
             opt.step()
             total += torch.tensor([value.item(), 1.0], dtype=torch.float64)
+            scores.add(output.detach(), labels)
         dist.all_reduce(total)
         history.append(total[0].item() / max(total[1].item(), 1.0))
-        metrics = {"train_loss": history[-1]}
+        logged = {"train_loss": history[-1]}
+        for name, score in scores.result().items():
+            metric_history.setdefault(name, []).append(score)
+            logged[f"train_{name}"] = score
         if validation is not None:
-            val_history.append(_held_out_loss(validation, getattr(ddp, "module", ddp), loss, feature_cols, label_cols,
-                                              batch_size, device, dtype))
-            metrics["val_loss"] = val_history[-1]
-        spark_dl.log_metrics(metrics, step=epoch)
+            val_loss, val_scores = _held_out(validation, getattr(ddp, "module", ddp), loss, metrics, feature_cols,
+                                             label_cols, batch_size, device, dtype)
+            val_history.append(val_loss)
+            logged["val_loss"] = val_loss
+            for name, score in val_scores.items():
+                metric_history.setdefault(f"val_{name}", []).append(score)
+                logged[f"val_{name}"] = score
+        spark_dl.log_metrics(logged, step=epoch)
     return {"state": {k: v.detach().cpu() for k, v in model.state_dict().items()}, "history": history,
-            "val_history": val_history}
+            "val_history": val_history, "metric_history": metric_history}
 
 
-def _held_out_loss(val, model, loss, feature_cols, label_cols, batch_size, device, dtype) -> float:
-    """The loss over every rank's held-out rows, weighted by rows (batches may be short)."""
+class _Scores:
+    """Row-weighted sums of each metric over an epoch's batches, averaged over every rank's rows."""
+
+    def __init__(self, metrics) -> None:
+        import torch
+
+        self.metrics = metrics
+        self.sums = torch.zeros(len(metrics) + 1, dtype=torch.float64)  # the last one counts rows
+
+    def add(self, output, labels) -> None:
+        import torch
+
+        if not self.metrics:
+            return
+        rows = len(output)
+        with torch.no_grad():
+            for i, (name, fn) in enumerate(self.metrics.items()):
+                value = fn(output, *labels)
+                value = value.item() if torch.is_tensor(value) else float(value)
+                self.sums[i] += value * rows
+        self.sums[-1] += rows
+
+    def result(self) -> dict[str, float]:
+        import torch.distributed as dist
+
+        if not self.metrics:
+            return {}
+        dist.all_reduce(self.sums)
+        rows = max(self.sums[-1].item(), 1.0)
+        return {name: self.sums[i].item() / rows for i, name in enumerate(self.metrics)}
+
+
+def _held_out(val, model, loss, metrics, feature_cols, label_cols, batch_size, device, dtype):
+    """The loss and metrics over every rank's held-out rows, weighted by rows (batches may be short)."""
     import torch
     import torch.distributed as dist
 
     total = torch.zeros(2, dtype=torch.float64)
+    scores = _Scores(metrics)
     model.eval()
     with torch.no_grad():
         for batch in val.batches(batch_size=batch_size):
+            output, labels = _forward(model, batch, feature_cols, label_cols, device, dtype)
             rows = len(batch[feature_cols[0]])
-            value = _batch_loss(model, loss, batch, feature_cols, label_cols, device, dtype)
-            total += torch.tensor([value.item() * rows, rows], dtype=torch.float64)
+            total += torch.tensor([loss(output, *labels).item() * rows, rows], dtype=torch.float64)
+            scores.add(output, labels)
     model.train()
     dist.all_reduce(total)
-    return total[0].item() / max(total[1].item(), 1.0)
+    return total[0].item() / max(total[1].item(), 1.0), scores.result()
 
 
 def _float_dtype(model):
@@ -192,10 +271,10 @@ def _features(table, cols, kinds, dtype):
     return [_as(_to_tensor(table.column(c), kinds[c], c), "cpu", dtype) for c in cols]
 
 
-def _batch_loss(model, loss, batch, feature_cols, label_cols, device, dtype):
-    """``loss(model(*features), *labels)`` for one batch of shard rows."""
-    return loss(model(*[_as(batch[c], device, dtype) for c in feature_cols]),
-                *[_as(batch[c], device, dtype) for c in label_cols])
+def _forward(model, batch, feature_cols, label_cols, device, dtype):
+    """``(model(*features), labels)`` for one batch of shard rows."""
+    return (model(*[_as(batch[c], device, dtype) for c in feature_cols]),
+            [_as(batch[c], device, dtype) for c in label_cols])
 
 
 def _as(tensor, device, dtype):
@@ -213,6 +292,15 @@ class TorchModel:
     prediction_col: str = "prediction"
     history: list[float] = field(default_factory=list)  # per-epoch training loss, averaged over ranks
     val_history: list[float] = field(default_factory=list)  # per-epoch held-out loss (``validation``)
+    metric_history: dict[str, list[float]] = field(default_factory=dict)  # ``metrics``: name / val_name -> per epoch
+
+    def getHistory(self) -> dict[str, list[float]]:  # noqa: N802 - Horovod's TorchModel name
+        """Keras-style history: ``loss``, ``val_loss`` (with validation) and each metric's lists."""
+        out = {"loss": list(self.history)}
+        if self.val_history:
+            out["val_loss"] = list(self.val_history)
+        out.update({name: list(values) for name, values in self.metric_history.items()})
+        return out
 
     def getModel(self):  # noqa: N802 - Horovod's TorchModel name
         """The trained ``torch.nn.Module`` (on the CPU)."""

@@ -99,6 +99,40 @@ def test_validation_holds_rows_out_and_reports_their_loss(spark):
                        feature_cols=["a", "b"], label_cols="y", validation="held").fit(df)
 
 
+def _accuracy(output, label):
+    return (output.argmax(1) == label).float().mean()
+
+
+def test_metrics_on_training_and_held_out_rows(digits):
+    train, _ = digits
+    est = TorchEstimator(model=_mlp(), optimizer=functools.partial(torch.optim.Adam, lr=0.01),
+                         loss=torch.nn.functional.cross_entropy, feature_cols="pixels", label_cols="label",
+                         batch_size=32, epochs=4, num_proc=2, validation=0.2,
+                         metrics={"accuracy": _accuracy, "rows_seen": lambda output, label: len(label)})
+    fitted = est.fit(train)
+    m = fitted.metric_history
+    assert sorted(m) == ["accuracy", "rows_seen", "val_accuracy", "val_rows_seen"]
+    assert all(len(v) == 4 for v in m.values())
+    assert m["accuracy"][-1] > m["accuracy"][0] and m["val_accuracy"][-1] > 0.85
+    # a plain number per batch works too, and the average is over rows: a full batch has 32
+    assert 16 < m["rows_seen"][0] <= 32
+    # the held-out accuracy is the trained model's on exactly those rows (averaged over rows; the
+    # few rows repeated to even out the ranks' shares move it by less than a point)
+    _, held_out = est._split(train)
+    rows = held_out.collect()
+    with torch.no_grad():
+        out = fitted.getModel()(torch.tensor([r.pixels for r in rows]))
+    assert m["val_accuracy"][-1] == pytest.approx(float(_accuracy(out, torch.tensor([r.label for r in rows]))), abs=0.01)
+    history = fitted.getHistory()
+    assert history["loss"] == fitted.history and history["val_loss"] == fitted.val_history
+    assert history["val_accuracy"] == m["val_accuracy"]
+    for bad, message in [({"loss": _accuracy}, "other than 'loss'"), ([lambda o, y: 0], "distinct function names"),
+                         ({"acc": 3}, "must be a function"), ("accuracy", "must be a dict")]:
+        with pytest.raises(LaunchRefused, match=message):
+            TorchEstimator(model=_mlp(), optimizer=torch.optim.SGD, loss=torch.nn.functional.cross_entropy,
+                           feature_cols="pixels", label_cols="label", metrics=bad)
+
+
 def test_a_column_that_is_both_feature_and_label_is_sent_once(digits):
     train, _ = digits  # an autoencoder: the pixels are its input and its target
     torch.manual_seed(0)
