@@ -128,6 +128,6 @@ def join(device: int = -1) -> int:
     dist.all_reduce(alive, op=dist.ReduceOp.MIN, group=_group)
     for ref, live in zip(_optimizers, alive.tolist()):
         opt = ref()
-        if live and opt is not None:
+        if live and opt is not None and not opt._hvd_retired:  # retired alike on every rank
             opt._hvd_take_from(last)
     return last

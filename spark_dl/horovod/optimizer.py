@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+import weakref
 from contextlib import contextmanager
 from functools import partial
 from typing import Any, Iterable, Iterator
@@ -26,6 +27,27 @@ from .fusion import BucketReducer, fusion_threshold, plan_buckets, plan_groups
 from .ops import fused_inplace
 from .process_sets import ProcessSet, global_process_set
 from .process_sets import resolve as resolve_set
+
+# id(parameter) -> (the parameter, the DistributedOptimizer whose hooks are on it), both weak
+_owners: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+def _claim(params: list[torch.Tensor], opt: Any) -> None:
+    """Make ``opt`` the optimizer of ``params``: one built earlier over any of them is retired (its
+    hooks removed), so rebuilding an optimizer (a new trial, a new LR) does not leave two
+    reducing the same gradients."""
+    for p in params:
+        entry = _owners.get(id(p))
+        old = entry[1]() if entry is not None and entry[0]() is p else None
+        if old is not None and old is not opt:
+            old._hvd_retire()
+        _owners[id(p)] = (weakref.ref(p), weakref.ref(opt))
+    for key in [k for k, (pref, _) in _owners.items() if pref() is None]:
+        del _owners[key]
+
+
+_RETIRED = ("this DistributedOptimizer was replaced: a newer one was built over its parameters "
+            "(only the newest reduces their gradients); step the newest one")
 
 _TOO_MANY_PASSES = (
     "Gradients were computed more than backward_passes_per_step times before call to "
@@ -57,6 +79,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvd_should_synchronize = True
         self._hvd_lock = threading.Lock()
         self._hvd_reset()
+        self._hvd_retired = False
+        _claim(params, self)
         self._hvd_hooks = [p.register_post_accumulate_grad_hook(self._hvd_on_grad) for p in params]
         # A backward too many must fail before it adds to p.grad, which the reducer thread may be
         # reading: a post-accumulate check alone would leave ranks with diverging gradients.
@@ -136,8 +160,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     # ---- Horovod's public optimizer API ---------------------------------------------------------
 
+    def _hvd_retire(self) -> None:
+        for handle in self._hvd_hooks:
+            handle.remove()
+        self._hvd_reducer.wait()
+        self._hvd_retired = True
+
     def synchronize(self) -> None:
         """Finish reducing every gradient; after it each ``p.grad`` holds the cross-rank result."""
+        if self._hvd_retired:
+            raise RuntimeError(_RETIRED)
         for i in range(self._hvd_next, len(self._hvd_buckets)):
             self._hvd_launch(i)
         # waited for apart from the reducer: a joined rank needs it before it can follow the buckets
@@ -205,8 +237,15 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = backward_passes_per_step
         self._hvd_group = _optimizer_group(ps)
         self._hvd_join_id = _join.register(self) if ps is global_process_set else None
+        self._hvd_retired = False
+        _claim(self._hvd_params, self)
+
+    def _hvd_retire(self) -> None:
+        self._hvd_retired = True
 
     def step(self, closure: Any = None) -> Any:
+        if self._hvd_retired:
+            raise RuntimeError(_RETIRED)
         if self._hvd_join_id is not None:
             _join.control(self._hvd_join_id)
         with torch.no_grad():

@@ -215,6 +215,26 @@ def optimizer_main():
         emb(rows).sum().backward()
     except NotImplementedError as e:
         out["sparse_error"] = str(e)
+
+    # Rebuilding the optimizer over the same parameters (a new trial, a new lr, Adasum after SGD):
+    # the newest one reduces their gradients, the older ones are retired.
+    w = torch.nn.Parameter(torch.zeros(2))
+    steps, built = [], []
+    for kwargs in ({}, {"op": hvd.Sum}, {"op": hvd.Adasum}, {}):
+        opt = hvd.DistributedOptimizer(torch.optim.SGD([w], lr=1.0), **kwargs)
+        built.append(opt)
+        before = w.detach().clone()
+        for _ in range(2):
+            opt.zero_grad()
+            (w * (r + 1)).sum().backward()
+            opt.step()
+        steps.append((w.detach() - before).tolist())
+    out["rebuilt_steps"] = steps
+    for label, call in (("step", built[0].step), ("synchronize", built[1].synchronize), ("adasum", built[2].step)):
+        try:
+            call()
+        except RuntimeError as e:
+            out[f"retired_{label}"] = str(e)
     return out
 
 
@@ -327,3 +347,11 @@ def test_buckets_follow_reverse_registration_order_within_the_threshold():
     assert plan_buckets([a, b, c], threshold=0) == [[c], [b], [a]]
     assert plan_buckets([a, d, b], threshold=1 << 20) == [[b], [d], [a]]  # one dtype per bucket
     assert plan_buckets([a], threshold=8) == [[a]]  # larger than the threshold: alone
+
+
+def test_rebuilding_the_optimizer_retires_the_old_one(ranks):
+    for o in ranks:
+        # two steps each: Average of gradients 1 and 2, Sum, Adasum of parallel updates (= mean), Average
+        assert o["rebuilt_steps"] == [[-3.0, -3.0], [-6.0, -6.0], [-3.0, -3.0], [-3.0, -3.0]]
+        for label in ("step", "synchronize", "adasum"):
+            assert "was replaced" in o[f"retired_{label}"] and "newest" in o[f"retired_{label}"]
