@@ -67,6 +67,9 @@ class TorchEstimator:
         validation: as Horovod's: a fraction of the rows held out at random (``0.1``), or the name of
             a column whose true (or 1) rows are held out; their loss after each epoch is
             ``TorchModel.val_history``.
+        sample_weight_col: a numeric column of per-row weights. As in Horovod, ``loss`` is then
+            called with ``reduction="none"`` and the batch's loss is the mean of the weighted
+            per-row losses (training and held-out rows alike).
         metrics: ``{name: fn(output, *labels) -> number}`` (or a list of named functions),
             computed on every batch without gradients and averaged over all ranks' rows each epoch:
             ``TorchModel.metric_history[name]``, and ``["val_" + name]`` on the held-out rows.
@@ -76,7 +79,7 @@ class TorchEstimator:
     def __init__(self, *, model, optimizer, loss: Callable[..., Any], feature_cols: str | Sequence[str],
                  label_cols: str | Sequence[str], batch_size: int = 32, epochs: int = 1, num_proc: int = 2,
                  prediction_col: str = "prediction", shuffle: bool = True, seed: int = 0,
-                 validation: float | str | None = None,
+                 validation: float | str | None = None, sample_weight_col: str | None = None,
                  metrics: Mapping[str, Callable[..., Any]] | Sequence[Callable[..., Any]] | None = None,
                  **runner_options: Any) -> None:
         import torch
@@ -113,6 +116,9 @@ class TorchEstimator:
         self.shuffle = shuffle
         self.seed = seed
         self.validation = validation
+        if sample_weight_col is not None and not (isinstance(sample_weight_col, str) and sample_weight_col):
+            raise LaunchRefused(f"sample_weight_col must be a column name, got {sample_weight_col!r}")
+        self.sample_weight_col = sample_weight_col
         self.metrics = _metrics(metrics)
         self.runner_options = runner_options
         self._runner = HorovodRunner(np=num_proc, **runner_options)  # bad options are refused now, not at fit()
@@ -127,13 +133,20 @@ class TorchEstimator:
         from .data import shards
 
         columns = self.feature_cols + self.label_cols
+        weights = self.sample_weight_col
+        if weights is not None:
+            if weights not in df.columns:
+                raise LaunchRefused(f"sample_weight_col={weights!r} is not a column of the DataFrame (it has "
+                                    f"{list(df.columns)})")
+            columns = columns + [weights]
         train, held_out = self._split(df)
         data = shards(train, columns, shuffle=self.shuffle, seed=self.seed)
         # every held-out row once per rank's share ("pad" repeats a few when they do not divide evenly)
         val = shards(held_out, columns, shuffle=False, remainder="pad") if held_out is not None else None
         out = self._runner.run(_fit, data=data, validation=val, model=self.model, optimizer=self.optimizer, loss=self.loss,
                                feature_cols=self.feature_cols, label_cols=self.label_cols,
-                               batch_size=self.batch_size, epochs=self.epochs, metrics=self.metrics)
+                               batch_size=self.batch_size, epochs=self.epochs, metrics=self.metrics,
+                               weight_col=weights)
         trained = copy.deepcopy(self.model).cpu()
         trained.load_state_dict(out["state"])
         return TorchModel(trained, self.feature_cols, self.prediction_col, history=out["history"],
@@ -156,7 +169,8 @@ class TorchEstimator:
         return df.filter(~held), df.filter(held)
 
 
-def _fit(data, validation, model, optimizer, loss, feature_cols, label_cols, batch_size, epochs, metrics):
+def _fit(data, validation, model, optimizer, loss, feature_cols, label_cols, batch_size, epochs, metrics,
+         weight_col=None):
     """Each rank: DDP over the rank's device, one pass over its shard per epoch; rank 0 returns the
     trained weights, the per-epoch loss averaged over every rank's batches, the metrics averaged
     over every rank's rows and, with ``validation``, the held-out rows' loss and metrics after
@@ -181,7 +195,7 @@ def _fit(data, validation, model, optimizer, loss, feature_cols, label_cols, bat
         scores = _Scores(metrics)
         for batch in data.batches(batch_size=batch_size, epoch=epoch):
             output, labels = _forward(ddp, batch, feature_cols, label_cols, device, dtype)
-            value = loss(output, *labels)
+            value = _loss(loss, output, labels, batch, weight_col, device, dtype)
             opt.zero_grad()
             value.backward()
             opt.step()
@@ -195,7 +209,7 @@ def _fit(data, validation, model, optimizer, loss, feature_cols, label_cols, bat
             logged[f"train_{name}"] = score
         if validation is not None:
             val_loss, val_scores = _held_out(validation, getattr(ddp, "module", ddp), loss, metrics, feature_cols,
-                                             label_cols, batch_size, device, dtype)
+                                             label_cols, batch_size, device, dtype, weight_col)
             val_history.append(val_loss)
             logged["val_loss"] = val_loss
             for name, score in val_scores.items():
@@ -238,7 +252,7 @@ class _Scores:
         return {name: self.sums[i].item() / rows for i, name in enumerate(self.metrics)}
 
 
-def _held_out(val, model, loss, metrics, feature_cols, label_cols, batch_size, device, dtype):
+def _held_out(val, model, loss, metrics, feature_cols, label_cols, batch_size, device, dtype, weight_col=None):
     """The loss and metrics over every rank's held-out rows, weighted by rows (batches may be short)."""
     import torch
     import torch.distributed as dist
@@ -250,7 +264,8 @@ def _held_out(val, model, loss, metrics, feature_cols, label_cols, batch_size, d
         for batch in val.batches(batch_size=batch_size):
             output, labels = _forward(model, batch, feature_cols, label_cols, device, dtype)
             rows = len(batch[feature_cols[0]])
-            total += torch.tensor([loss(output, *labels).item() * rows, rows], dtype=torch.float64)
+            value = _loss(loss, output, labels, batch, weight_col, device, dtype)
+            total += torch.tensor([value.item() * rows, rows], dtype=torch.float64)
             scores.add(output, labels)
     model.train()
     dist.all_reduce(total)
@@ -269,6 +284,22 @@ def _features(table, cols, kinds, dtype):
     from .data import _to_tensor
 
     return [_as(_to_tensor(table.column(c), kinds[c], c), "cpu", dtype) for c in cols]
+
+
+def _loss(loss, output, labels, batch, weight_col, device, dtype):
+    """The batch's loss; with a weight column, Horovod's rule: mean of weight * per-row loss."""
+    if weight_col is None:
+        return loss(output, *labels)
+    try:
+        per_row = loss(output, *labels, reduction="none")
+    except TypeError as e:
+        raise TypeError(f"sample_weight_col needs a loss that takes reduction='none' and returns one loss per "
+                        f"row (torch.nn.functional's losses do); calling it that way failed: {e}") from e
+    weights = _as(batch[weight_col], device, dtype)
+    if per_row.dim() == 0 or per_row.shape[0] != weights.shape[0]:
+        raise ValueError(f"with sample_weight_col, loss(..., reduction='none') must return one value per row "
+                         f"(first dimension {weights.shape[0]}), got shape {tuple(per_row.shape)}")
+    return (per_row * weights.view(-1, *[1] * (per_row.dim() - 1))).mean()
 
 
 def _forward(model, batch, feature_cols, label_cols, device, dtype):

@@ -133,6 +133,38 @@ def test_metrics_on_training_and_held_out_rows(digits):
                            feature_cols="pixels", label_cols="label", metrics=bad)
 
 
+def test_sample_weights_scale_each_rows_loss(spark):
+    from pyspark.sql import functions as F
+
+    df = spark.range(400).select((F.rand(1) * 2 - 1).alias("a"), (F.rand(2) * 2 - 1).alias("b"), "id")
+    # every third row's label is garbage, and weighs nothing
+    bad = F.col("id") % 3 == 0
+    df = df.withColumn("y", F.when(bad, F.lit(100.0)).otherwise(3 * F.col("a") - 2 * F.col("b") + 0.5))
+    df = df.withColumn("w", F.when(bad, 0.0).otherwise(1.0))
+
+    def fit(**kwargs):
+        torch.manual_seed(0)
+        return TorchEstimator(model=TwoInputs(), optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+                              loss=torch.nn.functional.mse_loss, feature_cols=["a", "b"], label_cols="y",
+                              batch_size=16, epochs=20, num_proc=2, **kwargs).fit(df)
+
+    weighted = fit(sample_weight_col="w", validation=0.2)
+    w, bias = weighted.getModel().w.weight.detach()[0].tolist(), weighted.getModel().w.bias.item()
+    assert w == pytest.approx([3, -2], abs=0.05) and bias == pytest.approx(0.5, abs=0.05)
+    assert weighted.val_history[-1] < 0.01  # the held-out loss is weighted too
+    unweighted = fit()
+    assert abs(unweighted.getModel().w.bias.item() - 0.5) > 10  # the garbage rows pull it far off
+    with pytest.raises(LaunchRefused, match="'weight' is not a column"):
+        TorchEstimator(model=TwoInputs(), optimizer=torch.optim.SGD, loss=torch.nn.functional.mse_loss,
+                       feature_cols=["a", "b"], label_cols="y", sample_weight_col="weight").fit(df)
+    with pytest.raises(LaunchRefused, match="sample_weight_col must be a column name"):
+        TorchEstimator(model=TwoInputs(), optimizer=torch.optim.SGD, loss=torch.nn.functional.mse_loss,
+                       feature_cols=["a", "b"], label_cols="y", sample_weight_col=3)
+    with pytest.raises(RankFailed, match="reduction='none'"):
+        TorchEstimator(model=TwoInputs(), optimizer=torch.optim.SGD, loss=lambda out, y: ((out - y) ** 2).mean(),
+                       feature_cols=["a", "b"], label_cols="y", sample_weight_col="w", num_proc=2).fit(df)
+
+
 def test_a_column_that_is_both_feature_and_label_is_sent_once(digits):
     train, _ = digits  # an autoencoder: the pixels are its input and its target
     torch.manual_seed(0)
