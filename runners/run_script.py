@@ -5,7 +5,8 @@
 
 Every option before the script is this runner's; everything after it is the script's own command
 line. Each rank runs the script as ``python train.py --lr 0.1`` would, with torchrun's environment
-(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...); its output is streamed to the driver.
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...); its output is streamed to the driver. A script
+written for ``horovodrun`` runs too: ``import horovod.torch as hvd`` gives spark_dl.horovod.
 
 Exit codes: 0 every rank finished; 1 the run failed or was refused (a rank raised or exited
 non-zero, a task was lost, too few task slots, ...: the reason is on stderr); 2 bad arguments.

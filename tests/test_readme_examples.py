@@ -23,11 +23,12 @@ EXAMPLES = [
     ("## Training on a Spark DataFrame", 0),
     ("## Training on a Spark DataFrame", 1),
     ("## Horovod-compatible API", 0),
-    ("## Horovod-compatible API", 2),  # Adasum
-    ("## Horovod-compatible API", 3),  # join
-    ("## Horovod-compatible API", 4),  # process sets
-    ("## Horovod-compatible API", 5),  # elastic
-    ("## Horovod-compatible API", 6),  # horovod.spark.run
+    ("## Horovod-compatible API", 1),  # Horovod's own imports
+    ("## Horovod-compatible API", 3),  # Adasum
+    ("## Horovod-compatible API", 4),  # join
+    ("## Horovod-compatible API", 5),  # process sets
+    ("## Horovod-compatible API", 6),  # elastic
+    ("## Horovod-compatible API", 7),  # horovod.spark.run
     ("## Gradient compression", 0),
     ("## Tracking with MLflow", 0),
     ("## Tracking with MLflow", 1),

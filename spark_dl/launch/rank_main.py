@@ -112,6 +112,9 @@ def main() -> int:
     sys.stdin.close()
     sys.stdin = open(os.devnull)
     os.environ.update(boot["env"])
+    from spark_dl.horovod_imports import install_in_rank
+
+    install_in_rank()  # before the payload is unpickled: it may name horovod.torch
     if "torch" in sys.modules:  # imported before OMP_NUM_THREADS was known
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     r = boot["rank"]
