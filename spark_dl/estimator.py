@@ -200,7 +200,7 @@ def _fit(data, validation, model, optimizer, loss, feature_cols, label_cols, bat
             value.backward()
             opt.step()
             total += torch.tensor([value.item(), 1.0], dtype=torch.float64)
-            scores.add(output.detach(), labels)
+            scores.add(output.detach(), labels, len(batch[feature_cols[0]]))
         dist.all_reduce(total)
         history.append(total[0].item() / max(total[1].item(), 1.0))
         logged = {"train_loss": history[-1]}
@@ -229,12 +229,11 @@ class _Scores:
         self.metrics = metrics
         self.sums = torch.zeros(len(metrics) + 1, dtype=torch.float64)  # the last one counts rows
 
-    def add(self, output, labels) -> None:
+    def add(self, output, labels, rows: int) -> None:
         import torch
 
         if not self.metrics:
             return
-        rows = len(output)
         with torch.no_grad():
             for i, (name, fn) in enumerate(self.metrics.items()):
                 value = fn(output, *labels)
@@ -266,7 +265,7 @@ def _held_out(val, model, loss, metrics, feature_cols, label_cols, batch_size, d
             rows = len(batch[feature_cols[0]])
             value = _loss(loss, output, labels, batch, weight_col, device, dtype)
             total += torch.tensor([value.item() * rows, rows], dtype=torch.float64)
-            scores.add(output, labels)
+            scores.add(output, labels, rows)
     model.train()
     dist.all_reduce(total)
     return total[0].item() / max(total[1].item(), 1.0), scores.result()
