@@ -49,6 +49,7 @@ from .exchange import (
     grouped_reducescatter_async,
     reducescatter,
     reducescatter_async,
+    sparse_allreduce_async,
 )
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .ops import (
@@ -83,7 +84,7 @@ __all__ = [
     "allgather", "allgather_async", "grouped_allreduce", "grouped_allreduce_",
     "grouped_allreduce_async", "grouped_allreduce_async_", "alltoall", "alltoall_async", "reducescatter",
     "reducescatter_async", "grouped_allgather", "grouped_allgather_async", "grouped_reducescatter",
-    "grouped_reducescatter_async",
+    "grouped_reducescatter_async", "sparse_allreduce_async",
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
     "poll", "synchronize", "barrier", "join",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",

@@ -217,6 +217,35 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
                           postscale_factor, process_set) for i, t in enumerate(tensors)]
 
 
+def _sparse_allreduce(tensor: torch.Tensor, op: ReduceOp, ps: ProcessSet) -> torch.Tensor:
+    """Every rank's entries gathered (indices and values, first dimensions may differ) and summed
+    where they coincide: the traffic is the entries, not the dense size."""
+    if not tensor.is_sparse:
+        raise ValueError("sparse_allreduce_async takes a sparse COO tensor (tensor.is_sparse); use allreduce "
+                         "for dense tensors")
+    if op not in (Average, Sum):
+        raise ValueError(f"sparse_allreduce_async supports op=Average or Sum, got {op.name}")
+    t = tensor.coalesce()
+    indices = torch.cat(allgather_parts(t.indices().t().contiguous(), ps)).t()
+    values = torch.cat(allgather_parts(t.values(), ps))
+    out = torch.sparse_coo_tensor(indices.to(tensor.device), values.to(tensor.device), tensor.shape).coalesce()
+    if op == Average:
+        out = out / ps.size() if out.is_floating_point() else torch.sparse_coo_tensor(
+            out.indices(), torch.div(out.values(), ps.size(), rounding_mode="trunc"), out.shape)
+    return out
+
+
+def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: Any = Average,
+                           process_set: ProcessSet = global_process_set) -> int:
+    """Start an all-reduce of a sparse COO tensor (``nn.Embedding(sparse=True)``'s gradient, say):
+    ``synchronize(handle)`` returns the coalesced sparse sum (``op=Sum``) or average of every
+    rank's tensor. Only the entries travel (an allgather of indices and values), as in Horovod."""
+    _check()
+    ps = resolve_set(process_set)
+    result = _sparse_allreduce(tensor.detach(), resolve_op(op), ps)
+    return _register(None, lambda: result)
+
+
 def _check_items(tensors: Any, who: str) -> None:
     for t in tensors:
         if not torch.is_tensor(t):

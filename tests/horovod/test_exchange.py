@@ -93,6 +93,18 @@ def exchange_main():
             call()
         except TypeError as err:
             out[key] = str(err)
+
+    # sparse: rank r has rows r and 2 of a 4 x 2 matrix; row 2 is on both ranks
+    sp = torch.sparse_coo_tensor(torch.tensor([[r, 2]]), torch.tensor([[1.0, 2.0], [10.0, 20.0]]) * (r + 1), (4, 2))
+    summed = hvd.synchronize(hvd.sparse_allreduce_async(sp, op=hvd.Sum))
+    averaged = hvd.synchronize(hvd.sparse_allreduce_async(sp))
+    out["sparse"] = (summed.is_sparse, summed.to_dense().tolist(), averaged.to_dense().tolist(), summed._nnz())
+    empty = torch.sparse_coo_tensor(torch.zeros(1, 0, dtype=torch.long), torch.zeros(0, 2), (4, 2))
+    out["sparse_empty"] = hvd.synchronize(hvd.sparse_allreduce_async(empty if r == 0 else sp)).to_dense().tolist()
+    try:
+        hvd.sparse_allreduce_async(torch.ones(2))
+    except ValueError as err:
+        out["sparse_dense_error"] = str(err)
     return out
 
 
@@ -170,3 +182,14 @@ def test_grouped_allgather_and_reducescatter(ranks):
     # allgather's gradient: the sum over ranks of the gathered rows' gradients, this rank's rows
     assert out["gag_grad"] == [2.0, 4.0] and ranks[1]["gag_grad"] == [6.0, 8.0]
     assert "wrap it in a list" in out["gag_one"] and "got a str" in out["grs_item"]
+
+
+def test_sparse_allreduce_sends_entries_and_sums_where_they_meet(ranks):
+    for o in ranks:
+        is_sparse, summed, averaged, nnz = o["sparse"]
+        assert is_sparse and nnz == 3  # rows 0, 1 and 2 (2 summed from both ranks)
+        assert summed == [[1.0, 2.0], [2.0, 4.0], [30.0, 60.0], [0.0, 0.0]]
+        assert averaged == [[0.5, 1.0], [1.0, 2.0], [15.0, 30.0], [0.0, 0.0]]
+        # rank 0 contributes no entries, rank 1 its own (times 2): the average over 2 ranks
+        assert o["sparse_empty"] == [[0.0, 0.0], [1.0, 2.0], [10.0, 20.0], [0.0, 0.0]]
+        assert "sparse COO" in o["sparse_dense_error"]
