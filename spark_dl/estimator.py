@@ -43,6 +43,38 @@ def _metrics(metrics: Any) -> dict[str, Callable[..., Any]]:
     return named
 
 
+def _input_shapes(shapes: Any, feature_cols: list[str]) -> list[tuple[int, ...]] | None:
+    """``input_shapes=`` checked: one shape per feature column, ints, at most one -1 each."""
+    if shapes is None:
+        return None
+    bad = LaunchRefused(f"input_shapes must be one shape per feature column ({len(feature_cols)}: {feature_cols}), "
+                        f"each a list of ints with -1 for the batch, such as [[-1, 1, 8, 8]]; got {shapes!r}")
+    if not isinstance(shapes, (list, tuple)) or len(shapes) != len(feature_cols):
+        raise bad
+    out = []
+    for shape in shapes:
+        if (not isinstance(shape, (list, tuple)) or not shape
+                or any(isinstance(d, bool) or not isinstance(d, int) or d == 0 or d < -1 for d in shape)
+                or list(shape).count(-1) > 1):
+            raise bad
+        out.append(tuple(shape))
+    return out
+
+
+def _reshaped(tensors: list, shapes: list[tuple[int, ...]] | None, cols: list[str]) -> list:
+    """The model's inputs in ``input_shapes`` (unchanged without them)."""
+    if shapes is None:
+        return tensors
+    out = []
+    for t, shape, col in zip(tensors, shapes, cols):
+        try:
+            out.append(t.reshape(shape))
+        except RuntimeError as e:
+            raise ValueError(f"input_shapes gives column {col!r} the shape {list(shape)}, which its batch of "
+                             f"shape {list(t.shape)} cannot take: {e}") from None
+    return out
+
+
 def _names(value: str | Sequence[str], what: str) -> list[str]:
     names = [value] if isinstance(value, str) else list(value)
     if not names or not all(isinstance(n, str) and n for n in names):
@@ -67,6 +99,9 @@ class TorchEstimator:
         validation: as Horovod's: a fraction of the rows held out at random (``0.1``), or the name of
             a column whose true (or 1) rows are held out; their loss after each epoch is
             ``TorchModel.val_history``.
+        input_shapes: as Horovod's, the shape each feature column's batch is given before the
+            model sees it (one per feature column, -1 for the batch: ``[[-1, 1, 8, 8]]`` turns a
+            64-number array column into images); used by ``fit`` and ``transform`` alike.
         sample_weight_col: a numeric column of per-row weights. As in Horovod, ``loss`` is then
             called with ``reduction="none"`` and the batch's loss is the mean of the weighted
             per-row losses (training and held-out rows alike).
@@ -80,6 +115,7 @@ class TorchEstimator:
                  label_cols: str | Sequence[str], batch_size: int = 32, epochs: int = 1, num_proc: int = 2,
                  prediction_col: str = "prediction", shuffle: bool = True, seed: int = 0,
                  validation: float | str | None = None, sample_weight_col: str | None = None,
+                 input_shapes: Sequence[Sequence[int]] | None = None,
                  metrics: Mapping[str, Callable[..., Any]] | Sequence[Callable[..., Any]] | None = None,
                  **runner_options: Any) -> None:
         import torch
@@ -119,6 +155,7 @@ class TorchEstimator:
         if sample_weight_col is not None and not (isinstance(sample_weight_col, str) and sample_weight_col):
             raise LaunchRefused(f"sample_weight_col must be a column name, got {sample_weight_col!r}")
         self.sample_weight_col = sample_weight_col
+        self.input_shapes = _input_shapes(input_shapes, self.feature_cols)
         self.metrics = _metrics(metrics)
         self.runner_options = runner_options
         self._runner = HorovodRunner(np=num_proc, **runner_options)  # bad options are refused now, not at fit()
@@ -146,11 +183,12 @@ class TorchEstimator:
         out = self._runner.run(_fit, data=data, validation=val, model=self.model, optimizer=self.optimizer, loss=self.loss,
                                feature_cols=self.feature_cols, label_cols=self.label_cols,
                                batch_size=self.batch_size, epochs=self.epochs, metrics=self.metrics,
-                               weight_col=weights)
+                               weight_col=weights, input_shapes=self.input_shapes)
         trained = copy.deepcopy(self.model).cpu()
         trained.load_state_dict(out["state"])
         return TorchModel(trained, self.feature_cols, self.prediction_col, history=out["history"],
-                          val_history=out["val_history"], metric_history=out["metric_history"])
+                          val_history=out["val_history"], metric_history=out["metric_history"],
+                          input_shapes=self.input_shapes)
 
     def _split(self, df):
         """(training rows, held-out rows or None), as ``validation`` says."""
@@ -170,7 +208,7 @@ class TorchEstimator:
 
 
 def _fit(data, validation, model, optimizer, loss, feature_cols, label_cols, batch_size, epochs, metrics,
-         weight_col=None):
+         weight_col=None, input_shapes=None):
     """Each rank: DDP over the rank's device, one pass over its shard per epoch; rank 0 returns the
     trained weights, the per-epoch loss averaged over every rank's batches, the metrics averaged
     over every rank's rows and, with ``validation``, the held-out rows' loss and metrics after
@@ -194,7 +232,7 @@ def _fit(data, validation, model, optimizer, loss, feature_cols, label_cols, bat
         total = torch.zeros(2, dtype=torch.float64)
         scores = _Scores(metrics)
         for batch in data.batches(batch_size=batch_size, epoch=epoch):
-            output, labels = _forward(ddp, batch, feature_cols, label_cols, device, dtype)
+            output, labels = _forward(ddp, batch, feature_cols, label_cols, device, dtype, input_shapes)
             value = _loss(loss, output, labels, batch, weight_col, device, dtype)
             opt.zero_grad()
             value.backward()
@@ -209,7 +247,7 @@ def _fit(data, validation, model, optimizer, loss, feature_cols, label_cols, bat
             logged[f"train_{name}"] = score
         if validation is not None:
             val_loss, val_scores = _held_out(validation, getattr(ddp, "module", ddp), loss, metrics, feature_cols,
-                                             label_cols, batch_size, device, dtype, weight_col)
+                                             label_cols, batch_size, device, dtype, weight_col, input_shapes)
             val_history.append(val_loss)
             logged["val_loss"] = val_loss
             for name, score in val_scores.items():
@@ -251,7 +289,8 @@ class _Scores:
         return {name: self.sums[i].item() / rows for i, name in enumerate(self.metrics)}
 
 
-def _held_out(val, model, loss, metrics, feature_cols, label_cols, batch_size, device, dtype, weight_col=None):
+def _held_out(val, model, loss, metrics, feature_cols, label_cols, batch_size, device, dtype, weight_col=None,
+              input_shapes=None):
     """The loss and metrics over every rank's held-out rows, weighted by rows (batches may be short)."""
     import torch
     import torch.distributed as dist
@@ -261,7 +300,7 @@ def _held_out(val, model, loss, metrics, feature_cols, label_cols, batch_size, d
     model.eval()
     with torch.no_grad():
         for batch in val.batches(batch_size=batch_size):
-            output, labels = _forward(model, batch, feature_cols, label_cols, device, dtype)
+            output, labels = _forward(model, batch, feature_cols, label_cols, device, dtype, input_shapes)
             rows = len(batch[feature_cols[0]])
             value = _loss(loss, output, labels, batch, weight_col, device, dtype)
             total += torch.tensor([value.item() * rows, rows], dtype=torch.float64)
@@ -278,11 +317,11 @@ def _float_dtype(model):
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
-def _features(table, cols, kinds, dtype):
+def _features(table, cols, kinds, dtype, input_shapes=None):
     """The model's inputs from an Arrow table or batch: one CPU tensor per feature column."""
     from .data import _to_tensor
 
-    return [_as(_to_tensor(table.column(c), kinds[c], c), "cpu", dtype) for c in cols]
+    return _reshaped([_as(_to_tensor(table.column(c), kinds[c], c), "cpu", dtype) for c in cols], input_shapes, cols)
 
 
 def _loss(loss, output, labels, batch, weight_col, device, dtype):
@@ -301,10 +340,10 @@ def _loss(loss, output, labels, batch, weight_col, device, dtype):
     return (per_row * weights.view(-1, *[1] * (per_row.dim() - 1))).mean()
 
 
-def _forward(model, batch, feature_cols, label_cols, device, dtype):
+def _forward(model, batch, feature_cols, label_cols, device, dtype, input_shapes=None):
     """``(model(*features), labels)`` for one batch of shard rows."""
-    return (model(*[_as(batch[c], device, dtype) for c in feature_cols]),
-            [_as(batch[c], device, dtype) for c in label_cols])
+    features = _reshaped([_as(batch[c], device, dtype) for c in feature_cols], input_shapes, feature_cols)
+    return model(*features), [_as(batch[c], device, dtype) for c in label_cols]
 
 
 def _as(tensor, device, dtype):
@@ -323,6 +362,7 @@ class TorchModel:
     history: list[float] = field(default_factory=list)  # per-epoch training loss, averaged over ranks
     val_history: list[float] = field(default_factory=list)  # per-epoch held-out loss (``validation``)
     metric_history: dict[str, list[float]] = field(default_factory=dict)  # ``metrics``: name / val_name -> per epoch
+    input_shapes: list | None = None  # the estimator's: each feature column's batch is reshaped so
 
     def getHistory(self) -> dict[str, list[float]]:  # noqa: N802 - Horovod's TorchModel name
         """Keras-style history: ``loss``, ``val_loss`` (with validation) and each metric's lists."""
@@ -352,7 +392,7 @@ class TorchModel:
         out_type = T.FloatType() if width == 1 else T.ArrayType(T.FloatType())
         schema = T.StructType(df.schema.fields + [T.StructField(self.prediction_col, out_type)])
         blob = cloudpickle.dumps(self.model)
-        cols, name = self.feature_cols, self.prediction_col
+        cols, name, shapes = self.feature_cols, self.prediction_col, self.input_shapes
 
         def predict(batches):
             import cloudpickle
@@ -365,7 +405,7 @@ class TorchModel:
             dtype = _float_dtype(model)
             for batch in batches:
                 with torch.no_grad():
-                    out = model(*_features(batch, cols, kinds, dtype)).float()
+                    out = model(*_features(batch, cols, kinds, dtype, shapes)).float()
                 flat = out.reshape(len(batch), -1).numpy()
                 if width == 1:
                     column = pa.array(flat[:, 0], type=pa.float32())
@@ -385,5 +425,6 @@ class TorchModel:
         if sample.num_rows == 0:
             raise LaunchRefused("the DataFrame is empty: nothing to predict")
         with torch.no_grad():
-            out = self.model.eval()(*_features(sample, self.feature_cols, kinds, _float_dtype(self.model)))
+            out = self.model.eval()(*_features(sample, self.feature_cols, kinds, _float_dtype(self.model),
+                                               self.input_shapes))
         return int(out.reshape(1, -1).shape[1])

@@ -165,6 +165,35 @@ def test_sample_weights_scale_each_rows_loss(spark):
                        feature_cols=["a", "b"], label_cols="y", sample_weight_col="w", num_proc=2).fit(df)
 
 
+class _Conv(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv2d(1, 8, 3, padding=1)
+        self.out = torch.nn.Linear(8 * 4 * 4, 10)
+
+    def forward(self, images):  # [N, 1, 8, 8]: input_shapes makes them from the 64-number column
+        assert images.dim() == 4, images.shape
+        return self.out(torch.nn.functional.max_pool2d(torch.relu(self.conv(images)), 2).flatten(1))
+
+
+def test_input_shapes_reshape_features_for_fit_and_transform(digits):
+    train, test = digits
+    fitted = TorchEstimator(model=_Conv(), optimizer=functools.partial(torch.optim.Adam, lr=0.01),
+                            loss=torch.nn.functional.cross_entropy, feature_cols="pixels", label_cols="label",
+                            batch_size=32, epochs=4, num_proc=2, input_shapes=[[-1, 1, 8, 8]]).fit(train)
+    rows = fitted.transform(test).select("label", "prediction").collect()
+    assert np.mean([int(np.argmax(r.prediction)) == r.label for r in rows]) > 0.9
+    for bad in ([[-1, 64], [-1, 64]], [[-1, -1, 8]], [[0, 64]], [[-1, 1.5]], "-1,64"):
+        with pytest.raises(LaunchRefused, match="input_shapes must be one shape per feature column"):
+            TorchEstimator(model=_Conv(), optimizer=torch.optim.SGD, loss=torch.nn.functional.cross_entropy,
+                           feature_cols="pixels", label_cols="label", input_shapes=bad)
+    with pytest.raises(RankFailed, match=r"input_shapes gives column 'pixels' the shape \[-1, 1, 9, 9\]"):
+        TorchEstimator(model=_Conv(), optimizer=torch.optim.SGD, loss=torch.nn.functional.cross_entropy,
+                       feature_cols="pixels", label_cols="label", num_proc=2,
+                       input_shapes=[[-1, 1, 9, 9]]).fit(train)
+
+
 def test_a_column_that_is_both_feature_and_label_is_sent_once(digits):
     train, _ = digits  # an autoencoder: the pixels are its input and its target
     torch.manual_seed(0)
