@@ -217,22 +217,41 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
                           postscale_factor, process_set) for i, t in enumerate(tensors)]
 
 
+def sparse_sum(tensor: torch.Tensor, group: Any, average: bool) -> torch.Tensor:
+    """Every member of ``group``'s sparse COO ``tensor`` gathered (indices and values; ranks may
+    have different numbers of entries) and summed where entries coincide, or averaged: only the
+    entries travel, not the dense size. Returns a coalesced sparse tensor on ``tensor``'s device."""
+    world = dist.get_world_size(group)
+    t = tensor.coalesce()
+    dev = _on_comm_device(torch.empty(0)).device
+    nnz = torch.tensor([t._nnz()], dtype=torch.int64, device=dev)
+    counts = [torch.empty_like(nnz) for _ in range(world)]
+    dist.all_gather(counts, nnz, group=group)
+    counts = [int(c) for c in counts]
+    longest = max(counts)
+
+    def gather(x: torch.Tensor) -> torch.Tensor:  # rows of x from every rank, padded to the longest
+        x = x.to(dev)
+        padded = torch.cat([x, x.new_zeros((longest - x.shape[0],) + tuple(x.shape[1:]))])
+        parts = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(parts, padded.contiguous(), group=group)
+        return torch.cat([part[:n] for part, n in zip(parts, counts)])
+
+    indices, values = gather(t.indices().t()).t(), gather(t.values())
+    out = torch.sparse_coo_tensor(indices.to(tensor.device), values.to(tensor.device), tensor.shape).coalesce()
+    if average:
+        out = out / world if out.is_floating_point() else torch.sparse_coo_tensor(
+            out.indices(), torch.div(out.values(), world, rounding_mode="trunc"), out.shape)
+    return out
+
+
 def _sparse_allreduce(tensor: torch.Tensor, op: ReduceOp, ps: ProcessSet) -> torch.Tensor:
-    """Every rank's entries gathered (indices and values, first dimensions may differ) and summed
-    where they coincide: the traffic is the entries, not the dense size."""
     if not tensor.is_sparse:
         raise ValueError("sparse_allreduce_async takes a sparse COO tensor (tensor.is_sparse); use allreduce "
                          "for dense tensors")
     if op not in (Average, Sum):
         raise ValueError(f"sparse_allreduce_async supports op=Average or Sum, got {op.name}")
-    t = tensor.coalesce()
-    indices = torch.cat(allgather_parts(t.indices().t().contiguous(), ps)).t()
-    values = torch.cat(allgather_parts(t.values(), ps))
-    out = torch.sparse_coo_tensor(indices.to(tensor.device), values.to(tensor.device), tensor.shape).coalesce()
-    if op == Average:
-        out = out / ps.size() if out.is_floating_point() else torch.sparse_coo_tensor(
-            out.indices(), torch.div(out.values(), ps.size(), rounding_mode="trunc"), out.shape)
-    return out
+    return sparse_sum(tensor, group_of(ps), average=op == Average)
 
 
 def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: Any = Average,

@@ -111,18 +111,21 @@ class BucketReducer:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
 
-    def submit(self, index: int, grads: list[torch.Tensor]) -> None:
-        """Queue a bucket. Call it on the thread (and CUDA stream) that produced ``grads``."""
+    def submit(self, index: int, prepare: Callable[[], tuple[list[torch.Tensor], Callable[[], None] | None]],
+               device: torch.device) -> None:
+        """Queue a bucket on ``device``. Call it on the thread (and CUDA stream) that produced its
+        gradients. ``prepare()`` runs first on the reducer thread and returns the bucket's dense
+        gradients (fused and reduced in place) and a callable to run after them (or None)."""
         ready = None
-        if grads[0].device.type == "cuda":
+        if device.type == "cuda":
             ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(grads[0].device))
+            ready.record(torch.cuda.current_stream(device))
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="spark-dl-hvd-reducer", daemon=True)
             self._thread.start()
         with self._cond:
             self._submitted += 1
-        self._queue.put((index, grads, ready))
+        self._queue.put((index, prepare, ready, device))
 
     def busy(self) -> bool:
         """Whether some submitted bucket has not finished yet."""
@@ -138,29 +141,33 @@ class BucketReducer:
 
     def _run(self) -> None:
         while True:
-            index, grads, ready = self._queue.get()
+            index, prepare, ready, device = self._queue.get()
             if self._error is None:
                 try:
-                    self._reduce_bucket(index, grads, ready)
+                    self._reduce_bucket(index, prepare, ready, device)
                 except BaseException as e:  # surfaced to the training thread by wait()
                     self._error = e
             with self._cond:
                 self._completed += 1
                 self._cond.notify_all()
 
-    def _reduce_bucket(self, index: int, grads: list[torch.Tensor], ready: Any) -> None:
-        device = grads[0].device
+    def _reduce_bucket(self, index: int, prepare: Callable[[], tuple[list[torch.Tensor], Any]], ready: Any,
+                       device: torch.device) -> None:
         on_gpu = device.type == "cuda"
         with torch.no_grad(), (torch.cuda.device(device) if on_gpu else contextlib.nullcontext()):
             if on_gpu:
                 # Backward may have produced the gradients on another stream than this thread's current one.
                 torch.cuda.current_stream().wait_event(ready)
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            out = self._reduce(index, flat, [tuple(g.shape) for g in grads])
-            offset = 0
-            for g in grads:
-                g.copy_(out[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+            grads, after = prepare()
+            if grads:
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                out = self._reduce(index, flat, [tuple(g.shape) for g in grads])
+                offset = 0
+                for g in grads:
+                    g.copy_(out[offset:offset + g.numel()].view_as(g))
+                    offset += g.numel()
+            if after is not None:
+                after()
             if on_gpu:
                 # wait() returning must mean the gradients are final for step() on any stream.
                 torch.cuda.current_stream().synchronize()

@@ -25,6 +25,7 @@ from .basics import Adasum, Average, ReduceOp, Sum, _check, comm_device
 from .compression import Compression
 from .fusion import BucketReducer, fusion_threshold, plan_buckets, plan_groups
 from .ops import fused_inplace
+from .exchange import sparse_sum
 from .process_sets import ProcessSet, global_process_set
 from .process_sets import resolve as resolve_set
 
@@ -71,6 +72,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         params = [p for p in all_params if p.requires_grad]
         self._hvd_buckets = plan_buckets(params, fusion_threshold()) if groups is None else plan_groups(params, groups)
         self._hvd_bucket_of = {p: i for i, bucket in enumerate(self._hvd_buckets) for p in bucket}
+        # which parameters of each bucket are reduced as sparse: agreed by the ranks at the bucket's
+        # first launch (a rank without a gradient there cannot tell on its own)
+        self._hvd_kinds: list[list[bool] | None] = (
+            [[False] * len(b) for b in self._hvd_buckets] if sparse_as_dense else [None] * len(self._hvd_buckets))
         self._hvd_group = _optimizer_group(ps)
         self._hvd_join_id = _join.register(self) if ps is global_process_set else None
         self._hvd_control = None
@@ -113,25 +118,44 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             while self._hvd_next < len(self._hvd_buckets) and self._hvd_waiting[self._hvd_next] == 0:
                 self._hvd_launch(self._hvd_next)
 
+    def _hvd_agree(self, i: int, sparse: list[bool]) -> list[bool]:
+        """Once per bucket, on the reducer's group in the reducer's order: a parameter is reduced
+        as sparse if its gradient is sparse on any rank."""
+        mask = torch.tensor(sparse, dtype=torch.int32, device=comm_device())
+        dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=self._hvd_group)
+        self._hvd_kinds[i] = [bool(v) for v in mask.tolist()]
+        return self._hvd_kinds[i]
+
     def _hvd_launch(self, i: int) -> None:
         if i == 0 and self._hvd_join_id is not None:
             self._hvd_control = _join.start_control(self._hvd_join_id)
-        grads = []
-        for p in self._hvd_buckets[i]:
+        self._hvd_next = i + 1
+        self._hvd_reducer.submit(i, partial(self._hvd_prepare, i), self._hvd_buckets[i][0].device)
+
+    def _hvd_prepare(self, i: int) -> tuple[list[torch.Tensor], Any]:
+        """On the reducer thread: the bucket's dense gradients, and the sparse ones' reduction."""
+        bucket = self._hvd_buckets[i]
+        kinds = self._hvd_kinds[i]
+        if kinds is None:
+            kinds = self._hvd_agree(i, [p.grad is not None and p.grad.is_sparse for p in bucket])
+        grads, sparse = [], []
+        for p, is_sparse in zip(bucket, kinds):
+            if is_sparse:
+                # entries only; a rank with no gradient here sends none
+                p.grad = _no_entries(p) if p.grad is None else p.grad if p.grad.is_sparse else p.grad.to_sparse(1)
+                sparse.append(p)
+                continue
             if p.grad is None:
                 # Another rank may have a gradient here (a branch it took): send zeros to match it.
                 p.grad = torch.zeros_like(p)
             elif p.grad.is_sparse:
-                if not self._hvd_sparse_as_dense:
-                    raise NotImplementedError(
-                        f"sparse gradient for {self._hvd_names[p]!r}: spark_dl.horovod reduces dense "
-                        "gradients only; pass DistributedOptimizer(..., sparse_as_dense=True) or use "
-                        "nn.Embedding(sparse=False)."
-                    )
                 p.grad = p.grad.to_dense()  # as Horovod's sparse_as_dense: reduced like any gradient
             grads.append(p.grad)
-        self._hvd_next = i + 1
-        self._hvd_reducer.submit(i, grads)
+        return grads, (partial(self._hvd_reduce_sparse, sparse) if sparse else None)
+
+    def _hvd_reduce_sparse(self, params: list[torch.Tensor]) -> None:
+        for p in params:
+            p.grad = sparse_sum(p.grad, self._hvd_group, average=self._hvd_op == Average)
 
     def _hvd_reduce(self, i: int, flat: torch.Tensor, shapes: list) -> torch.Tensor:
         name = f"DistributedOptimizer.bucket{i}.{self._hvd_names[self._hvd_buckets[i][0]]}"
@@ -149,11 +173,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return out
 
     def _hvd_follow_step(self) -> None:
-        """A joined rank's part in the others' step (see :mod:`.joining`): zeros into every bucket."""
+        """A joined rank's part in the others' step (see :mod:`.joining`): zeros into every bucket,
+        no entries into the sparse reductions, in the reducer's order."""
         with torch.no_grad():
             for i, bucket in enumerate(self._hvd_buckets):
-                flat = torch.zeros(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
-                self._hvd_reduce(i, flat, [tuple(p.shape) for p in bucket])
+                kinds = self._hvd_kinds[i] or self._hvd_agree(i, [False] * len(bucket))
+                dense = [p for p, is_sparse in zip(bucket, kinds) if not is_sparse]
+                if dense:
+                    flat = torch.zeros(sum(p.numel() for p in dense), dtype=dense[0].dtype, device=dense[0].device)
+                    self._hvd_reduce(i, flat, [tuple(p.shape) for p in dense])
+                for p, is_sparse in zip(bucket, kinds):
+                    if is_sparse:
+                        sparse_sum(_no_entries(p), self._hvd_group, average=self._hvd_op == Average)
 
     def _hvd_take_from(self, root: int) -> None:
         _take_from(self, root)
@@ -284,6 +315,12 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = passes
 
 
+def _no_entries(p: torch.Tensor) -> torch.Tensor:
+    """A sparse gradient of ``p``'s shape with no entries (rows of an embedding, say)."""
+    return torch.sparse_coo_tensor(torch.empty(1, 0, dtype=torch.long, device=p.device),
+                                   p.new_empty((0,) + tuple(p.shape[1:])), p.shape)
+
+
 def _take_from(opt: torch.optim.Optimizer, root: int) -> None:
     """Overwrite this optimizer's parameters and state with rank ``root``'s (after ``join()``)."""
     from .functions import broadcast_optimizer_state
@@ -359,7 +396,8 @@ def DistributedOptimizer(
             consecutive parameters) or a list of parameter lists (one bucket each; parameters
             in none of them are reduced one by one).
         sparse_as_dense: sparse gradients (``nn.Embedding(sparse=True)``) are made dense and
-            reduced like the others; without it a sparse gradient raises.
+            reduced like the others; without it they are reduced as sparse (their entries
+            allgathered and summed where they meet), so ``torch.optim.SparseAdam`` works.
         process_set: reduce over this set's ranks only (created on its members only).
 
     ``HOROVOD_FUSION_THRESHOLD`` (bytes, default 64 MiB, 0 = one bucket per tensor) sets the

@@ -72,6 +72,18 @@ def join_main(batches, lr, momentum, data, fresh_model):
     out["lr_a"] = opt_a.param_groups[0]["lr"]
     out["adam_state"] = torch.cat([opt_b.state[p]["exp_avg"].reshape(-1) for p in b_model.parameters()])
 
+    # sparse gradients (an embedding): rank r steps r times, so rank 0 joins before the first
+    # step and follows the ranks' agreement on which parameters are sparse too
+    emb = torch.nn.Embedding(4, 2, sparse=True)
+    torch.nn.init.constant_(emb.weight, 1.0)
+    opt_e = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=1.0))
+    for _ in range(r):
+        opt_e.zero_grad()
+        emb(torch.tensor([r])).sum().backward()
+        opt_e.step()
+    out["last_sparse"] = hvd.join()
+    out["embedding"] = emb.weight.detach().clone()
+
     # a collective other than a step while a rank is joined: a clear error, not a hang
     if r == 0:
         out["last_misuse"] = hvd.join()
@@ -201,3 +213,11 @@ def test_a_joined_rank_without_the_stepped_optimizer_fails_clearly():
     with pytest.raises(RankFailed) as failed:
         HorovodRunner(np=-2, run_timeout=60).run(missing_optimizer_main)
     assert "DistributedOptimizer #0, which this rank does not have" in str(failed.value)
+
+
+def test_sparse_gradients_are_followed_from_the_first_step(ranks):
+    # step 0: ranks 1 and 2 each send row r (gradient 1), step 1: rank 2 alone; averages over 3 ranks
+    want = torch.tensor([[1.0, 1.0], [2 / 3, 2 / 3], [1 / 3, 1 / 3], [1.0, 1.0]])
+    for o in ranks:
+        assert o["last_sparse"] == 2
+        torch.testing.assert_close(o["embedding"], want)
