@@ -1,0 +1,65 @@
+"""``horovodrun`` on a Spark cluster: the same command line, Spark in place of the host list.
+
+    spark-submit runners/horovodrun.py -np 4 python train.py --lr 0.1
+    python runners/horovodrun.py -np -2 python train.py --lr 0.1    # 2 local processes, no Spark
+
+The script runs unchanged: in every rank ``import horovod.torch as hvd`` gives spark_dl.horovod
+(Horovod's API on torch.distributed). This is ``run_script.py`` with horovodrun's spelling:
+``-np``/``--num-proc``, the command as ``python train.py ...`` (or just ``train.py ...``),
+``--gloo`` and ``--verbose`` accepted. Spark places the ranks, so host lists (``-H``,
+``--hostfile``) are refused, and so is ``--mpi`` (no MPI here). Exit codes as run_script.py: 0 every
+rank finished; 1 the run failed or was refused; 2 bad arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Sequence
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import run_script  # noqa: E402  (the runner next to this one)
+
+from spark_dl.submit import nonzero_int  # noqa: E402
+
+PROG = "horovodrun.py"
+
+
+def translate(argv: Sequence[str]) -> list[str]:
+    """horovodrun's command line as run_script.py's; argparse exits with code 2 when it is wrong."""
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Run a Horovod training script on a Spark barrier stage, as horovodrun runs it "
+                               "on hosts. Options go before the command; the command is `python script.py ...`.")
+    parser.add_argument("-np", "--num-proc", dest="np", type=nonzero_int, required=True,
+                        help="number of ranks: N > 0 in a Spark barrier stage, -N local processes without Spark")
+    parser.add_argument("--master", default=None, help="Spark master when not launched by spark-submit")
+    parser.add_argument("-H", "--hosts", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--hostfile", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--mpi", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--gloo", action="store_true", help="accepted (collectives always go through torch.distributed)")
+    parser.add_argument("--verbose", action="store_true", help="accepted")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="python script.py [args...]")
+    args = parser.parse_args(argv)
+    if args.hosts or args.hostfile:
+        parser.error("Spark places the ranks: drop -H/--hosts/--hostfile (use -np and the cluster's task slots)")
+    if args.mpi:
+        parser.error("--mpi: there is no MPI here; collectives go through torch.distributed (Gloo or NCCL)")
+    command = list(args.command)
+    if command and os.path.basename(command[0]).startswith("python") and not command[0].endswith(".py"):
+        command = command[1:]  # the interpreter is the ranks' own (PYSPARK_PYTHON)
+    if not command or not command[0].endswith(".py"):
+        parser.error("the command must be a Python script: python train.py [args...] (not -m or another program)")
+    out = ["--np", str(args.np)]
+    if args.master:
+        out += ["--master", args.master]
+    return out + command
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the script on every rank; return the process exit code."""
+    return run_script.main(translate(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""runners/horovodrun.py, horovodrun's command line on Spark, with a Horovod script left as it was
+written: a real Spark local cluster once, local processes otherwise."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+RUNNER = str(ROOT / "runners" / "horovodrun.py")
+
+HOROVOD_SCRIPT = """
+import argparse
+import torch
+import horovod.torch as hvd                       # as written for horovodrun
+p = argparse.ArgumentParser()
+p.add_argument("--lr", type=float)
+a = p.parse_args()
+hvd.init()
+total = hvd.allreduce(torch.tensor([float(hvd.rank() + 1)]), op=hvd.Sum).item()
+print(f"rank {hvd.rank()} of {hvd.size()}: sum {total}, lr {a.lr}", flush=True)
+"""
+
+
+def _run(*args: str, spark: bool = False) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable,
+           "SPARK_DL_TRACKING": "0"}
+    if not spark:
+        env["SPARK_HOME"] = "/nonexistent/spark"  # any JVM start would fail
+    return subprocess.run([sys.executable, RUNNER, *args], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=240)
+
+
+def test_a_horovod_script_on_local_processes(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(HOROVOD_SCRIPT)
+    proc = _run("-np", "-2", "--gloo", "python", str(script), "--lr", "0.1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in range(2):
+        assert f"rank {r} of 2: sum 3.0, lr 0.1" in proc.stdout + proc.stderr
+
+
+def test_a_horovod_script_in_a_spark_barrier_stage(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(HOROVOD_SCRIPT)
+    proc = _run("--num-proc", "2", "--master", "local[2]", str(script), "--lr", "0.5", spark=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in range(2):
+        assert f"rank {r} of 2: sum 3.0, lr 0.5" in proc.stdout + proc.stderr
+
+
+def test_what_spark_cannot_do_is_refused_with_exit_2(tmp_path):
+    script = str(tmp_path / "train.py")
+    for args, message in [(["-np", "2", "-H", "a:2,b:2", "python", script], "Spark places the ranks"),
+                          (["-np", "2", "--mpi", "python", script], "no MPI here"),
+                          (["-np", "2", "python", "-m", "train"], "must be a Python script"),
+                          (["python", script], "-np/--num-proc"),
+                          (["-np", "0", "python", script], "")]:
+        proc = _run(*args)
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert message in proc.stderr, (args, proc.stderr)
