@@ -18,8 +18,8 @@ from .basics import Adasum, Average, ReduceOp, Sum, _check
 from .compression import Compression
 from .process_sets import ProcessSet, global_process_set, group_of
 from .process_sets import resolve as resolve_set
-from .ops import (_on_comm_device, _reduce_into, _register, allgather, allgather_parts, allreduce,
-                  fused_inplace, resolve_op)
+from .ops import (_on_comm_device, _reduce_into, _register, allgather, allgather_parts, allreduce, fused_inplace,
+                  gather_counts, gather_rows, resolve_op)
 
 
 def _splits_list(splits: Any, rows: int, world: int) -> list[int]:
@@ -223,21 +223,9 @@ def sparse_sum(tensor: torch.Tensor, group: Any, average: bool) -> torch.Tensor:
     entries travel, not the dense size. Returns a coalesced sparse tensor on ``tensor``'s device."""
     world = dist.get_world_size(group)
     t = tensor.coalesce()
-    dev = _on_comm_device(torch.empty(0)).device
-    nnz = torch.tensor([t._nnz()], dtype=torch.int64, device=dev)
-    counts = [torch.empty_like(nnz) for _ in range(world)]
-    dist.all_gather(counts, nnz, group=group)
-    counts = [int(c) for c in counts]
-    longest = max(counts)
-
-    def gather(x: torch.Tensor) -> torch.Tensor:  # rows of x from every rank, padded to the longest
-        x = x.to(dev)
-        padded = torch.cat([x, x.new_zeros((longest - x.shape[0],) + tuple(x.shape[1:]))])
-        parts = [torch.empty_like(padded) for _ in range(world)]
-        dist.all_gather(parts, padded.contiguous(), group=group)
-        return torch.cat([part[:n] for part, n in zip(parts, counts)])
-
-    indices, values = gather(t.indices().t()).t(), gather(t.values())
+    counts = gather_counts(t._nnz(), group)  # once, for the indices and the values
+    indices = torch.cat(gather_rows(t.indices().t(), counts, group)).t()
+    values = torch.cat(gather_rows(t.values(), counts, group))
     out = torch.sparse_coo_tensor(indices.to(tensor.device), values.to(tensor.device), tensor.shape).coalesce()
     if average:
         out = out / world if out.is_floating_point() else torch.sparse_coo_tensor(

@@ -283,12 +283,25 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
 
 # ---- allgather / broadcast with gradients -------------------------------------------------------
 
-def _gather_sizes(n: int, ps: ProcessSet) -> list[int]:
-    dev = comm_device()
-    mine = torch.tensor([n], dtype=torch.int64, device=dev)
-    sizes = [torch.empty_like(mine) for _ in range(ps.size())]
-    dist.all_gather(sizes, mine, group=group_of(ps))
-    return [int(s.item()) for s in sizes]
+def gather_counts(n: int, group: Any) -> list[int]:
+    """Every member of ``group``'s ``n``, in rank order."""
+    mine = torch.tensor([n], dtype=torch.int64, device=comm_device())
+    counts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(counts, mine, group=group)
+    return [int(c.item()) for c in counts]
+
+
+def gather_rows(tensor: torch.Tensor, counts: list[int], group: Any) -> list[torch.Tensor]:
+    """Every member's ``tensor`` (``counts[r]`` rows from rank r, the other dimensions equal), in
+    rank order, on the comm device."""
+    t = _on_comm_device(tensor.detach()).contiguous()
+    longest = max(counts)
+    if t.shape[0] < longest:
+        # torch.distributed gathers equal shapes only: pad, then trim each rank's part.
+        t = torch.cat([t, t.new_zeros((longest - t.shape[0],) + tuple(t.shape[1:]))])
+    parts = [torch.empty_like(t) for _ in counts]
+    dist.all_gather(parts, t, group=group)
+    return [p[:n] for p, n in zip(parts, counts)]
 
 
 def allgather_parts(tensor: torch.Tensor, ps: ProcessSet = global_process_set) -> list[torch.Tensor]:
@@ -296,15 +309,8 @@ def allgather_parts(tensor: torch.Tensor, ps: ProcessSet = global_process_set) -
     comm device."""
     if tensor.dim() == 0:
         raise ValueError("allgather needs a tensor with at least one dimension (it concatenates along dim 0)")
-    t = _on_comm_device(tensor.detach()).contiguous()
-    sizes = _gather_sizes(t.shape[0], ps)
-    longest = max(sizes)
-    if t.shape[0] < longest:
-        # torch.distributed gathers equal shapes only: pad, then trim each rank's part.
-        t = torch.cat([t, t.new_zeros((longest - t.shape[0],) + tuple(t.shape[1:]))])
-    parts = [torch.empty_like(t) for _ in sizes]
-    dist.all_gather(parts, t, group=group_of(ps))
-    return [p[:n] for p, n in zip(parts, sizes)]
+    group = group_of(ps)
+    return gather_rows(tensor, gather_counts(tensor.shape[0], group), group)
 
 
 def _allgather_sync(tensor: torch.Tensor, ps: ProcessSet = global_process_set) -> torch.Tensor:
@@ -321,7 +327,7 @@ class _Allgather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         summed = _allreduce_copy(grad, Sum, None, Compression.none, 1.0, 1.0, ctx.ps)
-        offset = sum(_gather_sizes(ctx.rows, ctx.ps)[: ctx.ps.rank()])
+        offset = sum(gather_counts(ctx.rows, group_of(ctx.ps))[: ctx.ps.rank()])
         return summed.narrow(0, offset, ctx.rows), None, None
 
 
