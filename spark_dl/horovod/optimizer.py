@@ -286,16 +286,18 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
             self._hvd_combine(start, [p.detach() - s for p, s in zip(self._hvd_params, start)])
         return loss
 
+    def _hvd_adasum(self, _j: int, flat: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        return _adasum.allreduce(flat, sizes, self._hvd_group)
+
     def _hvd_combine(self, start: list[torch.Tensor], deltas: list[torch.Tensor]) -> None:
-        fused_inplace(deltas, lambda _j, flat, sizes: _adasum.allreduce(flat, sizes, self._hvd_group))
+        fused_inplace(deltas, self._hvd_adasum)
         for p, s, d in zip(self._hvd_params, start, deltas):
             p.copy_(s + d)
 
     def _hvd_follow_step(self) -> None:
         """A joined rank's part in the others' step: a zero update into the combination."""
         with torch.no_grad():
-            fused_inplace([torch.zeros_like(p) for p in self._hvd_params],
-                          lambda _j, flat, sizes: _adasum.allreduce(flat, sizes, self._hvd_group))
+            fused_inplace([torch.zeros_like(p) for p in self._hvd_params], self._hvd_adasum)
 
     def _hvd_take_from(self, root: int) -> None:
         _take_from(self, root)
@@ -322,14 +324,11 @@ def _no_entries(p: torch.Tensor) -> torch.Tensor:
 
 
 def _take_from(opt: torch.optim.Optimizer, root: int) -> None:
-    """Overwrite this optimizer's parameters and state with rank ``root``'s (after ``join()``)."""
-    from .functions import broadcast_optimizer_state
+    """Overwrite this optimizer's parameters and state with rank ``root``'s (after ``join()``,
+    where every rank is, so the default group is free)."""
+    from .functions import broadcast_optimizer_state, broadcast_parameters
 
-    def broadcast(_j: int, flat: torch.Tensor, _sizes: list[int]) -> torch.Tensor:
-        dist.broadcast(flat, src=root, group=opt._hvd_group)
-        return flat
-
-    fused_inplace([p for group in opt.param_groups for p in group["params"]], broadcast)
+    broadcast_parameters([p for group in opt.param_groups for p in group["params"]], root)
     broadcast_optimizer_state(opt, root)
 
 
