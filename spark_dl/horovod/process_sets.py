@@ -13,6 +13,8 @@ from typing import Any, Iterable, Sequence
 
 import torch.distributed as dist
 
+from .joining import check_collective
+
 
 class ProcessSet:
     """A set of ranks that run collectives together; pass it to ``init(process_sets=...)`` or
@@ -135,8 +137,6 @@ def process_sets() -> list[ProcessSet]:
 
 def resolve(process_set: Any) -> ProcessSet:
     """Validate ``process_set=`` for a collective this rank is about to join."""
-    from .joining import check_collective
-
     check_collective()
     if process_set is None or process_set is global_process_set:
         return global_process_set
