@@ -28,11 +28,11 @@ def rank_main(widths: list[int], steps: int, rounds: int) -> list[tuple[int, int
     from spark_dl.horovod import joining
 
     hvd.init()
-    group = joining._group
     rows = []
     for width in widths:
         model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, 1))
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-4))
+        group = joining._group  # made with the first optimizer
         x = torch.randn(32, width)
         times: dict[bool, list[float]] = {True: [], False: []}
         for _ in range(rounds):

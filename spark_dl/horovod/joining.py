@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 _group: Any = None
+_group_made = False
 _optimizers: list[weakref.ref] = []
 _active_rounds = 0     # steps this rank took part in as a training rank since the last join()
 _someone_joined = False
@@ -35,15 +36,26 @@ def enabled() -> bool:
 
 
 def setup() -> None:
-    """Called by ``init()`` on every rank: the control group and a fresh registry."""
-    global _group, _active_rounds, _someone_joined
-    _group = dist.new_group(backend="gloo") if dist.get_world_size() > 1 and enabled() else None
+    """Called by ``init()`` on every rank: a fresh registry (the control group comes with the
+    first optimizer or join(), so code using neither never builds it)."""
+    global _group, _group_made, _active_rounds, _someone_joined
+    _group, _group_made = None, False
     _optimizers.clear()
     _active_rounds, _someone_joined = 0, False
 
 
+def _make_group() -> None:
+    # Collective over the job: called where every rank is (building a whole-job optimizer, which
+    # is collective itself, or join()), the first time only.
+    global _group, _group_made
+    if not _group_made:
+        _group = dist.new_group(backend="gloo") if dist.get_world_size() > 1 and enabled() else None
+        _group_made = True
+
+
 def register(optimizer: Any) -> int:
     """Give a whole-job optimizer its id (creation order, the same on every rank)."""
+    _make_group()
     _optimizers.append(weakref.ref(optimizer))
     return len(_optimizers) - 1
 
@@ -99,6 +111,7 @@ def join(device: int = -1) -> int:
     _someone_joined = False
     if dist.get_world_size() == 1:
         return 0
+    _make_group()
     if _group is None:
         raise RuntimeError("hvd.join() follows the other ranks' steps through a per-step agreement that "
                            "SPARK_DL_HVD_JOIN=0 turned off: unset SPARK_DL_HVD_JOIN to use join()")
