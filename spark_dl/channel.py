@@ -123,15 +123,23 @@ class Connection:
         self.sock.close()
 
 
-def connect(host: str, port: int, secret: bytes, timeout: float = 30.0) -> Connection:
-    """Connect to a :class:`ControlServer` and authenticate both ways."""
+def connect(host: str, port: int, secret: bytes, timeout: float = 30.0, relay: bool = False) -> Connection:
+    """Connect to a :class:`ControlServer` and authenticate both ways (``relay``: the one that
+    barrier task 0 runs for a client the executors cannot reach)."""
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
     except OSError as e:
+        if relay:
+            raise ChannelError(
+                f"cannot reach barrier task 0's relay at {host}:{port} ({type(e).__name__}: {e}): the executors "
+                "must be able to connect to each other (torch.distributed needs that too). Check firewalls "
+                "between executors."
+            ) from e
         raise ChannelError(
             f"cannot reach the spark-dl driver at {host}:{port} ({type(e).__name__}: {e}): the executors must be "
-            "able to connect to the driver's host (spark.driver.host); with Spark Connect, the client must run "
-            "on the driver's host. Check firewalls between executors and driver."
+            "able to connect to the driver's host (spark.driver.host); a Spark Connect client off the driver's host "
+            "must set SPARK_DL_CHANNEL=relay (task 0 then stands in for it). Check firewalls between executors "
+            "and driver."
         ) from e
     try:
         sock.settimeout(HANDSHAKE_TIMEOUT_S)

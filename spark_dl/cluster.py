@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import math
+import os
 import re
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -10,6 +12,8 @@ from dataclasses import dataclass
 from .errors import LaunchRefused
 
 EXECUTOR_WAIT_S = 30.0
+CHANNEL_ENV = "SPARK_DL_CHANNEL"
+CHANNEL_MODES = ("auto", "direct", "relay")
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,44 @@ class Slots:
 def is_connect(session) -> bool:
     """A Spark Connect session: this process holds no SparkContext, only the DataFrame API."""
     return type(session).__module__.startswith("pyspark.sql.connect")
+
+
+def channel_mode(session) -> str:
+    """How the tasks report: ``"direct"`` to this process, or ``"relay"`` through barrier task 0.
+
+    A classic session is the driver itself: direct. A Spark Connect client is direct where
+    ``spark.driver.host`` is this machine (a notebook on the cluster), else relayed (a laptop the
+    executors cannot connect to). ``SPARK_DL_CHANNEL=direct|relay`` overrides that guess.
+    """
+    mode = (os.environ.get(CHANNEL_ENV) or "auto").strip().lower()
+    if mode not in CHANNEL_MODES:
+        raise LaunchRefused(
+            f"{CHANNEL_ENV}={os.environ.get(CHANNEL_ENV)!r} is not one of {CHANNEL_MODES}: 'relay' when the executors "
+            "cannot connect to this Spark Connect client, 'direct' when they can, 'auto' (default) to tell by "
+            "spark.driver.host"
+        )
+    if not is_connect(session):
+        return "direct"
+    if mode != "auto":
+        return mode
+    host = conf(session, "spark.driver.host")
+    return "direct" if host and is_this_host(host) else "relay"
+
+
+def is_this_host(host: str) -> bool:
+    """Whether ``host`` names this machine: one of its addresses can be bound here."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return False  # a name only the cluster's DNS knows
+    for family, kind, _, _, address in infos:
+        try:
+            with socket.socket(family, kind) as s:
+                s.bind((address[0], 0))
+            return True
+        except OSError:
+            continue
+    return False
 
 
 def find_session():

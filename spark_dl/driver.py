@@ -20,6 +20,7 @@ from .checkpoint import CheckpointStore
 from .errors import JobFailed, RankFailed
 
 TAIL_LINES = 50
+ABORT_GRACE_S = 15.0  # after a failure, how long every task gets to reap its ranks and close its link
 VERBOSITIES = ("all", "log_callback_only")
 # A rank whose collective broke because a peer went away reports that first, often before the
 # peer's own exit or error reaches the driver. Such an error waits this long for the root cause.
@@ -115,17 +116,18 @@ class JobMonitor:
                 return False
             return all(e["code"] != 0 or r in self.ranks_closed for r, e in self.exits.items())
 
-    def fail(self, failure: Failure) -> None:
+    def fail(self, failure: Failure, final: bool = False) -> None:
         """Record the first failure and start the abort; later failures are consequences.
 
         A rank's error that only says a peer went away ("Connection closed by peer") is held for
         up to ``CONSEQUENCE_GRACE_S``: if the peer's own exit, error or lost task arrives in that
-        time, that is the failure reported, not the symptom.
+        time, that is the failure reported, not the symptom. ``final``: a failure already decided
+        (by a relay), never held.
         """
         with self.changed:
             if self.failure is not None:
                 return
-            if self._is_consequence(failure):
+            if not final and self._is_consequence(failure):
                 if self._pending is None:
                     self._pending = failure
                     timer = threading.Timer(CONSEQUENCE_GRACE_S, self.settle)
@@ -289,6 +291,17 @@ class JobMonitor:
                 f"rank {rank}'s return value could not be unpickled on the driver ({type(e).__name__}: {e}); "
                 "return types the driver can import (plain data, numpy, torch tensors)."
             ) from e
+
+
+def run_timeout_message(limit: float, monitor: JobMonitor) -> str:
+    """Why the attempt was stopped, with each rank's last output line: where a hang sits."""
+    lines = [f"the run exceeded run_timeout={limit:g} s and every rank was stopped (a hung collective, a rank "
+             "waiting for one that is stuck, or a run that needs more time: raise run_timeout). Last line of each rank:"]
+    with monitor.lock:
+        tails = {r: t[-1] if t else "" for r, t in monitor.tails.items()}
+    for r in range(monitor.world_size):
+        lines.append(f"  {tails.get(r) or f'[{r}] (no output)'}")
+    return "\n".join(lines)
 
 
 def _signal_name(code: int) -> str:

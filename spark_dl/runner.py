@@ -14,10 +14,13 @@ from typing import Any, Callable, Mapping, TextIO
 from . import channel, cluster
 from .checkpoint import CheckpointStore
 from .data import SHARD_ENV, DataFrameShards, ShardSet
-from .driver import VERBOSITIES, Failure, JobMonitor, Observer
+from .driver import ABORT_GRACE_S, VERBOSITIES, Failure, JobMonitor, Observer, run_timeout_message
 from .errors import JobFailed, LaunchRefused
 from .launch.layout import RankSpec
-from .launch.task import JobSpec, arrow_barrier_task, barrier_task, free_port, range_barrier_task, run_task
+from .launch.relay import replay
+from .launch.task import (
+    RELAY_SCHEMA, STATUS_SCHEMA, JobSpec, arrow_barrier_task, barrier_task, free_port, range_barrier_task, run_task,
+)
 from .script import Script, read_script
 from .serialize import serialize_job
 from .tracking.observer import Tracking, TrackingObserver, make_observer
@@ -39,7 +42,6 @@ class RunInfo:
 
 START_TIMEOUT_S = 300.0
 NODES = ("hosts", "tasks")
-ABORT_GRACE_S = 15.0
 
 
 class HorovodRunner:
@@ -241,6 +243,9 @@ class HorovodRunner:
                         pass
             launcher.cancel()
 
+        relayed = None
+        if launcher.relay and store.info is not None:  # the relay serves load_checkpoint() from it
+            relayed = (store.load(), store.info.step)
         spec = JobSpec(
             job_id=job_id,
             driver_host=launcher.driver_host,
@@ -255,6 +260,9 @@ class HorovodRunner:
             max_restarts=self.max_restarts,
             rank_env=dict(self.env),
             task_nodes=self.nodes == "tasks",
+            relay=launcher.relay,
+            relay_checkpoint=relayed,
+            run_timeout=self.run_timeout if launcher.relay else None,
         )
         try:
             launcher.start(spec, monitor)
@@ -305,11 +313,13 @@ class HorovodRunner:
             if launcher_error is not None:
                 monitor.fail(Failure(None, launcher_error))
                 return
-            if monitor.tasks_started < launcher.num_tasks and time.monotonic() - started > self.start_timeout:
-                monitor.fail(Failure(None, launcher.start_timeout_message(monitor.tasks_started, self.start_timeout)))
+            tasks_started = launcher.tasks_started(monitor)
+            if tasks_started < launcher.num_tasks and time.monotonic() - started > self.start_timeout:
+                monitor.fail(Failure(None, launcher.start_timeout_message(tasks_started, self.start_timeout)))
                 return
-            if self.run_timeout is not None and time.monotonic() - started > self.run_timeout:
-                monitor.fail(Failure(None, _run_timeout_message(self.run_timeout, monitor)))
+            if (self.run_timeout is not None
+                    and time.monotonic() - started > self.run_timeout + launcher.run_timeout_slack):
+                monitor.fail(Failure(None, run_timeout_message(self.run_timeout, monitor)))
                 return
             monitor.wait(0.2)
 
@@ -329,6 +339,11 @@ class _Launcher:
     ranks_per_task: int = 1
     bind_host: str
     driver_host: str
+    relay = False  # barrier task 0 stands in for this process (see launch/relay.py)
+    run_timeout_slack = 0.0  # the relay enforces run_timeout; the driver's check is the backstop
+
+    def tasks_started(self, monitor: JobMonitor) -> int:
+        return monitor.tasks_started
 
     def start(self, spec: JobSpec, monitor: JobMonitor) -> None:
         raise NotImplementedError
@@ -452,14 +467,14 @@ class _SparkLauncher(_Launcher):
 
     def _run_stage(self, spec: JobSpec, monitor: JobMonitor) -> None:
         try:
-            self._collect(spec)
+            self._collect(spec, monitor)
         except Exception as e:  # noqa: BLE001 - reported by the wait loop, unless we cancelled it
             if not self._cancelled:
                 self._error = "the Spark barrier stage failed: " + spark_error_summary(e)
         finally:
             monitor.poke()
 
-    def _collect(self, spec: JobSpec) -> None:
+    def _collect(self, spec: JobSpec, monitor: JobMonitor) -> None:
         sc = self.session.sparkContext
         sc.setJobGroup(spec.job_id, f"spark-dl: {self.world_size} ranks", interruptOnCancel=True)
         if self.data is None:
@@ -468,12 +483,12 @@ class _SparkLauncher(_Launcher):
         else:
             self._collect_shards(spec)
 
-    def _collect_shards(self, spec: JobSpec) -> None:
+    def _collect_shards(self, spec: JobSpec) -> list:
         # each task's partition holds its share of the rows, as Arrow batches
         assert self.data is not None
         df = self.data.dataframe().repartition(self.num_tasks)
         task = partial(arrow_barrier_task, spec, self.data.schemas())
-        df.mapInArrow(task, "status string", barrier=True).collect()
+        return df.mapInArrow(task, RELAY_SCHEMA if spec.relay else STATUS_SCHEMA, barrier=True).collect()
 
     def cancel(self) -> None:
         self._cancelled = True
@@ -498,18 +513,58 @@ class _SparkLauncher(_Launcher):
 
 class _ConnectLauncher(_SparkLauncher):
     """The barrier stage through Spark Connect: a DataFrame's ``mapInArrow(barrier=True)``, the
-    job tagged so that it can be interrupted."""
+    job tagged so that it can be interrupted. Where the executors cannot connect back to this
+    client (``cluster.channel_mode``), barrier task 0 relays the run and returns what it received
+    with the stage's result; the server's progress reports say when the tasks have started."""
 
-    def _collect(self, spec: JobSpec) -> None:
+    def __init__(self, session, np: int, ranks_per_task: int, data: ShardSet | None = None) -> None:
+        super().__init__(session, np, ranks_per_task, data)
+        self.relay = cluster.channel_mode(session) == "relay"
+        self.run_timeout_slack = ABORT_GRACE_S + 15.0 if self.relay else 0.0
+        self._running = 0  # most tasks the server has reported running at once (relayed runs)
+        self._progress = False  # whether the server reports progress at all
+
+    def start(self, spec: JobSpec, monitor: JobMonitor) -> None:
+        if self.relay and spec.attempt == 0:
+            forced = (os.environ.get(cluster.CHANNEL_ENV) or "").strip().lower() == "relay"
+            why = (f"{cluster.CHANNEL_ENV}=relay" if forced else
+                   f"spark.driver.host={self.driver_host} is another machine")
+            sys.stderr.write(
+                f"[spark-dl] the executors report to barrier task 0, not to this client ({why}): the ranks' "
+                "output, metrics and result arrive when the run ends\n"
+            )
+            sys.stderr.flush()
+        super().start(spec, monitor)
+
+    def _collect(self, spec: JobSpec, monitor: JobMonitor) -> None:
         self.session.addTag(self._tag)  # tags are per thread: this one runs the stage
+        if self.relay:
+            self.session.registerProgressHandler(self._on_progress)
         try:
             if self.data is None:
                 df = self.session.range(0, self.num_tasks, 1, self.num_tasks)
-                df.mapInArrow(partial(range_barrier_task, spec), "status string", barrier=True).collect()
+                schema = RELAY_SCHEMA if self.relay else STATUS_SCHEMA
+                rows = df.mapInArrow(partial(range_barrier_task, spec), schema, barrier=True).collect()
             else:
-                self._collect_shards(spec)
+                rows = self._collect_shards(spec)
         finally:
             self.session.removeTag(self._tag)
+            if self.relay:
+                self.session.removeProgressHandler(self._on_progress)
+        if self.relay:
+            replay((r["report"] for r in rows if r["report"] is not None), monitor)
+
+    def _on_progress(self, stages, inflight_tasks: int, operation_id, done: bool) -> None:
+        # the handler sees every operation of the session, on the thread that runs it
+        if threading.current_thread() is self._thread:
+            self._progress = True
+            self._running = max(self._running, inflight_tasks)
+
+    def tasks_started(self, monitor: JobMonitor) -> int:
+        if not self.relay:
+            return monitor.tasks_started
+        # a server that sends no progress reports cannot be watched: run_timeout is then the limit
+        return max(self._running, monitor.tasks_started) if self._progress else self.num_tasks
 
     @property
     def _tag(self) -> str:
@@ -526,11 +581,14 @@ class _ConnectLauncher(_SparkLauncher):
         total = cluster.declared_slots(self.session)
         slots = (f"its settings declare {total} task slots" if total is not None
                  else "Spark Connect cannot say how many task slots it has")
+        channel_note = (
+            "" if self.relay else
+            f" The tasks call back to this Python process at {self.driver_host} (spark.driver.host): a Spark "
+            "Connect client off the driver's host must set SPARK_DL_CHANNEL=relay."
+        )
         return (
             f"only {started} of {self.num_tasks} barrier tasks started within {timeout:.0f} s: {slots}, and "
-            f"other jobs may hold some. The tasks call back to this Python process at {self.driver_host} "
-            "(spark.driver.host): a Spark Connect client must run on the driver's host. Free slots, lower np, "
-            "or raise start_timeout."
+            f"other jobs may hold some.{channel_note} Free slots, lower np, or raise start_timeout."
         )
 
 
@@ -569,17 +627,6 @@ def _rank_env(env: Mapping[str, str] | None) -> dict[str, str]:
             )
         out[key] = value
     return out
-
-
-def _run_timeout_message(limit: float, monitor: JobMonitor) -> str:
-    """Why the attempt was stopped, with each rank's last output line: where a hang sits."""
-    lines = [f"the run exceeded run_timeout={limit:g} s and every rank was stopped (a hung collective, a rank "
-             "waiting for one that is stuck, or a run that needs more time: raise run_timeout). Last line of each rank:"]
-    with monitor.lock:
-        tails = {r: t[-1] if t else "" for r, t in monitor.tails.items()}
-    for r in range(monitor.world_size):
-        lines.append(f"  {tails.get(r) or f'[{r}] (no output)'}")
-    return "\n".join(lines)
 
 
 def _driver_failure(e: BaseException) -> str:

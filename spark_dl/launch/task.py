@@ -6,6 +6,7 @@ interpreter start overlaps with it; they get their place in the world over stdin
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -46,6 +47,14 @@ class JobSpec:
     max_restarts: int = 0
     rank_env: dict[str, str] = field(default_factory=dict)  # HorovodRunner(env=...), set last
     task_nodes: bool = False  # each task is a "node" (TorchDistributor), not each host (Horovod)
+    relay: bool = False  # barrier task 0 stands in for the driver (a client the executors cannot reach)
+    relay_checkpoint: tuple[bytes, int | None] | None = None  # the driver's latest, for the relay to serve
+    run_timeout: float | None = None  # enforced by the relay (the driver cannot see the ranks' output)
+
+
+# the result rows of a Spark Connect stage: each task's status; with a relay, task 0's spool too
+STATUS_SCHEMA = "status string"
+RELAY_SCHEMA = "status string, report binary"
 
 
 def free_port() -> int:
@@ -153,7 +162,7 @@ def run_task(spec: JobSpec, partition: int, host: str, rendezvous: Callable[[], 
     Never raises for a rank's failure: the driver learns of it over the channel and decides, so
     Spark does not retry the stage on its own.
     """
-    conn = channel.connect(spec.driver_host, spec.driver_port, spec.secret)
+    conn = channel.connect(spec.driver_host, spec.driver_port, spec.secret, relay=spec.relay)
     conn.send("hello", {"role": "task", "partition": partition, "host": host, "pid": os.getpid()})
     sender = _Sender(conn)
     procs = [_start_rank_process(spec.job_id) for _ in range(spec.ranks_per_task)]
@@ -239,8 +248,9 @@ def run_task(spec: JobSpec, partition: int, host: str, rendezvous: Callable[[], 
     return statuses
 
 
-def _in_barrier_task(spec: JobSpec, extra_env: dict[str, str] | None = None) -> list[dict]:
-    """Run this barrier task's ranks: rendezvous with the other tasks through ``allGather``."""
+def _in_barrier_task(spec: JobSpec, extra_env: dict[str, str] | None = None):
+    """Run this barrier task's ranks: rendezvous with the other tasks through ``allGather``.
+    Returns the ranks' statuses and, in task 0 of a relayed run, its finished :class:`Relay`."""
     from pyspark import BarrierTaskContext
 
     ctx = BarrierTaskContext.get()
@@ -255,22 +265,64 @@ def _in_barrier_task(spec: JobSpec, extra_env: dict[str, str] | None = None) -> 
         tasks = [TaskInfo(**{**json.loads(g), "gpus": tuple(json.loads(g)["gpus"])}) for g in gathered]
         return compute_layout(tasks, spec.ranks_per_task, spec.task_nodes)[partition]
 
-    return run_task(spec, partition, host, rendezvous, extra_env)
+    relay = None
+    if spec.relay:
+        spec, relay = _join_relay(ctx, spec, partition, host)
+    try:
+        statuses = run_task(spec, partition, host, rendezvous, extra_env)
+    except BaseException:
+        if relay is not None:
+            relay.discard()
+        raise
+    if relay is not None:
+        relay.finish()
+    return statuses, relay
+
+
+def _join_relay(ctx, spec: JobSpec, partition: int, host: str):
+    """Task 0 starts the relay; every task learns its address and reports there instead."""
+    from .relay import Relay
+
+    relay = None
+    if partition == 0:
+        n = len(ctx.getTaskInfos())
+        relay = Relay(spec.secret, spec.job_id, n * spec.ranks_per_task, n, host, spec.relay_checkpoint,
+                      spec.run_timeout)
+    try:
+        addresses = ctx.allGather(json.dumps(relay.address if relay is not None else None))
+    except BaseException:
+        if relay is not None:
+            relay.discard()
+        raise
+    relay_host, relay_port = json.loads(addresses[0])
+    return dataclasses.replace(spec, driver_host=relay_host, driver_port=relay_port, relay_checkpoint=None), relay
+
+
+def _result_batches(spec: JobSpec, statuses: list[dict], relay):
+    import pyarrow as pa
+
+    if not spec.relay:
+        yield pa.RecordBatch.from_pylist([{"status": json.dumps(statuses)}])
+        return
+    schema = pa.schema([("status", pa.string()), ("report", pa.binary())])
+    yield pa.RecordBatch.from_pylist([{"status": json.dumps(statuses), "report": None}], schema=schema)
+    if relay is not None:
+        for chunk in relay.chunks():
+            yield pa.RecordBatch.from_pylist([{"status": None, "report": chunk}], schema=schema)
 
 
 def barrier_task(spec: JobSpec, _partition_rows) -> list:
     """``mapPartitions`` body of the barrier stage."""
-    return [json.dumps(_in_barrier_task(spec))]
+    statuses, _ = _in_barrier_task(spec)
+    return [json.dumps(statuses)]
 
 
 def range_barrier_task(spec: JobSpec, batches):
     """``mapInArrow`` body of the barrier stage over ``spark.range(num_tasks)`` (Spark Connect,
     which has no RDDs): the rows only give each task its partition."""
-    import pyarrow as pa
-
     for _ in batches:
         pass
-    yield pa.RecordBatch.from_pylist([{"status": json.dumps(_in_barrier_task(spec))}])
+    yield from _result_batches(spec, *_in_barrier_task(spec))
 
 
 def arrow_barrier_task(spec: JobSpec, schemas, batches):
@@ -279,14 +331,12 @@ def arrow_barrier_task(spec: JobSpec, schemas, batches):
     import shutil
     import tempfile
 
-    import pyarrow as pa
-
     from ..data import SHARD_ENV, write_partitions
 
     directory = tempfile.mkdtemp(prefix=f"{spec.job_id}-")
     try:
         write_partitions(batches, directory, schemas)
-        statuses = _in_barrier_task(spec, {SHARD_ENV: directory})
+        statuses, relay = _in_barrier_task(spec, {SHARD_ENV: directory})
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-    yield pa.RecordBatch.from_pylist([{"status": json.dumps(statuses)}])
+    yield from _result_batches(spec, statuses, relay)

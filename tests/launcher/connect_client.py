@@ -158,8 +158,83 @@ def timeout_mode(spark) -> dict:
     return out
 
 
+def relay_mode(spark) -> dict:
+    """SPARK_DL_CHANNEL=relay: barrier task 0 stands in for this client, as for one off the cluster."""
+    import hashlib
+
+    import mlflow
+
+    from spark_dl import load_checkpoint, log_metrics, save_checkpoint
+    from spark_dl.data import shards
+
+    os.environ["SPARK_DL_CHANNEL"] = "relay"
+
+    def logged(tag, y):
+        for step in range(3):
+            log_metrics({"loss": 1.0 / (step + 1)}, step=step)
+        return world(tag, y=y)
+
+    os.environ["SPARK_DL_TRACKING"] = "1"  # the suite turns it off; MLflow's default store, in this directory
+    runner = HorovodRunner(np=2, driver_log_verbosity="all")
+    out = {"ranks": runner.run_all(logged, "r", y=2)}
+    history = mlflow.MlflowClient().get_metric_history(runner.last_run.mlflow_run_id, "loss")
+    out["loss"] = [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)]
+    os.environ["SPARK_DL_TRACKING"] = "0"
+
+    pid_dir = os.environ["PID_DIR"]
+    out["failure"] = errors(HorovodRunner(np=2).run, fail_on_rank_1, pid_dir=pid_dir)
+    out["left_alive"] = procs.wait_all_dead(procs.recorded_pids(pid_dir), timeout=20)
+
+    def checkpointed():
+        attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+        if attempt == 1:
+            return load_checkpoint()
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        save_checkpoint({"step": 7}, step=7)
+        dist.barrier()  # rank 0's checkpoint is stored before rank 1 fails
+        if os.environ["RANK"] == "1":
+            raise RuntimeError("executor lost (pretend)")
+        time.sleep(120)
+
+    out["resumed"] = HorovodRunner(np=2, max_restarts=1).run(checkpointed)
+
+    def big():
+        blob = os.urandom(3 << 20)  # larger than one result row of the relay's report
+        return {"blob": blob, "sha": hashlib.sha256(blob).hexdigest()}
+
+    got = HorovodRunner(np=2).run(big)
+    out["big"] = hashlib.sha256(got["blob"]).hexdigest() == got["sha"]
+
+    def hang():
+        print(f"rank {os.environ['RANK']} waits for a peer", flush=True)
+        time.sleep(120)
+
+    out["run_timeout"] = errors(HorovodRunner(np=2, run_timeout=3).run, hang)
+
+    def rows(data):
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        return sorted(float(x) for b in data.batches(2) for x in b["x"])
+
+    df = spark.createDataFrame([(float(i),) for i in range(10)], "x double")
+    out["shards"] = HorovodRunner(np=2).run_all(rows, data=shards(df))
+
+    def sleeper():
+        time.sleep(12)
+
+    holder = threading.Thread(target=HorovodRunner(np=2).run, args=(sleeper,))  # holds both task slots
+    holder.start()
+    time.sleep(6)
+    out["timed_out"] = errors(HorovodRunner(np=2, start_timeout=4).run, world, "t")
+    holder.join()
+    return out
+
+
 if __name__ == "__main__":
     mode, url = sys.argv[1], sys.argv[2]
     session = SparkSession.builder.remote(url).getOrCreate()
-    result = {"run": run_mode, "data": data_mode, "timeout": timeout_mode}[mode](session)
+    result = {"run": run_mode, "data": data_mode, "timeout": timeout_mode, "relay": relay_mode}[mode](session)
     print("RESULT " + json.dumps(result), flush=True)

@@ -122,6 +122,32 @@ def test_start_timeout_and_stopped_session_through_spark_connect(connect_url, tm
     assert stopped["type"] == "LaunchRefused" and "no active SparkSession" in stopped["message"]
 
 
+def test_a_client_the_executors_cannot_reach_through_the_relay(connect_url, tmp_path):
+    out, text = client("relay", connect_url, tmp_path)
+    assert "[spark-dl] the executors report to barrier task 0, not to this client" in text
+    ranks = out["ranks"]
+    assert [r["rank"] for r in ranks] == ["0", "1"] and all(r["sum"] == 3.0 and r["y"] == 2 for r in ranks)
+    assert "[1]<stdout>: hello from rank 1" in text  # the ranks' output, replayed at the end
+    assert out["loss"] == [[0, 1.0], [1, 0.5], [2, 1 / 3]]  # rank 0's metrics reach this client's MLflow run
+
+    failure = out["failure"]  # task 0 stops the others and reports rank 1's error
+    assert failure["type"] == "RankFailed" and failure["rank"] == 1
+    assert "ValueError: loss is NaN on rank 1" in failure["message"]
+    assert failure["seconds"] < 30 and out["left_alive"] == []
+    assert out["resumed"] == {"step": 7}  # saved through task 0, kept here, served to the restart by task 0
+    assert out["big"] is True  # a 3 MB result, in several result rows
+
+    hung = out["run_timeout"]  # task 0 enforces it, with each rank's last line
+    assert hung["type"] == "JobFailed" and "exceeded run_timeout=3 s" in hung["message"] and hung["seconds"] < 30
+    assert "[1]<stdout>: rank 1 waits for a peer" in hung["message"]
+    first, second = out["shards"]
+    assert not set(first) & set(second) and sorted(first + second) == [float(i) for i in range(10)]
+
+    timed_out = out["timed_out"]  # the server's progress reports show the tasks never started
+    assert timed_out["type"] == "JobFailed" and timed_out["seconds"] < 20
+    assert "only 0 of 2 barrier tasks started within 4 s" in timed_out["message"]
+
+
 @pytest.mark.parametrize("master, task_cpus, slots", [
     ("local", 1, 1), ("local[3]", 1, 3), ("local[4, 2]", 1, 4), ("local[6]", 4, 1),
     ("local-cluster[2,1,1024]", 1, 2), ("local-cluster[2, 3, 1024]", 2, 2),
