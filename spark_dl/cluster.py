@@ -203,6 +203,20 @@ def check_slots(sc, np: int, num_tasks: int, wait_s: float = EXECUTOR_WAIT_S, wa
     return s
 
 
+def elastic_size(sc, low: int, high: int, per_task: int = 1, settle_s: float = 0.0) -> int:
+    """How many ranks to launch: as many as the free task slots take, from ``low`` to ``high``
+    (a multiple of ``per_task``). Waits up to ``settle_s`` for ``high``; fewer than ``low`` free
+    gives ``low`` (the barrier stage then waits for slots, up to ``start_timeout``)."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        n = min(high, slots(sc).free * per_task)
+        if n >= high or time.monotonic() >= deadline:
+            break
+        time.sleep(0.25)
+    n -= n % per_task
+    return max(low, n)
+
+
 def _too_few(np: int, num_tasks: int, total: int, executors: str, task_cpus: int, task_gpus: float,
              busy: str) -> LaunchRefused:
     gpu = f", spark.task.resource.gpu.amount={task_gpus:g}" if task_gpus else ""

@@ -34,6 +34,7 @@ class RunInfo:
     failures: tuple[JobFailed, ...]  # the failed attempts' errors, oldest first (the raised one last)
     mlflow_run_id: str | None  # the MLflow run it logged to (None without tracking)
     seconds: float
+    world_sizes: tuple[int, ...] = ()  # ranks of each attempt (they differ with min_np)
 
     @property
     def succeeded(self) -> bool:
@@ -41,6 +42,7 @@ class RunInfo:
 
 
 START_TIMEOUT_S = 300.0
+ELASTIC_SETTLE_S = 5.0  # min_np: how long a restart waits for all np slots before taking fewer
 NODES = ("hosts", "tasks")
 
 
@@ -70,6 +72,10 @@ class HorovodRunner:
         env: environment variables set in every rank process (``{"NCCL_DEBUG": "INFO"}``), on top
             of the executor's; the variables spark-dl sets itself (``RANK``, ``MASTER_ADDR``, ...)
             are refused.
+        min_np: let an attempt run with fewer ranks, down to ``min_np``, when fewer task slots are
+            free (an executor lost and not replaced, slots held by other jobs): each attempt takes
+            as many as are free, up to ``np``; a restart first waits a few seconds for them
+            (classic sessions only: Spark Connect cannot show free slots). None: always ``np``.
         nodes: what a "node" is for ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``/``GROUP_RANK`` and the GPUs a
             rank sees: ``"hosts"`` (default, Horovod's local ranks) or ``"tasks"`` (one torchrun-style
             node per Spark task, as PySpark's TorchDistributor: each task sees only its own GPUs).
@@ -91,6 +97,7 @@ class HorovodRunner:
         run_timeout: float | None = None,
         env: Mapping[str, str] | None = None,
         nodes: str = "hosts",
+        min_np: int | None = None,
     ) -> None:
         if isinstance(np, bool) or not isinstance(np, int):
             raise LaunchRefused(f"np must be an int (ranks on Spark if > 0, local processes if < 0), got {np!r}")
@@ -107,6 +114,14 @@ class HorovodRunner:
                 f"max_restarts must be an int >= 0 (how many times a failed run is launched again), got {max_restarts!r}"
             )
         self.max_restarts = max_restarts
+        if min_np is not None:
+            if isinstance(min_np, bool) or not isinstance(min_np, int) or not 1 <= min_np <= abs(np):
+                raise LaunchRefused(f"min_np must be an int from 1 to np={np} (the fewest ranks an attempt may run "
+                                    f"with), got {min_np!r}")
+            if np < 0:
+                raise LaunchRefused(f"min_np={min_np} with np={np}: local processes always start all {-np}; "
+                                    "min_np applies to runs on Spark (np > 0)")
+        self.min_np = min_np
         if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
             raise LaunchRefused(f"checkpoint_dir must be a path (str or os.PathLike), got {checkpoint_dir!r}")
         self.checkpoint_dir = checkpoint_dir
@@ -158,6 +173,7 @@ class HorovodRunner:
         job_id = f"spark-dl-{uuid.uuid4().hex[:12]}"
         started = time.monotonic()
         attempt = 0
+        sizes = [launcher.world_size]
         store = CheckpointStore(self.checkpoint_dir, job_id)
         if store.from_earlier_run():
             sys.stderr.write(f"[spark-dl] resuming from {self.checkpoint_dir}: {store.describe()}\n")
@@ -190,7 +206,8 @@ class HorovodRunner:
                     break
                 earlier.append(outcome)
                 attempt += 1
-                launcher = self._relaunch(data, attempt, outcome, store, observers)
+                launcher = self._relaunch(data, attempt, outcome, store, observers, sizes[-1])
+                sizes.append(launcher.world_size)
         except BaseException as e:  # what the observers (the MLflow run) are told; e itself propagates
             outcome = e if isinstance(e, JobFailed) else JobFailed(_driver_failure(e))
             raise
@@ -203,7 +220,7 @@ class HorovodRunner:
             failed = [*earlier, *([outcome] if isinstance(outcome, JobFailed) else [])]
             writer = tracker.writer if tracker is not None else None
             self.last_run = RunInfo(job_id, attempt + 1, tuple(failed), writer.run_id if writer is not None else None,
-                                    time.monotonic() - started)
+                                    time.monotonic() - started, tuple(sizes))
         if outcome is not None:
             raise outcome
         assert monitor is not None
@@ -214,7 +231,7 @@ class HorovodRunner:
     def _launcher(self, data: ShardSet | None, wait_s: float | None = None) -> "_Launcher":
         if self.np < 0:
             return _LocalLauncher(-self.np)
-        return _SparkLauncher.prepare(self.np, data, wait_s, self._ranks_per_task)
+        return _SparkLauncher.prepare(self.np, data, wait_s, self._ranks_per_task, self.min_np)
 
     def _attempt(
         self, launcher: "_Launcher", job_id: str, attempt: int, payload: bytes, all_results: bool,
@@ -275,14 +292,10 @@ class HorovodRunner:
 
     def _relaunch(
         self, data: ShardSet | None, attempt: int, error: JobFailed, store: CheckpointStore,
-        observers: list[Observer],
+        observers: list[Observer], last_size: int,
     ) -> "_Launcher":
         """Say why and how the run restarts, then prepare the next attempt's launch."""
-        sys.stderr.write(
-            f"[spark-dl] attempt {attempt} of {self.max_restarts + 1} failed: {_first_line(error)}\n"
-            f"[spark-dl] restarting all {abs(self.np)} ranks (restart {attempt} of max_restarts={self.max_restarts}); "
-            f"{store.describe()}\n"
-        )
+        sys.stderr.write(f"[spark-dl] attempt {attempt} of {self.max_restarts + 1} failed: {_first_line(error)}\n")
         sys.stderr.flush()
         store.attempt = attempt
         for o in observers:
@@ -290,12 +303,23 @@ class HorovodRunner:
             if on_restart is not None:
                 on_restart(attempt, error)
         try:  # a lost executor may still be replaced: wait for slots as long as a start may take
-            return self._launcher(data, wait_s=self.start_timeout)
+            launcher = self._launcher(data, wait_s=self.start_timeout)
         except Exception as e:  # noqa: BLE001 - the cluster or the data changed since the first launch
             why = str(e) if isinstance(e, LaunchRefused) else spark_error_summary(e)
             raise JobFailed(
                 f"restart {attempt} of max_restarts={self.max_restarts} could not be launched: {why}"
             ) from error
+        n = launcher.world_size
+        ranks = f"all {n} ranks" if n == abs(self.np) else f"{n} of np={self.np} ranks (the free task slots; min_np={self.min_np})"
+        sys.stderr.write(f"[spark-dl] restarting {ranks} (restart {attempt} of max_restarts={self.max_restarts}); "
+                         f"{store.describe()}\n")
+        sys.stderr.flush()
+        if n != last_size:
+            for o in observers:
+                on_resize = getattr(o, "on_resize", None)
+                if on_resize is not None:
+                    on_resize(n)
+        return launcher
 
     def _finish(self, monitor: JobMonitor, launcher: "_Launcher", server: channel.ControlServer) -> JobFailed | None:
         """Wait for every rank to be gone, close the channel; the attempt's error, if it failed."""
@@ -425,15 +449,24 @@ class _SparkLauncher(_Launcher):
 
     @staticmethod
     def prepare(np: int, data: ShardSet | None = None, wait_s: float | None = None,
-                per_task: int | None = None) -> "_SparkLauncher":
+                per_task: int | None = None, min_np: int | None = None) -> "_SparkLauncher":
         """Check the cluster and build the launcher; ``wait_s``: wait that long for enough task
         slots (a restart, while a lost executor is replaced) instead of refusing at once;
-        ``per_task``: ranks per task (default: one per GPU a task gets)."""
+        ``per_task``: ranks per task (default: one per GPU a task gets); ``min_np``: launch as
+        many ranks as there are free slots for, from ``min_np`` to ``np``."""
         session = cluster.active_session(np)
         connect = cluster.is_connect(session)
         cluster.check_dynamic_allocation(session)
         if per_task is None:
             per_task = cluster.ranks_per_task(session)
+        if min_np is not None:
+            if connect:
+                raise LaunchRefused(
+                    f"min_np={min_np}: Spark Connect cannot show how many task slots are free, so every attempt "
+                    f"runs np={np} ranks; leave min_np unset (or use a classic SparkSession)"
+                )
+            settle = ELASTIC_SETTLE_S if wait_s is not None else 0.0  # a restart: let the failed stage's slots free
+            np = cluster.elastic_size(session.sparkContext, min_np, np, per_task, settle)
         if np % per_task:
             raise LaunchRefused(
                 f"np={np} is not a multiple of spark.task.resource.gpu.amount={per_task} "

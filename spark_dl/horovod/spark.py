@@ -73,21 +73,27 @@ def run_elastic(
     and a committed state): a failed attempt is restarted, every rank fresh, up to ``reset_limit``
     times (default 3), resuming from the last commit.
 
-    Restarts keep ``num_proc`` ranks: a ``min_num_proc``/``max_num_proc`` other than ``num_proc``
-    is refused (a barrier stage has a fixed size). ``elastic_timeout`` bounds each restart's wait
-    for task slots.
+    Each attempt runs as many ranks as there are free task slots for, from ``min_num_proc``
+    (default ``num_proc``) to ``max_num_proc`` (default ``num_proc``): ``HorovodRunner(min_np=...)``.
+    ``elastic_timeout`` bounds each restart's wait for task slots.
     """
     num_proc = _num_proc(num_proc)
-    for name, value in (("min_num_proc", min_num_proc if min_np is None else min_np),
-                        ("max_num_proc", max_num_proc if max_np is None else max_np)):
-        if value is not None and value != num_proc:
-            raise LaunchRefused(
-                f"{name}={value} with num_proc={num_proc}: spark-dl restarts a run at the size it started with "
-                "(one Spark barrier stage has a fixed number of tasks). Leave min/max unset or equal to num_proc."
-            )
+    low = min_num_proc if min_np is None else min_np
+    high = max_num_proc if max_np is None else max_np
+    for name, value in (("min_num_proc", low), ("max_num_proc", high)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise LaunchRefused(f"{name} must be an int >= 1, got {value!r}")
+    low = num_proc if low is None else low
+    high = num_proc if high is None else high
+    if not low <= num_proc <= high:
+        raise LaunchRefused(
+            f"min_num_proc={low} <= num_proc={num_proc} <= max_num_proc={high} does not hold: num_proc is where "
+            "the run starts, between the fewest and the most ranks it may run with"
+        )
     limit = DEFAULT_RESET_LIMIT if reset_limit is None else reset_limit
-    runner = _runner(num_proc, start_timeout if elastic_timeout is None else elastic_timeout, None, None, env,
-                     stdout, stderr, nics, prefix_output_with_timestamp, None, max_restarts=limit)
+    runner = _runner(high, start_timeout if elastic_timeout is None else elastic_timeout, None, None, env,
+                     stdout, stderr, nics, prefix_output_with_timestamp, None, max_restarts=limit,
+                     min_np=low if low < high else None)
     return runner._run(fn, dict(kwargs or {}), all_results=True, args=tuple(args))
 
 
@@ -115,7 +121,7 @@ def _num_proc(num_proc: int | None) -> int:
 
 
 def _runner(num_proc, start_timeout, use_mpi, extra_mpi_args, env, stdout, stderr, nics,
-            prefix_output_with_timestamp, executable, max_restarts: int) -> HorovodRunner:
+            prefix_output_with_timestamp, executable, max_restarts: int, min_np: int | None = None) -> HorovodRunner:
     if use_mpi:
         raise LaunchRefused("use_mpi=True: spark-dl has no MPI; its ranks use torch.distributed "
                             "(Gloo, or NCCL on GPUs). Leave use_mpi unset.")
@@ -137,7 +143,7 @@ def _runner(num_proc, start_timeout, use_mpi, extra_mpi_args, env, stdout, stder
         rank_env.setdefault("GLOO_SOCKET_IFNAME", names)
         rank_env.setdefault("NCCL_SOCKET_IFNAME", names)
     runner = HorovodRunner(np=num_proc, driver_log_verbosity="all", start_timeout=start_timeout,
-                           max_restarts=max_restarts, env=rank_env)
+                           max_restarts=max_restarts, env=rank_env, min_np=min_np)
     if prefix_output_with_timestamp:
         stdout, stderr = _Timestamped(stdout), _Timestamped(stderr, err=True)
     runner._out, runner._err = stdout, stderr

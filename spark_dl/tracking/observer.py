@@ -70,6 +70,7 @@ class TrackingObserver:
         self.progress = ProgressBar() if progress else None
         self.writer: MlflowWriter | None = None
         self.world_size = 0
+        self._sizes: list[int] = []  # each attempt's world size, once it changed
         self.samples_per_step: int | None = None
         self._last: dict[int, tuple[float, int]] = {}  # rank -> (time, step) of its last record
         self._rank_info: dict[int, dict] = {}
@@ -171,6 +172,18 @@ class TrackingObserver:
         if w is not None:
             w.set_tags({"spark_dl.restarts": str(attempt)})
             w.log_artifact_bytes(f"restarts/attempt{attempt}_error.txt", text.encode("utf-8"))
+
+    def on_resize(self, world_size: int) -> None:
+        """The next attempt runs ``world_size`` ranks (``HorovodRunner(min_np=...)``): throughput
+        counts its samples; the run's params keep the first attempt's world, a tag lists each."""
+        if self.samples_per_step and self.world_size:
+            self.samples_per_step = self.samples_per_step // self.world_size * world_size
+            if self.progress is not None:
+                self.progress.samples_per_step = self.samples_per_step
+        self._sizes = [*(self._sizes or [self.world_size]), world_size]
+        self.world_size = world_size
+        if self.writer is not None:
+            self.writer.set_tags({"spark_dl.world_sizes": ",".join(map(str, self._sizes))})
 
     def on_finish(self, error: BaseException | None) -> None:
         if self.progress is not None:

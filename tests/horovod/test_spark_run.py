@@ -71,11 +71,19 @@ def test_run_elastic_restarts_from_the_last_commit(spark, tmp_path):
     assert [o["start"]["epoch"] for o in outs] == [1, 1] and outs[0]["params"] == outs[1]["params"]
 
 
-def test_run_elastic_refuses_a_changing_size(spark):
-    with pytest.raises(LaunchRefused, match="min_num_proc=1 with num_proc=2.*fixed number of tasks"):
-        horovod_spark.run_elastic(fn, args=(1,), num_proc=2, min_num_proc=1, max_num_proc=2)
-    with pytest.raises(LaunchRefused, match="max_num_proc=4 with num_proc=2"):
-        horovod_spark.run_elastic(fn, args=(1,), num_proc=2, max_np=4)
+def test_run_elastic_takes_the_free_slots_up_to_max_num_proc(spark):
+    outs = horovod_spark.run_elastic(fn, args=(1,), num_proc=2, max_num_proc=4)  # local[4]: all four free
+    assert [o[:2] for o in outs] == [(r, 10.0) for r in range(4)]  # 1 + 2 + 3 + 4 over four ranks
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"min_num_proc": 3}, r"min_num_proc=3 <= num_proc=2 <= max_num_proc=2 does not hold"),
+    ({"max_np": 1}, r"min_num_proc=2 <= num_proc=2 <= max_num_proc=1 does not hold"),
+    ({"min_num_proc": 0}, "min_num_proc must be an int >= 1, got 0"),
+])
+def test_run_elastic_refuses_sizes_out_of_order(spark, kwargs, match):
+    with pytest.raises(LaunchRefused, match=match):
+        horovod_spark.run_elastic(fn, args=(1,), num_proc=2, **kwargs)
 
 
 def test_without_a_session_num_proc_cannot_default_and_says_so():
