@@ -42,11 +42,13 @@ __all__ = [
 # -- configuration (Ray's names and defaults) ----------------------------------------------------
 @dataclass
 class ScalingConfig:
-    """``num_workers`` ranks, each with a GPU when ``use_gpu`` (Spark GPU scheduling on executors).
+    """``num_workers`` ranks, each with a GPU when ``use_gpu`` (Spark GPU scheduling on executors);
+    ``num_workers=(min_workers, max_workers)`` is elastic: each attempt runs as many as there are
+    free task slots for, in that range (``HorovodRunner(min_np=...)``).
     ``resources_per_worker`` may say ``{"CPU": n}`` (Spark's ``spark.task.cpus`` decides; the value is
     not applied) and ``{"GPU": 1}``; ``placement_strategy`` is Spark's to decide and is ignored."""
 
-    num_workers: int = 1
+    num_workers: int | tuple[int, int] = 1
     use_gpu: bool = False
     resources_per_worker: dict | None = None
     placement_strategy: str = "PACK"
@@ -251,6 +253,19 @@ def get_dataset_shard(name: str) -> DataShard:
     return w.datasets[name]
 
 
+def _worker_range(workers: Any) -> tuple[int, int]:
+    """``num_workers`` as (fewest, most): an int, or Ray's elastic ``(min_workers, max_workers)``."""
+    def whole(n: Any) -> bool:
+        return isinstance(n, int) and not isinstance(n, bool) and n >= 1
+
+    if whole(workers):
+        return workers, workers
+    if isinstance(workers, tuple) and len(workers) == 2 and all(whole(n) for n in workers) and workers[0] <= workers[1]:
+        return workers
+    raise LaunchRefused(f"ScalingConfig(num_workers={workers!r}): give an int >= 1, the number of ranks, or "
+                        "(min_workers, max_workers) with 1 <= min_workers <= max_workers (elastic)")
+
+
 def _required_parameters(fn: Callable) -> int:
     try:
         params = inspect.signature(fn).parameters.values()
@@ -420,9 +435,7 @@ class TorchTrainer:
                                 "(spark_dl.init picks it); drop torch_config")
         if resume_from_checkpoint is not None and not isinstance(resume_from_checkpoint, Checkpoint):
             raise LaunchRefused("resume_from_checkpoint must be a Checkpoint: Checkpoint.from_directory(path)")
-        workers = (scaling_config or ScalingConfig()).num_workers
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise LaunchRefused(f"ScalingConfig(num_workers={workers!r}): give an int >= 1, the number of ranks")
+        self._workers = _worker_range((scaling_config or ScalingConfig()).num_workers)
         self.train_loop_per_worker = train_loop_per_worker
         self.train_loop_config = dict(train_loop_config) if train_loop_config is not None else None
         self.scaling = scaling_config or ScalingConfig()
@@ -484,8 +497,13 @@ class TorchTrainer:
         return bool(self.scaling.use_gpu)
 
     def _distributor(self) -> TorchDistributor:
-        return TorchDistributor(self.scaling.num_workers, local_mode=self.local_mode, use_gpu=self._gpu,
-                                max_restarts=self.max_failures, tracking=Tracking(run_name=self.name))
+        low, high = self._workers
+        distributor = TorchDistributor(high, local_mode=self.local_mode, use_gpu=self._gpu,
+                                       max_restarts=self.max_failures, tracking=Tracking(run_name=self.name))
+        if low < high and not self.local_mode:  # local processes always start max_workers
+            distributor._options["min_np"] = low
+            distributor._runner(high)  # checked now, not at fit()
+        return distributor
 
     def fit(self) -> Result:
         """Train; returns a :class:`Result`, or raises the failing rank's error

@@ -109,6 +109,23 @@ def test_spark_dataframes_are_sharded_through_get_dataset_shard(spark, tmp_path)
     assert result.checkpoint is None
 
 
+def test_elastic_num_workers_start_on_the_free_slots(spark, tmp_path):
+    from test_elastic_size import OtherJob
+
+    def loop():
+        train.report({"world": train.get_context().get_world_size()})
+
+    other = OtherJob(spark.sparkContext, str(tmp_path))
+    other.start()  # two of local[4]'s four slots are taken
+    try:
+        result = TorchTrainer(loop, scaling_config=ScalingConfig(num_workers=(2, 4)),
+                              run_config=RunConfig(storage_path=str(tmp_path))).fit()
+    finally:
+        open(tmp_path / "release", "w").close()
+        other.thread.join()
+    assert result.metrics["world"] == 2  # Ray's elastic range: what is free, at least min_workers
+
+
 def test_get_checkpoint_follows_the_latest_report(tmp_path):
     def loop():
         seen = [train.get_checkpoint()]
@@ -142,6 +159,9 @@ def test_a_failure_without_restarts_raises_the_ranks_error(tmp_path):
     ({"scaling_config": ScalingConfig(num_workers=2, resources_per_worker={"TPU": 1})}, "Ray resources"),
     ({"scaling_config": ScalingConfig(num_workers=2, use_gpu=True, resources_per_worker={"GPU": 2})}, "one GPU"),
     ({"scaling_config": ScalingConfig(num_workers=0)}, r"num_workers=0\): give an int >= 1"),
+    ({"scaling_config": ScalingConfig(num_workers=(3, 2))}, r"\(min_workers, max_workers\) with 1 <= min_workers"),
+    ({"scaling_config": ScalingConfig(num_workers=(0, 2))}, r"num_workers=\(0, 2\)\): give an int >= 1"),
+    ({"scaling_config": ScalingConfig(num_workers=[1, 2])}, r"num_workers=\[1, 2\]\)"),
     ({"datasets": {"train": [1, 2, 3]}}, "spark-dl shards Spark DataFrames"),
     ({"datasets": [("train", None)]}, "datasets must be a dict"),
     ({"torch_config": object()}, "torch_config is not supported"),
