@@ -86,8 +86,9 @@ class Relay:
             try:
                 self._spool.write(_dumps(event))
             except Exception as e:  # noqa: BLE001 - one odd message must not cost the run its record
-                line = f"[spark-dl] the relay could not keep a {event[2]!r} message: {type(e).__name__}: {e}"
-                self._spool.write(_dumps(("message", event[1], "log", [(-1, "log", line)])))
+                what, conn = (event[2], event[1]) if event[0] == "message" else (event[0], -1)
+                line = f"[spark-dl] the relay could not keep a {what!r} message: {type(e).__name__}: {e}"
+                self._spool.write(_dumps(("message", conn, "log", [(-1, "log", line)])))
 
     def _id(self, conn: channel.Connection) -> int:
         with self._lock:
