@@ -41,6 +41,17 @@ def channel_mode(session) -> str:
     ``spark.driver.host`` is this machine (a notebook on the cluster), else relayed (a laptop the
     executors cannot connect to). ``SPARK_DL_CHANNEL=direct|relay`` overrides that guess.
     """
+    mode = channel_setting()
+    if not is_connect(session):
+        return "direct"
+    if mode != "auto":
+        return mode
+    host = conf(session, "spark.driver.host")
+    return "direct" if host and is_this_host(host) else "relay"
+
+
+def channel_setting() -> str:
+    """``SPARK_DL_CHANNEL``, checked: one of :data:`CHANNEL_MODES` (unset: ``"auto"``)."""
     mode = (os.environ.get(CHANNEL_ENV) or "auto").strip().lower()
     if mode not in CHANNEL_MODES:
         raise LaunchRefused(
@@ -48,12 +59,7 @@ def channel_mode(session) -> str:
             "cannot connect to this Spark Connect client, 'direct' when they can, 'auto' (default) to tell by "
             "spark.driver.host"
         )
-    if not is_connect(session):
-        return "direct"
-    if mode != "auto":
-        return mode
-    host = conf(session, "spark.driver.host")
-    return "direct" if host and is_this_host(host) else "relay"
+    return mode
 
 
 def is_this_host(host: str) -> bool:

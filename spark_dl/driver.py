@@ -41,7 +41,9 @@ class Observer(Protocol):
     ``run`` is about to raise (None on success). Callbacks run on channel threads: keep them cheap.
     An observer may also define ``on_restart(attempt, error)``, called on the driver's thread
     before a failed attempt is launched again (``HorovodRunner(max_restarts=...)``), and
-    ``on_checkpoint(blob, step)``, called once rank 0's checkpoint (the pickled state) is stored.
+    ``on_checkpoint(blob, step)``, called once rank 0's checkpoint (the pickled state) is stored,
+    and ``on_resize(world_size)``, called before a restart that runs another number of ranks
+    (``HorovodRunner(min_np=...)``).
     """
 
     def on_start(self, job: dict) -> None: ...
@@ -51,6 +53,14 @@ class Observer(Protocol):
     def on_log(self, rank: int, stream: str, line: str) -> None: ...
 
     def on_finish(self, error: BaseException | None) -> None: ...
+
+
+def notify(observers: list[Observer], hook: str, *args: Any) -> None:
+    """Call the optional ``hook`` (``on_checkpoint``, ``on_restart``, ``on_resize``) of each observer that has it."""
+    for o in observers:
+        method = getattr(o, hook, None)
+        if method is not None:
+            method(*args)
 
 
 @dataclass
@@ -206,10 +216,7 @@ class JobMonitor:
             self.fail(Failure(rank, f"{data['exc_type']}: {data['message']}", data))
         elif kind.startswith("checkpoint/") and self.checkpoints is not None:
             if self.checkpoints.handle(conn, rank, kind, data) and kind == "checkpoint/save":
-                for o in self.observers:
-                    on_checkpoint = getattr(o, "on_checkpoint", None)
-                    if on_checkpoint is not None:
-                        on_checkpoint(data["blob"], data.get("step"))
+                notify(self.observers, "on_checkpoint", data["blob"], data.get("step"))
         else:
             for o in self.observers:
                 o.on_message(rank, kind, data)

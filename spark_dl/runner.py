@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping, TextIO
 from . import channel, cluster
 from .checkpoint import CheckpointStore
 from .data import SHARD_ENV, DataFrameShards, ShardSet
-from .driver import ABORT_GRACE_S, VERBOSITIES, Failure, JobMonitor, Observer, run_timeout_message
+from .driver import ABORT_GRACE_S, VERBOSITIES, Failure, JobMonitor, Observer, notify, run_timeout_message
 from .errors import JobFailed, LaunchRefused
 from .launch.layout import RankSpec
 from .launch.relay import replay
@@ -298,10 +298,7 @@ class HorovodRunner:
         sys.stderr.write(f"[spark-dl] attempt {attempt} of {self.max_restarts + 1} failed: {_first_line(error)}\n")
         sys.stderr.flush()
         store.attempt = attempt
-        for o in observers:
-            on_restart = getattr(o, "on_restart", None)
-            if on_restart is not None:
-                on_restart(attempt, error)
+        notify(observers, "on_restart", attempt, error)
         try:  # a lost executor may still be replaced: wait for slots as long as a start may take
             launcher = self._launcher(data, wait_s=self.start_timeout)
         except Exception as e:  # noqa: BLE001 - the cluster or the data changed since the first launch
@@ -315,10 +312,7 @@ class HorovodRunner:
                          f"{store.describe()}\n")
         sys.stderr.flush()
         if n != last_size:
-            for o in observers:
-                on_resize = getattr(o, "on_resize", None)
-                if on_resize is not None:
-                    on_resize(n)
+            notify(observers, "on_resize", n)
         return launcher
 
     def _finish(self, monitor: JobMonitor, launcher: "_Launcher", server: channel.ControlServer) -> JobFailed | None:
@@ -559,8 +553,7 @@ class _ConnectLauncher(_SparkLauncher):
 
     def start(self, spec: JobSpec, monitor: JobMonitor) -> None:
         if self.relay and spec.attempt == 0:
-            forced = (os.environ.get(cluster.CHANNEL_ENV) or "").strip().lower() == "relay"
-            why = (f"{cluster.CHANNEL_ENV}=relay" if forced else
+            why = (f"{cluster.CHANNEL_ENV}=relay" if cluster.channel_setting() == "relay" else
                    f"spark.driver.host={self.driver_host} is another machine")
             sys.stderr.write(
                 f"[spark-dl] the executors report to barrier task 0, not to this client ({why}): the ranks' "

@@ -76,7 +76,8 @@ class Relay:
         self._started = time.monotonic()
         self._run_timeout = run_timeout
         # the time-out must fire while this task's own ranks hang: a thread of its own
-        threading.Thread(target=self._watch, name="spark-dl-relay-watch", daemon=True).start()
+        self._watcher = threading.Thread(target=self._watch, name="spark-dl-relay-watch", daemon=True)
+        self._watcher.start()
 
     # -- what the control server hands over ------------------------------------------------------
     def _record(self, event: tuple) -> None:
@@ -115,6 +116,7 @@ class Relay:
                     pass
 
     def _watch(self) -> None:
+        """Until every rank has exited or the attempt failed (its time-out included)."""
         m = self.monitor
         while m.failure is None and not m.all_exited() and not self._closed:
             if self._run_timeout is not None and time.monotonic() - self._started > self._run_timeout:
@@ -125,9 +127,8 @@ class Relay:
     # -- the end of the attempt ------------------------------------------------------------------
     def finish(self) -> None:
         """Wait until every rank is gone (task 0's own ranks already are), then stop recording."""
+        self._watcher.join()
         m = self.monitor
-        while m.failure is None and not m.all_exited():
-            m.wait(0.2)
         deadline = time.monotonic() + (ABORT_GRACE_S if m.failure is not None else SETTLE_S)
         while time.monotonic() < deadline and not m.tasks_gone():
             m.wait(0.1)

@@ -33,11 +33,12 @@ def fails_on_attempt_0(flags):
 
 
 class OtherJob:
-    """Another Spark job holding two task slots until ``release`` appears (or 60 s pass)."""
+    """Another Spark job holding two task slots from :meth:`start` until ``release`` appears (or
+    60 s pass); leaving the ``with`` block releases it and waits for it to end."""
 
     def __init__(self, sc, flags: str) -> None:
         self.sc = sc
-        release = os.path.join(flags, "release")
+        self.release = release = os.path.join(flags, "release")
 
         def hold(_):
             deadline = time.monotonic() + 60
@@ -52,10 +53,17 @@ class OtherJob:
         while cluster.slots(self.sc).busy < 2 and time.monotonic() < deadline:  # both tasks hold a slot
             time.sleep(0.05)
 
+    def __enter__(self) -> "OtherJob":
+        return self
+
+    def __exit__(self, *_) -> None:
+        open(self.release, "w").close()
+        if self.thread.is_alive():
+            self.thread.join()
+
 
 def test_a_restart_runs_on_the_free_slots_down_to_min_np(spark, tmp_path, capfd):
     flags = str(tmp_path)
-    other = OtherJob(spark.sparkContext, flags)
 
     class TakeSlotsOnRestart:  # an observer's on_restart runs before the restart is sized
         def on_start(self, job): ...
@@ -64,16 +72,13 @@ def test_a_restart_runs_on_the_free_slots_down_to_min_np(spark, tmp_path, capfd)
         def on_finish(self, error): ...
 
         def on_restart(self, attempt, error):
-            os.unlink(os.path.join(flags, "release"))
+            os.unlink(other.release)  # attempt 0's failing rank made it
             other.start()
 
     runner = HorovodRunner(np=4, min_np=2, max_restarts=1)
     runner.observers.append(TakeSlotsOnRestart())
-    try:
+    with OtherJob(spark.sparkContext, flags) as other:
         outs = runner.run_all(fails_on_attempt_0, flags=flags)
-    finally:
-        open(os.path.join(flags, "release"), "w").close()
-        other.thread.join()
     assert outs == [{"world": 2, "sum": 2.0, "resumed": {"samples_seen": 96}}] * 2
     assert runner.last_run.world_sizes == (4, 2)
     assert "[spark-dl] restarting 2 of np=4 ranks (the free task slots; min_np=2)" in capfd.readouterr().err
@@ -85,14 +90,10 @@ def test_a_run_starts_on_the_free_slots_and_a_restart_grows_back_to_np(spark, tm
     monkeypatch.setenv("SPARK_DL_TRACKING", "1")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     flags = str(tmp_path)
-    other = OtherJob(spark.sparkContext, flags)
-    other.start()  # two of local[4]'s slots are taken before the run
     runner = HorovodRunner(np=4, min_np=2, max_restarts=1, progress=False)
-    try:
+    with OtherJob(spark.sparkContext, flags) as other:
+        other.start()  # two of local[4]'s slots are taken before the run
         outs = runner.run_all(fails_on_attempt_0, flags=flags)  # attempt 0's failing rank ends the other job
-    finally:
-        open(os.path.join(flags, "release"), "w").close()
-        other.thread.join()
     assert outs == [{"world": 4, "sum": 4.0, "resumed": {"samples_seen": 96}}] * 4
     assert runner.last_run.world_sizes == (2, 4)
     assert "[spark-dl] restarting all 4 ranks" in capfd.readouterr().err

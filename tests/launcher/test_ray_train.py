@@ -115,14 +115,10 @@ def test_elastic_num_workers_start_on_the_free_slots(spark, tmp_path):
     def loop():
         train.report({"world": train.get_context().get_world_size()})
 
-    other = OtherJob(spark.sparkContext, str(tmp_path))
-    other.start()  # two of local[4]'s four slots are taken
-    try:
+    with OtherJob(spark.sparkContext, str(tmp_path)) as other:
+        other.start()  # two of local[4]'s four slots are taken
         result = TorchTrainer(loop, scaling_config=ScalingConfig(num_workers=(2, 4)),
                               run_config=RunConfig(storage_path=str(tmp_path))).fit()
-    finally:
-        open(tmp_path / "release", "w").close()
-        other.thread.join()
     assert result.metrics["world"] == 2  # Ray's elastic range: what is free, at least min_workers
 
 
