@@ -169,12 +169,14 @@ def slots(sc) -> Slots:
     jsc = sc._jsc.sc()
     profile = jsc.resourceProfileManager().defaultResourceProfile()
     total = int(jsc.maxNumConcurrentTasks(profile))
-    tracker = sc.statusTracker()
-    busy = 0
-    for sid in tracker.getActiveStageIds():
-        info = tracker.getStageInfo(sid)
-        if info is not None:
-            busy += info.numActiveTasks
+    busy = _running_tasks(jsc)
+    if busy is None:
+        tracker = sc.statusTracker()
+        busy = 0
+        for sid in tracker.getActiveStageIds():
+            info = tracker.getStageInfo(sid)
+            if info is not None:
+                busy += info.numActiveTasks
     conf = sc.getConf()
     return Slots(
         total=total,
@@ -183,6 +185,19 @@ def slots(sc) -> Slots:
         task_cpus=int(conf.get("spark.task.cpus", "1")),
         task_gpus=float(conf.get("spark.task.resource.gpu.amount", "0")),
     )
+
+
+def _running_tasks(jsc) -> int | None:
+    """Tasks running now, as the task scheduler knows them; None where it cannot be asked. The
+    status tracker's count comes from the UI's store, which may show a stage's tasks seconds late."""
+    try:
+        values = jsc.taskScheduler().runningTasksByExecutors().valuesIterator()
+        n = 0
+        while values.hasNext():
+            n += int(values.next())
+        return n
+    except Exception:  # noqa: BLE001 - another scheduler, or another Spark: the status tracker's count
+        return None
 
 
 def check_slots(sc, np: int, num_tasks: int, wait_s: float = EXECUTOR_WAIT_S, wait_for_new: bool = False) -> Slots:

@@ -40,9 +40,11 @@ class Observer(Protocol):
     every output line, and ``on_finish`` once, after every rank has exited, with the error that
     ``run`` is about to raise (None on success). Callbacks run on channel threads: keep them cheap.
     An observer may also define ``on_restart(attempt, error)``, called on the driver's thread
-    before a failed attempt is launched again (``HorovodRunner(max_restarts=...)``), and
+    before a failed attempt is launched again (``HorovodRunner(max_restarts=...)``),
     ``on_checkpoint(blob, step)``, called once rank 0's checkpoint (the pickled state) is stored,
-    and ``on_resize(world_size)``, called before a restart that runs another number of ranks
+    ``on_grow(attempt, world_size)``, called before a healthy attempt stopped at a checkpoint is
+    launched again on more ranks (``HorovodRunner(grow_interval=...)``), and
+    ``on_resize(world_size)``, called before any relaunch that runs another number of ranks
     (``HorovodRunner(min_np=...)``).
     """
 
@@ -56,7 +58,8 @@ class Observer(Protocol):
 
 
 def notify(observers: list[Observer], hook: str, *args: Any) -> None:
-    """Call the optional ``hook`` (``on_checkpoint``, ``on_restart``, ``on_resize``) of each observer that has it."""
+    """Call the optional ``hook`` (``on_checkpoint``, ``on_restart``, ``on_grow``, ``on_resize``) of each
+    observer that has it."""
     for o in observers:
         method = getattr(o, hook, None)
         if method is not None:
@@ -68,6 +71,7 @@ class Failure:
     rank: int | None
     summary: str
     info: dict | None = None
+    grow_to: int | None = None  # not a failure: a healthy attempt stopped at a checkpoint to run on more ranks
 
 
 class JobMonitor:
@@ -102,6 +106,8 @@ class JobMonitor:
         self.results: dict[int, bytes] = {}
         self.errors: dict[int, dict] = {}
         self.failure: Failure | None = None
+        # set by the runner while more task slots are free: rank 0's next checkpoint stops the attempt
+        self.grow_to: int | None = None
         self._pending: Failure | None = None  # a consequence, waiting CONSEQUENCE_GRACE_S for its cause
         self.tails: dict[int, deque[str]] = {}
         self._print_lock = threading.Lock()
@@ -217,6 +223,12 @@ class JobMonitor:
         elif kind.startswith("checkpoint/") and self.checkpoints is not None:
             if self.checkpoints.handle(conn, rank, kind, data) and kind == "checkpoint/save":
                 notify(self.observers, "on_checkpoint", data["blob"], data.get("step"))
+                grow_to = self.grow_to
+                # the relaunch resumes from the state just stored, so little is redone; never while
+                # a rank's error waits for its cause (that failure must count against max_restarts)
+                if grow_to is not None and self._pending is None and not self.errors:
+                    self.fail(Failure(None, f"stopped at rank 0's checkpoint to restart on {grow_to} ranks",
+                                      grow_to=grow_to), final=True)
         else:
             for o in self.observers:
                 o.on_message(rank, kind, data)
@@ -265,6 +277,13 @@ class JobMonitor:
                 target.flush()
 
     # -- outcome -------------------------------------------------------------------------------
+    def succeeded(self) -> bool:
+        """Every rank returned (exit code 0, its messages handled): an attempt stopped to grow may
+        have finished before the stop reached it (a stopped rank is killed, never exits with 0)."""
+        with self.lock:
+            return len(self.exits) >= self.world_size and all(
+                e["code"] == 0 and r in self.ranks_closed for r, e in self.exits.items())
+
     def error(self) -> JobFailed:
         """The error to raise for the recorded failure."""
         f = self.failure

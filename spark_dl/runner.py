@@ -30,15 +30,23 @@ class RunInfo:
     """What :attr:`HorovodRunner.last_run` says of the latest ``run()``, whether it succeeded or raised."""
 
     job_id: str
-    attempts: int  # 1 + restarts
+    attempts: int  # launches: 1 + restarts + grows
     failures: tuple[JobFailed, ...]  # the failed attempts' errors, oldest first (the raised one last)
     mlflow_run_id: str | None  # the MLflow run it logged to (None without tracking)
     seconds: float
     world_sizes: tuple[int, ...] = ()  # ranks of each attempt (they differ with min_np)
+    grows: int = 0  # healthy attempts stopped at a checkpoint to run on more ranks (grow_interval)
 
     @property
     def succeeded(self) -> bool:
-        return len(self.failures) < self.attempts
+        return len(self.failures) + self.grows < self.attempts
+
+
+@dataclass(frozen=True)
+class _Grow:
+    """An attempt's outcome that is not a failure: stopped at a checkpoint to run on more ranks."""
+
+    world_size: int
 
 
 START_TIMEOUT_S = 300.0
@@ -76,6 +84,11 @@ class HorovodRunner:
             free (an executor lost and not replaced, slots held by other jobs): each attempt takes
             as many as are free, up to ``np``; a restart first waits a few seconds for them
             (classic sessions only: Spark Connect cannot show free slots). None: always ``np``.
+        grow_interval: with ``min_np``, seconds between looks for free task slots while an attempt
+            runs on fewer than ``np`` ranks; when there are, the attempt is stopped at rank 0's next
+            :func:`spark_dl.save_checkpoint` (``hvd.elastic``'s ``commit()``, Ray's
+            ``train.report(checkpoint=...)``) and launched again on more ranks from it, not
+            counted against ``max_restarts``. None (default): a run grows only when it restarts.
         nodes: what a "node" is for ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``/``GROUP_RANK`` and the GPUs a
             rank sees: ``"hosts"`` (default, Horovod's local ranks) or ``"tasks"`` (one torchrun-style
             node per Spark task, as PySpark's TorchDistributor: each task sees only its own GPUs).
@@ -98,6 +111,7 @@ class HorovodRunner:
         env: Mapping[str, str] | None = None,
         nodes: str = "hosts",
         min_np: int | None = None,
+        grow_interval: float | None = None,
     ) -> None:
         if isinstance(np, bool) or not isinstance(np, int):
             raise LaunchRefused(f"np must be an int (ranks on Spark if > 0, local processes if < 0), got {np!r}")
@@ -122,6 +136,10 @@ class HorovodRunner:
                 raise LaunchRefused(f"min_np={min_np} with np={np}: local processes always start all {-np}; "
                                     "min_np applies to runs on Spark (np > 0)")
         self.min_np = min_np
+        if grow_interval is not None and min_np is None:
+            raise LaunchRefused(f"grow_interval={grow_interval!r} needs min_np: without it every attempt runs all "
+                                f"np={np} ranks and has nothing to grow into; set min_np (the fewest ranks to start with)")
+        self.grow_interval = None if grow_interval is None else _seconds("grow_interval", grow_interval)
         if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
             raise LaunchRefused(f"checkpoint_dir must be a path (str or os.PathLike), got {checkpoint_dir!r}")
         self.checkpoint_dir = checkpoint_dir
@@ -194,19 +212,25 @@ class HorovodRunner:
         for o in observers:
             o.on_start(job)
         earlier: list[JobFailed] = []
+        grows = 0
         outcome: BaseException | None = None
         monitor: JobMonitor | None = None
         try:
             while True:
                 attempt_id = job_id if attempt == 0 else f"{job_id}-restart{attempt}"
-                monitor, outcome = self._attempt(
+                monitor, ended = self._attempt(
                     launcher, attempt_id, attempt, payload, all_results, tracker, observers, store
                 )
-                if outcome is None or attempt == self.max_restarts:
-                    break
-                earlier.append(outcome)
                 attempt += 1
-                launcher = self._relaunch(data, attempt, outcome, store, observers, sizes[-1])
+                if isinstance(ended, _Grow):
+                    grows += 1
+                    launcher = self._grow(data, attempt, ended, store, observers, sizes[-1])
+                elif ended is None or len(earlier) == self.max_restarts:
+                    outcome = ended
+                    break
+                else:
+                    earlier.append(ended)
+                    launcher = self._relaunch(data, attempt, len(earlier), ended, store, observers, sizes[-1])
                 sizes.append(launcher.world_size)
         except BaseException as e:  # what the observers (the MLflow run) are told; e itself propagates
             outcome = e if isinstance(e, JobFailed) else JobFailed(_driver_failure(e))
@@ -219,8 +243,8 @@ class HorovodRunner:
                 o.on_finish(outcome)
             failed = [*earlier, *([outcome] if isinstance(outcome, JobFailed) else [])]
             writer = tracker.writer if tracker is not None else None
-            self.last_run = RunInfo(job_id, attempt + 1, tuple(failed), writer.run_id if writer is not None else None,
-                                    time.monotonic() - started, tuple(sizes))
+            self.last_run = RunInfo(job_id, len(sizes), tuple(failed), writer.run_id if writer is not None else None,
+                                    time.monotonic() - started, tuple(sizes), grows)
         if outcome is not None:
             raise outcome
         assert monitor is not None
@@ -228,16 +252,17 @@ class HorovodRunner:
             return [monitor.result(r) for r in range(launcher.world_size)]
         return monitor.result(0)
 
-    def _launcher(self, data: ShardSet | None, wait_s: float | None = None) -> "_Launcher":
+    def _launcher(self, data: ShardSet | None, wait_s: float | None = None, low: int | None = None) -> "_Launcher":
         if self.np < 0:
             return _LocalLauncher(-self.np)
-        return _SparkLauncher.prepare(self.np, data, wait_s, self._ranks_per_task, self.min_np)
+        return _SparkLauncher.prepare(self.np, data, wait_s, self._ranks_per_task, low or self.min_np)
 
     def _attempt(
         self, launcher: "_Launcher", job_id: str, attempt: int, payload: bytes, all_results: bool,
         tracker: TrackingObserver | None, observers: list[Observer], store: CheckpointStore,
-    ) -> tuple[JobMonitor, JobFailed | None]:
-        """Launch the job once and wait until every rank is gone; returns the failure, if any."""
+    ) -> tuple[JobMonitor, JobFailed | _Grow | None]:
+        """Launch the job once and wait until every rank is gone; returns the failure, if any, or
+        the size to grow to."""
         secret = channel.new_secret()
         monitor = JobMonitor(
             world_size=launcher.world_size,
@@ -291,39 +316,73 @@ class HorovodRunner:
         return monitor, self._finish(monitor, launcher, server)
 
     def _relaunch(
-        self, data: ShardSet | None, attempt: int, error: JobFailed, store: CheckpointStore,
+        self, data: ShardSet | None, attempt: int, restart: int, error: JobFailed, store: CheckpointStore,
         observers: list[Observer], last_size: int,
     ) -> "_Launcher":
         """Say why and how the run restarts, then prepare the next attempt's launch."""
-        sys.stderr.write(f"[spark-dl] attempt {attempt} of {self.max_restarts + 1} failed: {_first_line(error)}\n")
+        sys.stderr.write(f"[spark-dl] attempt {attempt} of {self.max_restarts + 1} failed: {_first_line(error)}\n"
+                         if attempt == restart else f"[spark-dl] attempt {attempt} failed: {_first_line(error)}\n")
         sys.stderr.flush()
         store.attempt = attempt
-        notify(observers, "on_restart", attempt, error)
+        notify(observers, "on_restart", restart, error)
         try:  # a lost executor may still be replaced: wait for slots as long as a start may take
             launcher = self._launcher(data, wait_s=self.start_timeout)
         except Exception as e:  # noqa: BLE001 - the cluster or the data changed since the first launch
             why = str(e) if isinstance(e, LaunchRefused) else spark_error_summary(e)
             raise JobFailed(
-                f"restart {attempt} of max_restarts={self.max_restarts} could not be launched: {why}"
+                f"restart {restart} of max_restarts={self.max_restarts} could not be launched: {why}"
             ) from error
         n = launcher.world_size
         ranks = f"all {n} ranks" if n == abs(self.np) else f"{n} of np={self.np} ranks (the free task slots; min_np={self.min_np})"
-        sys.stderr.write(f"[spark-dl] restarting {ranks} (restart {attempt} of max_restarts={self.max_restarts}); "
+        sys.stderr.write(f"[spark-dl] restarting {ranks} (restart {restart} of max_restarts={self.max_restarts}); "
                          f"{store.describe()}\n")
         sys.stderr.flush()
         if n != last_size:
             notify(observers, "on_resize", n)
         return launcher
 
-    def _finish(self, monitor: JobMonitor, launcher: "_Launcher", server: channel.ControlServer) -> JobFailed | None:
+    def _grow(
+        self, data: ShardSet | None, attempt: int, grow: _Grow, store: CheckpointStore,
+        observers: list[Observer], last_size: int,
+    ) -> "_Launcher":
+        """Launch a healthy attempt stopped at a checkpoint again, on the free slots (at least as
+        many ranks as it had: its own slots are free now)."""
+        store.attempt = attempt
+        notify(observers, "on_grow", attempt, grow.world_size)
+        try:
+            launcher = self._launcher(data, wait_s=self.start_timeout, low=last_size)
+        except Exception as e:  # noqa: BLE001 - the cluster or the data changed since the first launch
+            why = str(e) if isinstance(e, LaunchRefused) else spark_error_summary(e)
+            raise JobFailed(f"growing the run to {grow.world_size} ranks failed: it could not be launched again: {why}") from e
+        n = launcher.world_size
+        ranks = f"all {n} ranks" if n == abs(self.np) else f"{n} of np={self.np} ranks"
+        sys.stderr.write(f"[spark-dl] growing from {last_size} to {ranks} (not a restart: max_restarts is untouched); "
+                         f"{store.describe()}\n")
+        sys.stderr.flush()
+        if n != last_size:
+            notify(observers, "on_resize", n)
+        return launcher
+
+    def _finish(self, monitor: JobMonitor, launcher: "_Launcher",
+                server: channel.ControlServer) -> JobFailed | _Grow | None:
         """Wait for every rank to be gone, close the channel; the attempt's error, if it failed."""
         self._drain(monitor, launcher)
         server.close()
-        return monitor.error() if monitor.failure is not None else None
+        f = monitor.failure
+        if f is None:
+            return None
+        if f.grow_to is not None:
+            return None if monitor.succeeded() else _Grow(f.grow_to)
+        return monitor.error()
 
     def _wait(self, monitor: JobMonitor, launcher: "_Launcher") -> None:
         started = time.monotonic()
+        grows = self.grow_interval is not None and launcher.world_size < self.np
+        next_look = started + (self.grow_interval or 0.0)
         while monitor.failure is None:
+            if grows and time.monotonic() >= next_look:
+                next_look = time.monotonic() + (self.grow_interval or 0.0)
+                self._look_for_slots(monitor, launcher)
             if monitor.all_exited() and launcher.finished():
                 monitor.settle()  # every rank is gone: a failure held for its root cause is final
                 return
@@ -340,6 +399,19 @@ class HorovodRunner:
                 monitor.fail(Failure(None, run_timeout_message(self.run_timeout, monitor)))
                 return
             monitor.wait(0.2)
+
+    def _look_for_slots(self, monitor: JobMonitor, launcher: "_Launcher") -> None:
+        """Arm (or disarm) the stop at rank 0's next checkpoint, by the task slots free now."""
+        if launcher.tasks_started(monitor) < launcher.num_tasks:
+            return  # tasks still waiting for slots would count as free ones
+        target = launcher.grow_target(self.np)
+        if target == monitor.grow_to:
+            return
+        monitor.grow_to = target
+        if target is not None:
+            sys.stderr.write(f"[spark-dl] task slots for {target - launcher.world_size} more ranks are free: the run "
+                             f"grows to {target} ranks at rank 0's next checkpoint\n")
+            sys.stderr.flush()
 
     @staticmethod
     def _drain(monitor: JobMonitor, launcher: "_Launcher") -> None:
@@ -377,6 +449,10 @@ class _Launcher:
 
     def start_timeout_message(self, started: int, timeout: float) -> str:
         raise NotImplementedError
+
+    def grow_target(self, np: int) -> int | None:
+        """How many ranks the free task slots would let this run have, if more than now."""
+        return None
 
 
 class _LocalLauncher(_Launcher):
@@ -529,6 +605,15 @@ class _SparkLauncher(_Launcher):
 
     def error(self) -> str | None:
         return self._error
+
+    def grow_target(self, np: int) -> int | None:
+        try:
+            free = cluster.slots(self.session.sparkContext).free
+        except Exception:  # noqa: BLE001 - a context going away: the wait loop learns of it from the stage
+            return None
+        target = min(np, self.world_size + free * self.ranks_per_task)
+        target -= target % self.ranks_per_task
+        return target if target > self.world_size else None
 
     def start_timeout_message(self, started: int, timeout: float) -> str:
         s = cluster.slots(self.session.sparkContext)

@@ -18,6 +18,7 @@ from ..runner import _RESERVED_ENV, HorovodRunner
 
 DEFAULT_START_TIMEOUT_S = 600.0  # Horovod's, unless HOROVOD_SPARK_START_TIMEOUT says otherwise
 DEFAULT_RESET_LIMIT = 3  # Horovod's reset_limit=None means no limit; a deterministic bug would loop forever
+RUN_ELASTIC_GROW_INTERVAL_S = 10.0  # Horovod adds discovered hosts at the next commit; here a grow relaunches the stage
 
 
 def run(
@@ -75,6 +76,10 @@ def run_elastic(
 
     Each attempt runs as many ranks as there are free task slots for, from ``min_num_proc``
     (default ``num_proc``) to ``max_num_proc`` (default ``num_proc``): ``HorovodRunner(min_np=...)``.
+    As Horovod adds hosts it discovers, a run on fewer than ``max_num_proc`` ranks looks for free
+    task slots every ``RUN_ELASTIC_GROW_INTERVAL_S`` seconds and, when there are, grows at its
+    next ``state.commit()``: the attempt stops there and goes on from that commit on more ranks
+    (``HorovodRunner(grow_interval=...)``; not counted against ``reset_limit``).
     ``elastic_timeout`` bounds each restart's wait for task slots.
     """
     num_proc = _num_proc(num_proc)
@@ -93,7 +98,7 @@ def run_elastic(
     limit = DEFAULT_RESET_LIMIT if reset_limit is None else reset_limit
     runner = _runner(high, start_timeout if elastic_timeout is None else elastic_timeout, None, None, env,
                      stdout, stderr, nics, prefix_output_with_timestamp, None, max_restarts=limit,
-                     min_np=low if low < high else None)
+                     min_np=low if low < high else None, grow_interval=RUN_ELASTIC_GROW_INTERVAL_S if low < high else None)
     return runner._run(fn, dict(kwargs or {}), all_results=True, args=tuple(args))
 
 
@@ -121,7 +126,8 @@ def _num_proc(num_proc: int | None) -> int:
 
 
 def _runner(num_proc, start_timeout, use_mpi, extra_mpi_args, env, stdout, stderr, nics,
-            prefix_output_with_timestamp, executable, max_restarts: int, min_np: int | None = None) -> HorovodRunner:
+            prefix_output_with_timestamp, executable, max_restarts: int, min_np: int | None = None,
+            grow_interval: float | None = None) -> HorovodRunner:
     if use_mpi:
         raise LaunchRefused("use_mpi=True: spark-dl has no MPI; its ranks use torch.distributed "
                             "(Gloo, or NCCL on GPUs). Leave use_mpi unset.")
@@ -143,7 +149,7 @@ def _runner(num_proc, start_timeout, use_mpi, extra_mpi_args, env, stdout, stder
         rank_env.setdefault("GLOO_SOCKET_IFNAME", names)
         rank_env.setdefault("NCCL_SOCKET_IFNAME", names)
     runner = HorovodRunner(np=num_proc, driver_log_verbosity="all", start_timeout=start_timeout,
-                           max_restarts=max_restarts, env=rank_env, min_np=min_np)
+                           max_restarts=max_restarts, env=rank_env, min_np=min_np, grow_interval=grow_interval)
     if prefix_output_with_timestamp:
         stdout, stderr = _Timestamped(stdout), _Timestamped(stderr, err=True)
     runner._out, runner._err = stdout, stderr

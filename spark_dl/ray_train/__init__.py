@@ -44,7 +44,10 @@ __all__ = [
 class ScalingConfig:
     """``num_workers`` ranks, each with a GPU when ``use_gpu`` (Spark GPU scheduling on executors);
     ``num_workers=(min_workers, max_workers)`` is elastic: each attempt runs as many as there are
-    free task slots for, in that range (``HorovodRunner(min_np=...)``).
+    free task slots for, in that range (``HorovodRunner(min_np=...)``), and a run on fewer than
+    ``max_workers`` looks for free slots every ``elastic_resize_monitor_interval_s`` seconds: when
+    there are, it stops at the next ``train.report(..., checkpoint=...)`` and goes on from that
+    checkpoint on more workers (``HorovodRunner(grow_interval=...)``).
     ``resources_per_worker`` may say ``{"CPU": n}`` (Spark's ``spark.task.cpus`` decides; the value is
     not applied) and ``{"GPU": 1}``; ``placement_strategy`` is Spark's to decide and is ignored."""
 
@@ -53,6 +56,7 @@ class ScalingConfig:
     resources_per_worker: dict | None = None
     placement_strategy: str = "PACK"
     trainer_resources: dict | None = None
+    elastic_resize_monitor_interval_s: float = 60.0
 
 
 @dataclass
@@ -498,10 +502,15 @@ class TorchTrainer:
 
     def _distributor(self) -> TorchDistributor:
         low, high = self._workers
+        interval = self.scaling.elastic_resize_monitor_interval_s
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not interval > 0:
+            raise LaunchRefused(f"ScalingConfig(elastic_resize_monitor_interval_s={interval!r}): give the seconds "
+                                "between looks for free task slots, a number > 0")
         distributor = TorchDistributor(high, local_mode=self.local_mode, use_gpu=self._gpu,
                                        max_restarts=self.max_failures, tracking=Tracking(run_name=self.name))
         if low < high and not self.local_mode:  # local processes always start max_workers
             distributor._options["min_np"] = low
+            distributor._options["grow_interval"] = interval
             distributor._runner(high)  # checked now, not at fit()
         return distributor
 

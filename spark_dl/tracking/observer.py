@@ -71,6 +71,7 @@ class TrackingObserver:
         self.writer: MlflowWriter | None = None
         self.world_size = 0
         self._sizes: list[int] = []  # each attempt's world size, once it changed
+        self._grows = 0  # attempts stopped to grow (HorovodRunner(grow_interval=...))
         self.samples_per_step: int | None = None
         self._last: dict[int, tuple[float, int]] = {}  # rank -> (time, step) of its last record
         self._rank_info: dict[int, dict] = {}
@@ -159,19 +160,30 @@ class TrackingObserver:
             self._log_bytes[rank] += len(text)
             f.write(text)
 
-    def on_restart(self, attempt: int, error: BaseException) -> None:
-        """A failed attempt is about to be launched again: record why, start a fresh bar."""
+    def on_restart(self, restart: int, error: BaseException) -> None:
+        """A failed attempt is about to be launched again (restart number ``restart``): record
+        why, start a fresh bar."""
+        self._relaunch(f"---- restart {restart} follows a failure ----")
+        text = f"{type(error).__name__}: {error}"
+        w = self.writer
+        if w is not None:
+            w.set_tags({"spark_dl.restarts": str(restart)})
+            w.log_artifact_bytes(f"restarts/attempt{restart}_error.txt", text.encode("utf-8"))
+
+    def on_grow(self, attempt: int, world_size: int) -> None:
+        """A healthy attempt was stopped at a checkpoint to run on more ranks (``grow_interval``)."""
+        self._grows += 1
+        self._relaunch(f"---- stopped at a checkpoint to grow to {world_size} ranks ----")
+        if self.writer is not None:
+            self.writer.set_tags({"spark_dl.grows": str(self._grows)})
+
+    def _relaunch(self, mark: str) -> None:
         if self.progress is not None:
             self.progress.close()
         self._last.clear()  # the next attempt's steps restart from its checkpoint
-        text = f"{type(error).__name__}: {error}"
         with self._lock:
             for f in self._logs.values():
-                f.write(f"[spark-dl] ---- attempt {attempt} failed, restart {attempt} follows ----\n")
-        w = self.writer
-        if w is not None:
-            w.set_tags({"spark_dl.restarts": str(attempt)})
-            w.log_artifact_bytes(f"restarts/attempt{attempt}_error.txt", text.encode("utf-8"))
+                f.write(f"[spark-dl] {mark}\n")
 
     def on_resize(self, world_size: int) -> None:
         """The next attempt runs ``world_size`` ranks (``HorovodRunner(min_np=...)``): throughput

@@ -10,8 +10,9 @@ import sys
 import pytest
 
 import spark_dl.horovod.spark as horovod_spark
+from slots import OtherJob
 from spark_dl import LaunchRefused
-from test_elastic import elastic_train
+from test_elastic import BATCH, N, elastic_train
 
 
 def fn(magic, scale=1.0, main="a kwarg named like HorovodRunner.run's first parameter"):
@@ -74,6 +75,68 @@ def test_run_elastic_restarts_from_the_last_commit(spark, tmp_path):
 def test_run_elastic_takes_the_free_slots_up_to_max_num_proc(spark):
     outs = horovod_spark.run_elastic(fn, args=(1,), num_proc=2, max_num_proc=4)  # local[4]: all four free
     assert [o[:2] for o in outs] == [(r, 10.0) for r in range(4)]  # 1 + 2 + 3 + 4 over four ranks
+
+
+def growing_elastic_train(flags, epochs=2):
+    """Horovod elastic code with a commit after every batch; on attempt 0 (two ranks) batches are
+    slow, and after its third batch rank 0 lets the other job's two task slots go."""
+    import time
+
+    import torch
+
+    import spark_dl
+    import spark_dl.horovod as hvd
+
+    hvd.init()
+    data = torch.utils.data.TensorDataset(torch.linspace(-1, 1, N).unsqueeze(1), torch.arange(N))
+    sampler = hvd.elastic.ElasticSampler(data, shuffle=True, seed=1)
+    loader = torch.utils.data.DataLoader(data, batch_size=BATCH, sampler=sampler)
+    model = torch.nn.Linear(1, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
+    attempt = spark_dl.get_context().attempt
+    seen = []
+
+    @hvd.elastic.run
+    def train(state):
+        start = {"epoch": state.epoch, "committed": sorted(state.train_sampler.processed_indices)}
+        for state.epoch in range(state.epoch, epochs):
+            for batch_idx, (x, idx) in enumerate(loader):
+                opt.zero_grad()
+                (model(x) - 2 * x).pow(2).mean().backward()
+                opt.step()
+                seen.extend([state.epoch, int(i)] for i in idx)
+                state.train_sampler.record_batch(batch_idx, BATCH)
+                state.commit()
+                if attempt == 0:
+                    time.sleep(0.2)
+                    if batch_idx == 2 and hvd.rank() == 0:
+                        open(f"{flags}/release", "w").close()
+            state.train_sampler.set_epoch(state.epoch + 1)
+            state.commit()
+        return start
+
+    start = train(hvd.elastic.TorchState(model=model, optimizer=opt, train_sampler=sampler, epoch=0))
+    return {"size": hvd.size(), "attempt": attempt, "start": start, "seen": seen,
+            "params": [p.detach().tolist() for p in model.parameters()]}
+
+
+def test_run_elastic_grows_at_a_commit_when_slots_free_up(spark, tmp_path, monkeypatch, capfd):
+    monkeypatch.setattr(horovod_spark, "RUN_ELASTIC_GROW_INTERVAL_S", 0.5)  # Horovod finds new hosts in seconds
+    with OtherJob(spark.sparkContext, str(tmp_path)) as other:
+        other.start()  # local[4] has two free slots: the run starts on min_num_proc=2
+        outs = horovod_spark.run_elastic(growing_elastic_train, args=(str(tmp_path),), num_proc=2,
+                                         min_num_proc=2, max_num_proc=4, reset_limit=0)
+    assert [o["size"] for o in outs] == [4] * 4 and [o["attempt"] for o in outs] == [1] * 4
+    assert "growing from 2 to all 4 ranks" in capfd.readouterr().err
+    # the grown attempt resumed epoch 0 from the commit it stopped at: the samples committed on two
+    # ranks are not seen again, the rest of the epoch is split over four, and epoch 1 is whole
+    committed = set(outs[0]["start"]["committed"])
+    assert outs[0]["start"]["epoch"] == 0 and len(committed) >= 3 * 2 * BATCH and len(committed) % (2 * BATCH) == 0
+    epoch0 = sorted(i for o in outs for e, i in o["seen"] if e == 0)
+    assert committed.isdisjoint(epoch0) and sorted(committed | set(epoch0)) == list(range(N))
+    assert len(epoch0) == N - len(committed)
+    assert sorted(i for o in outs for e, i in o["seen"] if e == 1) == list(range(N))
+    assert all(o["params"] == outs[0]["params"] for o in outs)
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -110,7 +110,7 @@ def test_spark_dataframes_are_sharded_through_get_dataset_shard(spark, tmp_path)
 
 
 def test_elastic_num_workers_start_on_the_free_slots(spark, tmp_path):
-    from test_elastic_size import OtherJob
+    from slots import OtherJob
 
     def loop():
         train.report({"world": train.get_context().get_world_size()})
@@ -120,6 +120,44 @@ def test_elastic_num_workers_start_on_the_free_slots(spark, tmp_path):
         result = TorchTrainer(loop, scaling_config=ScalingConfig(num_workers=(2, 4)),
                               run_config=RunConfig(storage_path=str(tmp_path))).fit()
     assert result.metrics["world"] == 2  # Ray's elastic range: what is free, at least min_workers
+
+
+def test_elastic_num_workers_grow_at_a_reported_checkpoint_when_slots_free_up(spark, tmp_path):
+    from slots import OtherJob
+
+    flags = str(tmp_path)
+
+    def loop():
+        import time
+
+        ctx = train.get_context()
+        start = 0
+        checkpoint = train.get_checkpoint()
+        if checkpoint:
+            with checkpoint.as_directory() as d:
+                start = int(open(os.path.join(d, "epoch")).read()) + 1
+        for epoch in range(start, 30):
+            if ctx.get_world_rank() == 0 and epoch == 2 and start == 0:
+                open(os.path.join(flags, "release"), "w").close()  # the other job's slots free up
+            with tempfile.TemporaryDirectory() as d:
+                with open(os.path.join(d, "epoch"), "w") as f:
+                    f.write(str(epoch))
+                metrics = {"epoch": epoch, "world": ctx.get_world_size(), "start": start}
+                train.report(metrics, checkpoint=Checkpoint.from_directory(d) if ctx.get_world_rank() == 0 else None)
+            if start == 0:
+                time.sleep(0.2)
+
+    with OtherJob(spark.sparkContext, flags) as other:
+        other.start()  # two of local[4]'s four slots are taken: the run starts on min_workers
+        result = TorchTrainer(loop, scaling_config=ScalingConfig(num_workers=(2, 4), elastic_resize_monitor_interval_s=0.5),
+                              run_config=RunConfig(storage_path=str(tmp_path), name="grow")).fit()
+    df = result.metrics_dataframe
+    grown_at = int(df[df.world == 4].start.iloc[0])  # the first epoch of the grown attempt
+    assert result.metrics == {"epoch": 29, "world": 4, "start": grown_at} and 3 <= grown_at < 30
+    # each epoch reported once per attempt that ran it: on 2 workers up to the checkpoint it
+    # stopped at (one epoch may run again after it), on 4 from there on
+    assert list(df[df.world == 4].epoch) == list(range(grown_at, 30))
+    assert list(df[df.world == 2].epoch)[:grown_at] == list(range(grown_at))
 
 
 def test_get_checkpoint_follows_the_latest_report(tmp_path):
@@ -158,6 +196,8 @@ def test_a_failure_without_restarts_raises_the_ranks_error(tmp_path):
     ({"scaling_config": ScalingConfig(num_workers=(3, 2))}, r"\(min_workers, max_workers\) with 1 <= min_workers"),
     ({"scaling_config": ScalingConfig(num_workers=(0, 2))}, r"num_workers=\(0, 2\)\): give an int >= 1"),
     ({"scaling_config": ScalingConfig(num_workers=[1, 2])}, r"num_workers=\[1, 2\]\)"),
+    ({"scaling_config": ScalingConfig(num_workers=(1, 2), elastic_resize_monitor_interval_s=0)},
+     r"elastic_resize_monitor_interval_s=0\): give the seconds between looks for free task slots"),
     ({"datasets": {"train": [1, 2, 3]}}, "spark-dl shards Spark DataFrames"),
     ({"datasets": [("train", None)]}, "datasets must be a dict"),
     ({"torch_config": object()}, "torch_config is not supported"),

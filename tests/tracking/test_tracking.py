@@ -157,7 +157,7 @@ def test_a_restarted_run_is_one_mlflow_run_that_says_why_it_restarted(tracking_u
     text = open(mlflow.artifacts.download_artifacts(run_id=uid, artifact_path="restarts/attempt1_error.txt")).read()
     assert "ValueError: bad batch at step 25" in text
     log = open(mlflow.artifacts.download_artifacts(run_id=uid, artifact_path="logs/rank1.txt")).read()
-    assert log.index("rank 1 attempt 0") < log.index("---- attempt 1 failed, restart 1 follows ----") < log.index(
+    assert log.index("rank 1 attempt 0") < log.index("---- restart 1 follows a failure ----") < log.index(
         "rank 1 attempt 1")
 
 
