@@ -108,7 +108,17 @@ class TorchEstimator:
         metrics: ``{name: fn(output, *labels) -> number}`` (or a list of named functions),
             computed on every batch without gradients and averaged over all ranks' rows each epoch:
             ``TorchModel.metric_history[name]``, and ``["val_" + name]`` on the held-out rows.
-        runner_options: more :class:`spark_dl.HorovodRunner` options (``max_restarts``, ``tracking``, ...).
+        gradient_compression: a compressor from :mod:`spark_dl.compression` (``FP16()``, ``QSGD()``,
+            ``PowerSGD()``, ...; Horovod's ``hvd.Compression.fp16``) for the gradients' all-reduce,
+            as a DDP communication hook.
+        backward_passes_per_step: batches whose gradients are accumulated (averaged) before each
+            optimizer step and all-reduce (Horovod's); 1 steps every batch.
+        val_batch_size: rows per rank per held-out batch (default ``batch_size``).
+        train_steps_per_epoch, validation_steps_per_epoch: at most this many batches per rank per
+            epoch (default: all of the rank's share).
+        runner_options: more :class:`spark_dl.HorovodRunner` options (``max_restarts``, ``tracking``,
+            ``checkpoint_dir``, ``min_np``, ``grow_interval``, ...). Every epoch ends with a
+            checkpoint, so a restarted or grown fit goes on from the last finished epoch.
     """
 
     def __init__(self, *, model, optimizer, loss: Callable[..., Any], feature_cols: str | Sequence[str],
@@ -117,8 +127,12 @@ class TorchEstimator:
                  validation: float | str | None = None, sample_weight_col: str | None = None,
                  input_shapes: Sequence[Sequence[int]] | None = None,
                  metrics: Mapping[str, Callable[..., Any]] | Sequence[Callable[..., Any]] | None = None,
-                 **runner_options: Any) -> None:
+                 gradient_compression: Any = None, backward_passes_per_step: int = 1,
+                 val_batch_size: int | None = None, train_steps_per_epoch: int | None = None,
+                 validation_steps_per_epoch: int | None = None, **runner_options: Any) -> None:
         import torch
+
+        from .compression import Compressor
 
         if not isinstance(model, torch.nn.Module):
             raise LaunchRefused(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -137,9 +151,17 @@ class TorchEstimator:
         if validation is not None and not (isinstance(validation, str) and validation) and not (
                 isinstance(validation, float) and 0 < validation < 1):
             raise LaunchRefused(f"validation must be a fraction of the rows in (0, 1) or a column name, got {validation!r}")
-        for name, value in (("batch_size", batch_size), ("epochs", epochs), ("num_proc", num_proc)):
+        for name, value in (("batch_size", batch_size), ("epochs", epochs), ("num_proc", num_proc),
+                            ("backward_passes_per_step", backward_passes_per_step), ("val_batch_size", val_batch_size),
+                            ("train_steps_per_epoch", train_steps_per_epoch),
+                            ("validation_steps_per_epoch", validation_steps_per_epoch)):
+            if value is None and name in _OPTIONAL_SIZES:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise LaunchRefused(f"{name} must be an int >= 1, got {value!r}")
+        if gradient_compression is not None and not isinstance(gradient_compression, Compressor):
+            raise LaunchRefused(f"gradient_compression must be a compressor from spark_dl.compression (FP16(), QSGD(), "
+                                f"PowerSGD(), ...) or None, got {type(gradient_compression).__name__}")
         self.model = model
         self.optimizer = optimizer
         self.loss = loss
@@ -157,6 +179,11 @@ class TorchEstimator:
         self.sample_weight_col = sample_weight_col
         self.input_shapes = _input_shapes(input_shapes, self.feature_cols)
         self.metrics = _metrics(metrics)
+        self.gradient_compression = gradient_compression
+        self.backward_passes_per_step = backward_passes_per_step
+        self.val_batch_size = val_batch_size
+        self.train_steps_per_epoch = train_steps_per_epoch
+        self.validation_steps_per_epoch = validation_steps_per_epoch
         self.runner_options = runner_options
         self._runner = HorovodRunner(np=num_proc, **runner_options)  # bad options are refused now, not at fit()
 
@@ -183,7 +210,10 @@ class TorchEstimator:
         out = self._runner.run(_fit, data=data, validation=val, model=self.model, optimizer=self.optimizer, loss=self.loss,
                                feature_cols=self.feature_cols, label_cols=self.label_cols,
                                batch_size=self.batch_size, epochs=self.epochs, metrics=self.metrics,
-                               weight_col=weights, input_shapes=self.input_shapes)
+                               weight_col=weights, input_shapes=self.input_shapes,
+                               options=_FitOptions(self.gradient_compression, self.backward_passes_per_step,
+                                                   self.val_batch_size or self.batch_size, self.train_steps_per_epoch,
+                                                   self.validation_steps_per_epoch))
         trained = copy.deepcopy(self.model).cpu()
         trained.load_state_dict(out["state"])
         return TorchModel(trained, self.feature_cols, self.prediction_col, history=out["history"],
@@ -207,12 +237,29 @@ class TorchEstimator:
         return df.filter(~held), df.filter(held)
 
 
+_OPTIONAL_SIZES = ("val_batch_size", "train_steps_per_epoch", "validation_steps_per_epoch")
+_CHECKPOINT_KEY = "spark_dl.estimator"
+
+
+@dataclass(frozen=True)
+class _FitOptions:
+    compression: Any = None
+    passes: int = 1  # backward passes per optimizer step
+    val_batch_size: int = 32
+    train_steps: int | None = None
+    val_steps: int | None = None
+
+
 def _fit(data, validation, model, optimizer, loss, feature_cols, label_cols, batch_size, epochs, metrics,
-         weight_col=None, input_shapes=None):
+         weight_col=None, input_shapes=None, options: _FitOptions = _FitOptions()):
     """Each rank: DDP over the rank's device, one pass over its shard per epoch; rank 0 returns the
     trained weights, the per-epoch loss averaged over every rank's batches, the metrics averaged
     over every rank's rows and, with ``validation``, the held-out rows' loss and metrics after
-    each epoch (averaged over rows)."""
+    each epoch (averaged over rows). Each epoch ends with a checkpoint, and a restarted attempt
+    starts after the last one checkpointed."""
+    import contextlib
+    import itertools
+
     import torch
     import torch.distributed as dist
 
@@ -221,22 +268,51 @@ def _fit(data, validation, model, optimizer, loss, feature_cols, label_cols, bat
     from .prepare import prepare_model
 
     spark_dl.init()
+    saved = spark_dl.load_checkpoint()
+    saved = saved.get(_CHECKPOINT_KEY) if isinstance(saved, dict) else None
+    if saved is not None:  # before DDP wraps the model: it broadcasts rank 0's parameters, the same on every rank
+        model.load_state_dict(saved["model"])
     # .to(device) moves parameters in place, so an optimizer unpickled with the model still holds them
     ddp = prepare_model(model)
     opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer(ddp.parameters())
+    if options.compression is not None and isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
+        from .compression.ddp import make_ddp_hook
+
+        ddp.register_comm_hook(*make_ddp_hook(options.compression))
     device = spark_dl.get_device()
     dtype = _float_dtype(model)
     history, val_history = [], []
     metric_history: dict[str, list[float]] = {}
-    for epoch in range(epochs):
+    start = 0
+    if saved is not None:
+        opt.load_state_dict(saved["optimizer"])  # after the move: its state follows the parameters' device
+        history, val_history, metric_history = saved["history"], saved["val_history"], saved["metric_history"]
+        start = saved["epoch"] + 1
+    passes = options.passes
+    for epoch in range(start, epochs):
         total = torch.zeros(2, dtype=torch.float64)
         scores = _Scores(metrics)
-        for batch in data.batches(batch_size=batch_size, epoch=epoch):
-            output, labels = _forward(ddp, batch, feature_cols, label_cols, device, dtype, input_shapes)
-            value = _loss(loss, output, labels, batch, weight_col, device, dtype)
-            opt.zero_grad()
-            value.backward()
-            opt.step()
+        batches = itertools.islice(data.batches(batch_size=batch_size, epoch=epoch), options.train_steps)
+        upcoming = next(batches, None)
+        accumulated = 0
+        opt.zero_grad()
+        while upcoming is not None:
+            batch, upcoming = upcoming, next(batches, None)
+            accumulated += 1
+            # every rank has as many batches, so all agree on which backward pass all-reduces
+            steps_now = accumulated == passes or upcoming is None
+            with contextlib.nullcontext() if steps_now or not hasattr(ddp, "no_sync") else ddp.no_sync():
+                output, labels = _forward(ddp, batch, feature_cols, label_cols, device, dtype, input_shapes)
+                value = _loss(loss, output, labels, batch, weight_col, device, dtype)
+                value.backward()
+            if steps_now:
+                if accumulated > 1:  # the mean of the accumulated batches' gradients
+                    for p in ddp.parameters():
+                        if p.grad is not None:
+                            p.grad.div_(accumulated)
+                opt.step()
+                opt.zero_grad()
+                accumulated = 0
             total += torch.tensor([value.item(), 1.0], dtype=torch.float64)
             scores.add(output.detach(), labels, len(batch[feature_cols[0]]))
         dist.all_reduce(total)
@@ -247,13 +323,18 @@ def _fit(data, validation, model, optimizer, loss, feature_cols, label_cols, bat
             logged[f"train_{name}"] = score
         if validation is not None:
             val_loss, val_scores = _held_out(validation, getattr(ddp, "module", ddp), loss, metrics, feature_cols,
-                                             label_cols, batch_size, device, dtype, weight_col, input_shapes)
+                                             label_cols, options.val_batch_size, device, dtype, weight_col,
+                                             input_shapes, options.val_steps)
             val_history.append(val_loss)
             logged["val_loss"] = val_loss
             for name, score in val_scores.items():
                 metric_history.setdefault(f"val_{name}", []).append(score)
                 logged[f"val_{name}"] = score
         spark_dl.log_metrics(logged, step=epoch)
+        spark_dl.save_checkpoint({_CHECKPOINT_KEY: {
+            "epoch": epoch, "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+            "optimizer": opt.state_dict(), "history": history, "val_history": val_history,
+            "metric_history": metric_history}}, step=epoch)
     return {"state": {k: v.detach().cpu() for k, v in model.state_dict().items()}, "history": history,
             "val_history": val_history, "metric_history": metric_history}
 
@@ -290,8 +371,11 @@ class _Scores:
 
 
 def _held_out(val, model, loss, metrics, feature_cols, label_cols, batch_size, device, dtype, weight_col=None,
-              input_shapes=None):
-    """The loss and metrics over every rank's held-out rows, weighted by rows (batches may be short)."""
+              input_shapes=None, steps=None):
+    """The loss and metrics over every rank's held-out rows (its first ``steps`` batches), weighted
+    by rows (batches may be short)."""
+    import itertools
+
     import torch
     import torch.distributed as dist
 
@@ -299,7 +383,7 @@ def _held_out(val, model, loss, metrics, feature_cols, label_cols, batch_size, d
     scores = _Scores(metrics)
     model.eval()
     with torch.no_grad():
-        for batch in val.batches(batch_size=batch_size):
+        for batch in itertools.islice(val.batches(batch_size=batch_size), steps):
             output, labels = _forward(model, batch, feature_cols, label_cols, device, dtype, input_shapes)
             rows = len(batch[feature_cols[0]])
             value = _loss(loss, output, labels, batch, weight_col, device, dtype)

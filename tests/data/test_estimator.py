@@ -218,6 +218,10 @@ def test_bad_estimators_and_inputs_are_refused(spark, digits):
         ({"batch_size": 0}, "batch_size must be an int >= 1"),
         ({"feature_cols": []}, "feature_cols must be a column name"),
         ({"max_restarts": -1}, "max_restarts must be an int >= 0"),
+        ({"backward_passes_per_step": 0}, "backward_passes_per_step must be an int >= 1, got 0"),
+        ({"val_batch_size": 2.5}, "val_batch_size must be an int >= 1, got 2.5"),
+        ({"train_steps_per_epoch": 0}, "train_steps_per_epoch must be an int >= 1"),
+        ({"gradient_compression": "fp16"}, "gradient_compression must be a compressor from spark_dl.compression"),
     ]:
         with pytest.raises(LaunchRefused, match=match):
             TorchEstimator(**{**good, **change})
@@ -244,3 +248,83 @@ def test_a_loss_that_fails_on_the_ranks_raises_rank_failed(digits):
                          feature_cols="pixels", label_cols="label", batch_size=8, num_proc=2)
     with pytest.raises(RankFailed, match=r"labels of shape \(8,\) do not fit outputs of shape \(8, 10\)"):
         est.fit(train)
+
+
+class FailsOnce:
+    """mse_loss that raises on rank 1's ``calls``-th call of the first attempt (a lost executor)."""
+
+    def __init__(self, calls: int) -> None:
+        self.calls = calls
+        self.n = 0
+
+    def __call__(self, output, y):
+        import spark_dl
+
+        self.n += 1
+        ctx = spark_dl.get_context()
+        if ctx.attempt == 0 and ctx.rank == 1 and self.n == self.calls:
+            raise RuntimeError("executor preempted (pretend)")
+        return torch.nn.functional.mse_loss(output, y)
+
+
+def _regression(spark):
+    from pyspark.sql import functions as F
+
+    df = spark.range(400).select((F.rand(1) * 2 - 1).alias("a"), (F.rand(2) * 2 - 1).alias("b"))
+    return df.withColumn("y", 3 * F.col("a") - 2 * F.col("b") + 0.5)
+
+
+def test_a_restarted_fit_resumes_after_its_last_epoch_and_ends_as_an_uninterrupted_one(spark, capfd):
+    df = _regression(spark)
+
+    def fit(loss, **options):
+        torch.manual_seed(0)
+        est = TorchEstimator(model=TwoInputs(), optimizer=functools.partial(torch.optim.SGD, lr=0.05, momentum=0.5),
+                             loss=loss, feature_cols=["a", "b"], label_cols="y", batch_size=16, epochs=6,
+                             num_proc=2, **options)
+        return est, est.fit(df)
+
+    _, plain = fit(torch.nn.functional.mse_loss)
+    # 200 rows a rank: 13 batches an epoch; the 45th call is in epoch 3 (0-based), after epoch 2's checkpoint
+    est, resumed = fit(FailsOnce(calls=45), max_restarts=1)
+    assert est.last_run.attempts == 2 and len(est.last_run.failures) == 1
+    assert "load_checkpoint() returns the one saved at step 2" in capfd.readouterr().err
+    assert len(resumed.history) == 6 and resumed.history == pytest.approx(plain.history, rel=1e-6)
+    for mine, theirs in zip(resumed.getModel().parameters(), plain.getModel().parameters()):
+        torch.testing.assert_close(mine, theirs)  # model and momentum came back from the checkpoint
+
+
+def _rows(output, y):
+    return len(y)  # a metric whose row-weighted mean is the batch size
+
+
+def test_compression_accumulation_and_step_limits(spark, tmp_path, monkeypatch):
+    import mlflow
+
+    from spark_dl.checkpoint import CheckpointStore
+    from spark_dl.compression import FP16
+
+    monkeypatch.setenv("SPARK_DL_TRACKING", "1")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    torch.manual_seed(0)
+    est = TorchEstimator(model=TwoInputs(), optimizer=functools.partial(torch.optim.Adam, lr=0.05),
+                         loss=torch.nn.functional.mse_loss, feature_cols=["a", "b"], label_cols="y", batch_size=16,
+                         epochs=4, num_proc=2, validation=0.25, metrics={"rows": _rows},
+                         gradient_compression=FP16(), backward_passes_per_step=2, train_steps_per_epoch=5,
+                         val_batch_size=20, validation_steps_per_epoch=2, checkpoint_dir=str(tmp_path / "ckpt"),
+                         progress=False)
+    fitted = est.fit(_regression(spark))
+    # 5 batches of 16 rows an epoch, optimizer steps after batches 2, 4 and 5; 2 held-out batches of 20
+    assert fitted.metric_history == {"rows": [16.0] * 4, "val_rows": [20.0] * 4}
+    saved = CheckpointStore(tmp_path / "ckpt").load()
+    import cloudpickle
+
+    state = cloudpickle.loads(saved)["spark_dl.estimator"]
+    assert state["epoch"] == 3 and state["optimizer"]["state"][0]["step"].item() == 4 * 3
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    ratios = [m.value for m in client.get_metric_history(est.last_run.mlflow_run_id, "comm/compression_ratio")]
+    assert ratios and all(r == pytest.approx(2.0) for r in ratios)  # fp16 sends half of fp32's bytes
+    # a second fit with the same checkpoint_dir finds every epoch done: it returns the saved model
+    again = est.fit(_regression(spark))
+    assert again.history == fitted.history
+    torch.testing.assert_close(again.getModel().w.weight, fitted.getModel().w.weight)
