@@ -325,20 +325,13 @@ class HorovodRunner:
         sys.stderr.flush()
         store.attempt = attempt
         notify(observers, "on_restart", restart, error)
-        try:  # a lost executor may still be replaced: wait for slots as long as a start may take
-            launcher = self._launcher(data, wait_s=self.start_timeout)
-        except Exception as e:  # noqa: BLE001 - the cluster or the data changed since the first launch
-            why = str(e) if isinstance(e, LaunchRefused) else spark_error_summary(e)
-            raise JobFailed(
-                f"restart {restart} of max_restarts={self.max_restarts} could not be launched: {why}"
-            ) from error
+        launcher = self._launch_again(data, observers, last_size, error,
+                                      f"restart {restart} of max_restarts={self.max_restarts} could not be launched")
         n = launcher.world_size
         ranks = f"all {n} ranks" if n == abs(self.np) else f"{n} of np={self.np} ranks (the free task slots; min_np={self.min_np})"
         sys.stderr.write(f"[spark-dl] restarting {ranks} (restart {restart} of max_restarts={self.max_restarts}); "
                          f"{store.describe()}\n")
         sys.stderr.flush()
-        if n != last_size:
-            notify(observers, "on_resize", n)
         return launcher
 
     def _grow(
@@ -349,18 +342,27 @@ class HorovodRunner:
         many ranks as it had: its own slots are free now)."""
         store.attempt = attempt
         notify(observers, "on_grow", attempt, grow.world_size)
-        try:
-            launcher = self._launcher(data, wait_s=self.start_timeout, low=last_size)
-        except Exception as e:  # noqa: BLE001 - the cluster or the data changed since the first launch
-            why = str(e) if isinstance(e, LaunchRefused) else spark_error_summary(e)
-            raise JobFailed(f"growing the run to {grow.world_size} ranks failed: it could not be launched again: {why}") from e
+        launcher = self._launch_again(data, observers, last_size, None,
+                                      f"growing the run to {grow.world_size} ranks failed: it could not be launched again",
+                                      low=last_size)
         n = launcher.world_size
         ranks = f"all {n} ranks" if n == abs(self.np) else f"{n} of np={self.np} ranks"
         sys.stderr.write(f"[spark-dl] growing from {last_size} to {ranks} (not a restart: max_restarts is untouched); "
                          f"{store.describe()}\n")
         sys.stderr.flush()
-        if n != last_size:
-            notify(observers, "on_resize", n)
+        return launcher
+
+    def _launch_again(self, data: ShardSet | None, observers: list[Observer], last_size: int,
+                      cause: BaseException | None, failed: str, low: int | None = None) -> "_Launcher":
+        """The next attempt's launcher; a lost executor may still be replaced, so it waits for
+        slots as long as a start may take. ``failed`` leads the error when it cannot be launched."""
+        try:
+            launcher = self._launcher(data, wait_s=self.start_timeout, low=low)
+        except Exception as e:  # noqa: BLE001 - the cluster or the data changed since the first launch
+            why = str(e) if isinstance(e, LaunchRefused) else spark_error_summary(e)
+            raise JobFailed(f"{failed}: {why}") from (cause or e)
+        if launcher.world_size != last_size:
+            notify(observers, "on_resize", launcher.world_size)
         return launcher
 
     def _finish(self, monitor: JobMonitor, launcher: "_Launcher",

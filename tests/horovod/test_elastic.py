@@ -15,7 +15,12 @@ BATCH = 4
 N = 64  # 2 ranks x 8 batches of 4 per epoch
 
 
-def elastic_train(out_dir, epochs=3, crash=(1, 6)):
+def elastic_train(out_dir, epochs=3, crash=(1, 6), commit_every=2, release=None):
+    """Elastic Horovod training; rank 1 dies at ``crash`` (epoch, batch) of attempt 0. With
+    ``release`` (a directory), attempt 0's batches are slow and after its third batch rank 0
+    creates ``release/release`` (another Spark job's slots free up)."""
+    import time
+
     import torch
 
     import spark_dl.horovod as hvd
@@ -41,10 +46,14 @@ def elastic_train(out_dir, epochs=3, crash=(1, 6)):
                 opt.step()
                 seen.extend([state.epoch, int(i)] for i in idx)
                 state.train_sampler.record_batch(batch_idx, BATCH)
-                if batch_idx % 2 == 1:
+                if batch_idx % commit_every == commit_every - 1:
                     state.commit()
-                if attempt == 0 and (state.epoch, batch_idx) == tuple(crash) and hvd.rank() == 1:
+                if attempt == 0 and crash and (state.epoch, batch_idx) == tuple(crash) and hvd.rank() == 1:
                     os._exit(1)  # after batch 6's all-reduce, so rank 0's commit of batch 5 is stored
+                if attempt == 0 and release:
+                    time.sleep(0.2)
+                    if batch_idx == 2 and hvd.rank() == 0:
+                        open(os.path.join(release, "release"), "w").close()
             state.train_sampler.set_epoch(state.epoch + 1)  # at the end of the epoch, as Horovod says
             state.commit()
         return start
@@ -52,7 +61,7 @@ def elastic_train(out_dir, epochs=3, crash=(1, 6)):
     state = hvd.elastic.TorchState(model=model, optimizer=opt, train_sampler=sampler, epoch=0)
     state.register_reset_callbacks([lambda: resets.append(state.epoch)])
     start = train(state)
-    out = {"attempt": attempt, "start": start, "seen": seen, "resets": resets,
+    out = {"attempt": attempt, "size": hvd.size(), "start": start, "seen": seen, "resets": resets,
            "params": [p.detach().tolist() for p in model.parameters()], "commits": state._commits}
     with open(os.path.join(out_dir, f"rank{hvd.rank()}.json"), "w") as f:
         json.dump(out, f)

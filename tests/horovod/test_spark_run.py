@@ -77,55 +77,15 @@ def test_run_elastic_takes_the_free_slots_up_to_max_num_proc(spark):
     assert [o[:2] for o in outs] == [(r, 10.0) for r in range(4)]  # 1 + 2 + 3 + 4 over four ranks
 
 
-def growing_elastic_train(flags, epochs=2):
-    """Horovod elastic code with a commit after every batch; on attempt 0 (two ranks) batches are
-    slow, and after its third batch rank 0 lets the other job's two task slots go."""
-    import time
-
-    import torch
-
-    import spark_dl
-    import spark_dl.horovod as hvd
-
-    hvd.init()
-    data = torch.utils.data.TensorDataset(torch.linspace(-1, 1, N).unsqueeze(1), torch.arange(N))
-    sampler = hvd.elastic.ElasticSampler(data, shuffle=True, seed=1)
-    loader = torch.utils.data.DataLoader(data, batch_size=BATCH, sampler=sampler)
-    model = torch.nn.Linear(1, 1)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
-    attempt = spark_dl.get_context().attempt
-    seen = []
-
-    @hvd.elastic.run
-    def train(state):
-        start = {"epoch": state.epoch, "committed": sorted(state.train_sampler.processed_indices)}
-        for state.epoch in range(state.epoch, epochs):
-            for batch_idx, (x, idx) in enumerate(loader):
-                opt.zero_grad()
-                (model(x) - 2 * x).pow(2).mean().backward()
-                opt.step()
-                seen.extend([state.epoch, int(i)] for i in idx)
-                state.train_sampler.record_batch(batch_idx, BATCH)
-                state.commit()
-                if attempt == 0:
-                    time.sleep(0.2)
-                    if batch_idx == 2 and hvd.rank() == 0:
-                        open(f"{flags}/release", "w").close()
-            state.train_sampler.set_epoch(state.epoch + 1)
-            state.commit()
-        return start
-
-    start = train(hvd.elastic.TorchState(model=model, optimizer=opt, train_sampler=sampler, epoch=0))
-    return {"size": hvd.size(), "attempt": attempt, "start": start, "seen": seen,
-            "params": [p.detach().tolist() for p in model.parameters()]}
-
-
 def test_run_elastic_grows_at_a_commit_when_slots_free_up(spark, tmp_path, monkeypatch, capfd):
     monkeypatch.setattr(horovod_spark, "RUN_ELASTIC_GROW_INTERVAL_S", 0.5)  # Horovod finds new hosts in seconds
     with OtherJob(spark.sparkContext, str(tmp_path)) as other:
         other.start()  # local[4] has two free slots: the run starts on min_num_proc=2
-        outs = horovod_spark.run_elastic(growing_elastic_train, args=(str(tmp_path),), num_proc=2,
-                                         min_num_proc=2, max_num_proc=4, reset_limit=0)
+        # a commit after every batch; attempt 0's batches are slow, and after its third one rank 0
+        # lets the other job's two slots go
+        outs = horovod_spark.run_elastic(elastic_train, num_proc=2, min_num_proc=2, max_num_proc=4, reset_limit=0,
+                                         kwargs={"out_dir": str(tmp_path), "epochs": 2, "crash": None,
+                                                 "commit_every": 1, "release": str(tmp_path)})
     assert [o["size"] for o in outs] == [4] * 4 and [o["attempt"] for o in outs] == [1] * 4
     assert "growing from 2 to all 4 ranks" in capfd.readouterr().err
     # the grown attempt resumed epoch 0 from the commit it stopped at: the samples committed on two
