@@ -140,6 +140,7 @@ class HorovodRunner:
             raise LaunchRefused(f"grow_interval={grow_interval!r} needs min_np: without it every attempt runs all "
                                 f"np={np} ranks and has nothing to grow into; set min_np (the fewest ranks to start with)")
         self.grow_interval = None if grow_interval is None else _seconds("grow_interval", grow_interval)
+        self._grow_wait = self.grow_interval or 0.0  # doubled after each grow that got no more ranks
         if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
             raise LaunchRefused(f"checkpoint_dir must be a path (str or os.PathLike), got {checkpoint_dir!r}")
         self.checkpoint_dir = checkpoint_dir
@@ -189,6 +190,7 @@ class HorovodRunner:
         payload = serialize_job(main, kwargs, args)
         launcher = self._launcher(data)
         job_id = f"spark-dl-{uuid.uuid4().hex[:12]}"
+        self._grow_wait = self.grow_interval or 0.0
         started = time.monotonic()
         attempt = 0
         sizes = [launcher.world_size]
@@ -347,6 +349,9 @@ class HorovodRunner:
                                       low=last_size)
         n = launcher.world_size
         ranks = f"all {n} ranks" if n == abs(self.np) else f"{n} of np={self.np} ranks"
+        if n <= last_size:  # the slots were taken meanwhile: look less often, so this cannot repeat every interval
+            self._grow_wait *= 2
+            ranks += f" (the free slots were taken meanwhile; the next look is in {self._grow_wait:g} s)"
         sys.stderr.write(f"[spark-dl] growing from {last_size} to {ranks} (not a restart: max_restarts is untouched); "
                          f"{store.describe()}\n")
         sys.stderr.flush()
@@ -380,10 +385,10 @@ class HorovodRunner:
     def _wait(self, monitor: JobMonitor, launcher: "_Launcher") -> None:
         started = time.monotonic()
         grows = self.grow_interval is not None and launcher.world_size < self.np
-        next_look = started + (self.grow_interval or 0.0)
+        next_look = started + self._grow_wait
         while monitor.failure is None:
             if grows and time.monotonic() >= next_look:
-                next_look = time.monotonic() + (self.grow_interval or 0.0)
+                next_look = time.monotonic() + self._grow_wait
                 self._look_for_slots(monitor, launcher)
             if monitor.all_exited() and launcher.finished():
                 monitor.settle()  # every rank is gone: a failure held for its root cause is final

@@ -65,6 +65,30 @@ def test_a_run_grows_at_its_next_checkpoint_when_slots_free_up(spark, tmp_path, 
     assert run.info.status == "FINISHED" and "spark_dl.restarts" not in run.data.tags
 
 
+def test_a_grow_whose_slots_are_taken_meanwhile_goes_on_at_its_size_and_looks_less_often(spark, tmp_path, capfd):
+    taker = OtherJob(spark.sparkContext, str(tmp_path / "taker"))
+    os.makedirs(tmp_path / "taker")
+
+    class TakeSlotsOnGrow:  # on_grow runs before the relaunch is sized
+        def on_start(self, job): ...
+        def on_message(self, rank, kind, data): ...
+        def on_log(self, rank, stream, line): ...
+        def on_finish(self, error): ...
+
+        def on_grow(self, attempt, world_size):
+            taker.start()
+
+    runner = HorovodRunner(np=4, min_np=2, grow_interval=0.5)
+    runner.observers.append(TakeSlotsOnGrow())
+    with OtherJob(spark.sparkContext, str(tmp_path)) as other, taker:
+        other.start()
+        outs = runner.run_all(steps_with_checkpoints, flags=str(tmp_path))
+    assert [o["world"] for o in outs] == [2, 2] and len(outs[0]["worlds"]) == STEPS
+    assert runner.last_run.world_sizes == (2, 2) and runner.last_run.grows == 1
+    assert ("[spark-dl] growing from 2 to 2 of np=4 ranks (the free slots were taken meanwhile; the next look "
+            "is in 1 s)") in capfd.readouterr().err
+
+
 def test_a_run_that_never_checkpoints_keeps_its_size(spark, tmp_path, capfd):
     runner = HorovodRunner(np=4, min_np=2, grow_interval=0.3)
     with OtherJob(spark.sparkContext, str(tmp_path)) as other:
