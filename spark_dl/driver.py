@@ -39,8 +39,9 @@ class Observer(Protocol):
     launcher itself does not handle (metrics, params, models, system metrics...), ``on_log`` for
     every output line, and ``on_finish`` once, after every rank has exited, with the error that
     ``run`` is about to raise (None on success). Callbacks run on channel threads: keep them cheap.
-    An observer may also define ``on_restart(attempt, error)``, called on the driver's thread
-    before a failed attempt is launched again (``HorovodRunner(max_restarts=...)``),
+    An observer may also define ``on_restart(restart, error)``, called on the driver's thread
+    before a failed attempt is launched again as restart number ``restart``
+    (``HorovodRunner(max_restarts=...)``),
     ``on_checkpoint(blob, step)``, called once rank 0's checkpoint (the pickled state) is stored,
     ``on_grow(attempt, world_size)``, called before a healthy attempt stopped at a checkpoint is
     launched again on more ranks (``HorovodRunner(grow_interval=...)``), and
