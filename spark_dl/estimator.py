@@ -289,6 +289,8 @@ def _fit(data, validation, model, optimizer, loss, feature_cols, label_cols, bat
         history, val_history, metric_history = saved["history"], saved["val_history"], saved["metric_history"]
         start = saved["epoch"] + 1
     passes = options.passes
+    # the weights on the CPU, as the last checkpoint has them (epochs >= 1: a fresh fit saves one)
+    state = saved["model"] if saved is not None else None
     for epoch in range(start, epochs):
         total = torch.zeros(2, dtype=torch.float64)
         scores = _Scores(metrics)
@@ -331,11 +333,12 @@ def _fit(data, validation, model, optimizer, loss, feature_cols, label_cols, bat
                 metric_history.setdefault(f"val_{name}", []).append(score)
                 logged[f"val_{name}"] = score
         spark_dl.log_metrics(logged, step=epoch)
+        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
         spark_dl.save_checkpoint({_CHECKPOINT_KEY: {
-            "epoch": epoch, "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+            "epoch": epoch, "model": state,
             "optimizer": opt.state_dict(), "history": history, "val_history": val_history,
             "metric_history": metric_history}}, step=epoch)
-    return {"state": {k: v.detach().cpu() for k, v in model.state_dict().items()}, "history": history,
+    return {"state": state, "history": history,
             "val_history": val_history, "metric_history": metric_history}
 
 
