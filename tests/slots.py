@@ -14,9 +14,11 @@ class OtherJob:
 
     def __init__(self, sc, flags: str) -> None:
         self.sc = sc
+        self.flags = flags
         self.release = release = os.path.join(flags, "release")
 
-        def hold(_):
+        def hold(i):
+            open(os.path.join(flags, f"holding-{i}"), "w").close()
             deadline = time.monotonic() + 60
             while not os.path.exists(release) and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -25,9 +27,14 @@ class OtherJob:
 
     def start(self) -> None:
         self.thread.start()
+        # both tasks hold a slot: counted by their own marks, since while another job's tasks are
+        # ending the cluster's busy count can reach 2 before these two run
         deadline = time.monotonic() + 60
-        while cluster.slots(self.sc).busy < 2 and time.monotonic() < deadline:  # both tasks hold a slot
+        while time.monotonic() < deadline and not all(
+            os.path.exists(os.path.join(self.flags, f"holding-{i}")) for i in range(2)
+        ):
             time.sleep(0.05)
+        assert cluster.slots(self.sc).busy >= 2, "the other job's two tasks run but hold no slots"
 
     def __enter__(self) -> "OtherJob":
         return self
