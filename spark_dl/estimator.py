@@ -12,6 +12,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+from .callbacks import EarlyStopping, Trainer
 from .errors import LaunchRefused
 from .runner import HorovodRunner, RunInfo
 
@@ -75,6 +76,86 @@ def _reshaped(tensors: list, shapes: list[tuple[int, ...]] | None, cols: list[st
     return out
 
 
+def _losses(loss: Any, constructors: Any, weights: Any, label_cols: list[str]) -> "_Losses":
+    """``loss`` / ``loss_constructors`` / ``loss_weights`` checked, as Horovod reads them: a list of
+    losses (or weights) means one loss per model output and label column."""
+    if (loss is None) == (constructors is None):
+        raise LaunchRefused("pass exactly one of loss= (a function (output, *labels) -> tensor, or a list of them) "
+                            "and loss_constructors= (functions that build the loss on each rank)")
+    given, what = (loss, "loss") if loss is not None else (constructors, "loss_constructors")
+    fns = list(given) if isinstance(given, (list, tuple)) else [given]
+    n = len(label_cols)
+    if not fns or not all(callable(fn) for fn in fns):
+        kind = "a function (output, *labels) -> tensor" if loss is not None else "a function () -> loss"
+        raise LaunchRefused(f"{what} must be {kind} or a list of them (one per label column), got {given!r}")
+    per_output = isinstance(given, (list, tuple)) or weights is not None
+    if per_output and len(fns) not in (1, n):
+        raise LaunchRefused(f"{what} has {len(fns)} losses for {n} label columns {label_cols}: give one per label "
+                            "column (in their order), or one for all")
+    if weights is not None:
+        if (not isinstance(weights, (list, tuple)) or len(weights) != n
+                or any(isinstance(w, bool) or not isinstance(w, (int, float)) for w in weights)):
+            raise LaunchRefused(f"loss_weights must be a list of {n} numbers, one per label column {label_cols}, "
+                                f"got {weights!r}")
+    if not per_output:
+        return _Losses(tuple(fns), None, constructors is not None)
+    if weights is None:
+        weights = [1.0 / n] * n  # Horovod's default: the losses' mean
+    return _Losses(tuple(fns * n if len(fns) == 1 else fns), tuple(float(w) for w in weights), constructors is not None)
+
+
+@dataclass(frozen=True)
+class _Losses:
+    """How a batch's loss is computed: one ``loss(output, *labels)``, or (``weights`` set) one loss
+    per model output and label column, ``sum(w_i * loss_i(output_i, label_i))``."""
+
+    fns: tuple
+    weights: tuple[float, ...] | None = None
+    constructors: bool = False  # fns build the losses: called once on each rank
+
+    def built(self) -> "_Losses":
+        if not self.constructors:
+            return self
+        return _Losses(tuple(make() for make in self.fns), self.weights)
+
+    def outputs(self, output: Any, labels: list) -> tuple[Any, list]:
+        """Horovod's ``transform_outputs``: per output, the outputs as a list (one per label column)
+        and each label reshaped to its output's shape where they hold as many numbers."""
+        if self.weights is None:
+            return output, labels
+        outs = list(output) if isinstance(output, (list, tuple)) else [output]
+        if len(outs) != len(labels):
+            raise ValueError(f"with a loss per label column the model must return one output per label column "
+                             f"({len(labels)}), as a tuple; it returned {len(outs)}")
+        labels = [label.reshape(out.shape) if hasattr(out, "shape") and out.shape.numel() == label.numel() else label
+                  for out, label in zip(outs, labels)]
+        return outs, labels
+
+    def __call__(self, output: Any, labels: list, sample_weights: Any = None) -> Any:
+        """The batch's loss; with ``sample_weights`` Horovod's rule for each loss: the mean of
+        weight x per-row loss."""
+        if self.weights is None:
+            return _weighted(self.fns[0], output, labels, sample_weights)
+        outs, labels = self.outputs(output, labels)
+        return sum(w * _weighted(fn, out, [label], sample_weights)
+                   for fn, w, out, label in zip(self.fns, self.weights, outs, labels))
+
+
+def _weighted(loss, output, labels, weights):
+    """``loss(output, *labels)``; with per-row ``weights``, the mean of weight x per-row loss."""
+    if weights is None:
+        return loss(output, *labels)
+    try:
+        per_row = loss(output, *labels, reduction="none")
+    except TypeError as e:
+        raise TypeError(f"sample_weight_col needs a loss that takes reduction='none' and returns one loss per "
+                        f"row (torch.nn.functional's losses do); calling it that way failed: {e}") from e
+    if per_row.dim() == 0 or per_row.shape[0] != weights.shape[0]:
+        raise ValueError(f"with sample_weight_col, loss(..., reduction='none') must return one value per row "
+                         f"(first dimension {weights.shape[0]}), got shape {tuple(per_row.shape)}")
+    return (per_row * weights.view(-1, *[1] * (per_row.dim() - 1))).mean()
+
+
 def _names(value: str | Sequence[str], what: str) -> list[str]:
     names = [value] if isinstance(value, str) else list(value)
     if not names or not all(isinstance(n, str) and n for n in names):
@@ -90,7 +171,13 @@ class TorchEstimator:
             feature column (numeric columns: 1-D, arrays of numbers: 2-D).
         optimizer: an optimizer over ``model.parameters()`` (Horovod's style) or a function
             ``params -> optimizer`` (``functools.partial(torch.optim.SGD, lr=0.1)``).
-        loss: ``loss(output, *labels) -> tensor`` (``torch.nn.functional.cross_entropy``).
+        loss: ``loss(output, *labels) -> tensor`` (``torch.nn.functional.cross_entropy``); or, for
+            a model with one output per label column, a list of losses, one per output (Horovod's),
+            whose weighted sum (``loss_weights``) is the batch's loss.
+        loss_constructors: in place of ``loss``, functions that build the loss(es) on each rank
+            (``lambda: torch.nn.CrossEntropyLoss(label_smoothing=0.1)``): one, or a list of them.
+        loss_weights: one weight per label column for a per-output loss (default ``1 / len(label_cols)``
+            each, Horovod's); given with a single loss, that loss is used for every output.
         feature_cols, label_cols: column names (a str for one).
         batch_size: rows per rank per step; epochs: passes over the data.
         num_proc: ranks, in one Spark barrier stage.
@@ -114,6 +201,14 @@ class TorchEstimator:
         backward_passes_per_step: batches whose gradients are accumulated (averaged) before each
             optimizer step and all-reduce (Horovod's); 1 steps every batch.
         val_batch_size: rows per rank per held-out batch (default ``batch_size``).
+        transformation_fn: ``fn(batch) -> batch`` on each rank for every training and held-out
+            batch (a dict of column name -> tensor on the CPU, as read), before the model sees it:
+            normalisation, augmentation, label encoding.
+        train_minibatch_fn: Horovod's custom step: a function returning ``train_minibatch(model,
+            optimizer, transform_outputs, loss_fn, inputs, labels, sample_weights) -> (outputs,
+            loss)``, which then runs each batch's zero_grad/forward/backward/step itself.
+        callbacks: objects with ``on_train_begin`` / ``on_epoch_begin`` / ``on_epoch_end`` /
+            ``on_train_end`` hooks run on every rank (:mod:`spark_dl.callbacks`, ``EarlyStopping``).
         train_steps_per_epoch, validation_steps_per_epoch: at most this many batches per rank per
             epoch (default: all of the rank's share).
         runner_options: more :class:`spark_dl.HorovodRunner` options (``max_restarts``, ``tracking``,
@@ -121,7 +216,8 @@ class TorchEstimator:
             checkpoint, so a restarted or grown fit goes on from the last finished epoch.
     """
 
-    def __init__(self, *, model, optimizer, loss: Callable[..., Any], feature_cols: str | Sequence[str],
+    def __init__(self, *, model, optimizer, loss: Callable[..., Any] | Sequence[Callable[..., Any]] | None = None,
+                 feature_cols: str | Sequence[str],
                  label_cols: str | Sequence[str], batch_size: int = 32, epochs: int = 1, num_proc: int = 2,
                  prediction_col: str = "prediction", shuffle: bool = True, seed: int = 0,
                  validation: float | str | None = None, sample_weight_col: str | None = None,
@@ -129,9 +225,14 @@ class TorchEstimator:
                  metrics: Mapping[str, Callable[..., Any]] | Sequence[Callable[..., Any]] | None = None,
                  gradient_compression: Any = None, backward_passes_per_step: int = 1,
                  val_batch_size: int | None = None, train_steps_per_epoch: int | None = None,
-                 validation_steps_per_epoch: int | None = None, **runner_options: Any) -> None:
+                 validation_steps_per_epoch: int | None = None,
+                 loss_constructors: Callable[[], Any] | Sequence[Callable[[], Any]] | None = None,
+                 loss_weights: Sequence[float] | None = None, transformation_fn: Callable[[dict], dict] | None = None,
+                 train_minibatch_fn: Callable[[], Callable[..., Any]] | None = None,
+                 callbacks: Sequence[Any] | None = None, **runner_options: Any) -> None:
         import torch
 
+        from . import callbacks as _callbacks
         from .compression import Compressor
 
         if not isinstance(model, torch.nn.Module):
@@ -146,8 +247,6 @@ class TorchEstimator:
             if not all(id(p) in own for g in optimizer.param_groups for p in g["params"]):
                 raise LaunchRefused("optimizer was built over parameters that are not model's: build it "
                                     "with model.parameters(), or pass a function params -> optimizer")
-        if not callable(loss):
-            raise LaunchRefused(f"loss must be a function (output, *labels) -> tensor, got {type(loss).__name__}")
         if validation is not None and not (isinstance(validation, str) and validation) and not (
                 isinstance(validation, float) and 0 < validation < 1):
             raise LaunchRefused(f"validation must be a fraction of the rows in (0, 1) or a column name, got {validation!r}")
@@ -164,9 +263,23 @@ class TorchEstimator:
                                 f"PowerSGD(), ...) or None, got {type(gradient_compression).__name__}")
         self.model = model
         self.optimizer = optimizer
-        self.loss = loss
         self.feature_cols = _names(feature_cols, "feature_cols")
         self.label_cols = _names(label_cols, "label_cols")
+        self.loss, self.loss_constructors, self.loss_weights = loss, loss_constructors, loss_weights
+        self._losses = _losses(loss, loss_constructors, loss_weights, self.label_cols)
+        for name, fn in (("transformation_fn", transformation_fn), ("train_minibatch_fn", train_minibatch_fn)):
+            if fn is not None and not callable(fn):
+                raise LaunchRefused(f"{name} must be a function, got {type(fn).__name__}")
+        if train_minibatch_fn is not None and backward_passes_per_step != 1:
+            raise LaunchRefused("train_minibatch_fn runs each batch's optimizer step itself, so "
+                                f"backward_passes_per_step={backward_passes_per_step} cannot apply: accumulate "
+                                "gradients inside it, or leave backward_passes_per_step at 1")
+        self.transformation_fn = transformation_fn
+        self.train_minibatch_fn = train_minibatch_fn
+        try:
+            self.callbacks = _callbacks.check(callbacks)
+        except TypeError as e:
+            raise LaunchRefused(str(e)) from None
         self.batch_size = batch_size
         self.epochs = epochs
         self.num_proc = num_proc
@@ -179,6 +292,7 @@ class TorchEstimator:
         self.sample_weight_col = sample_weight_col
         self.input_shapes = _input_shapes(input_shapes, self.feature_cols)
         self.metrics = _metrics(metrics)
+        self._check_monitors()
         self.gradient_compression = gradient_compression
         self.backward_passes_per_step = backward_passes_per_step
         self.val_batch_size = val_batch_size
@@ -186,6 +300,18 @@ class TorchEstimator:
         self.validation_steps_per_epoch = validation_steps_per_epoch
         self.runner_options = runner_options
         self._runner = HorovodRunner(np=num_proc, **runner_options)  # bad options are refused now, not at fit()
+
+    def _check_monitors(self) -> None:
+        """An ``EarlyStopping`` that watches a history key this fit will not have is refused now,
+        not after its first epoch."""
+        keys = ["loss"] + list(self.metrics)
+        if self.validation is not None:
+            keys += ["val_" + k for k in keys]
+        for cb in self.callbacks:
+            if isinstance(cb, EarlyStopping) and cb.monitor not in keys:
+                hint = " (the val_ keys need validation=)" if cb.monitor.startswith("val_") else ""
+                raise LaunchRefused(f"EarlyStopping monitors {cb.monitor!r}, which this fit will not log{hint}; "
+                                    f"it logs {keys}")
 
     @property
     def last_run(self) -> RunInfo | None:
@@ -207,18 +333,19 @@ class TorchEstimator:
         data = shards(train, columns, shuffle=self.shuffle, seed=self.seed)
         # every held-out row once per rank's share ("pad" repeats a few when they do not divide evenly)
         val = shards(held_out, columns, shuffle=False, remainder="pad") if held_out is not None else None
-        out = self._runner.run(_fit, data=data, validation=val, model=self.model, optimizer=self.optimizer, loss=self.loss,
+        out = self._runner.run(_fit, data=data, validation=val, model=self.model, optimizer=self.optimizer, loss=self._losses,
                                feature_cols=self.feature_cols, label_cols=self.label_cols,
                                batch_size=self.batch_size, epochs=self.epochs, metrics=self.metrics,
                                weight_col=weights, input_shapes=self.input_shapes,
                                options=_FitOptions(self.gradient_compression, self.backward_passes_per_step,
                                                    self.val_batch_size or self.batch_size, self.train_steps_per_epoch,
-                                                   self.validation_steps_per_epoch))
+                                                   self.validation_steps_per_epoch, self.transformation_fn,
+                                                   self.train_minibatch_fn, tuple(self.callbacks)))
         trained = copy.deepcopy(self.model).cpu()
         trained.load_state_dict(out["state"])
         return TorchModel(trained, self.feature_cols, self.prediction_col, history=out["history"],
                           val_history=out["val_history"], metric_history=out["metric_history"],
-                          input_shapes=self.input_shapes)
+                          input_shapes=self.input_shapes, label_cols=list(self.label_cols))
 
     def _split(self, df):
         """(training rows, held-out rows or None), as ``validation`` says."""
@@ -237,6 +364,7 @@ class TorchEstimator:
         return df.filter(~held), df.filter(held)
 
 
+__all__ = ["EarlyStopping", "TorchEstimator", "TorchModel", "Trainer"]
 _OPTIONAL_SIZES = ("val_batch_size", "train_steps_per_epoch", "validation_steps_per_epoch")
 _CHECKPOINT_KEY = "spark_dl.estimator"
 
@@ -248,16 +376,18 @@ class _FitOptions:
     val_batch_size: int = 32
     train_steps: int | None = None
     val_steps: int | None = None
+    transformation: Callable[[dict], dict] | None = None
+    minibatch: Callable[[], Callable[..., Any]] | None = None  # Horovod's train_minibatch_fn
+    callbacks: tuple = ()
 
 
-def _fit(data, validation, model, optimizer, loss, feature_cols, label_cols, batch_size, epochs, metrics,
+def _fit(data, validation, model, optimizer, loss: _Losses, feature_cols, label_cols, batch_size, epochs, metrics,
          weight_col=None, input_shapes=None, options: _FitOptions = _FitOptions()):
     """Each rank: DDP over the rank's device, one pass over its shard per epoch; rank 0 returns the
     trained weights, the per-epoch loss averaged over every rank's batches, the metrics averaged
     over every rank's rows and, with ``validation``, the held-out rows' loss and metrics after
     each epoch (averaged over rows). Each epoch ends with a checkpoint, and a restarted attempt
     starts after the last one checkpointed."""
-    import contextlib
     import itertools
 
     import torch
@@ -265,6 +395,7 @@ def _fit(data, validation, model, optimizer, loss, feature_cols, label_cols, bat
 
     import spark_dl
 
+    from . import callbacks as cbs
     from .prepare import prepare_model
 
     spark_dl.init()
@@ -279,67 +410,124 @@ def _fit(data, validation, model, optimizer, loss, feature_cols, label_cols, bat
         from .compression.ddp import make_ddp_hook
 
         ddp.register_comm_hook(*make_ddp_hook(options.compression))
+    loss = loss.built()
     device = spark_dl.get_device()
     dtype = _float_dtype(model)
     history, val_history = [], []
     metric_history: dict[str, list[float]] = {}
-    start = 0
+    start, stopped = 0, False
+    callbacks = list(options.callbacks)
     if saved is not None:
         opt.load_state_dict(saved["optimizer"])  # after the move: its state follows the parameters' device
         history, val_history, metric_history = saved["history"], saved["val_history"], saved["metric_history"]
-        start = saved["epoch"] + 1
-    passes = options.passes
+        start, stopped = saved["epoch"] + 1, saved.get("stopped", False)
+        cbs.restore(callbacks, saved.get("callbacks"))
+    trainer = cbs.Trainer(model, opt, dist.get_rank(), dist.get_world_size(), start)
+    batch_of = _Batches(feature_cols, label_cols, weight_col, input_shapes, device, dtype, options.transformation)
+    step = _Step(ddp, opt, loss, options.passes, options.minibatch() if options.minibatch is not None else None)
     # the weights on the CPU, as the last checkpoint has them (epochs >= 1: a fresh fit saves one)
     state = saved["model"] if saved is not None else None
-    for epoch in range(start, epochs):
+    logs: dict[str, float] = {}
+    cbs.call(callbacks, "on_train_begin", trainer)
+    for epoch in range(start, epochs if not stopped else start):
+        cbs.call(callbacks, "on_epoch_begin", epoch, trainer)
         total = torch.zeros(2, dtype=torch.float64)
         scores = _Scores(metrics)
         batches = itertools.islice(data.batches(batch_size=batch_size, epoch=epoch), options.train_steps)
         upcoming = next(batches, None)
-        accumulated = 0
-        opt.zero_grad()
         while upcoming is not None:
             batch, upcoming = upcoming, next(batches, None)
-            accumulated += 1
+            inputs, labels, weights = batch_of(batch)
             # every rank has as many batches, so all agree on which backward pass all-reduces
-            steps_now = accumulated == passes or upcoming is None
-            with contextlib.nullcontext() if steps_now or not hasattr(ddp, "no_sync") else ddp.no_sync():
-                output, labels = _forward(ddp, batch, feature_cols, label_cols, device, dtype, input_shapes)
-                value = _loss(loss, output, labels, batch, weight_col, device, dtype)
-                value.backward()
-            if steps_now:
-                if accumulated > 1:  # the mean of the accumulated batches' gradients
-                    for p in ddp.parameters():
-                        if p.grad is not None:
-                            p.grad.div_(accumulated)
-                opt.step()
-                opt.zero_grad()
-                accumulated = 0
-            total += torch.tensor([value.item(), 1.0], dtype=torch.float64)
-            scores.add(output.detach(), labels, len(batch[feature_cols[0]]))
+            output, value = step(inputs, labels, weights, last=upcoming is None)
+            total += torch.tensor([float(value), 1.0], dtype=torch.float64)
+            scores.add(output.detach() if torch.is_tensor(output) else output, labels, len(labels[0]))
         dist.all_reduce(total)
         history.append(total[0].item() / max(total[1].item(), 1.0))
+        logs = {"loss": history[-1]}
         logged = {"train_loss": history[-1]}
         for name, score in scores.result().items():
             metric_history.setdefault(name, []).append(score)
-            logged[f"train_{name}"] = score
+            logs[name] = logged[f"train_{name}"] = score
         if validation is not None:
-            val_loss, val_scores = _held_out(validation, getattr(ddp, "module", ddp), loss, metrics, feature_cols,
-                                             label_cols, options.val_batch_size, device, dtype, weight_col,
-                                             input_shapes, options.val_steps)
+            val_loss, val_scores = _held_out(validation, getattr(ddp, "module", ddp), loss, metrics, batch_of,
+                                             options.val_batch_size, options.val_steps)
             val_history.append(val_loss)
-            logged["val_loss"] = val_loss
+            logs["val_loss"] = logged["val_loss"] = val_loss
             for name, score in val_scores.items():
                 metric_history.setdefault(f"val_{name}", []).append(score)
-                logged[f"val_{name}"] = score
+                logs[f"val_{name}"] = logged[f"val_{name}"] = score
         spark_dl.log_metrics(logged, step=epoch)
+        trainer.stop_training = False
+        cbs.call(callbacks, "on_epoch_end", epoch, dict(logs), trainer)
+        if callbacks:  # rank 0's decision holds for every rank, so all leave the loop together
+            flag = torch.tensor([float(trainer.stop_training)])
+            dist.broadcast(flag, 0)
+            stopped = bool(flag.item())
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
         spark_dl.save_checkpoint({_CHECKPOINT_KEY: {
-            "epoch": epoch, "model": state,
+            "epoch": epoch, "model": state, "stopped": stopped, "callbacks": cbs.states(callbacks),
             "optimizer": opt.state_dict(), "history": history, "val_history": val_history,
             "metric_history": metric_history}}, step=epoch)
+        if stopped:
+            break
+    cbs.call(callbacks, "on_train_end", dict(logs), trainer)
     return {"state": state, "history": history,
             "val_history": val_history, "metric_history": metric_history}
+
+
+class _Batches:
+    """A batch of shard rows as ``(inputs, labels, sample_weights)`` on the rank's device, after
+    ``transformation_fn`` and ``input_shapes``."""
+
+    def __init__(self, feature_cols, label_cols, weight_col, input_shapes, device, dtype, transformation) -> None:
+        self.feature_cols, self.label_cols, self.weight_col = feature_cols, label_cols, weight_col
+        self.input_shapes, self.device, self.dtype, self.transformation = input_shapes, device, dtype, transformation
+
+    def __call__(self, batch: dict) -> tuple[list, list, Any]:
+        if self.transformation is not None:
+            batch = self.transformation(batch)
+            needed = self.feature_cols + self.label_cols + ([self.weight_col] if self.weight_col else [])
+            if not isinstance(batch, Mapping) or any(c not in batch for c in needed):
+                got = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
+                raise TypeError(f"transformation_fn must return the batch as a dict of column -> tensor with the "
+                                f"columns {needed}; it returned {got}")
+        inputs = _reshaped([_as(batch[c], self.device, self.dtype) for c in self.feature_cols], self.input_shapes,
+                           self.feature_cols)
+        labels = [_as(batch[c], self.device, self.dtype) for c in self.label_cols]
+        return inputs, labels, _sample_weights(batch, self.weight_col, self.device, self.dtype)
+
+
+class _Step:
+    """One training batch: forward, backward and, every ``passes`` batches (or at the epoch's
+    last), the optimizer step over the accumulated mean; or Horovod's ``train_minibatch``."""
+
+    def __init__(self, ddp, opt, loss: _Losses, passes: int, minibatch=None) -> None:
+        self.ddp, self.opt, self.loss, self.passes, self.minibatch = ddp, opt, loss, passes, minibatch
+        self.accumulated = 0
+
+    def __call__(self, inputs: list, labels: list, weights, last: bool) -> tuple[Any, float]:
+        import contextlib
+
+        if self.minibatch is not None:
+            output, value = self.minibatch(self.ddp, self.opt, self.loss.outputs, self.loss, inputs, labels, weights)
+            return output, value.item() if hasattr(value, "item") else float(value)
+        if self.accumulated == 0:
+            self.opt.zero_grad()
+        self.accumulated += 1
+        steps_now = self.accumulated == self.passes or last
+        with contextlib.nullcontext() if steps_now or not hasattr(self.ddp, "no_sync") else self.ddp.no_sync():
+            output = self.ddp(*inputs)
+            value = self.loss(output, labels, weights)
+            value.backward()
+        if steps_now:
+            if self.accumulated > 1:  # the mean of the accumulated batches' gradients
+                for p in self.ddp.parameters():
+                    if p.grad is not None:
+                        p.grad.div_(self.accumulated)
+            self.opt.step()
+            self.accumulated = 0
+        return output, value.item()
 
 
 class _Scores:
@@ -373,8 +561,7 @@ class _Scores:
         return {name: self.sums[i].item() / rows for i, name in enumerate(self.metrics)}
 
 
-def _held_out(val, model, loss, metrics, feature_cols, label_cols, batch_size, device, dtype, weight_col=None,
-              input_shapes=None, steps=None):
+def _held_out(val, model, loss: _Losses, metrics, batch_of: _Batches, batch_size, steps=None):
     """The loss and metrics over every rank's held-out rows (its first ``steps`` batches), weighted
     by rows (batches may be short)."""
     import itertools
@@ -387,9 +574,10 @@ def _held_out(val, model, loss, metrics, feature_cols, label_cols, batch_size, d
     model.eval()
     with torch.no_grad():
         for batch in itertools.islice(val.batches(batch_size=batch_size), steps):
-            output, labels = _forward(model, batch, feature_cols, label_cols, device, dtype, input_shapes)
-            rows = len(batch[feature_cols[0]])
-            value = _loss(loss, output, labels, batch, weight_col, device, dtype)
+            inputs, labels, weights = batch_of(batch)
+            output = model(*inputs)
+            rows = len(labels[0])
+            value = loss(output, labels, weights)
             total += torch.tensor([value.item() * rows, rows], dtype=torch.float64)
             scores.add(output, labels, rows)
     model.train()
@@ -411,26 +599,8 @@ def _features(table, cols, kinds, dtype, input_shapes=None):
     return _reshaped([_as(_to_tensor(table.column(c), kinds[c], c), "cpu", dtype) for c in cols], input_shapes, cols)
 
 
-def _loss(loss, output, labels, batch, weight_col, device, dtype):
-    """The batch's loss; with a weight column, Horovod's rule: mean of weight * per-row loss."""
-    if weight_col is None:
-        return loss(output, *labels)
-    try:
-        per_row = loss(output, *labels, reduction="none")
-    except TypeError as e:
-        raise TypeError(f"sample_weight_col needs a loss that takes reduction='none' and returns one loss per "
-                        f"row (torch.nn.functional's losses do); calling it that way failed: {e}") from e
-    weights = _as(batch[weight_col], device, dtype)
-    if per_row.dim() == 0 or per_row.shape[0] != weights.shape[0]:
-        raise ValueError(f"with sample_weight_col, loss(..., reduction='none') must return one value per row "
-                         f"(first dimension {weights.shape[0]}), got shape {tuple(per_row.shape)}")
-    return (per_row * weights.view(-1, *[1] * (per_row.dim() - 1))).mean()
-
-
-def _forward(model, batch, feature_cols, label_cols, device, dtype, input_shapes=None):
-    """``(model(*features), labels)`` for one batch of shard rows."""
-    features = _reshaped([_as(batch[c], device, dtype) for c in feature_cols], input_shapes, feature_cols)
-    return model(*features), [_as(batch[c], device, dtype) for c in label_cols]
+def _sample_weights(batch, weight_col, device, dtype):
+    return None if weight_col is None else _as(batch[weight_col], device, dtype)
 
 
 def _as(tensor, device, dtype):
@@ -445,11 +615,12 @@ class TorchModel:
 
     model: Any
     feature_cols: list[str]
-    prediction_col: str = "prediction"
+    prediction_col: str | list[str] = "prediction"
     history: list[float] = field(default_factory=list)  # per-epoch training loss, averaged over ranks
     val_history: list[float] = field(default_factory=list)  # per-epoch held-out loss (``validation``)
     metric_history: dict[str, list[float]] = field(default_factory=dict)  # ``metrics``: name / val_name -> per epoch
     input_shapes: list | None = None  # the estimator's: each feature column's batch is reshaped so
+    label_cols: list[str] = field(default_factory=list)  # names a tuple-returning model's prediction columns
 
     def getHistory(self) -> dict[str, list[float]]:  # noqa: N802 - Horovod's TorchModel name
         """Keras-style history: ``loss``, ``val_loss`` (with validation) and each metric's lists."""
@@ -464,22 +635,26 @@ class TorchModel:
         return self.model
 
     def transform(self, df):
-        """``df`` with ``prediction_col`` added: the model's output per row (a float for one output,
-        else an array of floats), computed on the executors in Arrow batches."""
+        """``df`` with the predictions added, computed on the executors in Arrow batches: for a
+        model with one output, ``prediction_col`` holds it per row (a float for one number, else an
+        array of floats); a model returning a tuple of outputs gets one column per output, named
+        by ``prediction_col`` given as a list, else ``<prediction_col>_<label column>``."""
         import cloudpickle
         from pyspark.sql import types as T
 
         from .data import column_kinds
 
-        if self.prediction_col in df.columns:
-            raise LaunchRefused(f"the DataFrame already has a column {self.prediction_col!r}; "
-                                "pick another prediction_col")
         kinds = column_kinds(df, self.feature_cols)
-        width = self._output_width(df, kinds)
-        out_type = T.FloatType() if width == 1 else T.ArrayType(T.FloatType())
-        schema = T.StructType(df.schema.fields + [T.StructField(self.prediction_col, out_type)])
+        widths, several = self._output_widths(df, kinds)
+        names = self._prediction_names(widths, several)
+        taken = [n for n in names if n in df.columns]
+        if taken:
+            raise LaunchRefused(f"the DataFrame already has a column {taken[0]!r}; pick another prediction_col")
+        schema = T.StructType(df.schema.fields + [
+            T.StructField(name, T.FloatType() if width == 1 else T.ArrayType(T.FloatType()))
+            for name, width in zip(names, widths)])
         blob = cloudpickle.dumps(self.model)
-        cols, name, shapes = self.feature_cols, self.prediction_col, self.input_shapes
+        cols, shapes = self.feature_cols, self.input_shapes
 
         def predict(batches):
             import cloudpickle
@@ -492,20 +667,37 @@ class TorchModel:
             dtype = _float_dtype(model)
             for batch in batches:
                 with torch.no_grad():
-                    out = model(*_features(batch, cols, kinds, dtype, shapes)).float()
-                flat = out.reshape(len(batch), -1).numpy()
-                if width == 1:
-                    column = pa.array(flat[:, 0], type=pa.float32())
-                else:
-                    offsets = pa.array(range(0, flat.size + 1, width), type=pa.int32())
-                    column = pa.ListArray.from_arrays(offsets, pa.array(flat.reshape(-1), type=pa.float32()))
-                yield pa.RecordBatch.from_arrays(list(batch.columns) + [column],
-                                                 names=list(batch.schema.names) + [name])
+                    outs = model(*_features(batch, cols, kinds, dtype, shapes))
+                columns = []
+                for out, width in zip(outs if isinstance(outs, (list, tuple)) else [outs], widths):
+                    flat = out.float().reshape(len(batch), -1).numpy()
+                    if width == 1:
+                        columns.append(pa.array(flat[:, 0], type=pa.float32()))
+                    else:
+                        offsets = pa.array(range(0, flat.size + 1, width), type=pa.int32())
+                        columns.append(pa.ListArray.from_arrays(offsets, pa.array(flat.reshape(-1), type=pa.float32())))
+                yield pa.RecordBatch.from_arrays(list(batch.columns) + columns, names=list(batch.schema.names) + names)
 
         return df.mapInArrow(predict, schema)
 
-    def _output_width(self, df, kinds) -> int:
-        """How many numbers the model gives per row, from one row run through it on the driver."""
+    def _prediction_names(self, widths: list[int], several: bool) -> list[str]:
+        """The prediction columns' names: one for a single output, one per output of a tuple."""
+        col = self.prediction_col
+        if not several:
+            if not isinstance(col, str):
+                raise LaunchRefused(f"the model returns one output, so prediction_col must be one name, got {col!r}")
+            return [col]
+        if isinstance(col, (list, tuple)):
+            if len(col) != len(widths) or not all(isinstance(c, str) and c for c in col):
+                raise LaunchRefused(f"the model returns {len(widths)} outputs: prediction_col must name each, got {col!r}")
+            return list(col)
+        if len(self.label_cols) == len(widths):
+            return [f"{col}_{label}" for label in self.label_cols]
+        return [f"{col}_{i}" for i in range(len(widths))]
+
+    def _output_widths(self, df, kinds) -> tuple[list[int], bool]:
+        """How many numbers each of the model's outputs gives per row, from one row run through it
+        on the driver; and whether it returns several (a tuple)."""
         import torch
 
         sample = df.select(*self.feature_cols).limit(1).toArrow()
@@ -514,4 +706,6 @@ class TorchModel:
         with torch.no_grad():
             out = self.model.eval()(*_features(sample, self.feature_cols, kinds, _float_dtype(self.model),
                                                self.input_shapes))
-        return int(out.reshape(1, -1).shape[1])
+        if isinstance(out, (list, tuple)):
+            return [int(o.reshape(1, -1).shape[1]) for o in out], True
+        return [int(out.reshape(1, -1).shape[1])], False

@@ -1,0 +1,259 @@
+"""TorchEstimator's Horovod options beyond the basic fit: a loss per model output (loss lists,
+loss_weights, loss_constructors) with a prediction column per output, transformation_fn,
+train_minibatch_fn, and callbacks (EarlyStopping, with its state surviving a restart), on real
+barrier stages."""
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+
+from spark_dl import LaunchRefused, RankFailed
+from spark_dl.estimator import EarlyStopping, TorchEstimator, TorchModel
+
+
+def _two_targets(spark, rows=400):
+    from pyspark.sql import functions as F
+
+    df = spark.range(rows).select((F.rand(1) * 2 - 1).cast("float").alias("a"),
+                                  (F.rand(2) * 2 - 1).cast("float").alias("b"))
+    return (df.withColumn("y1", (3 * F.col("a") - 2 * F.col("b")).cast("float"))
+              .withColumn("y2", (F.col("a") + F.col("b") + 1).cast("float")))
+
+
+class TwoHeads(torch.nn.Module):
+    """One output per label column, each of shape (batch, 1): the labels (batch,) are reshaped to it."""
+
+    def __init__(self):
+        super().__init__()
+        self.h1 = torch.nn.Linear(2, 1)
+        self.h2 = torch.nn.Linear(2, 1)
+
+    def forward(self, a, b):
+        x = torch.stack([a, b], dim=1)
+        return self.h1(x), self.h2(x)
+
+
+def test_a_loss_per_output_weighted_and_a_prediction_column_per_output(spark):
+    df = _two_targets(spark)
+    torch.manual_seed(0)
+    model = TwoHeads()
+    # a zero weight: the second head gets no gradient at all (plain SGD leaves it exactly as it was)
+    fitted = TorchEstimator(model=model, optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+                            loss=torch.nn.functional.mse_loss, loss_weights=[1.0, 0.0], feature_cols=["a", "b"],
+                            label_cols=["y1", "y2"], batch_size=16, epochs=15, num_proc=2).fit(df)
+    trained = fitted.getModel()
+    assert trained.h1.weight.detach()[0].tolist() == pytest.approx([3, -2], abs=0.05)
+    assert torch.equal(trained.h2.weight, model.h2.weight) and torch.equal(trained.h2.bias, model.h2.bias)
+
+    # built on the ranks, one per output, weighted 1/2 each by default: both heads learn
+    torch.manual_seed(0)
+    fitted = TorchEstimator(model=TwoHeads(), optimizer=functools.partial(torch.optim.SGD, lr=0.2),
+                            loss_constructors=[torch.nn.MSELoss, torch.nn.MSELoss], feature_cols=["a", "b"],
+                            label_cols=["y1", "y2"], batch_size=16, epochs=15, num_proc=2).fit(df)
+    predicted = fitted.transform(df)
+    assert [f.name for f in predicted.schema.fields][-2:] == ["prediction_y1", "prediction_y2"]
+    rows = predicted.collect()
+    assert max(abs(r.prediction_y1 - r.y1) for r in rows) < 0.1
+    assert max(abs(r.prediction_y2 - r.y2) for r in rows) < 0.1
+    named = TorchModel(fitted.getModel(), ["a", "b"], prediction_col=["p", "q"]).transform(df)
+    assert named.columns[-2:] == ["p", "q"]
+    with pytest.raises(LaunchRefused, match=r"returns 2 outputs: prediction_col must name each"):
+        TorchModel(fitted.getModel(), ["a", "b"], prediction_col=["p"]).transform(df)
+
+
+def _scaled(batch):
+    """x arrives in [0, 100]: the model sees it in [0, 1]."""
+    return {**batch, "x": batch["x"] / 100}
+
+
+class OneInput(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Linear(1, 1)
+
+    def forward(self, x):
+        return self.w(x.unsqueeze(1)).squeeze(1)
+
+
+def _hundreds(spark):
+    from pyspark.sql import functions as F
+
+    df = spark.range(400).select((F.rand(3) * 100).cast("float").alias("x"))
+    return df.withColumn("y", (3 * F.col("x") / 100 - 1).cast("float"))
+
+
+def test_transformation_fn_changes_training_and_held_out_batches(spark):
+    torch.manual_seed(0)
+    est = TorchEstimator(model=OneInput(), optimizer=functools.partial(torch.optim.SGD, lr=0.2),
+                         loss=torch.nn.functional.mse_loss, feature_cols="x", label_cols="y", batch_size=16,
+                         epochs=25, num_proc=2, validation=0.25, transformation_fn=_scaled)
+    fitted = est.fit(_hundreds(spark))
+    w = fitted.getModel().w
+    # without the scaling, x up to 100 at lr 0.2 diverges; the held-out rows are scaled too
+    assert w.weight.item() == pytest.approx(3 / 100 * 100, abs=0.1) and w.bias.item() == pytest.approx(-1, abs=0.05)
+    assert fitted.val_history[-1] < 1e-3
+
+
+def _not_a_batch(batch):
+    return list(batch.values())
+
+
+def test_failures_on_the_ranks_name_the_option(spark):
+    est = TorchEstimator(model=OneInput(), optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+                         loss=torch.nn.functional.mse_loss, feature_cols="x", label_cols="y", batch_size=16,
+                         num_proc=2, transformation_fn=_not_a_batch)
+    with pytest.raises(RankFailed, match=r"transformation_fn must return the batch as a dict .* it returned list"):
+        est.fit(_hundreds(spark))
+    # a loss per output, but the model has one output for two label columns
+    est = TorchEstimator(model=OneInput(), optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+                         loss=[torch.nn.functional.mse_loss] * 2, feature_cols="x", label_cols=["y", "x"],
+                         batch_size=16, num_proc=2)
+    with pytest.raises(RankFailed, match=r"must return one output per label column \(2\), as a tuple; it returned 1"):
+        est.fit(_hundreds(spark))
+
+
+def horovods_step():
+    """Horovod's default train_minibatch, written as its users write their own."""
+    def train_minibatch(model, optimizer, transform_outputs, loss_fn, inputs, labels, sample_weights):
+        optimizer.zero_grad()
+        outputs = model(*inputs)
+        outputs, labels = transform_outputs(outputs, labels)
+        loss = loss_fn(outputs, labels, sample_weights)
+        loss.backward()
+        optimizer.step()
+        return outputs, loss
+    return train_minibatch
+
+
+def frozen_step():
+    """Computes the loss and gradients, then throws the gradients away before stepping."""
+    def train_minibatch(model, optimizer, transform_outputs, loss_fn, inputs, labels, sample_weights):
+        outputs, labels = transform_outputs(model(*inputs), labels)
+        loss = loss_fn(outputs, labels, sample_weights)
+        loss.backward()
+        optimizer.zero_grad(set_to_none=True)
+        optimizer.step()
+        return outputs, loss
+    return train_minibatch
+
+
+def test_train_minibatch_fn_runs_each_step(spark):
+    from pyspark.sql import functions as F
+
+    df = _two_targets(spark, rows=200).withColumn("w", (F.col("a") > 0).cast("float") + 0.5)
+
+    def fit(**options):
+        torch.manual_seed(0)
+        return TorchEstimator(model=TwoHeads(), optimizer=functools.partial(torch.optim.SGD, lr=0.1, momentum=0.5),
+                              loss=[torch.nn.functional.mse_loss] * 2, loss_weights=[0.7, 0.3], feature_cols=["a", "b"],
+                              label_cols=["y1", "y2"], sample_weight_col="w", batch_size=16, epochs=3, num_proc=2,
+                              **options).fit(df)
+
+    built_in, custom, frozen = fit(), fit(train_minibatch_fn=horovods_step), fit(train_minibatch_fn=frozen_step)
+    # the same step by hand (outputs reshaped, the weighted per-output loss with sample weights)
+    assert custom.history == pytest.approx(built_in.history, rel=1e-6)
+    for mine, theirs in zip(custom.getModel().parameters(), built_in.getModel().parameters()):
+        torch.testing.assert_close(mine, theirs)
+    # and the custom step is what ran: no gradients, no change
+    torch.manual_seed(0)
+    for mine, initial in zip(frozen.getModel().parameters(), TwoHeads().parameters()):
+        assert torch.equal(mine, initial)
+
+
+class Freeze:
+    """Sets the learning rate to 0 from epoch ``at`` on (the held-out loss stops improving);
+    rank 1 fails at the start of epoch ``fail_at`` of the first attempt (a lost executor); rank 0
+    writes each hook it sees to ``log``."""
+
+    def __init__(self, at: int, fail_at: int, log: str) -> None:
+        self.at, self.fail_at, self.log = at, fail_at, log
+
+    def _write(self, trainer, *event) -> None:
+        if trainer.rank == 0:
+            with open(self.log, "a") as f:
+                f.write(json.dumps(event) + "\n")
+
+    def on_train_begin(self, trainer):
+        self._write(trainer, "train_begin", trainer.start_epoch, trainer.world_size)
+
+    def on_epoch_begin(self, epoch, trainer):
+        import torch.distributed as dist
+
+        import spark_dl
+
+        if epoch >= self.at:
+            for group in trainer.optimizer.param_groups:
+                group["lr"] = 0.0
+        self._write(trainer, "epoch_begin", epoch)
+        if spark_dl.get_context().attempt == 0 and epoch == self.fail_at:
+            dist.barrier()  # rank 0 has stored the last epoch's checkpoint and written this event
+            if trainer.rank == 1:
+                raise RuntimeError("executor lost (pretend)")
+
+    def on_epoch_end(self, epoch, logs, trainer):
+        self._write(trainer, "epoch_end", epoch, sorted(logs))
+
+    def on_train_end(self, logs, trainer):
+        self._write(trainer, "train_end", sorted(logs))
+
+
+def test_early_stopping_and_callback_hooks_survive_a_restart(spark, tmp_path):
+    log = str(tmp_path / "events")
+    torch.manual_seed(0)
+    stopper = EarlyStopping(monitor="val_loss", patience=1, min_delta=1e-9)
+    est = TorchEstimator(model=OneInput(), optimizer=functools.partial(torch.optim.SGD, lr=0.2),
+                         loss=torch.nn.functional.mse_loss, feature_cols="x", label_cols="y", batch_size=16,
+                         epochs=10, num_proc=2, validation=0.25, transformation_fn=_scaled,
+                         callbacks=[Freeze(at=2, fail_at=3, log=log), stopper], max_restarts=1)
+    fitted = est.fit(_hundreds(spark))
+    # epochs 0 and 1 improve; from 2 on nothing changes: epoch 2 is patience's one epoch, epoch 3
+    # stops the fit. Rank 1 failed as epoch 3 began, so the second attempt ran it, with the
+    # stopper's count (one epoch without improvement) restored from epoch 2's checkpoint:
+    # otherwise it would have stopped only after epoch 4
+    assert est.last_run.attempts == 2
+    assert len(fitted.history) == len(fitted.val_history) == 4
+    assert fitted.val_history[1] < fitted.val_history[0] and fitted.val_history[3] == fitted.val_history[1]
+    events = [json.loads(line) for line in open(log)]
+    keys = ["loss", "val_loss"]
+    assert events == [
+        ["train_begin", 0, 2], ["epoch_begin", 0], ["epoch_end", 0, keys], ["epoch_begin", 1], ["epoch_end", 1, keys],
+        ["epoch_begin", 2], ["epoch_end", 2, keys],
+        # both ranks began epoch 3 before rank 1 failed: the first attempt's epoch 3 never ended
+        ["epoch_begin", 3],
+        ["train_begin", 3, 2], ["epoch_begin", 3], ["epoch_end", 3, keys], ["train_end", keys]]
+    assert stopper.wait == 0, "the estimator's own callbacks are left as they were (the ranks ran copies)"
+
+
+def test_bad_loss_and_option_combinations_are_refused(spark):
+    good = dict(model=OneInput(), optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+                loss=torch.nn.functional.mse_loss, feature_cols="x", label_cols="y")
+    no_loss = {k: v for k, v in good.items() if k != "loss"}
+    for change, match in [
+        ({"loss": "mse"}, "loss must be a function"),
+        ({"loss_constructors": [torch.nn.MSELoss]}, "exactly one of loss= .* and loss_constructors="),
+        ({"loss": None}, "exactly one of loss="),
+        ({"loss": [torch.nn.functional.mse_loss] * 3, "label_cols": ["y", "x"]},
+         r"loss has 3 losses for 2 label columns \['y', 'x'\]"),
+        ({"loss_weights": [1.0, 2.0]}, r"loss_weights must be a list of 1 numbers, one per label column \['y'\]"),
+        ({"loss_weights": ["1"]}, "loss_weights must be a list of 1 numbers"),
+        ({"transformation_fn": "scale"}, "transformation_fn must be a function, got str"),
+        ({"train_minibatch_fn": horovods_step, "backward_passes_per_step": 2},
+         "train_minibatch_fn runs each batch's optimizer step itself"),
+        ({"callbacks": EarlyStopping()}, "callbacks must be a list"),
+        ({"callbacks": [object()]}, "has none of the hooks on_train_begin"),
+        ({"callbacks": [EarlyStopping()]}, r"EarlyStopping monitors 'val_loss', which this fit will not log \(the "
+                                           r"val_ keys need validation=\); it logs \['loss'\]"),
+        ({"callbacks": [EarlyStopping("accuracy")], "validation": 0.1}, r"it logs \['loss', 'val_loss'\]"),
+    ]:
+        with pytest.raises(LaunchRefused, match=match):
+            TorchEstimator(**{**good, **change})
+    with pytest.raises(LaunchRefused, match="loss_constructors must be a function \\(\\) -> loss"):
+        TorchEstimator(**no_loss, loss_constructors=[1])
+    for args, match in [({"patience": -1}, "patience must be an int >= 0"), ({"mode": "up"}, "mode must be"),
+                        ({"min_delta": -0.1}, "min_delta must be a number >= 0"), ({"monitor": ""}, "monitor must")]:
+        with pytest.raises(ValueError, match=match):
+            EarlyStopping(**args)
+    assert EarlyStopping("val_accuracy").mode == "max" and EarlyStopping().mode == "min"
