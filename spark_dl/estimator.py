@@ -458,7 +458,6 @@ def _fit(data, validation, model, optimizer, loss: _Losses, feature_cols, label_
                 metric_history.setdefault(f"val_{name}", []).append(score)
                 logs[f"val_{name}"] = logged[f"val_{name}"] = score
         spark_dl.log_metrics(logged, step=epoch)
-        trainer.stop_training = False
         cbs.call(callbacks, "on_epoch_end", epoch, dict(logs), trainer)
         if callbacks:  # rank 0's decision holds for every rank, so all leave the loop together
             flag = torch.tensor([float(trainer.stop_training)])
