@@ -4,7 +4,8 @@ Ray Train code switches by changing imports: ``from spark_dl.ray_train import To
 ScalingConfig, RunConfig, FailureConfig, Checkpoint`` and ``import spark_dl.ray_train as train`` for
 ``train.report``, ``train.get_context``, ``train.get_checkpoint``, ``train.get_dataset_shard``.
 The workers are a barrier stage's ranks (:class:`spark_dl.TorchDistributor`); ``report`` logs to
-MLflow, and rank 0's checkpoints travel to the driver, which writes them to
+MLflow, and each report's checkpoints (every worker's files, merged on rank 0) travel to the
+driver, which writes them to
 ``storage_path/name`` as they arrive and keeps the latest for a restarted run
 (``FailureConfig(max_failures=N)``) to resume from.
 """
@@ -176,6 +177,7 @@ class _Worker:
     reports: list[dict] = field(default_factory=list)
     directory: str | None = None  # where get_checkpoint() unpacked ``unpacked``
     unpacked: bytes | None = None
+    group: Any = None  # a Gloo group for report()'s checkpoint exchange (the default group on CPU)
 
 
 _worker: _Worker | None = None
@@ -197,11 +199,16 @@ def get_context() -> TrainContext:
 
 def report(metrics: Mapping[str, Any], checkpoint: Checkpoint | None = None) -> None:
     """Report ``metrics`` (rank 0's land in MLflow, step = the report's index, and in the result)
-    and, from rank 0, a ``checkpoint``: its files are sent to the driver and kept, for a restart
-    and for ``Result.checkpoint``. Other ranks' checkpoints are not kept."""
+    and a ``checkpoint``: as in Ray, every worker's checkpoint directory (those that pass one) is
+    merged into one, which is sent to the driver and kept, for a restart and for
+    ``Result.checkpoint``. Every worker must call it as many times (Ray's rule): the checkpoints
+    are exchanged here."""
     w = _current()
     if not isinstance(metrics, Mapping):
         raise TypeError(f"report(metrics): metrics must be a dict, got {type(metrics).__name__}")
+    if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
+        raise TypeError(f"report(checkpoint=...) takes a Checkpoint, got {type(checkpoint).__name__}: "
+                        "Checkpoint.from_directory(path)")
     values = {k: _plain(v) for k, v in metrics.items()}
     step = len(w.reports)
     w.reports.append(values)
@@ -209,14 +216,88 @@ def report(metrics: Mapping[str, Any], checkpoint: Checkpoint | None = None) -> 
                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
     if numbers:
         log_metrics(numbers, step=step)
-    if checkpoint is not None:
-        if not isinstance(checkpoint, Checkpoint):
-            raise TypeError(f"report(checkpoint=...) takes a Checkpoint, got {type(checkpoint).__name__}: "
-                            "Checkpoint.from_directory(path)")
-        if get_context().world_rank == 0:
-            w.checkpoint = _pack(checkpoint.path)
-            # the driver keeps it for restarts and writes it to storage_path (_CheckpointKeeper)
-            save_checkpoint({"ray_train_checkpoint": w.checkpoint, "reports": w.reports}, step=step)
+    mine = _pack(checkpoint.path) if checkpoint is not None else None
+    parts = _gather_checkpoints(mine, w) if get_context().world_size > 1 else [mine]
+    if any(p is not None for p in parts):  # only rank 0 holds the parts
+        w.checkpoint = _merge(parts)
+        # the driver keeps it for restarts and writes it to storage_path (_CheckpointKeeper)
+        save_checkpoint({"ray_train_checkpoint": w.checkpoint, "reports": w.reports}, step=step)
+
+
+REPORT_STALL_S = 60.0  # a worker waiting this long in report() says why it may be stuck
+
+
+def _gather_checkpoints(mine: bytes | None, w: "_Worker") -> list[bytes | None]:
+    """Every rank's packed checkpoint (None where it passed none), on rank 0; [] elsewhere. The
+    sizes go round first, so only the ranks that have a checkpoint send one."""
+    import torch
+    import torch.distributed as dist
+
+    ctx = get_context()
+    size = torch.tensor([-1 if mine is None else len(mine)], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(ctx.world_size)]
+    _wait(dist.all_gather(sizes, size, group=w.group, async_op=True))
+    if ctx.world_rank != 0:
+        if mine:
+            # the sizes went round, so rank 0 is in this report too; Gloo's point-to-point work
+            # never reads as completed before wait(), so it is not polled
+            dist.send(torch.frombuffer(bytearray(mine), dtype=torch.uint8), 0, group=w.group)
+        return []
+    parts: list[bytes | None] = [mine] + [None] * (ctx.world_size - 1)
+    pending = []
+    for r in range(1, ctx.world_size):
+        n = int(sizes[r].item())
+        if n == 0:
+            parts[r] = b""
+        elif n > 0:
+            buf = torch.empty(n, dtype=torch.uint8)
+            pending.append((r, buf, dist.irecv(buf, r, group=w.group)))
+    for r, buf, work in pending:
+        work.wait()
+        parts[r] = buf.numpy().tobytes()
+    return parts
+
+
+def _wait(work: Any) -> None:
+    """Wait for an exchange of report(); a worker stuck in it long says what Ray's rule is."""
+    started, warned = time.monotonic(), False
+    while not work.is_completed():
+        if not warned and time.monotonic() - started > REPORT_STALL_S:
+            warned = True
+            sys.stderr.write(f"[spark-dl] rank {get_context().world_rank} has waited {REPORT_STALL_S:g} s in "
+                             "train.report() for the other workers' report: every worker must call train.report() "
+                             "as many times (Ray's rule), or the run hangs here\n")
+            sys.stderr.flush()
+        time.sleep(0.002)
+    try:
+        work.wait()
+    except RuntimeError as e:  # a peer that left (its loop ended, or it failed) resets the connection
+        raise RuntimeError(f"train.report() on rank {get_context().world_rank} could not meet the other workers' "
+                           "report: every worker must call train.report() as many times (Ray's rule), and one has "
+                           f"ended or failed without this one ({e})") from e
+
+
+def _has_files(part: bytes) -> bool:
+    with tarfile.open(fileobj=io.BytesIO(part), mode="r") as tar:
+        return any(m.name not in (".", "./") for m in tar.getmembers())
+
+
+def _merge(parts: list[bytes | None]) -> bytes:
+    """One checkpoint of every part's files, as Ray merges its workers' directories; a file that
+    several ranks wrote is the lowest rank's."""
+    given = [p for p in parts if p is not None]
+    # empty directories add nothing (Lightning's callback reports one from every rank but rank 0)
+    given = [p for p in given if _has_files(p)] or given[:1]
+    if len(given) == 1:
+        return given[0]
+    directory = tempfile.mkdtemp(prefix="spark-dl-checkpoint-merge-")
+    try:
+        for part in reversed(given):  # lower ranks last: theirs overwrite
+            if part:
+                _unpack(part, directory)
+        return _pack(directory)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def get_checkpoint() -> Checkpoint | None:
@@ -304,7 +385,7 @@ class _Loop:
         saved = load_checkpoint()  # set when this is a restart and rank 0 had reported a checkpoint
         _worker = _Worker(self.name, saved["ray_train_checkpoint"] if saved else self.resume,
                           {k: DataShard(v) for k, v in datasets.items()},
-                          reports=list(saved["reports"]) if saved else [])
+                          reports=list(saved["reports"]) if saved else [], group=_report_group())
         try:
             if _takes_config(self.fn):
                 self.fn(train_loop_config if train_loop_config is not None else {})
@@ -318,6 +399,16 @@ class _Loop:
             if _worker.directory is not None:
                 shutil.rmtree(_worker.directory, ignore_errors=True)
             _worker = None
+
+
+def _report_group() -> Any:
+    """The process group report() exchanges checkpoints over: packed bytes live on the CPU, so
+    NCCL's default group gets a Gloo twin (made here, at the loop's start, by every rank)."""
+    import torch.distributed as dist
+
+    if dist.get_world_size() == 1 or dist.get_backend() == "gloo":
+        return None
+    return dist.new_group(backend="gloo")
 
 
 # -- the driver ------------------------------------------------------------------------------------

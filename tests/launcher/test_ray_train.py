@@ -160,6 +160,67 @@ def test_elastic_num_workers_grow_at_a_reported_checkpoint_when_slots_free_up(sp
     assert list(df[df.world == 2].epoch)[:grown_at] == list(range(grown_at))
 
 
+def sharded_loop():
+    """Each rank saves its own shard (and a file every rank writes, with its rank in it); rank 1
+    dies after the second report of the first attempt and, restarted, checks its shard came back.
+    The last report carries rank 1's checkpoint only."""
+    ctx = train.get_context()
+    rank = ctx.get_world_rank()
+    resumed = None
+    checkpoint = train.get_checkpoint()
+    if checkpoint:
+        with checkpoint.as_directory() as d:
+            resumed = sorted(os.listdir(d))
+    train.REPORT_STALL_S = 0.5
+    if rank == 0 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        import time
+
+        time.sleep(2)  # rank 1 waits for it in its first report() and says why
+    for step in range(3):
+        with tempfile.TemporaryDirectory() as d:
+            with open(os.path.join(d, f"shard-{rank}"), "w") as f:
+                f.write(str(step))
+            with open(os.path.join(d, "meta"), "w") as f:
+                f.write(f"rank {rank}")
+            train.report({"step": step, "resumed": resumed}, checkpoint=Checkpoint.from_directory(d))
+        if step == 1 and rank == 1 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+            os._exit(3)
+    with tempfile.TemporaryDirectory() as d:
+        if rank == 1:
+            open(os.path.join(d, "rank-1-only"), "w").close()
+        train.report({"step": 3, "resumed": resumed}, checkpoint=Checkpoint.from_directory(d) if rank == 1 else None)
+
+
+def test_every_workers_checkpoint_files_are_merged_as_in_ray(tmp_path, capfd):
+    result = TorchTrainer(sharded_loop, scaling_config=ScalingConfig(num_workers=2), local_mode=True,
+                          run_config=RunConfig(storage_path=str(tmp_path), name="sharded",
+                                               failure_config=FailureConfig(max_failures=1))).fit()
+    assert "[spark-dl] rank 1 has waited 0.5 s in train.report() for the other workers' report" in capfd.readouterr().err
+    # the restarted workers got the merged checkpoint of the last report before the failure
+    assert result.metrics == {"step": 3, "resumed": ["meta", "shard-0", "shard-1"]}
+    kept = sorted(os.listdir(os.path.join(str(tmp_path), "sharded")))
+    checkpoints = [k for k in kept if k.startswith("checkpoint_")]
+    # a report with any worker's checkpoint registers one (Ray's rule): the last had rank 1's only
+    assert os.listdir(result.checkpoint.path) == ["rank-1-only"]
+    merged = os.path.join(str(tmp_path), "sharded", checkpoints[-2])
+    assert sorted(os.listdir(merged)) == ["meta", "shard-0", "shard-1"]
+    assert open(os.path.join(merged, "meta")).read() == "rank 0"  # a file every rank wrote: the lowest rank's
+    assert [open(os.path.join(merged, f"shard-{r}")).read() for r in (0, 1)] == ["2", "2"]
+
+
+def test_a_worker_reporting_more_often_than_the_others_fails_with_rays_rule(tmp_path):
+    def loop():
+        train.report({"step": 0})
+        if train.get_context().get_world_rank() == 1:
+            train.report({"step": 1})  # rank 0 has ended: nobody meets this report
+
+    with pytest.raises(RankFailed, match=r"train.report\(\) on rank 1 could not meet the other workers' report: every "
+                                         r"worker must call train.report\(\) as many times \(Ray's rule\)") as e:
+        TorchTrainer(loop, scaling_config=ScalingConfig(num_workers=2), local_mode=True,
+                     run_config=RunConfig(storage_path=str(tmp_path))).fit()
+    assert e.value.rank == 1
+
+
 def test_get_checkpoint_follows_the_latest_report(tmp_path):
     def loop():
         seen = [train.get_checkpoint()]
