@@ -44,11 +44,12 @@ def _metrics(metrics: Any) -> dict[str, Callable[..., Any]]:
     return named
 
 
-def _input_shapes(shapes: Any, feature_cols: list[str]) -> list[tuple[int, ...]] | None:
-    """``input_shapes=`` checked: one shape per feature column, ints, at most one -1 each."""
+def _input_shapes(shapes: Any, feature_cols: list[str], what: str = "input_shapes",
+                  kind: str = "feature") -> list[tuple[int, ...]] | None:
+    """``input_shapes=`` (or ``label_shapes=``) checked: one shape per column, ints, at most one -1 each."""
     if shapes is None:
         return None
-    bad = LaunchRefused(f"input_shapes must be one shape per feature column ({len(feature_cols)}: {feature_cols}), "
+    bad = LaunchRefused(f"{what} must be one shape per {kind} column ({len(feature_cols)}: {feature_cols}), "
                         f"each a list of ints with -1 for the batch, such as [[-1, 1, 8, 8]]; got {shapes!r}")
     if not isinstance(shapes, (list, tuple)) or len(shapes) != len(feature_cols):
         raise bad
@@ -62,8 +63,9 @@ def _input_shapes(shapes: Any, feature_cols: list[str]) -> list[tuple[int, ...]]
     return out
 
 
-def _reshaped(tensors: list, shapes: list[tuple[int, ...]] | None, cols: list[str]) -> list:
-    """The model's inputs in ``input_shapes`` (unchanged without them)."""
+def _reshaped(tensors: list, shapes: list[tuple[int, ...]] | None, cols: list[str],
+              what: str = "input_shapes") -> list:
+    """The model's inputs in ``input_shapes`` (labels in ``label_shapes``; unchanged without them)."""
     if shapes is None:
         return tensors
     out = []
@@ -71,7 +73,7 @@ def _reshaped(tensors: list, shapes: list[tuple[int, ...]] | None, cols: list[st
         try:
             out.append(t.reshape(shape))
         except RuntimeError as e:
-            raise ValueError(f"input_shapes gives column {col!r} the shape {list(shape)}, which its batch of "
+            raise ValueError(f"{what} gives column {col!r} the shape {list(shape)}, which its batch of "
                              f"shape {list(t.shape)} cannot take: {e}") from None
     return out
 
@@ -229,7 +231,8 @@ class TorchEstimator:
                  loss_constructors: Callable[[], Any] | Sequence[Callable[[], Any]] | None = None,
                  loss_weights: Sequence[float] | None = None, transformation_fn: Callable[[dict], dict] | None = None,
                  train_minibatch_fn: Callable[[], Callable[..., Any]] | None = None,
-                 callbacks: Sequence[Any] | None = None, **runner_options: Any) -> None:
+                 callbacks: Sequence[Any] | None = None, label_shapes: Sequence[Sequence[int]] | None = None,
+                 **runner_options: Any) -> None:
         import torch
 
         from . import callbacks as _callbacks
@@ -291,6 +294,7 @@ class TorchEstimator:
             raise LaunchRefused(f"sample_weight_col must be a column name, got {sample_weight_col!r}")
         self.sample_weight_col = sample_weight_col
         self.input_shapes = _input_shapes(input_shapes, self.feature_cols)
+        self.label_shapes = _input_shapes(label_shapes, self.label_cols, "label_shapes", "label")
         self.metrics = _metrics(metrics)
         self._check_monitors()
         self.gradient_compression = gradient_compression
@@ -340,7 +344,8 @@ class TorchEstimator:
                                options=_FitOptions(self.gradient_compression, self.backward_passes_per_step,
                                                    self.val_batch_size or self.batch_size, self.train_steps_per_epoch,
                                                    self.validation_steps_per_epoch, self.transformation_fn,
-                                                   self.train_minibatch_fn, tuple(self.callbacks)))
+                                                   self.train_minibatch_fn, tuple(self.callbacks),
+                                                   self.label_shapes))
         trained = copy.deepcopy(self.model).cpu()
         trained.load_state_dict(out["state"])
         return TorchModel(trained, self.feature_cols, self.prediction_col, history=out["history"],
@@ -379,6 +384,7 @@ class _FitOptions:
     transformation: Callable[[dict], dict] | None = None
     minibatch: Callable[[], Callable[..., Any]] | None = None  # Horovod's train_minibatch_fn
     callbacks: tuple = ()
+    label_shapes: list | None = None
 
 
 def _fit(data, validation, model, optimizer, loss: _Losses, feature_cols, label_cols, batch_size, epochs, metrics,
@@ -423,7 +429,8 @@ def _fit(data, validation, model, optimizer, loss: _Losses, feature_cols, label_
         start, stopped = saved["epoch"] + 1, saved.get("stopped", False)
         cbs.restore(callbacks, saved.get("callbacks"))
     trainer = cbs.Trainer(model, opt, dist.get_rank(), dist.get_world_size(), start)
-    batch_of = _Batches(feature_cols, label_cols, weight_col, input_shapes, device, dtype, options.transformation)
+    batch_of = _Batches(feature_cols, label_cols, weight_col, input_shapes, device, dtype, options.transformation,
+                        options.label_shapes)
     step = _Step(ddp, opt, loss, options.passes, options.minibatch() if options.minibatch is not None else None)
     # the weights on the CPU, as the last checkpoint has them (epochs >= 1: a fresh fit saves one)
     state = saved["model"] if saved is not None else None
@@ -477,11 +484,13 @@ def _fit(data, validation, model, optimizer, loss: _Losses, feature_cols, label_
 
 class _Batches:
     """A batch of shard rows as ``(inputs, labels, sample_weights)`` on the rank's device, after
-    ``transformation_fn`` and ``input_shapes``."""
+    ``transformation_fn``, ``input_shapes`` and ``label_shapes``."""
 
-    def __init__(self, feature_cols, label_cols, weight_col, input_shapes, device, dtype, transformation) -> None:
+    def __init__(self, feature_cols, label_cols, weight_col, input_shapes, device, dtype, transformation,
+                 label_shapes=None) -> None:
         self.feature_cols, self.label_cols, self.weight_col = feature_cols, label_cols, weight_col
         self.input_shapes, self.device, self.dtype, self.transformation = input_shapes, device, dtype, transformation
+        self.label_shapes = label_shapes
 
     def __call__(self, batch: dict) -> tuple[list, list, Any]:
         if self.transformation is not None:
@@ -493,7 +502,8 @@ class _Batches:
                                 f"columns {needed}; it returned {got}")
         inputs = _reshaped([_as(batch[c], self.device, self.dtype) for c in self.feature_cols], self.input_shapes,
                            self.feature_cols)
-        labels = [_as(batch[c], self.device, self.dtype) for c in self.label_cols]
+        labels = _reshaped([_as(batch[c], self.device, self.dtype) for c in self.label_cols], self.label_shapes,
+                           self.label_cols, "label_shapes")
         return inputs, labels, _sample_weights(batch, self.weight_col, self.device, self.dtype)
 
 

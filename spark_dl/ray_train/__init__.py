@@ -678,3 +678,10 @@ class TorchTrainer:
                    resume_from_checkpoint=(Checkpoint(os.path.join(path, f"checkpoint_{latest:06d}"))
                                            if latest is not None else None),
                    local_mode=state["local_mode"])
+
+
+from . import collective  # noqa: E402 - ray.train.collective; it needs _current, defined above
+
+__all__ = ["Checkpoint", "CheckpointConfig", "DataShard", "FailureConfig", "REPORT_STALL_S", "Result", "RunConfig",
+           "ScalingConfig", "TorchTrainer", "TrainContext", "collective", "get_checkpoint", "get_context",
+           "get_dataset_shard", "get_device", "prepare_data_loader", "prepare_model", "report"]

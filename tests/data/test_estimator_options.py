@@ -97,6 +97,21 @@ def test_transformation_fn_changes_training_and_held_out_batches(spark):
     assert fitted.val_history[-1] < 1e-3
 
 
+class ColumnOutput(OneInput):
+    def forward(self, x):
+        return self.w(x.unsqueeze(1))  # (batch, 1): the label is given that shape by label_shapes
+
+
+def test_label_shapes_give_the_labels_the_outputs_shape(spark):
+    torch.manual_seed(0)
+    fitted = TorchEstimator(model=ColumnOutput(), optimizer=functools.partial(torch.optim.SGD, lr=0.2),
+                            loss=torch.nn.functional.mse_loss, feature_cols="x", label_cols="y", batch_size=16,
+                            epochs=25, num_proc=2, transformation_fn=_scaled, label_shapes=[[-1, 1]]).fit(_hundreds(spark))
+    # without label_shapes, mse_loss would broadcast (16, 1) against (16,) to (16, 16) and fit the mean
+    assert fitted.getModel().w.weight.item() == pytest.approx(3, abs=0.1)
+    assert fitted.getModel().w.bias.item() == pytest.approx(-1, abs=0.05)
+
+
 def _not_a_batch(batch):
     return list(batch.values())
 
@@ -112,6 +127,12 @@ def test_failures_on_the_ranks_name_the_option(spark):
                          loss=[torch.nn.functional.mse_loss] * 2, feature_cols="x", label_cols=["y", "x"],
                          batch_size=16, num_proc=2)
     with pytest.raises(RankFailed, match=r"must return one output per label column \(2\), as a tuple; it returned 1"):
+        est.fit(_hundreds(spark))
+    est = TorchEstimator(model=OneInput(), optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+                         loss=torch.nn.functional.mse_loss, feature_cols="x", label_cols="y", batch_size=16,
+                         num_proc=2, label_shapes=[[-1, 3]])
+    with pytest.raises(RankFailed, match=r"label_shapes gives column 'y' the shape \[-1, 3\], which its batch of "
+                                         r"shape \[16\] cannot take"):
         est.fit(_hundreds(spark))
 
 
@@ -240,6 +261,7 @@ def test_bad_loss_and_option_combinations_are_refused(spark):
         ({"loss_weights": [1.0, 2.0]}, r"loss_weights must be a list of 1 numbers, one per label column \['y'\]"),
         ({"loss_weights": ["1"]}, "loss_weights must be a list of 1 numbers"),
         ({"transformation_fn": "scale"}, "transformation_fn must be a function, got str"),
+        ({"label_shapes": [[-1, 1], [-1]]}, r"label_shapes must be one shape per label column \(1: \['y'\]\)"),
         ({"train_minibatch_fn": horovods_step, "backward_passes_per_step": 2},
          "train_minibatch_fn runs each batch's optimizer step itself"),
         ({"callbacks": EarlyStopping()}, "callbacks must be a list"),

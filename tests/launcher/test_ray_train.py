@@ -221,6 +221,28 @@ def test_a_worker_reporting_more_often_than_the_others_fails_with_rays_rule(tmp_
     assert e.value.rank == 1
 
 
+def test_collective_barrier_and_broadcast_from_rank_zero(tmp_path):
+    flag = str(tmp_path / "written")
+
+    def loop():
+        import time
+
+        rank = train.get_context().get_world_rank()
+        if rank == 0:
+            time.sleep(1)
+            open(flag, "w").close()
+        train.collective.barrier()  # rank 1 goes on only once rank 0 has written the file
+        seen = os.path.exists(flag)
+        chosen = train.collective.broadcast_from_rank_zero({"seed": 100 + rank, "path": flag})
+        if rank == 1 and not (seen and chosen == {"seed": 100, "path": flag}):  # only rank 0's report is returned
+            raise AssertionError(f"rank 1 saw seen={seen}, chosen={chosen}")
+        train.report({"seen": seen, "chosen": chosen})
+
+    trainer = TorchTrainer(loop, scaling_config=ScalingConfig(num_workers=2), local_mode=True,
+                           run_config=RunConfig(storage_path=str(tmp_path)))
+    assert trainer.fit().metrics == {"seen": True, "chosen": {"seed": 100, "path": flag}}
+
+
 def test_get_checkpoint_follows_the_latest_report(tmp_path):
     def loop():
         seen = [train.get_checkpoint()]
