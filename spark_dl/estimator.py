@@ -232,7 +232,7 @@ class TorchEstimator:
                  loss_weights: Sequence[float] | None = None, transformation_fn: Callable[[dict], dict] | None = None,
                  train_minibatch_fn: Callable[[], Callable[..., Any]] | None = None,
                  callbacks: Sequence[Any] | None = None, label_shapes: Sequence[Sequence[int]] | None = None,
-                 **runner_options: Any) -> None:
+                 log_model: bool = True, **runner_options: Any) -> None:
         import torch
 
         from . import callbacks as _callbacks
@@ -295,6 +295,9 @@ class TorchEstimator:
         self.sample_weight_col = sample_weight_col
         self.input_shapes = _input_shapes(input_shapes, self.feature_cols)
         self.label_shapes = _input_shapes(label_shapes, self.label_cols, "label_shapes", "label")
+        if not isinstance(log_model, bool):
+            raise LaunchRefused(f"log_model must be True or False, got {log_model!r}")
+        self.log_model = log_model
         self.metrics = _metrics(metrics)
         self._check_monitors()
         self.gradient_compression = gradient_compression
@@ -345,7 +348,7 @@ class TorchEstimator:
                                                    self.val_batch_size or self.batch_size, self.train_steps_per_epoch,
                                                    self.validation_steps_per_epoch, self.transformation_fn,
                                                    self.train_minibatch_fn, tuple(self.callbacks),
-                                                   self.label_shapes))
+                                                   self.label_shapes, self.log_model))
         trained = copy.deepcopy(self.model).cpu()
         trained.load_state_dict(out["state"])
         return TorchModel(trained, self.feature_cols, self.prediction_col, history=out["history"],
@@ -385,6 +388,7 @@ class _FitOptions:
     minibatch: Callable[[], Callable[..., Any]] | None = None  # Horovod's train_minibatch_fn
     callbacks: tuple = ()
     label_shapes: list | None = None
+    log_model: bool = False
 
 
 def _fit(data, validation, model, optimizer, loss: _Losses, feature_cols, label_cols, batch_size, epochs, metrics,
@@ -435,6 +439,7 @@ def _fit(data, validation, model, optimizer, loss: _Losses, feature_cols, label_
     # the weights on the CPU, as the last checkpoint has them (epochs >= 1: a fresh fit saves one)
     state = saved["model"] if saved is not None else None
     logs: dict[str, float] = {}
+    example = None  # a few rows of the model's input, for the logged model's signature
     cbs.call(callbacks, "on_train_begin", trainer)
     for epoch in range(start, epochs if not stopped else start):
         cbs.call(callbacks, "on_epoch_begin", epoch, trainer)
@@ -445,6 +450,8 @@ def _fit(data, validation, model, optimizer, loss: _Losses, feature_cols, label_
         while upcoming is not None:
             batch, upcoming = upcoming, next(batches, None)
             inputs, labels, weights = batch_of(batch)
+            if example is None and len(inputs) == 1:  # MLflow's signature takes one input
+                example = inputs[0][:5].detach().cpu()
             # every rank has as many batches, so all agree on which backward pass all-reduces
             output, value = step(inputs, labels, weights, last=upcoming is None)
             total += torch.tensor([float(value), 1.0], dtype=torch.float64)
@@ -478,6 +485,8 @@ def _fit(data, validation, model, optimizer, loss: _Losses, feature_cols, label_
         if stopped:
             break
     cbs.call(callbacks, "on_train_end", dict(logs), trainer)
+    if options.log_model:  # rank 0's, when tracking is on; a no-op otherwise
+        spark_dl.log_model(model, "model", input_example=example)
     return {"state": state, "history": history,
             "val_history": val_history, "metric_history": metric_history}
 

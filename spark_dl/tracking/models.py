@@ -45,6 +45,11 @@ def log_torch_model(model: Any, name: str, input_example: Any, run_id: str, clie
     model.eval()
     kwargs = _signature_kwargs(model, input_example)
     takes = inspect.signature(mlflow.pytorch.log_model).parameters
+    if "serialization_format" in takes:
+        # MLflow 3's default ('pt2') traces forward() with torch.export: it refuses a model logged
+        # without an input example and fails on models torch.export cannot trace; pickle takes any
+        # module and loads back as the same class
+        kwargs["serialization_format"] = "pickle"
     if "run_id" in inspect.signature(Model.log).parameters:
         where = {"name": name} if "name" in takes else {"artifact_path": name}
         mlflow.pytorch.log_model(model, run_id=run_id, **where, **kwargs)

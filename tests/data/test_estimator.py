@@ -324,6 +324,11 @@ def test_compression_accumulation_and_step_limits(spark, tmp_path, monkeypatch):
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     ratios = [m.value for m in client.get_metric_history(est.last_run.mlflow_run_id, "comm/compression_ratio")]
     assert ratios and all(r == pytest.approx(2.0) for r in ratios)  # fp16 sends half of fp32's bytes
+    # the trained model is in the run (log_model=True by default), as the fit returned it
+    import mlflow.pytorch
+
+    logged = mlflow.pytorch.load_model(f"runs:/{est.last_run.mlflow_run_id}/model")
+    torch.testing.assert_close(logged.w.weight, fitted.getModel().w.weight)
     # a second fit with the same checkpoint_dir finds every epoch done: it returns the saved model
     again = est.fit(_regression(spark))
     assert again.history == fitted.history

@@ -102,14 +102,25 @@ class ColumnOutput(OneInput):
         return self.w(x.unsqueeze(1))  # (batch, 1): the label is given that shape by label_shapes
 
 
-def test_label_shapes_give_the_labels_the_outputs_shape(spark):
+def test_label_shapes_give_the_labels_the_outputs_shape(spark, tmp_path, monkeypatch):
+    import mlflow
+
+    monkeypatch.setenv("SPARK_DL_TRACKING", "1")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     torch.manual_seed(0)
-    fitted = TorchEstimator(model=ColumnOutput(), optimizer=functools.partial(torch.optim.SGD, lr=0.2),
-                            loss=torch.nn.functional.mse_loss, feature_cols="x", label_cols="y", batch_size=16,
-                            epochs=25, num_proc=2, transformation_fn=_scaled, label_shapes=[[-1, 1]]).fit(_hundreds(spark))
+    est = TorchEstimator(model=ColumnOutput(), optimizer=functools.partial(torch.optim.SGD, lr=0.2),
+                         loss=torch.nn.functional.mse_loss, feature_cols="x", label_cols="y", batch_size=16,
+                         epochs=25, num_proc=2, transformation_fn=_scaled, label_shapes=[[-1, 1]], progress=False)
+    fitted = est.fit(_hundreds(spark))
     # without label_shapes, mse_loss would broadcast (16, 1) against (16,) to (16, 16) and fit the mean
     assert fitted.getModel().w.weight.item() == pytest.approx(3, abs=0.1)
     assert fitted.getModel().w.bias.item() == pytest.approx(-1, abs=0.05)
+    # the logged model's signature comes from a few rows of its input (one feature column)
+    info = mlflow.models.get_model_info(f"runs:/{est.last_run.mlflow_run_id}/model")
+    assert info.signature.inputs.inputs[0].shape == (-1,) and info.signature.outputs.inputs[0].shape == (-1, 1)
+    with pytest.raises(LaunchRefused, match="log_model must be True or False"):
+        TorchEstimator(model=ColumnOutput(), optimizer=functools.partial(torch.optim.SGD, lr=0.2),
+                       loss=torch.nn.functional.mse_loss, feature_cols="x", label_cols="y", log_model="yes")
 
 
 def _not_a_batch(batch):
