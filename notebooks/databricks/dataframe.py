@@ -120,6 +120,41 @@ print(f"test accuracy: {accuracy:.4f}")
 
 # COMMAND ----------
 
+# MAGIC %md
+# MAGIC ## The same with `TorchEstimator`: fit, early stopping, transform
+# MAGIC
+# MAGIC Horovod's Spark ML-style estimator does the loop above for you: `fit(df)` trains on the DataFrame's
+# MAGIC columns across `num_proc` ranks, here holding a tenth of the rows out and stopping once their loss
+# MAGIC has not improved for two epochs (`EarlyStopping`); `transform(df)` adds the model's outputs as a
+# MAGIC column, computed on the executors.
+
+# COMMAND ----------
+
+import functools
+from spark_dl.estimator import EarlyStopping, TorchEstimator
+
+
+def accuracy(output, label):
+    return (output.argmax(dim=1) == label).float().mean()
+
+
+torch.manual_seed(0)
+estimator = TorchEstimator(
+    model=torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10)),
+    optimizer=functools.partial(torch.optim.Adam, lr=0.01), loss=torch.nn.functional.cross_entropy,
+    feature_cols="pixels", label_cols="label", batch_size=32, epochs=50, num_proc=2,
+    validation=0.1, metrics=[accuracy], callbacks=[EarlyStopping(monitor="val_loss", patience=2)],
+    tracking=False,
+)
+fitted = estimator.fit(train_df)
+history = fitted.getHistory()
+print(f"stopped after {len(history['loss'])} of 50 epochs; held-out accuracy {history['val_accuracy'][-1]:.3f}")
+predicted = fitted.transform(test_df).toPandas()
+hits = [int(np.argmax(p)) == label for p, label in zip(predicted["prediction"], predicted["label"])]
+print(f"estimator test accuracy: {np.mean(hits):.4f}")
+
+# COMMAND ----------
+
 import os
 
 # Stop the embedded Spark; on Databricks the session belongs to the cluster, so leave it running.

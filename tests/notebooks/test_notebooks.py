@@ -98,6 +98,11 @@ def test_dataframe_runs(kernel_env):
     assert "(718 rows on this rank)" in out  # 1437 rows, 2 ranks, remainder dropped
     accuracy = re.search(r"test accuracy: ([\d.]+)", out)
     assert accuracy and float(accuracy.group(1)) > 0.9, out
+    # the TorchEstimator cells: early stopping within the 50 epochs, the executors' predictions scored
+    stopped = re.search(r"stopped after (\d+) of 50 epochs; held-out accuracy ([\d.]+)", out)
+    assert stopped and int(stopped.group(1)) < 50 and float(stopped.group(2)) > 0.9, out
+    estimator = re.search(r"estimator test accuracy: ([\d.]+)", out)
+    assert estimator and float(estimator.group(1)) > 0.9, out
 
 
 def test_large_batch_runs(kernel_env):
