@@ -158,6 +158,38 @@ def _weighted(loss, output, labels, weights):
     return (per_row * weights.view(-1, *[1] * (per_row.dim() - 1))).mean()
 
 
+# Horovod's Petastorm reader settings: this estimator reads DataFrame shards, so they have no use
+_READER_OPTIONS = ("shuffle_buffer_size", "partitions_per_process", "train_reader_num_workers",
+                   "val_reader_num_workers", "reader_pool_type", "inmemory_cache_all", "mp_start_method")
+
+
+def _runner_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The constructor's other keyword arguments as :class:`HorovodRunner` options; Horovod's
+    ``store``/``run_id``/``backend`` are refused with what to use, its reader settings ignored."""
+    import inspect
+    import warnings
+
+    options = dict(options)
+    if "store" in options or "run_id" in options:
+        raise LaunchRefused("store= and run_id= are Horovod's Store, which this estimator does not use: pass "
+                            "checkpoint_dir='/dbfs/...' (one directory per estimator and data) for its checkpoints and "
+                            "resuming; the trained model is the returned TorchModel's (and the MLflow run's)")
+    if "backend" in options:
+        raise LaunchRefused("backend= is Horovod's SparkBackend: here the ranks are one barrier stage of num_proc "
+                            "tasks; pass num_proc and HorovodRunner's options (max_restarts, env, start_timeout, ...)")
+    ignored = [name for name in _READER_OPTIONS if options.pop(name, None) is not None]
+    if ignored:
+        warnings.warn(f"TorchEstimator: {', '.join(ignored)} tune Horovod's Petastorm reader, which this estimator "
+                      "does not use (each rank reads its DataFrame shard): ignored", stacklevel=3)
+    known = [n for n in inspect.signature(HorovodRunner.__init__).parameters if n not in ("self", "np")]
+    unknown = [n for n in options if n not in known]
+    if unknown:
+        hint = " (the ranks are num_proc)" if "np" in unknown else ""
+        raise LaunchRefused(f"TorchEstimator got unknown options {unknown}{hint}: they are neither its own nor "
+                            f"HorovodRunner's ({', '.join(known)})")
+    return options
+
+
 def _names(value: str | Sequence[str], what: str) -> list[str]:
     names = [value] if isinstance(value, str) else list(value)
     if not names or not all(isinstance(n, str) and n for n in names):
@@ -232,7 +264,8 @@ class TorchEstimator:
                  loss_weights: Sequence[float] | None = None, transformation_fn: Callable[[dict], dict] | None = None,
                  train_minibatch_fn: Callable[[], Callable[..., Any]] | None = None,
                  callbacks: Sequence[Any] | None = None, label_shapes: Sequence[Sequence[int]] | None = None,
-                 log_model: bool = True, **runner_options: Any) -> None:
+                 log_model: bool = True, verbose: int = 1, random_seed: int | None = None, use_gpu: bool = True,
+                 **runner_options: Any) -> None:
         import torch
 
         from . import callbacks as _callbacks
@@ -305,6 +338,16 @@ class TorchEstimator:
         self.val_batch_size = val_batch_size
         self.train_steps_per_epoch = train_steps_per_epoch
         self.validation_steps_per_epoch = validation_steps_per_epoch
+        if verbose not in (0, 1, 2) or isinstance(verbose, bool):
+            raise LaunchRefused(f"verbose must be 0, 1 or 2, got {verbose!r}")
+        if random_seed is not None and (isinstance(random_seed, bool) or not isinstance(random_seed, int)):
+            raise LaunchRefused(f"random_seed must be an int or None, got {random_seed!r}")
+        if not isinstance(use_gpu, bool):
+            raise LaunchRefused(f"use_gpu must be True or False, got {use_gpu!r}")
+        self.verbose, self.random_seed, self.use_gpu = verbose, random_seed, use_gpu
+        runner_options = _runner_options(runner_options)
+        if not use_gpu:  # the ranks see no GPU, so they train on the CPU
+            runner_options["env"] = {**(runner_options.get("env") or {}), "CUDA_VISIBLE_DEVICES": ""}
         self.runner_options = runner_options
         self._runner = HorovodRunner(np=num_proc, **runner_options)  # bad options are refused now, not at fit()
 
@@ -348,7 +391,8 @@ class TorchEstimator:
                                                    self.val_batch_size or self.batch_size, self.train_steps_per_epoch,
                                                    self.validation_steps_per_epoch, self.transformation_fn,
                                                    self.train_minibatch_fn, tuple(self.callbacks),
-                                                   self.label_shapes, self.log_model))
+                                                   self.label_shapes, self.log_model, self.verbose,
+                                                   self.random_seed))
         trained = copy.deepcopy(self.model).cpu()
         trained.load_state_dict(out["state"])
         return TorchModel(trained, self.feature_cols, self.prediction_col, history=out["history"],
@@ -389,6 +433,8 @@ class _FitOptions:
     callbacks: tuple = ()
     label_shapes: list | None = None
     log_model: bool = False
+    verbose: int = 0
+    random_seed: int | None = None
 
 
 def _fit(data, validation, model, optimizer, loss: _Losses, feature_cols, label_cols, batch_size, epochs, metrics,
@@ -409,6 +455,8 @@ def _fit(data, validation, model, optimizer, loss: _Losses, feature_cols, label_
     from .prepare import prepare_model
 
     spark_dl.init()
+    if options.random_seed is not None:
+        torch.manual_seed(options.random_seed)
     saved = spark_dl.load_checkpoint()
     saved = saved.get(_CHECKPOINT_KEY) if isinstance(saved, dict) else None
     if saved is not None:  # before DDP wraps the model: it broadcasts rank 0's parameters, the same on every rank
@@ -472,6 +520,8 @@ def _fit(data, validation, model, optimizer, loss: _Losses, feature_cols, label_
                 metric_history.setdefault(f"val_{name}", []).append(score)
                 logs[f"val_{name}"] = logged[f"val_{name}"] = score
         spark_dl.log_metrics(logged, step=epoch)
+        if options.verbose and trainer.rank == 0:
+            spark_dl.log_to_driver(f"epoch {epoch + 1}/{epochs}: " + ", ".join(f"{k} {v:.4g}" for k, v in logs.items()))
         cbs.call(callbacks, "on_epoch_end", epoch, dict(logs), trainer)
         if callbacks:  # rank 0's decision holds for every rank, so all leave the loop together
             flag = torch.tensor([float(trainer.stop_training)])

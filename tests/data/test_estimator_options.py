@@ -85,7 +85,7 @@ def _hundreds(spark):
     return df.withColumn("y", (3 * F.col("x") / 100 - 1).cast("float"))
 
 
-def test_transformation_fn_changes_training_and_held_out_batches(spark):
+def test_transformation_fn_changes_training_and_held_out_batches(spark, capfd):
     torch.manual_seed(0)
     est = TorchEstimator(model=OneInput(), optimizer=functools.partial(torch.optim.SGD, lr=0.2),
                          loss=torch.nn.functional.mse_loss, feature_cols="x", label_cols="y", batch_size=16,
@@ -95,6 +95,9 @@ def test_transformation_fn_changes_training_and_held_out_batches(spark):
     # without the scaling, x up to 100 at lr 0.2 diverges; the held-out rows are scaled too
     assert w.weight.item() == pytest.approx(3 / 100 * 100, abs=0.1) and w.bias.item() == pytest.approx(-1, abs=0.05)
     assert fitted.val_history[-1] < 1e-3
+    # verbose=1 (Horovod's default): one line per epoch on the driver
+    out = capfd.readouterr().out
+    assert "[0]<log>: epoch 1/25: loss " in out and "[0]<log>: epoch 25/25: loss " in out and ", val_loss " in out
 
 
 class ColumnOutput(OneInput):
@@ -121,6 +124,28 @@ def test_label_shapes_give_the_labels_the_outputs_shape(spark, tmp_path, monkeyp
     with pytest.raises(LaunchRefused, match="log_model must be True or False"):
         TorchEstimator(model=ColumnOutput(), optimizer=functools.partial(torch.optim.SGD, lr=0.2),
                        loss=torch.nn.functional.mse_loss, feature_cols="x", label_cols="y", log_model="yes")
+
+
+def _noisy_on_the_cpu(batch):
+    """Random noise (torch's generator: random_seed makes it repeat) on ranks that see no GPU."""
+    import os
+
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "", "use_gpu=False hides the GPUs from the ranks"
+    return {**batch, "x": batch["x"] / 100 + 0.1 * torch.randn(batch["x"].shape)}
+
+
+def test_random_seed_repeats_a_fit_and_use_gpu_false_hides_the_gpus(spark):
+    df = _hundreds(spark).limit(200)
+
+    def fit(seed):
+        torch.manual_seed(0)
+        return TorchEstimator(model=OneInput(), optimizer=functools.partial(torch.optim.SGD, lr=0.2),
+                              loss=torch.nn.functional.mse_loss, feature_cols="x", label_cols="y", batch_size=16,
+                              epochs=2, num_proc=2, transformation_fn=_noisy_on_the_cpu, random_seed=seed,
+                              use_gpu=False, verbose=0).fit(df).getModel().w.weight.item()
+
+    first, again, other = fit(1), fit(1), fit(2)
+    assert first == again and other != first
 
 
 def _not_a_batch(batch):
@@ -283,6 +308,21 @@ def test_bad_loss_and_option_combinations_are_refused(spark):
     ]:
         with pytest.raises(LaunchRefused, match=match):
             TorchEstimator(**{**good, **change})
+    for change, match in [
+        ({"store": "/tmp/store"}, "store= and run_id= are Horovod's Store, .* pass checkpoint_dir="),
+        ({"run_id": "r1"}, "store= and run_id= are Horovod's Store"),
+        ({"backend": object()}, "backend= is Horovod's SparkBackend"),
+        ({"np": 2}, r"unknown options \['np'\] \(the ranks are num_proc\)"),
+        ({"epochz": 2}, r"unknown options \['epochz'\]: they are neither its own nor HorovodRunner's \(driver_log_verbosity"),
+        ({"verbose": 3}, "verbose must be 0, 1 or 2"),
+        ({"random_seed": "1"}, "random_seed must be an int or None"),
+        ({"use_gpu": "no"}, "use_gpu must be True or False"),
+    ]:
+        with pytest.raises(LaunchRefused, match=match):
+            TorchEstimator(**{**good, **change})
+    with pytest.warns(UserWarning, match="shuffle_buffer_size, reader_pool_type tune Horovod's Petastorm reader"):
+        est = TorchEstimator(**good, shuffle_buffer_size=100, reader_pool_type="thread", max_restarts=1)
+    assert est.runner_options == {"max_restarts": 1}
     with pytest.raises(LaunchRefused, match="loss_constructors must be a function \\(\\) -> loss"):
         TorchEstimator(**no_loss, loss_constructors=[1])
     for args, match in [({"patience": -1}, "patience must be an int >= 0"), ({"mode": "up"}, "mode must be"),
