@@ -246,10 +246,8 @@ def _gather_checkpoints(mine: bytes | None, w: "_Worker") -> list[bytes | None]:
     parts: list[bytes | None] = [mine] + [None] * (ctx.world_size - 1)
     pending = []
     for r in range(1, ctx.world_size):
-        n = int(sizes[r].item())
-        if n == 0:
-            parts[r] = b""
-        elif n > 0:
+        n = int(sizes[r].item())  # -1: no checkpoint; a packed one is never empty (tar headers)
+        if n > 0:
             buf = torch.empty(n, dtype=torch.uint8)
             pending.append((r, buf, dist.irecv(buf, r, group=w.group)))
     for r, buf, work in pending:
@@ -293,8 +291,7 @@ def _merge(parts: list[bytes | None]) -> bytes:
     directory = tempfile.mkdtemp(prefix="spark-dl-checkpoint-merge-")
     try:
         for part in reversed(given):  # lower ranks last: theirs overwrite
-            if part:
-                _unpack(part, directory)
+            _unpack(part, directory)
         return _pack(directory)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
