@@ -492,7 +492,7 @@ def _fit(data, validation, model, optimizer, loss: _Losses, feature_cols, label_
     for epoch in range(start, epochs if not stopped else start):
         cbs.call(callbacks, "on_epoch_begin", epoch, trainer)
         total = torch.zeros(2, dtype=torch.float64)
-        scores = _Scores(metrics)
+        scores = _Scores(metrics, device)
         batches = itertools.islice(data.batches(batch_size=batch_size, epoch=epoch), options.train_steps)
         upcoming = next(batches, None)
         while upcoming is not None:
@@ -504,7 +504,7 @@ def _fit(data, validation, model, optimizer, loss: _Losses, feature_cols, label_
             output, value = step(inputs, labels, weights, last=upcoming is None)
             total += torch.tensor([float(value), 1.0], dtype=torch.float64)
             scores.add(output.detach() if torch.is_tensor(output) else output, labels, len(labels[0]))
-        dist.all_reduce(total)
+        _all_reduce(total, device)
         history.append(total[0].item() / max(total[1].item(), 1.0))
         logs = {"loss": history[-1]}
         logged = {"train_loss": history[-1]}
@@ -524,7 +524,7 @@ def _fit(data, validation, model, optimizer, loss: _Losses, feature_cols, label_
             spark_dl.log_to_driver(f"epoch {epoch + 1}/{epochs}: " + ", ".join(f"{k} {v:.4g}" for k, v in logs.items()))
         cbs.call(callbacks, "on_epoch_end", epoch, dict(logs), trainer)
         if callbacks:  # rank 0's decision holds for every rank, so all leave the loop together
-            flag = torch.tensor([float(trainer.stop_training)])
+            flag = torch.tensor([float(trainer.stop_training)], device=device)
             dist.broadcast(flag, 0)
             stopped = bool(flag.item())
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
@@ -601,10 +601,10 @@ class _Step:
 class _Scores:
     """Row-weighted sums of each metric over an epoch's batches, averaged over every rank's rows."""
 
-    def __init__(self, metrics) -> None:
+    def __init__(self, metrics, device=None) -> None:
         import torch
 
-        self.metrics = metrics
+        self.metrics, self.device = metrics, device
         self.sums = torch.zeros(len(metrics) + 1, dtype=torch.float64)  # the last one counts rows
 
     def add(self, output, labels, rows: int) -> None:
@@ -620,11 +620,9 @@ class _Scores:
         self.sums[-1] += rows
 
     def result(self) -> dict[str, float]:
-        import torch.distributed as dist
-
         if not self.metrics:
             return {}
-        dist.all_reduce(self.sums)
+        _all_reduce(self.sums, self.device)
         rows = max(self.sums[-1].item(), 1.0)
         return {name: self.sums[i].item() / rows for i, name in enumerate(self.metrics)}
 
@@ -635,10 +633,9 @@ def _held_out(val, model, loss: _Losses, metrics, batch_of: _Batches, batch_size
     import itertools
 
     import torch
-    import torch.distributed as dist
 
     total = torch.zeros(2, dtype=torch.float64)
-    scores = _Scores(metrics)
+    scores = _Scores(metrics, batch_of.device)
     model.eval()
     with torch.no_grad():
         for batch in itertools.islice(val.batches(batch_size=batch_size), steps):
@@ -649,8 +646,20 @@ def _held_out(val, model, loss: _Losses, metrics, batch_of: _Batches, batch_size
             total += torch.tensor([value.item() * rows, rows], dtype=torch.float64)
             scores.add(output, labels, rows)
     model.train()
-    dist.all_reduce(total)
+    _all_reduce(total, batch_of.device)
     return total[0].item() / max(total[1].item(), 1.0), scores.result()
+
+
+def _all_reduce(t, device) -> None:
+    """Sum a small CPU tensor over the ranks in place, through ``device`` (NCCL takes GPU tensors only)."""
+    import torch.distributed as dist
+
+    if device is None or str(device) == "cpu":
+        dist.all_reduce(t)
+        return
+    moved = t.to(device)
+    dist.all_reduce(moved)
+    t.copy_(moved.cpu())
 
 
 def _float_dtype(model):
