@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping, Sequence
 from .callbacks import EarlyStopping, Trainer
 from .errors import LaunchRefused
 from .runner import HorovodRunner, RunInfo
+from .tensors import comm_device
 
 
 def _metrics(metrics: Any) -> dict[str, Callable[..., Any]]:
@@ -492,7 +493,7 @@ def _fit(data, validation, model, optimizer, loss: _Losses, feature_cols, label_
     for epoch in range(start, epochs if not stopped else start):
         cbs.call(callbacks, "on_epoch_begin", epoch, trainer)
         total = torch.zeros(2, dtype=torch.float64)
-        scores = _Scores(metrics, device)
+        scores = _Scores(metrics)
         batches = itertools.islice(data.batches(batch_size=batch_size, epoch=epoch), options.train_steps)
         upcoming = next(batches, None)
         while upcoming is not None:
@@ -504,7 +505,7 @@ def _fit(data, validation, model, optimizer, loss: _Losses, feature_cols, label_
             output, value = step(inputs, labels, weights, last=upcoming is None)
             total += torch.tensor([float(value), 1.0], dtype=torch.float64)
             scores.add(output.detach() if torch.is_tensor(output) else output, labels, len(labels[0]))
-        _all_reduce(total, device)
+        _all_reduce(total)
         history.append(total[0].item() / max(total[1].item(), 1.0))
         logs = {"loss": history[-1]}
         logged = {"train_loss": history[-1]}
@@ -524,7 +525,7 @@ def _fit(data, validation, model, optimizer, loss: _Losses, feature_cols, label_
             spark_dl.log_to_driver(f"epoch {epoch + 1}/{epochs}: " + ", ".join(f"{k} {v:.4g}" for k, v in logs.items()))
         cbs.call(callbacks, "on_epoch_end", epoch, dict(logs), trainer)
         if callbacks:  # rank 0's decision holds for every rank, so all leave the loop together
-            flag = torch.tensor([float(trainer.stop_training)], device=device)
+            flag = torch.tensor([float(trainer.stop_training)], device=comm_device())
             dist.broadcast(flag, 0)
             stopped = bool(flag.item())
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
@@ -563,7 +564,8 @@ class _Batches:
                            self.feature_cols)
         labels = _reshaped([_as(batch[c], self.device, self.dtype) for c in self.label_cols], self.label_shapes,
                            self.label_cols, "label_shapes")
-        return inputs, labels, _sample_weights(batch, self.weight_col, self.device, self.dtype)
+        weights = None if self.weight_col is None else _as(batch[self.weight_col], self.device, self.dtype)
+        return inputs, labels, weights
 
 
 class _Step:
@@ -601,10 +603,10 @@ class _Step:
 class _Scores:
     """Row-weighted sums of each metric over an epoch's batches, averaged over every rank's rows."""
 
-    def __init__(self, metrics, device=None) -> None:
+    def __init__(self, metrics) -> None:
         import torch
 
-        self.metrics, self.device = metrics, device
+        self.metrics = metrics
         self.sums = torch.zeros(len(metrics) + 1, dtype=torch.float64)  # the last one counts rows
 
     def add(self, output, labels, rows: int) -> None:
@@ -622,7 +624,7 @@ class _Scores:
     def result(self) -> dict[str, float]:
         if not self.metrics:
             return {}
-        _all_reduce(self.sums, self.device)
+        _all_reduce(self.sums)
         rows = max(self.sums[-1].item(), 1.0)
         return {name: self.sums[i].item() / rows for i, name in enumerate(self.metrics)}
 
@@ -635,7 +637,7 @@ def _held_out(val, model, loss: _Losses, metrics, batch_of: _Batches, batch_size
     import torch
 
     total = torch.zeros(2, dtype=torch.float64)
-    scores = _Scores(metrics, batch_of.device)
+    scores = _Scores(metrics)
     model.eval()
     with torch.no_grad():
         for batch in itertools.islice(val.batches(batch_size=batch_size), steps):
@@ -646,20 +648,19 @@ def _held_out(val, model, loss: _Losses, metrics, batch_of: _Batches, batch_size
             total += torch.tensor([value.item() * rows, rows], dtype=torch.float64)
             scores.add(output, labels, rows)
     model.train()
-    _all_reduce(total, batch_of.device)
+    _all_reduce(total)
     return total[0].item() / max(total[1].item(), 1.0), scores.result()
 
 
-def _all_reduce(t, device) -> None:
-    """Sum a small CPU tensor over the ranks in place, through ``device`` (NCCL takes GPU tensors only)."""
+def _all_reduce(t) -> None:
+    """Sum a small CPU tensor over the ranks in place, through the default group's device (NCCL
+    takes GPU tensors only)."""
     import torch.distributed as dist
 
-    if device is None or str(device) == "cpu":
-        dist.all_reduce(t)
-        return
-    moved = t.to(device)
+    moved = t.to(comm_device())  # itself on Gloo
     dist.all_reduce(moved)
-    t.copy_(moved.cpu())
+    if moved is not t:
+        t.copy_(moved)
 
 
 def _float_dtype(model):
@@ -674,10 +675,6 @@ def _features(table, cols, kinds, dtype, input_shapes=None):
     from .data import _to_tensor
 
     return _reshaped([_as(_to_tensor(table.column(c), kinds[c], c), "cpu", dtype) for c in cols], input_shapes, cols)
-
-
-def _sample_weights(batch, weight_col, device, dtype):
-    return None if weight_col is None else _as(batch[weight_col], device, dtype)
 
 
 def _as(tensor, device, dtype):

@@ -1,5 +1,6 @@
 """One walk over nested containers of tensors (dicts, lists, tuples, named tuples), for the
-state_dict snapshots of ``hvd`` and the batches ``prepare_data_loader`` moves to a device."""
+state_dict snapshots of ``hvd`` and the batches ``prepare_data_loader`` moves to a device; and
+the device the default process group's collectives take tensors on."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -19,3 +20,13 @@ def map_tensors(value: Any, fn: Callable[[Any], Any]) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(map_tensors(v, fn) for v in value)
     return value
+
+
+def comm_device() -> Any:
+    """Device that tensors must live on for the default group's backend."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -202,8 +202,3 @@ def stop_timeline() -> None:
     """No-op counterpart of :func:`start_timeline`."""
 
 
-def comm_device() -> torch.device:
-    """Device that tensors must live on for the default group's backend."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -8,8 +8,8 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from .basics import _check, comm_device, rank
-from ..tensors import map_tensors
+from ..tensors import comm_device, map_tensors
+from .basics import _check, rank
 from .ops import allgather_parts, fused_inplace
 from .process_sets import ProcessSet, check_root, global_process_set, group_of
 from .process_sets import resolve as resolve_set

@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from . import adasum as _adasum
 from . import compression as _compression
-from .basics import Adasum, Average, ReduceOp, Sum, _check, comm_device, rank
+from ..tensors import comm_device
+from .basics import Adasum, Average, ReduceOp, Sum, _check, rank
 from .compression import Compression
 from .process_sets import ProcessSet, check_root, global_process_set, group_of
 from .process_sets import resolve as resolve_set

@@ -21,7 +21,8 @@ import torch.distributed as dist
 from . import adasum as _adasum
 from . import compression as _compression
 from . import joining as _join
-from .basics import Adasum, Average, ReduceOp, Sum, _check, comm_device
+from ..tensors import comm_device
+from .basics import Adasum, Average, ReduceOp, Sum, _check
 from .compression import Compression
 from .fusion import BucketReducer, fusion_threshold, plan_buckets, plan_groups
 from .ops import fused_inplace

@@ -81,7 +81,7 @@ def gpu_rank_main(steps: int = 30):
 
     import spark_dl.compression as C
     import spark_dl.horovod as hvd
-    from spark_dl.horovod.basics import comm_device
+    from spark_dl.tensors import comm_device
 
     hvd.init()
     out = {"backend": dist.get_backend(), "device": torch.cuda.current_device(),
