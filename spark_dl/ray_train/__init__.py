@@ -4,10 +4,10 @@ Ray Train code switches by changing imports: ``from spark_dl.ray_train import To
 ScalingConfig, RunConfig, FailureConfig, Checkpoint`` and ``import spark_dl.ray_train as train`` for
 ``train.report``, ``train.get_context``, ``train.get_checkpoint``, ``train.get_dataset_shard``.
 The workers are a barrier stage's ranks (:class:`spark_dl.TorchDistributor`); ``report`` logs to
-MLflow, and each report's checkpoints (every worker's files, merged on rank 0) travel to the
-driver, which writes them to
-``storage_path/name`` as they arrive and keeps the latest for a restarted run
-(``FailureConfig(max_failures=N)``) to resume from.
+MLflow, and each report's checkpoint (every worker's files, merged) lands in ``storage_path/name``
+as it is reported: written there by the workers when all of them see that folder
+(:mod:`spark_dl.ray_train.storage`), else merged on rank 0 and written by the driver. The driver
+keeps the latest for a restarted run (``FailureConfig(max_failures=N)``) to resume from.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import inspect
 import io
 import math
 import os
+import re
 import shutil
 import sys
 import tarfile
@@ -32,6 +33,8 @@ from ..errors import JobFailed, LaunchRefused
 from ..prepare import get_device, prepare_data_loader, prepare_model
 from ..rank import init
 from ..tracking import Tracking, log_metrics
+from . import storage as _storage
+from .storage import Storage
 
 __all__ = [
     "TorchTrainer", "ScalingConfig", "RunConfig", "FailureConfig", "CheckpointConfig", "Checkpoint", "Result",
@@ -172,12 +175,15 @@ class TrainContext:
 @dataclass
 class _Worker:
     name: str
-    checkpoint: bytes | None  # the latest: reported in this attempt, saved before a restart, or resumed from
+    # the latest: reported in this attempt, saved before a restart, or resumed from; packed files,
+    # or the path of a checkpoint the workers wrote into the shared storage
+    checkpoint: bytes | str | None
     datasets: dict[str, Any]
     reports: list[dict] = field(default_factory=list)
     directory: str | None = None  # where get_checkpoint() unpacked ``unpacked``
     unpacked: bytes | None = None
     group: Any = None  # a Gloo group for report()'s checkpoint exchange (the default group on CPU)
+    storage: Storage | None = None  # set when every worker sees storage_path: checkpoints are written there
 
 
 _worker: _Worker | None = None
@@ -200,8 +206,9 @@ def get_context() -> TrainContext:
 def report(metrics: Mapping[str, Any], checkpoint: Checkpoint | None = None) -> None:
     """Report ``metrics`` (rank 0's land in MLflow, step = the report's index, and in the result)
     and a ``checkpoint``: as in Ray, every worker's checkpoint directory (those that pass one) is
-    merged into one, which is sent to the driver and kept, for a restart and for
-    ``Result.checkpoint``. Every worker must call it as many times (Ray's rule): the checkpoints
+    merged into one ``storage_path/name/checkpoint_<n>``, kept for a restart and for
+    ``Result.checkpoint``: written by the workers when they all see that folder, else sent through
+    rank 0 to the driver. Every worker must call it as many times (Ray's rule): the checkpoints
     are exchanged here."""
     w = _current()
     if not isinstance(metrics, Mapping):
@@ -216,6 +223,9 @@ def report(metrics: Mapping[str, Any], checkpoint: Checkpoint | None = None) -> 
                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
     if numbers:
         log_metrics(numbers, step=step)
+    if w.storage is not None:
+        _report_to_storage(checkpoint, w, step)
+        return
     mine = _pack(checkpoint.path) if checkpoint is not None else None
     parts = _gather_checkpoints(mine, w) if get_context().world_size > 1 else [mine]
     if any(p is not None for p in parts):  # only rank 0 holds the parts
@@ -227,6 +237,32 @@ def report(metrics: Mapping[str, Any], checkpoint: Checkpoint | None = None) -> 
 REPORT_STALL_S = 60.0  # a worker waiting this long in report() says why it may be stuck
 
 
+def _report_to_storage(checkpoint: Checkpoint | None, w: "_Worker", step: int) -> None:
+    """Each worker copies its files into the report's staging folder; once every worker has (the
+    all-gather of what each passed), rank 0 merges them into ``checkpoint_<n>`` and sends the
+    driver its path only."""
+    rank = get_context().world_rank
+    passed = _storage.stage(checkpoint.path if checkpoint is not None else None, w.storage, step, rank)
+    everyone = _all_gather_int(passed, w) if get_context().world_size > 1 else [passed]
+    if rank != 0:
+        return
+    final = _storage.publish(w.storage, step, everyone)
+    if final is not None:
+        w.checkpoint = final
+        save_checkpoint({"ray_train_path": final, "reports": w.reports}, step=step)
+
+
+def _all_gather_int(value: int, w: "_Worker") -> list[int]:
+    """One number from every rank, waited for with report()'s stall message."""
+    import torch
+    import torch.distributed as dist
+
+    mine = torch.tensor([value], dtype=torch.int64)
+    every = [torch.zeros(1, dtype=torch.int64) for _ in range(get_context().world_size)]
+    _wait(dist.all_gather(every, mine, group=w.group, async_op=True))
+    return [int(t.item()) for t in every]
+
+
 def _gather_checkpoints(mine: bytes | None, w: "_Worker") -> list[bytes | None]:
     """Every rank's packed checkpoint (None where it passed none), on rank 0; [] elsewhere. The
     sizes go round first, so only the ranks that have a checkpoint send one."""
@@ -234,9 +270,7 @@ def _gather_checkpoints(mine: bytes | None, w: "_Worker") -> list[bytes | None]:
     import torch.distributed as dist
 
     ctx = get_context()
-    size = torch.tensor([-1 if mine is None else len(mine)], dtype=torch.int64)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(ctx.world_size)]
-    _wait(dist.all_gather(sizes, size, group=w.group, async_op=True))
+    sizes = _all_gather_int(-1 if mine is None else len(mine), w)
     if ctx.world_rank != 0:
         if mine:
             # the sizes went round, so rank 0 is in this report too; Gloo's point-to-point work
@@ -246,7 +280,7 @@ def _gather_checkpoints(mine: bytes | None, w: "_Worker") -> list[bytes | None]:
     parts: list[bytes | None] = [mine] + [None] * (ctx.world_size - 1)
     pending = []
     for r in range(1, ctx.world_size):
-        n = int(sizes[r].item())  # -1: no checkpoint; a packed one is never empty (tar headers)
+        n = sizes[r]  # -1: no checkpoint; a packed one is never empty (tar headers)
         if n > 0:
             buf = torch.empty(n, dtype=torch.uint8)
             pending.append((r, buf, dist.irecv(buf, r, group=w.group)))
@@ -302,6 +336,11 @@ def get_checkpoint() -> Checkpoint | None:
     w = _current()
     if w.checkpoint is None:
         return None
+    if isinstance(w.checkpoint, str):  # written into the shared storage: read in place, as Ray reads local storage
+        if not os.path.isdir(w.checkpoint):
+            raise RuntimeError(f"train.get_checkpoint(): the latest checkpoint, {w.checkpoint}, is not readable on "
+                               f"rank {get_context().world_rank}: storage_path must stay mounted on every executor")
+        return Checkpoint(w.checkpoint)
     if w.unpacked is not w.checkpoint:  # first call, or a checkpoint reported since
         if w.directory is not None:
             shutil.rmtree(w.directory, ignore_errors=True)
@@ -364,6 +403,22 @@ def _takes_config(fn: Callable) -> bool:
         return True
 
 
+def _local_path(storage_path: str | os.PathLike | None) -> str:
+    """``storage_path`` as a file system path: ``file://`` URIs are, other URIs are refused (a
+    directory named ``s3:`` would silently take the checkpoints)."""
+    path = os.path.expanduser(os.fspath(storage_path or "~/spark_dl_results"))
+    scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]+):/", path)  # two letters at least: C:/ is a Windows path
+    if scheme and scheme.group(1).lower() == "file":
+        return re.sub(r"^file:(//)?", "", path, flags=re.IGNORECASE)
+    if scheme:
+        hint = (f" (Databricks mounts it at /dbfs{path[len('dbfs:'):]})" if scheme.group(1).lower() == "dbfs"
+                else "")
+        raise LaunchRefused(f"RunConfig(storage_path={path!r}): spark-dl writes checkpoints to a file system path, not "
+                            f"a {scheme.group(1)}:// URI; pass the folder where the storage is mounted on the driver and "
+                            f"executors{hint}")
+    return path
+
+
 def _plain(value: Any) -> Any:
     item = getattr(value, "item", None)  # a one-element tensor or numpy scalar
     return item() if callable(item) and getattr(value, "ndim", 0) == 0 else value
@@ -372,17 +427,20 @@ def _plain(value: Any) -> Any:
 class _Loop:
     """What every rank runs: ``train_loop_per_worker`` in a Ray worker's setting."""
 
-    def __init__(self, fn: Callable, name: str, resume: bytes | None) -> None:
-        self.fn, self.name, self.resume = fn, name, resume
+    def __init__(self, fn: Callable, name: str, resume: bytes | None, storage: Storage | None = None) -> None:
+        self.fn, self.name, self.resume, self.storage = fn, name, resume, storage
         self.__qualname__ = getattr(fn, "__qualname__", "train_loop_per_worker")  # the MLflow run's "main"
 
     def __call__(self, train_loop_config: dict | None = None, **datasets: Any) -> dict | None:
         global _worker
         init()  # Ray's workers start with the process group up (NCCL on GPUs, Gloo otherwise)
         saved = load_checkpoint()  # set when this is a restart and rank 0 had reported a checkpoint
-        _worker = _Worker(self.name, saved["ray_train_checkpoint"] if saved else self.resume,
-                          {k: DataShard(v) for k, v in datasets.items()},
-                          reports=list(saved["reports"]) if saved else [], group=_report_group())
+        group = _report_group()
+        shared = _storage.agree(self.storage, group)
+        latest = (saved.get("ray_train_path") or saved.get("ray_train_checkpoint")) if saved else self.resume
+        _worker = _Worker(self.name, latest, {k: DataShard(v) for k, v in datasets.items()},
+                          reports=list(saved["reports"]) if saved else [], group=group,
+                          storage=self.storage if shared else None)
         try:
             if _takes_config(self.fn):
                 self.fn(train_loop_config if train_loop_config is not None else {})
@@ -442,7 +500,11 @@ class _CheckpointKeeper:
         import cloudpickle
 
         state = cloudpickle.loads(blob)
-        checkpoint = _unpack(state["ray_train_checkpoint"], os.path.join(self.path, f"checkpoint_{self.offset + step:06d}"))
+        if "ray_train_path" in state:  # the workers wrote it into the storage: only its path came
+            checkpoint = Checkpoint(state["ray_train_path"])
+        else:
+            checkpoint = _unpack(state["ray_train_checkpoint"],
+                                 os.path.join(self.path, f"checkpoint_{self.offset + step:06d}"))
         with self._lock:
             self.kept = [(c, m) for c, m in self.kept if c.path != checkpoint.path]  # a restart's redo
             self.kept.append((checkpoint, state["reports"][step]))
@@ -545,8 +607,9 @@ class TorchTrainer:
                                 "'max' or 'min'")
         self._gpu = self._use_gpu()
         self.name = self.run_config.name or time.strftime("TorchTrainer_%Y-%m-%d_%H-%M-%S")
-        self.path = os.path.join(os.path.expanduser(os.fspath(self.run_config.storage_path or "~/spark_dl_results")),
-                                 self.name)
+        # absolute: the workers (other processes, other working directories) write into it too
+        self.path = os.path.abspath(os.path.join(_local_path(self.run_config.storage_path), self.name))
+        _storage.storage_mode()  # SPARK_DL_RAY_STORAGE checked now, not at fit()
         self._distributor()  # every option checked now, not at fit()
 
     def _datasets(self, datasets: Mapping[str, Any] | None) -> dict[str, DataFrameShards]:
@@ -608,8 +671,8 @@ class TorchTrainer:
         checkpoints are in ``path`` either way (the error's note names the latest)."""
         resume = _pack(self.resume_from_checkpoint.path) if self.resume_from_checkpoint is not None else None
         config = {"train_loop_config": self.train_loop_config} if self.train_loop_config is not None else {}
-        loop = _Loop(self.train_loop_per_worker, self.name, resume)
         keeper = _CheckpointKeeper(self.path, self.run_config.checkpoint_config or CheckpointConfig())
+        loop = _Loop(self.train_loop_per_worker, self.name, resume, Storage.prepare(self.path, keeper.offset))
         distributor = self._distributor()
         distributor._observers.append(keeper)
         self._save_for_restore()
@@ -623,6 +686,8 @@ class TorchTrainer:
                     e.add_note(note)
                 sys.stderr.write(f"[spark-dl] {note}\n")
             raise
+        finally:
+            _storage.clean(self.path)  # the probe, and what a failed report left staged
         reports = out["reports"]
         return Result(reports[-1] if reports else None, keeper.latest, self.path, reports,
                       best_checkpoints=list(keeper.kept))

@@ -222,6 +222,27 @@ def relay_mode(spark) -> dict:
     df = spark.createDataFrame([(float(i),) for i in range(10)], "x double")
     out["shards"] = HorovodRunner(np=2).run_all(rows, data=shards(df))
 
+    from spark_dl.ray_train import Checkpoint, RunConfig, ScalingConfig, TorchTrainer
+
+    def sharded():
+        import tempfile
+
+        import spark_dl.ray_train as train
+
+        rank = train.get_context().get_world_rank()
+        with tempfile.TemporaryDirectory() as d:
+            with open(os.path.join(d, f"shard-{rank}"), "w") as f:
+                f.write(str(rank))
+            train.report({"rank": rank}, checkpoint=Checkpoint.from_directory(d))
+
+    for storage in ("shared", "driver"):  # written by the workers / sent through task 0 to this client
+        os.environ["SPARK_DL_RAY_STORAGE"] = storage
+        result = TorchTrainer(sharded, scaling_config=ScalingConfig(num_workers=2),
+                              run_config=RunConfig(storage_path="ray_results", name=storage)).fit()
+        path = result.checkpoint.path
+        out[f"ray_{storage}"] = {f: open(os.path.join(path, f)).read() for f in sorted(os.listdir(path))}
+    del os.environ["SPARK_DL_RAY_STORAGE"]
+
     def sleeper():
         time.sleep(12)
 

@@ -142,6 +142,8 @@ def test_a_client_the_executors_cannot_reach_through_the_relay(connect_url, tmp_
     assert "[1]<stdout>: rank 1 waits for a peer" in hung["message"]
     first, second = out["shards"]
     assert not set(first) & set(second) and sorted(first + second) == [float(i) for i in range(10)]
+    # TorchTrainer's merged checkpoint, written by the workers (they see the storage) or through task 0
+    assert out["ray_shared"] == out["ray_driver"] == {"shard-0": "0", "shard-1": "1"}
 
     timed_out = out["timed_out"]  # the server's progress reports show the tasks never started
     assert timed_out["type"] == "JobFailed" and timed_out["seconds"] < 20

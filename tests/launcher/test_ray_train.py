@@ -47,7 +47,9 @@ def train_func(config):
                           "name": ctx.get_experiment_name()}, checkpoint=saved)
 
 
-def test_a_restarted_run_resumes_from_its_last_reported_checkpoint(tmp_path):
+@pytest.mark.parametrize("storage", ["auto", "driver"])  # written by the workers (storage seen by all) / by the driver
+def test_a_restarted_run_resumes_from_its_last_reported_checkpoint(tmp_path, monkeypatch, storage):
+    monkeypatch.setenv("SPARK_DL_RAY_STORAGE", storage)
     trainer = TorchTrainer(
         train_func, train_loop_config={"lr": 0.05, "epochs": 5, "crash_at": 2},
         scaling_config=ScalingConfig(num_workers=2),
@@ -191,7 +193,9 @@ def sharded_loop():
         train.report({"step": 3, "resumed": resumed}, checkpoint=Checkpoint.from_directory(d) if rank == 1 else None)
 
 
-def test_every_workers_checkpoint_files_are_merged_as_in_ray(tmp_path, capfd):
+@pytest.mark.parametrize("storage", ["auto", "driver"])
+def test_every_workers_checkpoint_files_are_merged_as_in_ray(tmp_path, capfd, monkeypatch, storage):
+    monkeypatch.setenv("SPARK_DL_RAY_STORAGE", storage)
     result = TorchTrainer(sharded_loop, scaling_config=ScalingConfig(num_workers=2), local_mode=True,
                           run_config=RunConfig(storage_path=str(tmp_path), name="sharded",
                                                failure_config=FailureConfig(max_failures=1))).fit()
@@ -206,6 +210,106 @@ def test_every_workers_checkpoint_files_are_merged_as_in_ray(tmp_path, capfd):
     assert sorted(os.listdir(merged)) == ["meta", "shard-0", "shard-1"]
     assert open(os.path.join(merged, "meta")).read() == "rank 0"  # a file every rank wrote: the lowest rank's
     assert [open(os.path.join(merged, f"shard-{r}")).read() for r in (0, 1)] == ["2", "2"]
+    assert sorted(set(kept) - set(checkpoints)) == ["spark_dl_trainer.pkl"]  # no probe, nothing staged left
+
+
+def blob_sizes(monkeypatch) -> list[int]:
+    """The size of every checkpoint message the driver's keeper receives (the real one still runs)."""
+    from spark_dl.ray_train import _CheckpointKeeper
+
+    sizes, original = [], _CheckpointKeeper.on_checkpoint
+
+    def spy(self, blob, step):
+        sizes.append(len(blob))
+        return original(self, blob, step)
+
+    monkeypatch.setattr(_CheckpointKeeper, "on_checkpoint", spy)
+    return sizes
+
+
+def write_big_shards():
+    """Each rank writes a 2 MB shard and a nested file; rank 1's nested file clashes with rank 0's."""
+    rank = train.get_context().get_world_rank()
+    with tempfile.TemporaryDirectory() as d:
+        with open(os.path.join(d, f"shard-{rank}.bin"), "wb") as f:
+            f.write(bytes([rank + 1]) * (2 << 20))
+        os.makedirs(os.path.join(d, "meta"))
+        for name in ("common", f"rank-{rank}"):
+            with open(os.path.join(d, "meta", name), "w") as f:
+                f.write(str(rank))
+        train.report({"rank": rank}, checkpoint=Checkpoint.from_directory(d))
+
+
+@pytest.mark.parametrize("storage", ["shared", "driver"])
+def test_with_storage_every_worker_sees_only_the_checkpoints_path_reaches_the_driver(tmp_path, monkeypatch, storage):
+    monkeypatch.setenv("SPARK_DL_RAY_STORAGE", storage)
+    sizes = blob_sizes(monkeypatch)
+    result = TorchTrainer(write_big_shards, scaling_config=ScalingConfig(num_workers=2), local_mode=True,
+                          run_config=RunConfig(storage_path=str(tmp_path), name="big")).fit()
+    path = result.checkpoint.path
+    assert path == str(tmp_path / "big" / "checkpoint_000000")
+    assert sorted(os.listdir(path)) == ["meta", "shard-0.bin", "shard-1.bin"]
+    assert [open(os.path.join(path, f"shard-{r}.bin"), "rb").read() == bytes([r + 1]) * (2 << 20) for r in (0, 1)] \
+        == [True, True]
+    # nested folders merge file by file; a file both ranks wrote is rank 0's
+    assert sorted(os.listdir(os.path.join(path, "meta"))) == ["common", "rank-0", "rank-1"]
+    assert open(os.path.join(path, "meta", "common")).read() == "0"
+    if storage == "shared":  # the workers wrote the files: the driver got a path
+        assert len(sizes) == 1 and sizes[0] < 4096
+    else:  # both shards travelled through rank 0 to the driver
+        assert len(sizes) == 1 and sizes[0] > 4 << 20
+
+
+def test_relative_storage_paths_are_the_drivers_on_executors_with_their_own_working_directory(
+        spark_cluster, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SPARK_DL_RAY_STORAGE", "shared")  # fails unless both executors see the folder
+
+    def loop():
+        rank = train.get_context().get_world_rank()
+        with tempfile.TemporaryDirectory() as d:
+            with open(os.path.join(d, f"shard-{rank}"), "w") as f:
+                f.write(os.getcwd())
+            train.report({"rank": rank}, checkpoint=Checkpoint.from_directory(d))
+
+    result = TorchTrainer(loop, scaling_config=ScalingConfig(num_workers=2),
+                          run_config=RunConfig(storage_path="results", name="rel")).fit()
+    assert result.checkpoint.path == str(tmp_path / "results" / "rel" / "checkpoint_000000")
+    cwds = [open(os.path.join(result.checkpoint.path, f"shard-{r}")).read() for r in (0, 1)]
+    assert str(tmp_path) not in cwds  # the executors run elsewhere: "results" alone would have gone astray
+
+
+def test_shared_storage_that_a_worker_cannot_see_is_named_before_training(tmp_path):
+    from spark_dl import HorovodRunner
+    from spark_dl.ray_train.storage import Storage, agree
+
+    probe = Storage.prepare(str(tmp_path / "seen"), 0)  # the driver's probe, as fit() writes it
+
+    def check(mode):
+        import spark_dl
+
+        spark_dl.init()
+        # rank 1 looks for the same probe at a path it does not have (another machine's disk)
+        path = probe.path if int(os.environ["RANK"]) == 0 else str(tmp_path / "elsewhere")
+        return agree(Storage(path, mode, probe.token, 0), None)
+
+    assert HorovodRunner(np=-2).run(check, mode="auto") is False  # both ranks agree: through the driver
+    with pytest.raises(RankFailed, match=r"SPARK_DL_RAY_STORAGE=shared, but rank 1 cannot read /.*/"
+                                         r"\.spark_dl_storage_probe, which the driver wrote: give RunConfig"):
+        HorovodRunner(np=-2).run(check, mode="shared")
+
+
+def test_file_uris_and_relative_storage_paths_become_absolute_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for given in (f"file://{tmp_path}/runs", f"file:{tmp_path}/runs", "runs", "./runs/"):
+        assert TorchTrainer(lambda: None, local_mode=True, run_config=RunConfig(name="x", storage_path=given)).path \
+            == str(tmp_path / "runs" / "x")
+
+
+def test_a_bad_storage_setting_is_refused_at_construction(monkeypatch):
+    monkeypatch.setenv("SPARK_DL_RAY_STORAGE", "s3")
+    with pytest.raises(LaunchRefused, match=r"SPARK_DL_RAY_STORAGE='s3' is not one of \('auto', 'shared', 'driver'\)"):
+        TorchTrainer(lambda: None, local_mode=True)
 
 
 def test_a_worker_reporting_more_often_than_the_others_fails_with_rays_rule(tmp_path):
@@ -288,6 +392,9 @@ def test_a_failure_without_restarts_raises_the_ranks_error(tmp_path):
     ({"resume_from_checkpoint": "/tmp/ckpt"}, "Checkpoint.from_directory"),
     ({"run_config": RunConfig(checkpoint_config=CheckpointConfig(num_to_keep=0))}, "num_to_keep=0"),
     ({"run_config": RunConfig(checkpoint_config=CheckpointConfig(checkpoint_score_order="best"))}, "'max' or 'min'"),
+    ({"run_config": RunConfig(storage_path="s3://bucket/runs")}, r"storage_path='s3://bucket/runs'\): spark-dl writes "
+     r"checkpoints to a file system path, not a s3:// URI; pass the folder where the storage is mounted"),
+    ({"run_config": RunConfig(storage_path="dbfs:/runs")}, r"\(Databricks mounts it at /dbfs/runs\)"),
 ])
 def test_bad_trainers_are_refused_at_construction(kwargs, message):
     with pytest.raises(LaunchRefused, match=message):
@@ -316,6 +423,15 @@ def test_misuse_inside_a_worker_names_the_fix(tmp_path):
                 call()
             except (TypeError, KeyError) as e:
                 errors.append(str(e))
+        with tempfile.TemporaryDirectory() as d:
+            train.report({}, checkpoint=Checkpoint.from_directory(d))  # written into the storage, seen by all
+        import shutil
+
+        shutil.rmtree(train.get_checkpoint().path)  # the storage went away under the run
+        try:
+            train.get_checkpoint()
+        except RuntimeError as e:
+            errors.append(str(e))
         train.report({"errors": errors})
 
     errors = TorchTrainer(loop, scaling_config=ScalingConfig(num_workers=1), local_mode=True,
@@ -323,6 +439,7 @@ def test_misuse_inside_a_worker_names_the_fix(tmp_path):
     assert "Checkpoint.from_directory" in errors[0]
     assert "no dataset named 'validation'" in errors[1]
     assert "metrics must be a dict" in errors[2]
+    assert "checkpoint_000000, is not readable on rank 0: storage_path must stay mounted on every executor" in errors[3]
 
 
 def lightning_loop(config):

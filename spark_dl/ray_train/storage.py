@@ -1,0 +1,155 @@
+"""Checkpoints written by the workers straight into ``storage_path``, where every worker sees it.
+
+As Ray's workers upload their checkpoint files to the run's storage, a TorchTrainer's workers copy
+theirs into ``storage_path/name`` when every one of them can read it (a shared file system: DBFS
+or a Unity Catalog volume on Databricks, NFS, one machine). Only the checkpoint's path then goes
+to the driver, so a checkpoint of any size passes through no process's memory. Whether they can
+is found out, not assumed: the driver writes a probe file with a fresh token at each ``fit()``,
+and the workers use the storage only if every one of them reads that token back. Otherwise (a
+Spark Connect client on a laptop, executors with their own disks) the files travel through rank 0
+to the driver, as before. ``SPARK_DL_RAY_STORAGE`` on the driver says which: ``auto`` (default),
+``shared`` (fail unless every worker sees the storage) or ``driver`` (always through the driver).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+
+from ..errors import LaunchRefused
+
+STORAGE_ENV = "SPARK_DL_RAY_STORAGE"
+STORAGE_MODES = ("auto", "shared", "driver")
+PROBE = ".spark_dl_storage_probe"
+STAGING = ".staging_checkpoint_"  # hidden: not a checkpoint_<n> folder until it is complete
+
+
+def storage_mode() -> str:
+    """``SPARK_DL_RAY_STORAGE``, checked (unset: ``"auto"``)."""
+    mode = (os.environ.get(STORAGE_ENV) or "auto").strip().lower()
+    if mode not in STORAGE_MODES:
+        raise LaunchRefused(
+            f"{STORAGE_ENV}={os.environ.get(STORAGE_ENV)!r} is not one of {STORAGE_MODES}: 'auto' (default) lets the "
+            "workers write checkpoints into storage_path when all of them can read it, 'shared' requires that, "
+            "'driver' always sends them through the driver")
+    return mode
+
+
+@dataclass(frozen=True)
+class Storage:
+    """What the workers need to write into the run's folder: made by the driver at ``fit()``."""
+
+    path: str  # storage_path/name, absolute
+    mode: str  # "auto" or "shared" ("driver" makes no Storage)
+    token: str
+    offset: int  # checkpoint numbers go on after those already in the folder
+
+    @classmethod
+    def prepare(cls, path: str, offset: int) -> "Storage | None":
+        """The probe written into ``path`` (a fresh token), or None when checkpoints go through the driver."""
+        mode = storage_mode()
+        if mode == "driver":
+            return None
+        clean(path)
+        token = uuid.uuid4().hex
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, PROBE), "w") as f:
+            f.write(token)
+        return cls(path, mode, token, offset)
+
+    def seen_here(self) -> bool:
+        """Whether this process reads the probe this ``fit()`` wrote (not another run's, not another host's file)."""
+        try:
+            with open(os.path.join(self.path, PROBE)) as f:
+                return f.read() == self.token
+        except OSError:
+            return False
+
+    def final(self, step: int) -> str:
+        return os.path.join(self.path, f"checkpoint_{self.offset + step:06d}")
+
+    def staging(self, step: int) -> str:
+        return os.path.join(self.path, f"{STAGING}{self.offset + step:06d}")
+
+
+def agree(storage: Storage | None, group) -> bool:
+    """Every worker's answer to "do you see the storage?", combined: True only if all do.
+
+    Called by every rank at the loop's start. ``SPARK_DL_RAY_STORAGE=shared`` turns a "no" into the
+    same error on every rank, naming the ranks that could not read the probe."""
+    import torch
+    import torch.distributed as dist
+
+    if storage is None:  # SPARK_DL_RAY_STORAGE=driver: the same on every rank, nothing to ask
+        return False
+    mine = torch.tensor([int(storage.seen_here())], dtype=torch.int32)
+    every = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every = [torch.zeros(1, dtype=torch.int32) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine, group=group)
+    blind = [r for r, seen in enumerate(every) if not seen.item()]
+    if blind and storage.mode == "shared":
+        raise RuntimeError(f"{STORAGE_ENV}=shared, but rank{'s' if len(blind) > 1 else ''} "
+                           f"{', '.join(map(str, blind))} cannot read {os.path.join(storage.path, PROBE)}, which the "
+                           "driver wrote: give RunConfig(storage_path=...) a folder every executor mounts at the same "
+                           f"path (DBFS, a volume, NFS), or unset {STORAGE_ENV} to send checkpoints through the driver")
+    return not blind
+
+
+def stage(directory: str | None, storage: Storage, step: int, rank: int) -> int:
+    """Copy this worker's checkpoint files into the report's staging folder; returns what it passed:
+    -1 no checkpoint, 0 an empty directory, 1 files."""
+    if directory is None:
+        return -1
+    if not any(os.scandir(directory)):
+        return 0
+    mine = os.path.join(storage.staging(step), f"rank_{rank}")
+    shutil.rmtree(mine, ignore_errors=True)  # a failed attempt's copy of the same report
+    shutil.copytree(directory, mine)
+    return 1
+
+
+def publish(storage: Storage, step: int, passed: list[int]) -> str | None:
+    """Rank 0, once every rank has staged its files: merge them (a file several ranks wrote is the
+    lowest rank's, as in Ray) into ``checkpoint_<n>`` and return its path; None when no rank passed
+    a checkpoint. Moves within the storage's file system: no file is copied twice."""
+    if all(p < 0 for p in passed):
+        return None
+    staging = storage.staging(step)
+    with_files = [r for r, p in enumerate(passed) if p > 0]
+    if with_files:
+        merged = os.path.join(staging, f"rank_{with_files[0]}")
+        for r in with_files[1:]:
+            _move_missing(os.path.join(staging, f"rank_{r}"), merged)
+    else:  # only empty directories were passed: the checkpoint is an empty one
+        merged = os.path.join(staging, "empty")
+        os.makedirs(merged, exist_ok=True)
+    final = storage.final(step)
+    shutil.rmtree(final, ignore_errors=True)  # a restart's redo of this report
+    os.replace(merged, final)
+    shutil.rmtree(staging, ignore_errors=True)
+    return final
+
+
+def _move_missing(source: str, target: str) -> None:
+    """Move what ``target`` lacks from ``source`` into it; directories on both sides merge."""
+    for entry in os.scandir(source):
+        there = os.path.join(target, entry.name)
+        if entry.is_dir(follow_symlinks=False) and os.path.isdir(there) and not os.path.islink(there):
+            _move_missing(entry.path, there)
+        elif not os.path.lexists(there):
+            os.replace(entry.path, there)
+
+
+def clean(path: str) -> None:
+    """Remove the probe and what a failed report left staged (the driver, before and after a fit)."""
+    if not os.path.isdir(path):
+        return
+    for name in os.listdir(path):
+        if name.startswith(STAGING):
+            shutil.rmtree(os.path.join(path, name), ignore_errors=True)
+    try:
+        os.remove(os.path.join(path, PROBE))
+    except FileNotFoundError:
+        pass
