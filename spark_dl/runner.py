@@ -580,7 +580,8 @@ class _SparkLauncher(_Launcher):
             self._collect(spec, monitor)
         except Exception as e:  # noqa: BLE001 - reported by the wait loop, unless we cancelled it
             if not self._cancelled:
-                self._error = "the Spark barrier stage failed: " + spark_error_summary(e)
+                summary = spark_error_summary(e)
+                self._error = "the Spark barrier stage failed: " + summary + executor_lost_hint(summary, self.relay)
         finally:
             monitor.poke()
 
@@ -782,6 +783,21 @@ def _take_dataframe(kwargs: dict[str, Any], np: int) -> tuple[dict[str, Any], Sh
         raise LaunchRefused(f"kwargs {sorted(found)} pass the same shards(df) twice: call shards() once per kwarg")
     data = ShardSet(found)
     return {**kwargs, **{k: v.spec for k, v in found.items()}}, data
+
+
+def executor_lost_hint(summary: str, relayed: bool) -> str:
+    """What to do about a stage that failed because an executor JVM went away ("" for other failures)."""
+    if "ExecutorLostFailure" not in summary:
+        return ""
+    hint = "\nAn executor was lost during the run"
+    if re.search(r"exit(?:ed)? (?:with )?(?:code|status) 137\b", summary):
+        hint += (" (exit code 137: killed with SIGKILL, usually by the OS or the cluster manager for using more "
+                 "memory than the executor's container was given; the ranks' memory counts against it: raise "
+                 "spark.executor.memoryOverhead, or lower the batch size)")
+    if relayed:
+        hint += ("; Spark does not rerun a failed barrier stage, and barrier task 0 relayed this attempt, so what "
+                 "it held (output, metrics, checkpoints saved in it) is lost")
+    return hint + ". HorovodRunner(max_restarts=N) launches the run again after such a loss."
 
 
 def spark_error_summary(e: BaseException, max_lines: int = 30) -> str:

@@ -254,8 +254,46 @@ def relay_mode(spark) -> dict:
     return out
 
 
+def lost_mode(spark) -> dict:
+    """A relayed run whose barrier task 0 (the job's control server) loses its executor JVM."""
+    from spark_dl import load_checkpoint, save_checkpoint
+
+    os.environ["SPARK_DL_CHANNEL"] = "relay"
+
+    def kill_task_0s_executor(pid_dir):
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        if os.environ["TORCHELASTIC_RESTART_COUNT"] == "1":  # the relaunch: what did the lost attempt leave?
+            return {"restart_count": 1, "checkpoint": load_checkpoint()}
+        procs.record_self_and_child(pid_dir)
+        save_checkpoint({"step": 5}, step=5)  # held by task 0 until the attempt ends
+        dist.barrier()
+        if os.environ["RANK"] == "0":
+            pid = os.getpid()
+            while pid > 1:  # up the process tree to the executor's JVM
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"CoarseGrainedExecutorBackend" in f.read():
+                        os.kill(pid, 9)
+                        time.sleep(120)
+                with open(f"/proc/{pid}/stat") as f:
+                    pid = int(f.read().rsplit(")", 1)[1].split()[1])
+            raise RuntimeError("no executor JVM above rank 0")
+        time.sleep(120)
+
+    dirs = [os.path.join(os.environ["PID_DIR"], f"attempt-{i}") for i in range(2)]
+    for d in dirs:
+        os.makedirs(d)
+    out = {"lost": errors(HorovodRunner(np=2).run, kill_task_0s_executor, pid_dir=dirs[0])}
+    out["left_alive"] = procs.wait_all_dead(procs.recorded_pids(dirs[0]), timeout=20)
+    out["relaunched"] = HorovodRunner(np=2, max_restarts=1).run(kill_task_0s_executor, pid_dir=dirs[1])
+    out["left_alive_relaunched"] = procs.wait_all_dead(procs.recorded_pids(dirs[1]), timeout=20)
+    return out
+
+
 if __name__ == "__main__":
     mode, url = sys.argv[1], sys.argv[2]
     session = SparkSession.builder.remote(url).getOrCreate()
-    result = {"run": run_mode, "data": data_mode, "timeout": timeout_mode, "relay": relay_mode}[mode](session)
+    result = {"run": run_mode, "data": data_mode, "timeout": timeout_mode, "relay": relay_mode,
+              "lost": lost_mode}[mode](session)
     print("RESULT " + json.dumps(result), flush=True)

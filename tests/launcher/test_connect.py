@@ -18,7 +18,7 @@ import pytest
 import pyspark
 
 from spark_dl.cluster import slots_of_master
-from spark_dl.runner import spark_error_summary
+from spark_dl.runner import executor_lost_hint, spark_error_summary
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SERVER_START_S = 120
@@ -150,6 +150,19 @@ def test_a_client_the_executors_cannot_reach_through_the_relay(connect_url, tmp_
     assert "only 0 of 2 barrier tasks started within 4 s" in timed_out["message"]
 
 
+def test_a_relayed_run_whose_task_0_loses_its_executor_fails_fast_and_max_restarts_relaunches_it(
+        connect_url, tmp_path):
+    out, _ = client("lost", connect_url, tmp_path)
+    lost = out["lost"]  # Spark does not rerun a failed barrier result stage: the run fails, saying why
+    assert lost["type"] == "JobFailed" and lost["seconds"] < 60 and out["left_alive"] == []
+    assert "ExecutorLostFailure" in lost["message"]
+    assert "exit code 137: killed with SIGKILL, usually by the OS or the cluster manager" in lost["message"]
+    assert "barrier task 0 relayed this attempt, so what it held (output, metrics, checkpoints saved in it) is " \
+           "lost. HorovodRunner(max_restarts=N) launches the run again" in lost["message"]
+    # relaunched: the checkpoint the lost attempt saved through task 0 went with it
+    assert out["relaunched"] == {"restart_count": 1, "checkpoint": None} and out["left_alive_relaunched"] == []
+
+
 @pytest.mark.parametrize("master, task_cpus, slots", [
     ("local", 1, 1), ("local[3]", 1, 3), ("local[4, 2]", 1, 4), ("local[6]", 4, 1),
     ("local-cluster[2,1,1024]", 1, 2), ("local-cluster[2, 3, 1024]", 2, 2),
@@ -164,3 +177,11 @@ def test_error_summary_drops_the_servers_java_stack():
                          "JVM stacktrace:\norg.apache.spark.SparkException: Job aborted\n\tat org.apache.Foo")
     summary = spark_error_summary(error)
     assert "ValueError: bad" in summary and "JVM" not in summary and "org.apache" not in summary
+
+
+def test_a_lost_executor_gets_a_hint_only_where_the_error_says_so():
+    other = "ExecutorLostFailure (executor 3 exited unrelated to the running tasks) Reason: Remote RPC client disassociated"
+    hint = executor_lost_hint(other, relayed=False)
+    assert hint.endswith("An executor was lost during the run. HorovodRunner(max_restarts=N) launches the run again "
+                         "after such a loss.")  # no memory advice without exit code 137, no relay note
+    assert executor_lost_hint("Job aborted: ValueError: bad", relayed=True) == ""
