@@ -672,7 +672,8 @@ class TorchTrainer:
         resume = _pack(self.resume_from_checkpoint.path) if self.resume_from_checkpoint is not None else None
         config = {"train_loop_config": self.train_loop_config} if self.train_loop_config is not None else {}
         keeper = _CheckpointKeeper(self.path, self.run_config.checkpoint_config or CheckpointConfig())
-        loop = _Loop(self.train_loop_per_worker, self.name, resume, Storage.prepare(self.path, keeper.offset))
+        storage = Storage.prepare(self.path, keeper.offset)
+        loop = _Loop(self.train_loop_per_worker, self.name, resume, storage)
         distributor = self._distributor()
         distributor._observers.append(keeper)
         self._save_for_restore()
@@ -687,7 +688,8 @@ class TorchTrainer:
                 sys.stderr.write(f"[spark-dl] {note}\n")
             raise
         finally:
-            _storage.clean(self.path)  # the probe, and what a failed report left staged
+            if storage is not None:
+                storage.clean()  # the probe, and what a failed report left staged
         reports = out["reports"]
         return Result(reports[-1] if reports else None, keeper.latest, self.path, reports,
                       best_checkpoints=list(keeper.kept))

@@ -23,6 +23,7 @@ STORAGE_ENV = "SPARK_DL_RAY_STORAGE"
 STORAGE_MODES = ("auto", "shared", "driver")
 PROBE = ".spark_dl_storage_probe"
 STAGING = ".staging_checkpoint_"  # hidden: not a checkpoint_<n> folder until it is complete
+# Both names end with the fit's token, so a fit cleans up only what it made
 
 
 def storage_mode() -> str:
@@ -51,17 +52,20 @@ class Storage:
         mode = storage_mode()
         if mode == "driver":
             return None
-        clean(path)
-        token = uuid.uuid4().hex
+        storage = cls(path, mode, uuid.uuid4().hex, offset)
         os.makedirs(path, exist_ok=True)
-        with open(os.path.join(path, PROBE), "w") as f:
-            f.write(token)
-        return cls(path, mode, token, offset)
+        with open(storage.probe, "w") as f:
+            f.write(storage.token)
+        return storage
+
+    @property
+    def probe(self) -> str:
+        return os.path.join(self.path, f"{PROBE}-{self.token}")
 
     def seen_here(self) -> bool:
-        """Whether this process reads the probe this ``fit()`` wrote (not another run's, not another host's file)."""
+        """Whether this process reads the probe this ``fit()`` wrote (not another host's file of that name)."""
         try:
-            with open(os.path.join(self.path, PROBE)) as f:
+            with open(self.probe) as f:
                 return f.read() == self.token
         except OSError:
             return False
@@ -70,7 +74,19 @@ class Storage:
         return os.path.join(self.path, f"checkpoint_{self.offset + step:06d}")
 
     def staging(self, step: int) -> str:
-        return os.path.join(self.path, f"{STAGING}{self.offset + step:06d}")
+        return os.path.join(self.path, f"{STAGING}{self.offset + step:06d}-{self.token}")
+
+    def clean(self) -> None:
+        """Remove the probe and what a failed report left staged (the driver, after the fit)."""
+        if not os.path.isdir(self.path):
+            return
+        for name in os.listdir(self.path):
+            if name.startswith(STAGING) and name.endswith(f"-{self.token}"):
+                shutil.rmtree(os.path.join(self.path, name), ignore_errors=True)
+        try:
+            os.remove(self.probe)
+        except FileNotFoundError:
+            pass
 
 
 def agree(storage: Storage | None, group) -> bool:
@@ -91,7 +107,7 @@ def agree(storage: Storage | None, group) -> bool:
     blind = [r for r, seen in enumerate(every) if not seen.item()]
     if blind and storage.mode == "shared":
         raise RuntimeError(f"{STORAGE_ENV}=shared, but rank{'s' if len(blind) > 1 else ''} "
-                           f"{', '.join(map(str, blind))} cannot read {os.path.join(storage.path, PROBE)}, which the "
+                           f"{', '.join(map(str, blind))} cannot read {storage.probe}, which the "
                            "driver wrote: give RunConfig(storage_path=...) a folder every executor mounts at the same "
                            f"path (DBFS, a volume, NFS), or unset {STORAGE_ENV} to send checkpoints through the driver")
     return not blind
@@ -140,16 +156,3 @@ def _move_missing(source: str, target: str) -> None:
             _move_missing(entry.path, there)
         elif not os.path.lexists(there):
             os.replace(entry.path, there)
-
-
-def clean(path: str) -> None:
-    """Remove the probe and what a failed report left staged (the driver, before and after a fit)."""
-    if not os.path.isdir(path):
-        return
-    for name in os.listdir(path):
-        if name.startswith(STAGING):
-            shutil.rmtree(os.path.join(path, name), ignore_errors=True)
-    try:
-        os.remove(os.path.join(path, PROBE))
-    except FileNotFoundError:
-        pass

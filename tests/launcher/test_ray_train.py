@@ -295,7 +295,7 @@ def test_shared_storage_that_a_worker_cannot_see_is_named_before_training(tmp_pa
 
     assert HorovodRunner(np=-2).run(check, mode="auto") is False  # both ranks agree: through the driver
     with pytest.raises(RankFailed, match=r"SPARK_DL_RAY_STORAGE=shared, but rank 1 cannot read /.*/"
-                                         r"\.spark_dl_storage_probe, which the driver wrote: give RunConfig"):
+                                         r"\.spark_dl_storage_probe-[0-9a-f]{32}, which the driver wrote: give RunConfig"):
         HorovodRunner(np=-2).run(check, mode="shared")
 
 
@@ -304,6 +304,20 @@ def test_file_uris_and_relative_storage_paths_become_absolute_paths(tmp_path, mo
     for given in (f"file://{tmp_path}/runs", f"file:{tmp_path}/runs", "runs", "./runs/"):
         assert TorchTrainer(lambda: None, local_mode=True, run_config=RunConfig(name="x", storage_path=given)).path \
             == str(tmp_path / "runs" / "x")
+
+
+def test_a_fit_cleans_up_only_its_own_probe_and_staging(tmp_path):
+    from spark_dl.ray_train.storage import Storage, stage
+
+    first, second = Storage.prepare(str(tmp_path), 0), Storage.prepare(str(tmp_path), 0)  # two fits, one folder
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "f").write_text("x")
+    assert stage(str(tmp_path / "mine"), second, 0, rank=0) == 1  # the second fit is mid-report
+    first.clean()
+    assert not first.seen_here() and second.seen_here()
+    assert os.listdir(second.staging(0)) == ["rank_0"]
+    second.clean()
+    assert sorted(os.listdir(tmp_path)) == ["mine"]
 
 
 def test_a_bad_storage_setting_is_refused_at_construction(monkeypatch):
