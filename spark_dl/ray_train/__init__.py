@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import io
+import json
 import math
 import os
 import re
@@ -116,6 +117,34 @@ class Checkpoint:
     @contextmanager
     def as_directory(self) -> Iterator[str]:
         yield self.path
+
+    # Ray keeps a checkpoint's metadata in a JSON file among its files, so it travels and merges with them
+    _METADATA = ".metadata.json"
+
+    def get_metadata(self) -> dict[str, Any]:
+        """The metadata stored with this checkpoint (``{}`` if none)."""
+        try:
+            with open(os.path.join(self.path, self._METADATA)) as f:
+                return json.load(f)
+        except FileNotFoundError:
+            return {}
+
+    def set_metadata(self, metadata: Mapping[str, Any]) -> None:
+        """Store ``metadata`` (JSON-serialisable) with this checkpoint, replacing what was there."""
+        if not isinstance(metadata, Mapping):
+            raise TypeError(f"Checkpoint metadata must be a dict, got {type(metadata).__name__}")
+        try:
+            text = json.dumps(dict(metadata))
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"Checkpoint metadata must be JSON-serialisable (numbers, strings, lists, dicts): {e}") from e
+        with open(os.path.join(self.path, self._METADATA), "w") as f:
+            f.write(text)
+
+    def update_metadata(self, metadata: Mapping[str, Any]) -> None:
+        """Add ``metadata``'s keys to this checkpoint's metadata."""
+        if not isinstance(metadata, Mapping):
+            raise TypeError(f"Checkpoint metadata must be a dict, got {type(metadata).__name__}")
+        self.set_metadata({**self.get_metadata(), **metadata})
 
     def __repr__(self) -> str:
         return f"Checkpoint(path={self.path!r})"

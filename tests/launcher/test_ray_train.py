@@ -326,6 +326,25 @@ def test_a_bad_storage_setting_is_refused_at_construction(monkeypatch):
         TorchTrainer(lambda: None, local_mode=True)
 
 
+def test_checkpoint_metadata_travels_with_the_files(tmp_path):
+    def loop():
+        with tempfile.TemporaryDirectory() as d:
+            checkpoint = Checkpoint.from_directory(d)
+            assert checkpoint.get_metadata() == {}
+            checkpoint.set_metadata({"epoch": 3, "note": "x"})
+            checkpoint.update_metadata({"note": "best", "val_loss": 0.5})
+            train.report({}, checkpoint=checkpoint)
+        train.report({"resumed": train.get_checkpoint().get_metadata()})
+
+    result = TorchTrainer(loop, local_mode=True, run_config=RunConfig(storage_path=str(tmp_path))).fit()
+    assert result.metrics["resumed"] == result.checkpoint.get_metadata() == {"epoch": 3, "note": "best", "val_loss": 0.5}
+    with pytest.raises(TypeError, match="JSON-serialisable"):
+        result.checkpoint.set_metadata({"model": torch.nn.Linear(1, 1)})
+    with pytest.raises(TypeError, match="must be a dict, got list"):
+        result.checkpoint.update_metadata([("a", 1)])
+    assert result.checkpoint.get_metadata()["epoch"] == 3  # a refused update changes nothing
+
+
 def test_a_worker_reporting_more_often_than_the_others_fails_with_rays_rule(tmp_path):
     def loop():
         train.report({"step": 0})
