@@ -790,14 +790,16 @@ def executor_lost_hint(summary: str, relayed: bool) -> str:
     if "ExecutorLostFailure" not in summary:
         return ""
     hint = "\nAn executor was lost during the run"
-    if re.search(r"exit(?:ed)? (?:with )?(?:code|status) 137\b", summary):
+    # Standalone says "exited with code 137", YARN "Exit status: 137" or "killed by YARN for exceeding ... memory"
+    if re.search(r"exit(?:ed)? (?:with )?(?:code|status):? 137\b|exceeding .*memory", summary, re.IGNORECASE):
         hint += (" (exit code 137: killed with SIGKILL, usually by the OS or the cluster manager for using more "
                  "memory than the executor's container was given; the ranks' memory counts against it: raise "
                  "spark.executor.memoryOverhead, or lower the batch size)")
     if relayed:
         hint += ("; Spark does not rerun a failed barrier stage, and barrier task 0 relayed this attempt, so what "
                  "it held (output, metrics, checkpoints saved in it) is lost")
-    return hint + ". HorovodRunner(max_restarts=N) launches the run again after such a loss."
+    return hint + (". Restarts launch the run again after such a loss: HorovodRunner(max_restarts=N), "
+                   "TorchDistributor(max_restarts=N), TorchTrainer's FailureConfig(max_failures=N).")
 
 
 def spark_error_summary(e: BaseException, max_lines: int = 30) -> str:

@@ -273,12 +273,14 @@ def _report_to_storage(checkpoint: Checkpoint | None, w: "_Worker", step: int) -
     rank = get_context().world_rank
     passed = _storage.stage(checkpoint.path if checkpoint is not None else None, w.storage, step, rank)
     everyone = _all_gather_int(passed, w) if get_context().world_size > 1 else [passed]
-    if rank != 0:
+    if all(p < 0 for p in everyone):
         return
-    final = _storage.publish(w.storage, step, everyone)
-    if final is not None:
-        w.checkpoint = final
-        save_checkpoint({"ray_train_path": final, "reports": w.reports}, step=step)
+    # every rank follows the latest (the one it resumed from may be pruned once this one is kept);
+    # rank 0 publishes it now, and get_checkpoint() waits for that
+    w.checkpoint = w.storage.final(step)
+    if rank == 0:
+        _storage.publish(w.storage, step, everyone)
+        save_checkpoint({"ray_train_path": w.checkpoint, "reports": w.reports}, step=step)
 
 
 def _all_gather_int(value: int, w: "_Worker") -> list[int]:
@@ -366,9 +368,13 @@ def get_checkpoint() -> Checkpoint | None:
     if w.checkpoint is None:
         return None
     if isinstance(w.checkpoint, str):  # written into the shared storage: read in place, as Ray reads local storage
-        if not os.path.isdir(w.checkpoint):
-            raise RuntimeError(f"train.get_checkpoint(): the latest checkpoint, {w.checkpoint}, is not readable on "
-                               f"rank {get_context().world_rank}: storage_path must stay mounted on every executor")
+        deadline = time.monotonic() + REPORT_STALL_S
+        while not os.path.isdir(w.checkpoint):  # on ranks other than 0, rank 0 may still be publishing it
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"train.get_checkpoint(): the latest checkpoint, {w.checkpoint}, is not readable on "
+                                   f"rank {get_context().world_rank} after {REPORT_STALL_S:g} s: storage_path must stay "
+                                   "mounted on every executor, and its checkpoints be left to the run")
+            time.sleep(0.05)
         return Checkpoint(w.checkpoint)
     if w.unpacked is not w.checkpoint:  # first call, or a checkpoint reported since
         if w.directory is not None:
@@ -433,19 +439,30 @@ def _takes_config(fn: Callable) -> bool:
 
 
 def _local_path(storage_path: str | os.PathLike | None) -> str:
-    """``storage_path`` as a file system path: ``file://`` URIs are, other URIs are refused (a
-    directory named ``s3:`` would silently take the checkpoints)."""
+    """``storage_path`` as a file system path: ``file:`` URIs on this host are, other URIs are
+    refused (a directory named ``s3:`` would silently take the checkpoints)."""
+    from urllib.parse import urlparse
+    from urllib.request import url2pathname
+
     path = os.path.expanduser(os.fspath(storage_path or "~/spark_dl_results"))
-    scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]+):/", path)  # two letters at least: C:/ is a Windows path
-    if scheme and scheme.group(1).lower() == "file":
-        return re.sub(r"^file:(//)?", "", path, flags=re.IGNORECASE)
-    if scheme:
-        hint = (f" (Databricks mounts it at /dbfs{path[len('dbfs:'):]})" if scheme.group(1).lower() == "dbfs"
-                else "")
-        raise LaunchRefused(f"RunConfig(storage_path={path!r}): spark-dl writes checkpoints to a file system path, not "
-                            f"a {scheme.group(1)}:// URI; pass the folder where the storage is mounted on the driver and "
-                            f"executors{hint}")
-    return path
+    scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]+):", path)  # two letters at least: C:/ is a Windows path
+    if scheme is None:
+        return path
+    name = scheme.group(1).lower()
+    if name == "file":
+        url = urlparse(path)
+        if url.netloc not in ("", "localhost"):
+            raise LaunchRefused(f"RunConfig(storage_path={path!r}): a file: URI names a path on this machine "
+                                f"(file:///path), not on host {url.netloc!r}; pass the folder's path")
+        return url2pathname(url.path)
+    hint = ""
+    if name == "dbfs":
+        rest = path[len("dbfs:"):].lstrip("/")
+        mount = "/" + rest if rest.startswith("Volumes/") else "/dbfs/" + rest
+        hint = f" (Databricks mounts it at {mount})"
+    raise LaunchRefused(f"RunConfig(storage_path={path!r}): spark-dl writes checkpoints to a file system path, not a "
+                        f"{scheme.group(1)}:// URI; pass the folder where the storage is mounted on the driver and "
+                        f"executors{hint}")
 
 
 def _plain(value: Any) -> Any:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -54,6 +55,7 @@ class Storage:
             return None
         storage = cls(path, mode, uuid.uuid4().hex, offset)
         os.makedirs(path, exist_ok=True)
+        _remove_stale(path)
         with open(storage.probe, "w") as f:
             f.write(storage.token)
         return storage
@@ -62,11 +64,18 @@ class Storage:
     def probe(self) -> str:
         return os.path.join(self.path, f"{PROBE}-{self.token}")
 
-    def seen_here(self) -> bool:
-        """Whether this process reads the probe this ``fit()`` wrote (not another host's file of that name)."""
+    def seen_here(self, rank: int = 0) -> bool:
+        """Whether this process reads the probe this ``fit()`` wrote (not another host's file of that
+        name) and can write beside it (not a read-only mount, not another user's folder)."""
+        mine = f"{self.probe}-rank{rank}"
         try:
             with open(self.probe) as f:
-                return f.read() == self.token
+                if f.read() != self.token:
+                    return False
+            with open(mine, "w") as f:
+                f.write(self.token)
+            os.remove(mine)
+            return True
         except OSError:
             return False
 
@@ -93,13 +102,14 @@ def agree(storage: Storage | None, group) -> bool:
     """Every worker's answer to "do you see the storage?", combined: True only if all do.
 
     Called by every rank at the loop's start. ``SPARK_DL_RAY_STORAGE=shared`` turns a "no" into the
-    same error on every rank, naming the ranks that could not read the probe."""
+    same error on every rank, naming the ranks that could not read the probe or write beside it."""
     import torch
     import torch.distributed as dist
 
     if storage is None:  # SPARK_DL_RAY_STORAGE=driver: the same on every rank, nothing to ask
         return False
-    mine = torch.tensor([int(storage.seen_here())], dtype=torch.int32)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    mine = torch.tensor([int(storage.seen_here(rank))], dtype=torch.int32)
     every = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
         every = [torch.zeros(1, dtype=torch.int32) for _ in range(dist.get_world_size())]
@@ -108,7 +118,7 @@ def agree(storage: Storage | None, group) -> bool:
     if blind and storage.mode == "shared":
         raise RuntimeError(f"{STORAGE_ENV}=shared, but rank{'s' if len(blind) > 1 else ''} "
                            f"{', '.join(map(str, blind))} cannot read {storage.probe}, which the "
-                           "driver wrote: give RunConfig(storage_path=...) a folder every executor mounts at the same "
+                           "driver wrote, or write beside it: give RunConfig(storage_path=...) a folder every executor mounts at the same "
                            f"path (DBFS, a volume, NFS), or unset {STORAGE_ENV} to send checkpoints through the driver")
     return not blind
 
@@ -122,7 +132,7 @@ def stage(directory: str | None, storage: Storage, step: int, rank: int) -> int:
         return 0
     mine = os.path.join(storage.staging(step), f"rank_{rank}")
     shutil.rmtree(mine, ignore_errors=True)  # a failed attempt's copy of the same report
-    shutil.copytree(directory, mine)
+    shutil.copytree(directory, mine, symlinks=True)  # links stay links, as in the packed (tar) path
     return 1
 
 
@@ -156,3 +166,19 @@ def _move_missing(source: str, target: str) -> None:
             _move_missing(entry.path, there)
         elif not os.path.lexists(there):
             os.replace(entry.path, there)
+
+
+STALE_S = 24 * 3600.0  # a report's staging lives seconds; one this old was left by a driver or rank that died
+
+
+def _remove_stale(path: str) -> None:
+    """Remove staged reports a day old or more (a fit removes its own when it ends; the probes,
+    tiny, stay: a fit may run for days and look at its probe again at each restart)."""
+    now = time.time()
+    for name in os.listdir(path):
+        full = os.path.join(path, name)
+        try:
+            if name.startswith(STAGING) and now - os.path.getmtime(full) >= STALE_S:
+                shutil.rmtree(full, ignore_errors=True)
+        except OSError:
+            continue

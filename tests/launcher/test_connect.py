@@ -158,7 +158,7 @@ def test_a_relayed_run_whose_task_0_loses_its_executor_fails_fast_and_max_restar
     assert "ExecutorLostFailure" in lost["message"]
     assert "exit code 137: killed with SIGKILL, usually by the OS or the cluster manager" in lost["message"]
     assert "barrier task 0 relayed this attempt, so what it held (output, metrics, checkpoints saved in it) is " \
-           "lost. HorovodRunner(max_restarts=N) launches the run again" in lost["message"]
+           "lost. Restarts launch the run again after such a loss: HorovodRunner(max_restarts=N)" in lost["message"]
     # relaunched: the checkpoint the lost attempt saved through task 0 went with it
     assert out["relaunched"] == {"restart_count": 1, "checkpoint": None} and out["left_alive_relaunched"] == []
 
@@ -182,6 +182,10 @@ def test_error_summary_drops_the_servers_java_stack():
 def test_a_lost_executor_gets_a_hint_only_where_the_error_says_so():
     other = "ExecutorLostFailure (executor 3 exited unrelated to the running tasks) Reason: Remote RPC client disassociated"
     hint = executor_lost_hint(other, relayed=False)
-    assert hint.endswith("An executor was lost during the run. HorovodRunner(max_restarts=N) launches the run again "
-                         "after such a loss.")  # no memory advice without exit code 137, no relay note
+    assert hint.startswith("\nAn executor was lost during the run. Restarts launch the run again after such a loss: "
+                           "HorovodRunner(max_restarts=N)")  # no memory advice without exit code 137, no relay note
+    assert "FailureConfig(max_failures=N)" in hint
+    for yarn in ("ExecutorLostFailure (executor 2 exited) Reason: Container marked as failed. Exit status: 137.",
+                 "ExecutorLostFailure Reason: Container killed by YARN for exceeding physical memory limits."):
+        assert "exit code 137: killed with SIGKILL" in executor_lost_hint(yarn, relayed=False)
     assert executor_lost_hint("Job aborted: ValueError: bad", relayed=True) == ""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 
 import pytest
 import torch
@@ -295,13 +296,26 @@ def test_shared_storage_that_a_worker_cannot_see_is_named_before_training(tmp_pa
 
     assert HorovodRunner(np=-2).run(check, mode="auto") is False  # both ranks agree: through the driver
     with pytest.raises(RankFailed, match=r"SPARK_DL_RAY_STORAGE=shared, but rank 1 cannot read /.*/"
-                                         r"\.spark_dl_storage_probe-[0-9a-f]{32}, which the driver wrote: give RunConfig"):
+                                         r"\.spark_dl_storage_probe-[0-9a-f]{32}, which the driver wrote, or write "
+                                         r"beside it: give RunConfig"):
         HorovodRunner(np=-2).run(check, mode="shared")
+
+    def check_writing(mode):
+        import spark_dl
+
+        spark_dl.init()
+        return agree(Storage(probe.path, mode, probe.token, 0), None)
+
+    assert HorovodRunner(np=-2).run(check_writing, mode="shared") is True  # both read and write there
+    os.mkdir(probe.probe + "-rank1")  # rank 1 reads the probe but cannot write its file beside it
+    with pytest.raises(RankFailed, match=r"but rank 1 cannot read .*, which the driver wrote, or write beside it"):
+        HorovodRunner(np=-2).run(check_writing, mode="shared")
 
 
 def test_file_uris_and_relative_storage_paths_become_absolute_paths(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    for given in (f"file://{tmp_path}/runs", f"file:{tmp_path}/runs", "runs", "./runs/"):
+    for given in (f"file://{tmp_path}/runs", f"file:{tmp_path}/runs", f"file://localhost{tmp_path}/runs", "runs",
+                  "./runs/", f"file://{tmp_path}/r%75ns"):
         assert TorchTrainer(lambda: None, local_mode=True, run_config=RunConfig(name="x", storage_path=given)).path \
             == str(tmp_path / "runs" / "x")
 
@@ -318,12 +332,42 @@ def test_a_fit_cleans_up_only_its_own_probe_and_staging(tmp_path):
     assert os.listdir(second.staging(0)) == ["rank_0"]
     second.clean()
     assert sorted(os.listdir(tmp_path)) == ["mine"]
+    # a report staged by a driver that died: gone at the next fit once a day old, not before
+    for name, age in ((".staging_checkpoint_000003-dead", 25 * 3600), (".staging_checkpoint_000004-busy", 60)):
+        (tmp_path / name / "rank_0").mkdir(parents=True)
+        os.utime(tmp_path / name, (time.time() - age, time.time() - age))
+    third = Storage.prepare(str(tmp_path), 0)
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith(".staging")) == [".staging_checkpoint_000004-busy"]
+    third.clean()
 
 
 def test_a_bad_storage_setting_is_refused_at_construction(monkeypatch):
     monkeypatch.setenv("SPARK_DL_RAY_STORAGE", "s3")
     with pytest.raises(LaunchRefused, match=r"SPARK_DL_RAY_STORAGE='s3' is not one of \('auto', 'shared', 'driver'\)"):
         TorchTrainer(lambda: None, local_mode=True)
+
+
+def test_with_shared_storage_every_worker_follows_the_latest_checkpoint_as_older_ones_are_pruned(tmp_path):
+    def loop():
+        import torch.distributed as dist
+
+        rank, seen = train.get_context().get_world_rank(), []
+        for step in range(3):
+            with tempfile.TemporaryDirectory() as d:
+                with open(os.path.join(d, "step"), "w") as f:
+                    f.write(str(step))
+                train.report({}, checkpoint=Checkpoint.from_directory(d) if rank == 0 else None)
+            with train.get_checkpoint().as_directory() as d:  # rank 1: as soon as rank 0 has published it
+                seen.append(open(os.path.join(d, "step")).read())
+        views = [None, None]
+        dist.all_gather_object(views, seen)
+        train.report({"views": views})
+
+    result = TorchTrainer(loop, scaling_config=ScalingConfig(num_workers=2), local_mode=True,
+                          run_config=RunConfig(storage_path=str(tmp_path), name="follow",
+                                               checkpoint_config=CheckpointConfig(num_to_keep=1))).fit()
+    assert result.metrics["views"] == [["0", "1", "2"]] * 2
+    assert sorted(os.listdir(tmp_path / "follow")) == ["checkpoint_000002", "spark_dl_trainer.pkl"]
 
 
 def test_checkpoint_metadata_travels_with_the_files(tmp_path):
@@ -428,6 +472,9 @@ def test_a_failure_without_restarts_raises_the_ranks_error(tmp_path):
     ({"run_config": RunConfig(storage_path="s3://bucket/runs")}, r"storage_path='s3://bucket/runs'\): spark-dl writes "
      r"checkpoints to a file system path, not a s3:// URI; pass the folder where the storage is mounted"),
     ({"run_config": RunConfig(storage_path="dbfs:/runs")}, r"\(Databricks mounts it at /dbfs/runs\)"),
+    ({"run_config": RunConfig(storage_path="dbfs:/Volumes/c/s/v")}, r"\(Databricks mounts it at /Volumes/c/s/v\)"),
+    ({"run_config": RunConfig(storage_path="file://nas/runs")}, r"names a path on this machine \(file:///path\), not "
+     r"on host 'nas'"),
 ])
 def test_bad_trainers_are_refused_at_construction(kwargs, message):
     with pytest.raises(LaunchRefused, match=message):
@@ -461,6 +508,7 @@ def test_misuse_inside_a_worker_names_the_fix(tmp_path):
         import shutil
 
         shutil.rmtree(train.get_checkpoint().path)  # the storage went away under the run
+        train.REPORT_STALL_S = 0.5
         try:
             train.get_checkpoint()
         except RuntimeError as e:
@@ -472,7 +520,8 @@ def test_misuse_inside_a_worker_names_the_fix(tmp_path):
     assert "Checkpoint.from_directory" in errors[0]
     assert "no dataset named 'validation'" in errors[1]
     assert "metrics must be a dict" in errors[2]
-    assert "checkpoint_000000, is not readable on rank 0: storage_path must stay mounted on every executor" in errors[3]
+    assert "checkpoint_000000, is not readable on rank 0 after 0.5 s: storage_path must stay mounted on every " \
+           "executor, and its checkpoints be left to the run" in errors[3]
 
 
 def lightning_loop(config):
