@@ -445,7 +445,8 @@ def _local_path(storage_path: str | os.PathLike | None) -> str:
     from urllib.request import url2pathname
 
     path = os.path.expanduser(os.fspath(storage_path or "~/spark_dl_results"))
-    scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]+):", path)  # two letters at least: C:/ is a Windows path
+    # a scheme of two letters at least (C:/ is a Windows path) and a slash: "run:1" may name a folder
+    scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]+):/", path)
     if scheme is None:
         return path
     name = scheme.group(1).lower()
@@ -460,8 +461,8 @@ def _local_path(storage_path: str | os.PathLike | None) -> str:
         rest = path[len("dbfs:"):].lstrip("/")
         mount = "/" + rest if rest.startswith("Volumes/") else "/dbfs/" + rest
         hint = f" (Databricks mounts it at {mount})"
-    raise LaunchRefused(f"RunConfig(storage_path={path!r}): spark-dl writes checkpoints to a file system path, not a "
-                        f"{scheme.group(1)}:// URI; pass the folder where the storage is mounted on the driver and "
+    raise LaunchRefused(f"RunConfig(storage_path={path!r}): spark-dl writes checkpoints to a file system path, not "
+                        f"to a {scheme.group(1)}: URI; pass the folder where the storage is mounted on the driver and "
                         f"executors{hint}")
 
 
@@ -718,11 +719,11 @@ class TorchTrainer:
         resume = _pack(self.resume_from_checkpoint.path) if self.resume_from_checkpoint is not None else None
         config = {"train_loop_config": self.train_loop_config} if self.train_loop_config is not None else {}
         keeper = _CheckpointKeeper(self.path, self.run_config.checkpoint_config or CheckpointConfig())
-        storage = Storage.prepare(self.path, keeper.offset)
-        loop = _Loop(self.train_loop_per_worker, self.name, resume, storage)
         distributor = self._distributor()
         distributor._observers.append(keeper)
         self._save_for_restore()
+        storage = Storage.prepare(self.path, keeper.offset)
+        loop = _Loop(self.train_loop_per_worker, self.name, resume, storage)
         try:
             out = distributor.run(loop, **config, **self.datasets)  # the config's values become MLflow params
         except JobFailed as e:

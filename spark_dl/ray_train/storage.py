@@ -5,7 +5,8 @@ theirs into ``storage_path/name`` when every one of them can read it (a shared f
 or a Unity Catalog volume on Databricks, NFS, one machine). Only the checkpoint's path then goes
 to the driver, so a checkpoint of any size passes through no process's memory. Whether they can
 is found out, not assumed: the driver writes a probe file with a fresh token at each ``fit()``,
-and the workers use the storage only if every one of them reads that token back. Otherwise (a
+and the workers use the storage only if every one of them reads that token back and can write
+beside it. Otherwise (a
 Spark Connect client on a laptop, executors with their own disks) the files travel through rank 0
 to the driver, as before. ``SPARK_DL_RAY_STORAGE`` on the driver says which: ``auto`` (default),
 ``shared`` (fail unless every worker sees the storage) or ``driver`` (always through the driver).
@@ -117,9 +118,10 @@ def agree(storage: Storage | None, group) -> bool:
     blind = [r for r, seen in enumerate(every) if not seen.item()]
     if blind and storage.mode == "shared":
         raise RuntimeError(f"{STORAGE_ENV}=shared, but rank{'s' if len(blind) > 1 else ''} "
-                           f"{', '.join(map(str, blind))} cannot read {storage.probe}, which the "
-                           "driver wrote, or write beside it: give RunConfig(storage_path=...) a folder every executor mounts at the same "
-                           f"path (DBFS, a volume, NFS), or unset {STORAGE_ENV} to send checkpoints through the driver")
+                           f"{', '.join(map(str, blind))} cannot read {storage.probe}, which the driver wrote, or "
+                           "write beside it: give RunConfig(storage_path=...) a folder every executor mounts at the "
+                           f"same path (DBFS, a volume, NFS), or unset {STORAGE_ENV} to send checkpoints through the "
+                           "driver")
     return not blind
 
 
@@ -172,8 +174,8 @@ STALE_S = 24 * 3600.0  # a report's staging lives seconds; one this old was left
 
 
 def _remove_stale(path: str) -> None:
-    """Remove staged reports a day old or more (a fit removes its own when it ends; the probes,
-    tiny, stay: a fit may run for days and look at its probe again at each restart)."""
+    """Remove staged reports a day old or more (a fit removes its own when it ends). Probes are
+    left alone, whatever their age: a fit may run for days and reads its probe at each restart."""
     now = time.time()
     for name in os.listdir(path):
         full = os.path.join(path, name)

@@ -315,9 +315,11 @@ def test_shared_storage_that_a_worker_cannot_see_is_named_before_training(tmp_pa
 def test_file_uris_and_relative_storage_paths_become_absolute_paths(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for given in (f"file://{tmp_path}/runs", f"file:{tmp_path}/runs", f"file://localhost{tmp_path}/runs", "runs",
-                  "./runs/", f"file://{tmp_path}/r%75ns"):
+                  "./runs/", f"file://{tmp_path}/r%75ns"):  # %75 is "u"
         assert TorchTrainer(lambda: None, local_mode=True, run_config=RunConfig(name="x", storage_path=given)).path \
             == str(tmp_path / "runs" / "x")
+    assert TorchTrainer(lambda: None, local_mode=True, run_config=RunConfig(name="x", storage_path="run:1")).path \
+        == str(tmp_path / "run:1" / "x")  # a colon without a slash: a folder's name, not a URI
 
 
 def test_a_fit_cleans_up_only_its_own_probe_and_staging(tmp_path):
@@ -470,7 +472,7 @@ def test_a_failure_without_restarts_raises_the_ranks_error(tmp_path):
     ({"run_config": RunConfig(checkpoint_config=CheckpointConfig(num_to_keep=0))}, "num_to_keep=0"),
     ({"run_config": RunConfig(checkpoint_config=CheckpointConfig(checkpoint_score_order="best"))}, "'max' or 'min'"),
     ({"run_config": RunConfig(storage_path="s3://bucket/runs")}, r"storage_path='s3://bucket/runs'\): spark-dl writes "
-     r"checkpoints to a file system path, not a s3:// URI; pass the folder where the storage is mounted"),
+     r"checkpoints to a file system path, not to a s3: URI; pass the folder where the storage is mounted"),
     ({"run_config": RunConfig(storage_path="dbfs:/runs")}, r"\(Databricks mounts it at /dbfs/runs\)"),
     ({"run_config": RunConfig(storage_path="dbfs:/Volumes/c/s/v")}, r"\(Databricks mounts it at /Volumes/c/s/v\)"),
     ({"run_config": RunConfig(storage_path="file://nas/runs")}, r"names a path on this machine \(file:///path\), not "
