@@ -35,7 +35,7 @@ from ..prepare import get_device, prepare_data_loader, prepare_model
 from ..rank import init
 from ..tracking import Tracking, log_metrics
 from . import storage as _storage
-from .storage import Storage
+from .storage import Storage, checkpoint_folder
 
 __all__ = [
     "TorchTrainer", "ScalingConfig", "RunConfig", "FailureConfig", "CheckpointConfig", "Checkpoint", "Result",
@@ -550,8 +550,7 @@ class _CheckpointKeeper:
         if "ray_train_path" in state:  # the workers wrote it into the storage: only its path came
             checkpoint = Checkpoint(state["ray_train_path"])
         else:
-            checkpoint = _unpack(state["ray_train_checkpoint"],
-                                 os.path.join(self.path, f"checkpoint_{self.offset + step:06d}"))
+            checkpoint = _unpack(state["ray_train_checkpoint"], checkpoint_folder(self.path, self.offset + step))
         with self._lock:
             self.kept = [(c, m) for c, m in self.kept if c.path != checkpoint.path]  # a restart's redo
             self.kept.append((checkpoint, state["reports"][step]))
@@ -786,7 +785,7 @@ class TorchTrainer:
         return cls(train_loop_per_worker or state["train_loop_per_worker"],
                    train_loop_config=train_loop_config if train_loop_config is not None else state["train_loop_config"],
                    scaling_config=scaling_config or state["scaling_config"], run_config=run_config, datasets=datasets,
-                   resume_from_checkpoint=(Checkpoint(os.path.join(path, f"checkpoint_{latest:06d}"))
+                   resume_from_checkpoint=(Checkpoint(checkpoint_folder(path, latest))
                                            if latest is not None else None),
                    local_mode=state["local_mode"])
 

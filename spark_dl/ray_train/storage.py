@@ -28,6 +28,11 @@ STAGING = ".staging_checkpoint_"  # hidden: not a checkpoint_<n> folder until it
 # Both names end with the fit's token, so a fit cleans up only what it made
 
 
+def checkpoint_folder(path: str, index: int) -> str:
+    """Where checkpoint ``index`` of the run in ``path`` is kept (Ray's ``checkpoint_<n>`` naming)."""
+    return os.path.join(path, f"checkpoint_{index:06d}")
+
+
 def storage_mode() -> str:
     """``SPARK_DL_RAY_STORAGE``, checked (unset: ``"auto"``)."""
     mode = (os.environ.get(STORAGE_ENV) or "auto").strip().lower()
@@ -81,7 +86,7 @@ class Storage:
             return False
 
     def final(self, step: int) -> str:
-        return os.path.join(self.path, f"checkpoint_{self.offset + step:06d}")
+        return checkpoint_folder(self.path, self.offset + step)
 
     def staging(self, step: int) -> str:
         return os.path.join(self.path, f"{STAGING}{self.offset + step:06d}-{self.token}")
@@ -138,12 +143,10 @@ def stage(directory: str | None, storage: Storage, step: int, rank: int) -> int:
     return 1
 
 
-def publish(storage: Storage, step: int, passed: list[int]) -> str | None:
-    """Rank 0, once every rank has staged its files: merge them (a file several ranks wrote is the
-    lowest rank's, as in Ray) into ``checkpoint_<n>`` and return its path; None when no rank passed
-    a checkpoint. Moves within the storage's file system: no file is copied twice."""
-    if all(p < 0 for p in passed):
-        return None
+def publish(storage: Storage, step: int, passed: list[int]) -> None:
+    """Rank 0, once every rank has staged its files and some rank passed a checkpoint: merge them
+    (a file several ranks wrote is the lowest rank's, as in Ray) into ``storage.final(step)``.
+    Moves within the storage's file system: no file is copied twice."""
     staging = storage.staging(step)
     with_files = [r for r, p in enumerate(passed) if p > 0]
     if with_files:
@@ -157,7 +160,6 @@ def publish(storage: Storage, step: int, passed: list[int]) -> str | None:
     shutil.rmtree(final, ignore_errors=True)  # a restart's redo of this report
     os.replace(merged, final)
     shutil.rmtree(staging, ignore_errors=True)
-    return final
 
 
 def _move_missing(source: str, target: str) -> None:
