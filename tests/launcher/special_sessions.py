@@ -39,6 +39,33 @@ def gpu_env():
     return {**{k: os.environ.get(k) for k in keys}, "task_pid": os.getppid()}
 
 
+def make_train_ddp():
+    """Nested, so both launchers pickle it by value (PySpark's workers cannot import this module)."""
+
+    def train_ddp(lr, steps=20):
+        """A deterministic DDP run: the same parameters whichever launcher runs it."""
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        g = torch.Generator().manual_seed(100 + rank)  # each rank its own data
+        for _ in range(steps):
+            x = torch.randn(8, 4, generator=g)
+            loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        state = [p.detach().tolist() for p in model.parameters()]
+        dist.destroy_process_group()
+        return state
+
+    return train_ddp
+
+
 def gathered_gpu_env():
     """Every rank's gpu_env(), gathered over the process group the TorchDistributor way."""
     import torch.distributed as dist
@@ -69,6 +96,18 @@ if __name__ == "__main__":
         on_gpus = TorchDistributor(num_processes=2, local_mode=False, use_gpu=True).run(gathered_gpu_env)
         on_cpus = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(gathered_gpu_env)
         print("RESULT " + json.dumps({"use_gpu": on_gpus, "no_gpu": on_cpus}), flush=True)
+    elif mode == "pyspark-distributor":
+        # PySpark's own class runs here, not in the shared test session: a torchrun worker of theirs
+        # that aborts at exit leaves torchrun in its 300 s exit barrier, and the test's timeout
+        # would then interrupt a py4j call of the shared gateway (every later Spark test failing).
+        from pyspark.ml.torch.distributor import TorchDistributor as PySparkTorchDistributor
+
+        session(master="local[2]")
+        train_ddp = make_train_ddp()
+        theirs = PySparkTorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(train_ddp, 0.05)
+        print("THEIRS " + json.dumps(theirs), flush=True)
+        ours = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(train_ddp, 0.05)
+        print("RESULT " + json.dumps({"theirs": theirs, "ours": ours}), flush=True)
     elif mode == "dynalloc":
         session(**{"master": "local-cluster[1,1,1024]",
                    "spark.dynamicAllocation.enabled": "true",
