@@ -213,9 +213,6 @@ def hash_and_import():
 def test_runner_env_that_python_reads_at_start_up_takes_effect(spark, tmp_path):
     """PYTHONHASHSEED, LD_PRELOAD and the like only work in the environment a process starts with;
     PYTHONPATH goes before the worker's own path."""
-    import subprocess
-    import sys
-
     (tmp_path / "extra_module.py").write_text("VALUE = 42\n")
     expected = int(subprocess.run([sys.executable, "-c", "print(hash('abc'))"], capture_output=True, text=True,
                                   env={**os.environ, "PYTHONHASHSEED": "0"}).stdout)
