@@ -12,7 +12,7 @@ import sys
 from typing import Any, Callable, Mapping
 
 from . import cluster
-from .errors import LaunchRefused
+from .errors import LaunchRefused, as_int
 from .runner import START_TIMEOUT_S, HorovodRunner, RunInfo, _rank_env
 from .tracking.observer import Tracking
 
@@ -50,12 +50,12 @@ class TorchDistributor:
         run_timeout: float | None = None,
         env: Mapping[str, str] | None = None,
     ) -> None:
-        if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
+        if as_int(num_processes) is None or num_processes < 1:
             raise LaunchRefused(f"num_processes must be an int >= 1 (how many processes train), got {num_processes!r}")
         for name, value in (("local_mode", local_mode), ("use_gpu", use_gpu)):
             if not isinstance(value, bool):
                 raise LaunchRefused(f"{name} must be True or False, got {value!r}")
-        self.num_processes = num_processes
+        self.num_processes = as_int(num_processes)
         self.local_mode = local_mode
         self.use_gpu = use_gpu
         rank_env = {} if use_gpu else {"CUDA_VISIBLE_DEVICES": ""}

@@ -1,8 +1,9 @@
 """Typed errors. Each says what went wrong, where, and what to do next."""
 from __future__ import annotations
 
+import numbers
 import os
-from typing import Sequence
+from typing import Any, Sequence
 
 
 class SparkDLError(Exception):
@@ -20,6 +21,35 @@ def env_choice(name: str, choices: tuple[str, ...], meanings: str) -> str:
     if value not in choices:
         raise LaunchRefused(f"{name}={os.environ.get(name)!r} is not one of {choices}: {meanings}")
     return value
+
+
+def as_int(value: Any) -> int | None:
+    """``value`` as a Python int when it is a whole number, numpy's included (``len(df) // 2`` and
+    ``np.int64`` counts are common); ``None`` for anything else, bools too."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    return None
+
+
+def env_number(name: str, default: float, *, minimum: float = 0.0, integer: bool = False, unit: str = "") -> float:
+    """Environment variable ``name`` as a number ``>= minimum`` (unset or empty: ``default``), or a
+    refusal that names the variable, its value and what it must be."""
+    raw = (os.environ.get(name) or "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw) if integer else float(raw)
+    except ValueError:
+        value = None
+    if value is None or value != value or value < minimum:  # value != value: NaN
+        kind = "an integer" if integer else "a number"
+        raise LaunchRefused(f"{name}={os.environ.get(name)!r} is not {kind} >= {_plain(minimum)}{unit}: set it "
+                            f"to one or unset it for the default, {_plain(default)}{unit}")
+    return value
+
+
+def _plain(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(x)
 
 
 class JobFailed(SparkDLError, RuntimeError):

@@ -15,7 +15,7 @@ from . import channel, cluster
 from .checkpoint import CheckpointStore
 from .data import SHARD_ENV, DataFrameShards, ShardSet
 from .driver import ABORT_GRACE_S, VERBOSITIES, Failure, JobMonitor, Observer, notify, run_timeout_message
-from .errors import JobFailed, LaunchRefused
+from .errors import JobFailed, LaunchRefused, as_int
 from .launch.layout import RankSpec
 from .launch.relay import replay
 from .launch.task import (
@@ -113,8 +113,9 @@ class HorovodRunner:
         min_np: int | None = None,
         grow_interval: float | None = None,
     ) -> None:
-        if isinstance(np, bool) or not isinstance(np, int):
+        if as_int(np) is None:
             raise LaunchRefused(f"np must be an int (ranks on Spark if > 0, local processes if < 0), got {np!r}")
+        np = as_int(np)
         if np == 0:
             raise LaunchRefused(
                 "np=0 runs nothing: use np=N (> 0) for N ranks on the Spark cluster, "
@@ -123,19 +124,19 @@ class HorovodRunner:
         if driver_log_verbosity not in VERBOSITIES:
             raise LaunchRefused(f"driver_log_verbosity must be one of {VERBOSITIES}, got {driver_log_verbosity!r}")
         self.np = np
-        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        if as_int(max_restarts) is None or max_restarts < 0:
             raise LaunchRefused(
                 f"max_restarts must be an int >= 0 (how many times a failed run is launched again), got {max_restarts!r}"
             )
-        self.max_restarts = max_restarts
+        self.max_restarts = as_int(max_restarts)
         if min_np is not None:
-            if isinstance(min_np, bool) or not isinstance(min_np, int) or not 1 <= min_np <= abs(np):
+            if as_int(min_np) is None or not 1 <= min_np <= abs(np):
                 raise LaunchRefused(f"min_np must be an int from 1 to np={np} (the fewest ranks an attempt may run "
                                     f"with), got {min_np!r}")
             if np < 0:
                 raise LaunchRefused(f"min_np={min_np} with np={np}: local processes always start all {-np}; "
                                     "min_np applies to runs on Spark (np > 0)")
-        self.min_np = min_np
+        self.min_np = None if min_np is None else as_int(min_np)
         if grow_interval is not None and min_np is None:
             raise LaunchRefused(f"grow_interval={grow_interval!r} needs min_np: without it every attempt runs all "
                                 f"np={np} ranks and has nothing to grow into; set min_np (the fewest ranks to start with)")

@@ -8,19 +8,20 @@ same collectives in the same sequence.
 from __future__ import annotations
 
 import contextlib
-import os
 import queue
 import threading
 from typing import Any, Callable, Sequence
 
 import torch
 
+from ..errors import env_number
+
 DEFAULT_FUSION_THRESHOLD = 64 * 1024 * 1024
 
 
 def fusion_threshold() -> int:
     """Bucket size limit in bytes: ``HOROVOD_FUSION_THRESHOLD`` (0 disables fusion), default 64 MiB."""
-    return int(os.environ.get("HOROVOD_FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD))
+    return int(env_number("HOROVOD_FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD, integer=True, unit=" bytes"))
 
 
 def plan_buckets(params: Sequence[torch.Tensor], threshold: int) -> list[list[torch.Tensor]]:

@@ -8,12 +8,11 @@ refused with the reason.
 """
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, Callable, Iterable, Mapping, TextIO
 
 from .. import cluster
-from ..errors import LaunchRefused
+from ..errors import LaunchRefused, as_int, env_number
 from ..runner import _RESERVED_ENV, HorovodRunner
 
 DEFAULT_START_TIMEOUT_S = 600.0  # Horovod's, unless HOROVOD_SPARK_START_TIMEOUT says otherwise
@@ -46,9 +45,10 @@ def run(
     ``nics`` restricts Gloo and NCCL to those network interfaces; every rank's output goes to
     ``stdout``/``stderr`` (default: the driver's). ``verbose`` is accepted and has no effect.
     """
+    kw, pos = _call_args(args, kwargs)
     runner = _runner(num_proc, start_timeout, use_mpi, extra_mpi_args, env, stdout, stderr, nics,
                      prefix_output_with_timestamp, executable, max_restarts=0)
-    return runner._run(fn, dict(kwargs or {}), all_results=True, args=tuple(args))
+    return runner._run(fn, kw, all_results=True, args=pos)
 
 
 def run_elastic(
@@ -82,14 +82,15 @@ def run_elastic(
     (``HorovodRunner(grow_interval=...)``; not counted against ``reset_limit``).
     ``elastic_timeout`` bounds each restart's wait for task slots.
     """
+    kw, pos = _call_args(args, kwargs)
     num_proc = _num_proc(num_proc)
     low = min_num_proc if min_np is None else min_np
     high = max_num_proc if max_np is None else max_np
     for name, value in (("min_num_proc", low), ("max_num_proc", high)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        if value is not None and (as_int(value) is None or value < 1):
             raise LaunchRefused(f"{name} must be an int >= 1, got {value!r}")
-    low = num_proc if low is None else low
-    high = num_proc if high is None else high
+    low = num_proc if low is None else as_int(low)
+    high = num_proc if high is None else as_int(high)
     if not low <= num_proc <= high:
         raise LaunchRefused(
             f"min_num_proc={low} <= num_proc={num_proc} <= max_num_proc={high} does not hold: num_proc is where "
@@ -99,12 +100,24 @@ def run_elastic(
     runner = _runner(high, start_timeout if elastic_timeout is None else elastic_timeout, None, None, env,
                      stdout, stderr, nics, prefix_output_with_timestamp, None, max_restarts=limit,
                      min_np=low if low < high else None, grow_interval=RUN_ELASTIC_GROW_INTERVAL_S if low < high else None)
-    return runner._run(fn, dict(kwargs or {}), all_results=True, args=tuple(args))
+    return runner._run(fn, kw, all_results=True, args=pos)
+
+
+def _call_args(args: Any, kwargs: Any) -> tuple[dict, tuple]:
+    """``(kwargs, args)``, checked: Horovod calls ``fn(*args, **kwargs)``."""
+    if isinstance(args, (str, bytes)) or not isinstance(args, (tuple, list)):
+        raise LaunchRefused(f"args must be a tuple of fn's positional arguments, got {args!r}: "
+                            f"for one argument write args=({args!r},)")
+    if kwargs is not None and (not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs)):
+        raise LaunchRefused(f"kwargs must be a dict of fn's keyword arguments (str keys), got {kwargs!r}")
+    return dict(kwargs or {}), tuple(args)
 
 
 def _num_proc(num_proc: int | None) -> int:
     if num_proc is not None:
-        return num_proc
+        if as_int(num_proc) is None or num_proc < 1:
+            raise LaunchRefused(f"num_proc must be an int >= 1, got {num_proc!r}")
+        return as_int(num_proc)
     session = cluster.find_session()
     if session is None:
         raise LaunchRefused(
@@ -137,10 +150,8 @@ def _runner(num_proc, start_timeout, use_mpi, extra_mpi_args, env, stdout, stder
         raise LaunchRefused(f"executable={executable!r}: ranks run the executors' Python (PYSPARK_PYTHON); "
                             "set that instead")
     num_proc = _num_proc(num_proc)
-    if isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1:
-        raise LaunchRefused(f"num_proc must be an int >= 1, got {num_proc!r}")
     if start_timeout is None:
-        start_timeout = float(os.environ.get("HOROVOD_SPARK_START_TIMEOUT", DEFAULT_START_TIMEOUT_S))
+        start_timeout = env_number("HOROVOD_SPARK_START_TIMEOUT", DEFAULT_START_TIMEOUT_S, unit=" s")
     if env is not None and not isinstance(env, Mapping):
         raise LaunchRefused(f"env must be a dict of environment variables (str -> str), got {type(env).__name__}")
     rank_env = {k: v for k, v in (env or {}).items() if k not in _RESERVED_ENV}

@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator, Mapping
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..data import DataFrameShards, shards
 from ..distributor import TorchDistributor
-from ..errors import JobFailed, LaunchRefused
+from ..errors import JobFailed, LaunchRefused, as_int
 
 TrainingFailedError = JobFailed  # Ray's error for a failed run: RankFailed and JobFailed are of this class
 from ..prepare import get_device, prepare_data_loader, prepare_model
@@ -515,12 +515,12 @@ def get_dataset_shard(name: str) -> DataShard:
 def _worker_range(workers: Any) -> tuple[int, int]:
     """``num_workers`` as (fewest, most): an int, or Ray's elastic ``(min_workers, max_workers)``."""
     def whole(n: Any) -> bool:
-        return isinstance(n, int) and not isinstance(n, bool) and n >= 1
+        return as_int(n) is not None and n >= 1
 
     if whole(workers):
-        return workers, workers
+        return as_int(workers), as_int(workers)
     if isinstance(workers, tuple) and len(workers) == 2 and all(whole(n) for n in workers) and workers[0] <= workers[1]:
-        return workers
+        return as_int(workers[0]), as_int(workers[1])
     hint = (" (to train on the driver, as Ray's num_workers=0 does, pass num_workers=1 with "
             "TorchTrainer(local_mode=True))" if workers == 0 and not isinstance(workers, bool) else "")
     raise LaunchRefused(f"ScalingConfig(num_workers={workers!r}): give an int >= 1, the number of ranks, or "

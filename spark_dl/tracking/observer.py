@@ -15,6 +15,7 @@ from typing import Any
 from .mlflow_writer import MlflowWriter
 from .params import clean_name, flatten, is_plain
 from .progress import ProgressBar
+from .system import interval_s
 
 MAX_LOG_BYTES = 64 * 1024 * 1024
 
@@ -67,6 +68,9 @@ class TrackingObserver:
 
     def __init__(self, options: Tracking | None, progress: bool = True) -> None:
         self.options = options
+        # how often executors sample their hosts (0: not at all); read here, so a bad
+        # SPARK_DL_SYSTEM_METRICS_INTERVAL is refused before the run starts
+        self.system_metrics_s = interval_s() if options is not None and options.system_metrics else 0.0
         self.progress = ProgressBar() if progress else None
         self.writer: MlflowWriter | None = None
         self.world_size = 0
@@ -80,14 +84,6 @@ class TrackingObserver:
         self._log_dir: str | None = None
         self._lock = threading.Lock()
 
-    @property
-    def system_metrics_s(self) -> float:
-        """How often executors should sample their hosts (0: not at all)."""
-        if self.options is None or not self.options.system_metrics:
-            return 0.0
-        from .system import interval_s
-
-        return interval_s()
 
     # -- Observer ------------------------------------------------------------------------------
     def on_start(self, job: dict) -> None:

@@ -7,7 +7,6 @@ samples as ``system/<host>/<metric>`` with the sample index as the step.
 """
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import subprocess
@@ -15,15 +14,14 @@ import threading
 import time
 from typing import Any, Callable
 
+from ..errors import env_number
+
 DEFAULT_INTERVAL_S = 5.0
 
 
 def interval_s() -> float:
     """Seconds between samples, from the driver's ``SPARK_DL_SYSTEM_METRICS_INTERVAL``."""
-    try:
-        return float(os.environ.get("SPARK_DL_SYSTEM_METRICS_INTERVAL", DEFAULT_INTERVAL_S))
-    except ValueError:
-        return DEFAULT_INTERVAL_S
+    return env_number("SPARK_DL_SYSTEM_METRICS_INTERVAL", DEFAULT_INTERVAL_S, unit=" s")
 
 
 def sample(psutil: Any) -> dict[str, float]:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from spark_dl import HorovodRunner
-from spark_dl.horovod.fusion import plan_buckets, plan_groups
+from spark_dl.horovod.fusion import fusion_threshold, plan_buckets, plan_groups
 
 
 def optimizer_main():
@@ -368,6 +368,16 @@ def test_buckets_follow_reverse_registration_order_within_the_threshold():
     assert plan_buckets([a, b, c], threshold=0) == [[c], [b], [a]]
     assert plan_buckets([a, d, b], threshold=1 << 20) == [[b], [d], [a]]  # one dtype per bucket
     assert plan_buckets([a], threshold=8) == [[a]]  # larger than the threshold: alone
+
+
+@pytest.mark.parametrize("value", ["64MB", "-1", "1.5"])
+def test_a_bad_fusion_threshold_is_named(monkeypatch, value):
+    monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", value)
+    with pytest.raises(ValueError, match=rf"HOROVOD_FUSION_THRESHOLD='{value}' is not an integer >= 0 bytes.*"
+                                         r"default, 67108864 bytes"):
+        fusion_threshold()
+    monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "1024")
+    assert fusion_threshold() == 1024
 
 
 def test_rebuilding_the_optimizer_retires_the_old_one(ranks):

@@ -60,10 +60,31 @@ def test_rank_output_goes_to_the_given_streams_with_timestamps(spark):
     ({"executable": "/usr/bin/python3"}, "PYSPARK_PYTHON"),
     ({"num_proc": 0}, "num_proc must be an int >= 1"),
     ({"env": ["X=1"]}, "env must be a dict"),
+    ({"args": 5}, r"args must be a tuple of fn's positional arguments, got 5: for one argument write args=\(5,\)"),
+    ({"args": "ab"}, r"args must be a tuple .*args=\('ab',\)"),
+    ({"kwargs": [("scale", 1)]}, "kwargs must be a dict of fn's keyword arguments"),
+    ({"kwargs": {1: 2}}, r"kwargs must be a dict .*\(str keys\)"),
 ])
 def test_what_has_no_counterpart_is_refused(kwargs, match):
     with pytest.raises(LaunchRefused, match=match):
-        horovod_spark.run(fn, args=(1,), **{"num_proc": 2, **kwargs})
+        horovod_spark.run(fn, **{"args": (1,), "num_proc": 2, **kwargs})
+
+
+@pytest.mark.parametrize("value", ["abc", "-5", "nan"])
+def test_a_bad_start_timeout_in_the_environment_is_named(monkeypatch, value):
+    monkeypatch.setenv("HOROVOD_SPARK_START_TIMEOUT", value)
+    with pytest.raises(LaunchRefused, match=rf"HOROVOD_SPARK_START_TIMEOUT='{value}' is not a number >= 0 s.*unset it "
+                                           r"for the default, 600 s"):
+        horovod_spark.run(fn, args=(1,), num_proc=2)
+
+
+def test_numpy_counts_and_an_env_start_timeout_are_taken(spark, monkeypatch):
+    import numpy
+
+    monkeypatch.setenv("HOROVOD_SPARK_START_TIMEOUT", " 45 ")
+    assert [o[:2] for o in horovod_spark.run(fn, args=(1,), num_proc=numpy.int64(2))] == [(0, 3.0), (1, 3.0)]
+    runner = horovod_spark._runner(numpy.int32(3), None, None, None, None, None, None, None, False, None, 0)
+    assert runner.np == 3 and type(runner.np) is int and runner.start_timeout == 45.0
 
 
 def test_run_elastic_restarts_from_the_last_commit(spark, tmp_path):
@@ -103,10 +124,11 @@ def test_run_elastic_grows_at_a_commit_when_slots_free_up(spark, tmp_path, monke
     ({"min_num_proc": 3}, r"min_num_proc=3 <= num_proc=2 <= max_num_proc=2 does not hold"),
     ({"max_np": 1}, r"min_num_proc=2 <= num_proc=2 <= max_num_proc=1 does not hold"),
     ({"min_num_proc": 0}, "min_num_proc must be an int >= 1, got 0"),
+    ({"args": 1}, "args must be a tuple"),
 ])
 def test_run_elastic_refuses_sizes_out_of_order(spark, kwargs, match):
     with pytest.raises(LaunchRefused, match=match):
-        horovod_spark.run_elastic(fn, args=(1,), num_proc=2, **kwargs)
+        horovod_spark.run_elastic(fn, **{"args": (1,), "num_proc": 2, **kwargs})
 
 
 def test_without_a_session_num_proc_cannot_default_and_says_so():

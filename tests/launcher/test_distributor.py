@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 
+import numpy
 import pytest
 import torch
 
@@ -121,6 +122,11 @@ def fail_first_attempt():
     if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["RANK"] == "1":
         raise RuntimeError("first attempt fails")
     return {k: os.environ[k] for k in ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS")}
+
+
+def test_a_numpy_process_count_is_taken():
+    d = TorchDistributor(num_processes=numpy.int64(2), local_mode=True, use_gpu=False)
+    assert type(d.num_processes) is int and d.run(allreduce_rank, 1.0)["sum"] == 3.0
 
 
 def test_restarts_show_in_torchelastic_restart_count():

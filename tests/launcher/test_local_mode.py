@@ -5,6 +5,7 @@ import os
 import threading
 import time
 
+import numpy
 import pytest
 from procs import interrupt_main_when_recorded, record_self_and_child, record_then_wait, recorded_pids, wait_all_dead
 
@@ -67,12 +68,20 @@ def test_main_that_calls_sys_exit_zero_returns_none():
     assert HorovodRunner(np=-2).run(lambda: sys.exit(0)) is None
 
 
-@pytest.mark.parametrize("np", [0, "2", 2.0, True, None])
+@pytest.mark.parametrize("np", [0, "2", 2.0, True, None, numpy.bool_(True), numpy.float64(2.0)])
 def test_bad_np_is_refused(np):
     t = time.monotonic()
     with pytest.raises(LaunchRefused, match="np"):
         HorovodRunner(np=np)
     assert time.monotonic() - t < 1
+
+
+def test_numpy_integers_count_as_ints():
+    """Counts computed with numpy (np.int64) are taken, and kept as Python ints."""
+    runner = HorovodRunner(np=numpy.int64(-2), max_restarts=numpy.int32(1))
+    assert (runner.np, runner.max_restarts) == (-2, 1) and type(runner.np) is int
+    assert [o["sum"] for o in runner.run_all(allreduce_main, 1.0)] == [3.0, 3.0]
+    assert HorovodRunner(np=numpy.int64(4), min_np=numpy.int8(2)).min_np == 2
 
 
 def test_bad_verbosity_is_refused():

@@ -628,6 +628,18 @@ def test_get_checkpoint_follows_the_latest_report(tmp_path):
     assert open(os.path.join(result.checkpoint.path, "step")).read() == "2"
 
 
+def test_numpy_worker_counts_are_taken(tmp_path):
+    import numpy
+
+    def loop():
+        train.report({"world": train.get_context().get_world_size()})
+
+    for workers in (numpy.int64(2), (numpy.int32(2), numpy.int64(2))):
+        result = TorchTrainer(loop, scaling_config=ScalingConfig(num_workers=workers), local_mode=True,
+                              run_config=RunConfig(storage_path=str(tmp_path))).fit()
+        assert result.metrics["world"] == 2
+
+
 def test_a_failure_without_restarts_raises_the_ranks_error(tmp_path):
     def loop():
         if train.get_context().get_world_rank() == 1:

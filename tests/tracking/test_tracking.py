@@ -9,7 +9,7 @@ import pytest
 from mlflow import MlflowClient
 
 import spark_dl
-from spark_dl import HorovodRunner, RankFailed
+from spark_dl import HorovodRunner, LaunchRefused, RankFailed
 from spark_dl.tracking import Tracking, TrackingWarning
 
 
@@ -253,6 +253,15 @@ def test_no_tracking_when_turned_off(tracking_uri, monkeypatch, capfd):
     monkeypatch.setenv("SPARK_DL_TRACKING", "0")  # turns off MLflow only; the progress bar is its own switch
     HorovodRunner(np=-2).run(train, steps=5, lr=0.1)
     assert _runs() == []
+
+
+@pytest.mark.parametrize("value", ["5s", "-1"])
+def test_a_bad_system_metrics_interval_is_refused_before_the_run(tracking_uri, monkeypatch, value):
+    monkeypatch.setenv("SPARK_DL_SYSTEM_METRICS_INTERVAL", value)
+    with pytest.raises(LaunchRefused, match=rf"SPARK_DL_SYSTEM_METRICS_INTERVAL='{value}' is not a number >= 0 s"):
+        HorovodRunner(np=-2, progress=False).run(train, steps=5, lr=0.1)
+    assert _runs() == [], "refused before an MLflow run was opened"
+    HorovodRunner(np=-2, progress=False, tracking=Tracking(system_metrics=False)).run(train, steps=2, lr=0.1)
 
 
 def model_main(hidden):
