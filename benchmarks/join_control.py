@@ -32,12 +32,13 @@ def rank_main(widths: list[int], steps: int, rounds: int) -> list[tuple[int, int
     for width in widths:
         model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, 1))
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-4))
-        group = joining._group  # made with the first optimizer
+        control = joining._job  # made with the first optimizer
+        group = control.group
         x = torch.randn(32, width)
         times: dict[bool, list[float]] = {True: [], False: []}
         for _ in range(rounds):
             for on in (False, True):
-                joining._group = group if on else None  # start_control does nothing without the group
+                control.group = group if on else None  # start_control does nothing without the group
                 for k in range(steps // 10 + steps):  # the first tenth warms up
                     if k == steps // 10:
                         start = time.perf_counter()
@@ -45,7 +46,7 @@ def rank_main(widths: list[int], steps: int, rounds: int) -> list[tuple[int, int
                     model(x).pow(2).mean().backward()
                     opt.step()
                 times[on].append((time.perf_counter() - start) / steps)
-        joining._group = group
+        control.group = group
         params = sum(p.numel() for p in model.parameters())
         rows.append((width, params, statistics.median(times[False]), statistics.median(times[True])))
     ctrl = torch.zeros(2, dtype=torch.int64)

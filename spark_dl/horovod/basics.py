@@ -70,8 +70,8 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         _owns_group = True
     _initialized = True
     try:
+        _join.setup()  # first: registering the sets gives each its join control
         _process_sets.setup(process_sets)
-        _join.setup()
     except BaseException:
         _initialized = False  # a bad process_sets= argument: init() may be called again
         raise

@@ -78,7 +78,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvd_kinds: list[list[bool] | None] = (
             [[False] * len(b) for b in self._hvd_buckets] if sparse_as_dense else [None] * len(self._hvd_buckets))
         self._hvd_group = _optimizer_group(ps)
-        self._hvd_join_id = _join.register(self) if ps is global_process_set else None
+        self._hvd_ps = ps
+        self._hvd_join = _join.register(self, ps.process_set_id)
         self._hvd_control = None
         self._hvd_reducer = BucketReducer(self._hvd_reduce)
         self._hvd_synchronized = False
@@ -128,8 +129,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return self._hvd_kinds[i]
 
     def _hvd_launch(self, i: int) -> None:
-        if i == 0 and self._hvd_join_id is not None:
-            self._hvd_control = _join.start_control(self._hvd_join_id)
+        if i == 0:
+            self._hvd_control = _join.start_control(self._hvd_join)
         self._hvd_next = i + 1
         self._hvd_reducer.submit(i, partial(self._hvd_prepare, i), self._hvd_buckets[i][0].device)
 
@@ -188,7 +189,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                         sparse_sum(_no_entries(p), self._hvd_group, average=self._hvd_op == Average)
 
     def _hvd_take_from(self, root: int) -> None:
-        _take_from(self, root)
+        _take_from(self, root, self._hvd_ps)
 
     # ---- Horovod's public optimizer API ---------------------------------------------------------
 
@@ -268,7 +269,8 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
         self._hvd_params = [p for p in all_params if p.requires_grad]
         self.backward_passes_per_step = backward_passes_per_step
         self._hvd_group = _optimizer_group(ps)
-        self._hvd_join_id = _join.register(self) if ps is global_process_set else None
+        self._hvd_ps = ps
+        self._hvd_join = _join.register(self, ps.process_set_id)
         self._hvd_retired = False
         _claim(self._hvd_params, self)
 
@@ -278,8 +280,7 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> Any:
         if self._hvd_retired:
             raise RuntimeError(_RETIRED)
-        if self._hvd_join_id is not None:
-            _join.control(self._hvd_join_id)
+        _join.control(self._hvd_join)
         with torch.no_grad():
             start = [p.detach().clone() for p in self._hvd_params]
         loss = super().step(closure)
@@ -301,7 +302,7 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
             fused_inplace([torch.zeros_like(p) for p in self._hvd_params], self._hvd_adasum)
 
     def _hvd_take_from(self, root: int) -> None:
-        _take_from(self, root)
+        _take_from(self, root, self._hvd_ps)
 
     def synchronize(self) -> None:
         """Nothing to wait for: with Adasum, gradients stay local and ``step()`` combines updates."""
@@ -324,13 +325,13 @@ def _no_entries(p: torch.Tensor) -> torch.Tensor:
                                    p.new_empty((0,) + tuple(p.shape[1:])), p.shape)
 
 
-def _take_from(opt: torch.optim.Optimizer, root: int) -> None:
+def _take_from(opt: torch.optim.Optimizer, root: int, ps: ProcessSet) -> None:
     """Overwrite this optimizer's parameters and state with rank ``root``'s (after ``join()``,
-    where every rank is, so the default group is free)."""
+    where every member of ``ps`` is, so its group is free)."""
     from .functions import broadcast_optimizer_state, broadcast_parameters
 
-    broadcast_parameters([p for group in opt.param_groups for p in group["params"]], root)
-    broadcast_optimizer_state(opt, root)
+    broadcast_parameters([p for group in opt.param_groups for p in group["params"]], root, process_set=ps)
+    broadcast_optimizer_state(opt, root, process_set=ps)
 
 
 def _optimizer_group(ps: ProcessSet) -> Any:

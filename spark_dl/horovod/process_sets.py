@@ -13,6 +13,7 @@ from typing import Any, Iterable, Sequence
 
 import torch.distributed as dist
 
+from . import joining
 from .joining import check_collective
 
 
@@ -111,6 +112,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     # new_group is collective over the whole job: members and non-members alike call it
     ps._group = dist.new_group(ps.ranks)
     ps._opt_group = dist.new_group(ps.ranks)
+    joining.add_set(_next_id, ps.ranks)  # hvd.join()'s per-step agreement among its members
     ps.process_set_id = _next_id
     _registered[_next_id] = ps
     _next_id += 1
@@ -122,6 +124,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     if process_set is global_process_set or _registered.get(process_set.process_set_id) is not process_set:
         return False
     del _registered[process_set.process_set_id]
+    joining.remove_set(process_set.process_set_id)
     process_set.process_set_id = None
     for group in (process_set._group, process_set._opt_group):
         if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
@@ -148,6 +151,7 @@ def resolve(process_set: Any) -> ProcessSet:
     if dist.get_rank() not in process_set.ranks:
         raise ValueError(f"rank {dist.get_rank()} is not in {process_set}: only its members call "
                          "collectives with process_set= it")
+    check_collective(process_set.process_set_id)  # a member of this set may have joined
     return process_set
 
 

@@ -198,7 +198,7 @@ def missing_optimizer_main():
         # is how this rank comes to lack the optimizer the other one steps.
         from spark_dl.horovod import joining
 
-        joining._optimizers.clear()
+        joining._job.optimizers.clear()
         return hvd.join()
     opt.zero_grad()
     model(torch.ones(1, 2)).sum().backward()
@@ -221,3 +221,115 @@ def test_sparse_gradients_are_followed_from_the_first_step(ranks):
     for o in ranks:
         assert o["last_sparse"] == 2
         torch.testing.assert_close(o["embedding"], want)
+
+
+# -- process sets: each set's optimizers are followed within the set ------------------------------
+
+SET_BATCHES = [2, 5, 4, 3]  # rank r has SET_BATCHES[r] batches; sets {0, 2} and {1, 3}
+
+
+def set_data(r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(20 + r)
+    x = torch.randn(max(SET_BATCHES) * 8, 4, generator=gen)
+    return x, x @ torch.tensor([1.0, -2.0, 0.5, 3.0])
+
+
+def set_join_main(batches, lr, momentum, set_data, fresh_model):
+    import torch
+    import torch.nn.functional as F
+
+    import spark_dl.horovod as hvd
+
+    even, odd = hvd.ProcessSet([0, 2]), hvd.ProcessSet([1, 3])
+    hvd.init(process_sets=[even, odd])
+    r = hvd.rank()
+    mine = even if r % 2 == 0 else odd
+    x, y = set_data(r)
+
+    def params(model):
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    def step(model, opt, b):
+        opt.zero_grad()
+        F.mse_loss(model(x[b * 8:(b + 1) * 8]).squeeze(1), y[b * 8:(b + 1) * 8]).backward()
+        opt.step()
+
+    # a whole-job optimizer and one on the rank's set, stepped in turn, uneven batches
+    shared, own = fresh_model(), fresh_model()
+    opt_shared = hvd.DistributedOptimizer(torch.optim.SGD(shared.parameters(), lr=lr),
+                                          named_parameters=shared.named_parameters())
+    opt_own = hvd.DistributedOptimizer(torch.optim.SGD(own.parameters(), lr=lr, momentum=momentum),
+                                       process_set=mine)
+    for b in range(batches[r]):
+        step(shared, opt_shared, b)
+        step(own, opt_own, b)
+    out = {"last": hvd.join(), "shared": params(shared), "own": params(own),
+           "momentum": torch.cat([opt_own.state[p]["momentum_buffer"].reshape(-1) for p in own.parameters()])}
+
+    # set optimizers only: rank 0 joins first; rank 2 learns it from its set's step, and a
+    # collective on the set is then refused (on the job it is not known, and not refused)
+    again = fresh_model()
+    opt_again = hvd.DistributedOptimizer(torch.optim.SGD(again.parameters(), lr=lr), process_set=mine)
+    for b in range({0: 0, 1: 2, 2: 2, 3: 1}[r]):
+        step(again, opt_again, b)
+    if r == 2:
+        try:
+            hvd.allreduce(torch.tensor([1.0]), process_set=even)
+        except RuntimeError as e:
+            out["set_misuse"] = str(e)
+    out["last_sets_only"] = hvd.join()
+    out["again"] = params(again)
+    out["after"] = hvd.allreduce(torch.tensor([float(r)]), op=hvd.Sum, process_set=mine).item()
+    return out
+
+
+@pytest.fixture(scope="module")
+def set_ranks():
+    from spark_dl import HorovodRunner
+
+    return HorovodRunner(np=-4).run_all(set_join_main, batches=SET_BATCHES, lr=LR, momentum=MOMENTUM,
+                                        set_data=set_data, fresh_model=fresh_model)
+
+
+def set_reference(members: list[int], batches: list[int], momentum: float) -> torch.Tensor:
+    """One process: at step t the members with a t-th batch contribute its gradient, the others
+    zeros, divided by the number of members."""
+    model = fresh_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum)
+    for t in range(max(batches[r] for r in members)):
+        total = [torch.zeros_like(p) for p in model.parameters()]
+        for r in members:
+            if t < batches[r]:
+                x, y = set_data(r)
+                model.zero_grad()
+                torch.nn.functional.mse_loss(model(x[t * 8:(t + 1) * 8]).squeeze(1), y[t * 8:(t + 1) * 8]).backward()
+                total = [s + p.grad for s, p in zip(total, model.parameters())]
+        for p, s in zip(model.parameters(), total):
+            p.grad = s / len(members)
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def test_optimizers_on_process_sets_are_followed_within_each_set(set_ranks):
+    """Rank 0 runs out after 2 batches, rank 2 after 4: rank 0 follows its set's optimizer (with
+    zeros) while following the job's; both sets end with their members equal to the model one
+    process computes, and with the last joiner's momentum."""
+    assert [o["last"] for o in set_ranks] == [1, 1, 1, 1]  # 5 job steps
+    shared = set_reference([0, 1, 2, 3], SET_BATCHES, 0.0)
+    for o in set_ranks:
+        torch.testing.assert_close(o["shared"], shared)
+    for members in ([0, 2], [1, 3]):
+        want = set_reference(members, SET_BATCHES, MOMENTUM)
+        a, b = (set_ranks[r] for r in members)
+        assert torch.equal(a["own"], b["own"]) and torch.equal(a["momentum"], b["momentum"])
+        torch.testing.assert_close(a["own"], want)
+
+
+def test_a_set_collective_while_a_member_is_joined_is_refused(set_ranks):
+    assert "hvd.join()" in set_ranks[2]["set_misuse"]
+    assert [o["last_sets_only"] for o in set_ranks] == [3, 3, 3, 3]  # no job steps: every rank ties
+    for members, batches in (([0, 2], [0, 0, 2, 0]), ([1, 3], [0, 2, 0, 1])):
+        want = set_reference(members, batches, 0.0)
+        for r in members:
+            torch.testing.assert_close(set_ranks[r]["again"], want)
+    assert [o["after"] for o in set_ranks] == [2.0, 4.0, 2.0, 4.0], "every set usable again after join()"
