@@ -20,15 +20,44 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from .errors import LaunchRefused
+from .errors import LaunchRefused, as_int
 
 SHARD_ENV = "SPARK_DL_SHARD"
 
 
-def shards(df: Any, columns: list[str] | None = None, *, shuffle: bool = True, seed: int = 0,
+def shards(df: Any, columns: list[str] | str | None = None, *, shuffle: bool = True, seed: int = 0,
            remainder: str = "drop") -> "DataFrameShards":
     """Mark ``df`` to be sharded across the ranks of a run (pass the result as a kwarg)."""
     return DataFrameShards(df, columns, shuffle, seed, remainder)
+
+
+def check_dataframe(df: Any, what: str = "shards(df)") -> None:
+    """Refuse, naming the fix, what cannot be read as a batch Spark DataFrame."""
+    from pyspark.sql import DataFrame
+
+    if not isinstance(df, DataFrame):
+        kind = f"{type(df).__module__}.{type(df).__qualname__}" if df is not None else "None"
+        hint = ""
+        if type(df).__module__.startswith("pandas"):
+            hint = ": turn it into one with spark.createDataFrame(pdf)"
+        elif type(df).__name__ == "RDD":
+            hint = ": turn it into one with rdd.toDF() or spark.createDataFrame(rdd)"
+        raise LaunchRefused(f"{what} takes a pyspark.sql.DataFrame, got {kind}{hint}")
+    if df.isStreaming:
+        raise LaunchRefused(f"{what} got a streaming DataFrame: training reads a fixed set of rows; write the stream "
+                            "to a table first (writeStream ... .toTable(name)) and pass spark.read.table(name)")
+    from . import cluster
+
+    if not cluster.is_connect(df.sparkSession) and df.sparkSession.sparkContext._jsc is None:
+        raise LaunchRefused(f"{what} got a DataFrame of a SparkSession that was stopped: build it again in the "
+                            "active session")
+
+
+def quoted(column: str) -> Any:
+    """``F.col`` of a column by its exact name: ``a.b`` is a column named so, not field ``b`` of ``a``."""
+    from pyspark.sql import functions as F
+
+    return F.col("`" + column.replace("`", "``") + "`")
 
 
 def _check_type(name: str, dtype: Any) -> str:
@@ -57,26 +86,46 @@ def _check_type(name: str, dtype: Any) -> str:
 
 def column_kinds(df: Any, columns: list[str]) -> dict[str, str]:
     """``{column: "scalar" | "array"}``: how each column becomes a tensor; a refusal naming the fix
-    for a column that is missing or cannot be one."""
+    for a column that is missing, named twice in the DataFrame, or that cannot be one."""
     names = list(df.columns)
     missing = [c for c in columns if c not in names]
     if missing:
         raise LaunchRefused(f"columns {missing} are not in the DataFrame (it has {names})")
+    twice = sorted({c for c in columns if names.count(c) > 1})
+    if twice:
+        raise LaunchRefused(f"the DataFrame has more than one column named {twice} (a join's both sides?): "
+                            "rename or drop one, e.g. df.withColumnRenamed or select with aliases")
     fields = {f.name: f.dataType for f in df.schema.fields}
     return {c: _check_type(c, fields[c]) for c in columns}
+
+
+def column_names(columns: Any, what: str) -> list[str]:
+    """``columns`` as a list of names: one name, or a non-empty list of them."""
+    if isinstance(columns, str):
+        return [columns]
+    if (isinstance(columns, (list, tuple)) and columns
+            and all(isinstance(c, str) for c in columns)):
+        return list(columns)
+    raise LaunchRefused(f"{what} must be a column name or a non-empty list of column names (str), got {columns!r}")
 
 
 class DataFrameShards:
     """Driver-side marker: a DataFrame to shard across the ranks. Validated before launch."""
 
-    def __init__(self, df: Any, columns: list[str] | None, shuffle: bool, seed: int, remainder: str) -> None:
+    def __init__(self, df: Any, columns: list[str] | str | None, shuffle: bool, seed: int, remainder: str) -> None:
+        check_dataframe(df)
         if remainder not in ("drop", "pad"):
             raise LaunchRefused(f"remainder must be 'drop' or 'pad', got {remainder!r}")
+        if not isinstance(shuffle, bool):
+            raise LaunchRefused(f"shuffle must be True or False, got {shuffle!r}")
+        if as_int(seed) is None:
+            raise LaunchRefused(f"seed must be an int (every epoch's shuffle derives from it), got {seed!r}")
         # a column named twice (an autoencoder's features as its labels) is sent once
-        columns = list(dict.fromkeys(columns if columns is not None else df.columns))
+        columns = list(dict.fromkeys(column_names(columns, "shards(df, columns)") if columns is not None
+                                     else df.columns))
         kinds = column_kinds(df, columns)
-        self.df = df.select(*columns)
-        self.spec = Shards(columns=columns, kinds=kinds, shuffle=shuffle, seed=seed, remainder=remainder)
+        self.df = df.select(*[quoted(c) for c in columns])
+        self.spec = Shards(columns=columns, kinds=kinds, shuffle=shuffle, seed=as_int(seed), remainder=remainder)
 
     @functools.cached_property
     def schema(self):
@@ -88,10 +137,17 @@ class DataFrameShards:
 
         return to_arrow_schema(self.schema)
 
-    def check_not_empty(self, name: str = "") -> None:
-        if self.df.isEmpty():
-            which = f"passed as {name}=" if name else "to train on"
+    def check_rows(self, np: int, name: str = "") -> None:
+        """Refuse a DataFrame that leaves the ranks nothing to read: empty, or (``remainder="drop"``)
+        with fewer rows than ranks (one Spark job, which reads at most ``np`` rows)."""
+        which = f"passed as {name}=" if name else "to train on"
+        rows = self.df.limit(np).count()
+        if rows == 0:
             raise LaunchRefused(f"the DataFrame {which} is empty: there is nothing to shard")
+        if rows < np and self.spec.remainder == "drop":
+            raise LaunchRefused(
+                f"the DataFrame {which} has {rows} row(s), fewer than the {np} ranks: remainder='drop' leaves "
+                "every rank empty; use shards(df, remainder='pad') (ranks wrap around), fewer ranks, or more rows")
 
 
 class ShardSet:
@@ -106,9 +162,9 @@ class ShardSet:
         for key, data in named.items():
             data.spec.key = key
 
-    def check_not_empty(self) -> None:
+    def check_rows(self, np: int) -> None:
         for key, data in self.named.items():
-            data.check_not_empty(key if len(self.named) > 1 else "")
+            data.check_rows(np, key if len(self.named) > 1 else "")
 
     def schemas(self) -> dict[str, Any]:
         return {key: data.arrow_schema() for key, data in self.named.items()}
@@ -116,7 +172,12 @@ class ShardSet:
     def dataframe(self):
         """What the barrier stage maps over: the one DataFrame, or the tagged union of several."""
         if len(self.named) == 1:
-            return next(iter(self.named.values())).df
+            df = next(iter(self.named.values())).df
+            if any("." in c or "`" in c for c in df.columns):
+                # mapInArrow resolves each column by its name, reading "a.b" as field b of a: the
+                # rows travel under plain names, and the task writes them with the real ones
+                df = df.select(*[quoted(c).alias(f"_spark_dl_{i}") for i, c in enumerate(df.columns)])
+            return df
         from pyspark.sql import functions as F
         from pyspark.sql import types as T
 
@@ -126,7 +187,7 @@ class ShardSet:
             cols = [F.lit(key).alias(self.TAG)]
             for other in keys:
                 if other == key:
-                    cols.append(F.struct(*[data.df[c] for c in data.spec.columns]).alias(other))
+                    cols.append(F.struct(*[quoted(c) for c in data.spec.columns]).alias(other))
                 else:
                     shape = T.StructType(self.named[other].schema.fields)
                     cols.append(F.lit(None).cast(shape).alias(other))
@@ -190,7 +251,9 @@ class Shards:
         s = self._open()
         n, w, per = sum(s["counts"]), s["world"], len(self)
         if self.shuffle:
-            perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch))
+            # mod 2**63: a seed such as time.time_ns() would overflow the generator's 64 bits
+            seed = (self.seed * 1_000_003 + epoch) % (1 << 63)
+            perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
         else:
             perm = torch.arange(n)
         if per * w > n:  # pad: wrap around to the start of the same permutation
@@ -202,8 +265,11 @@ class Shards:
         """This rank's rows for ``epoch`` as ``{column: tensor}`` batches. Every rank must
         iterate the same number of batches (it does: shards are equal), since each batch is
         fetched with a collective."""
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if as_int(batch_size) is None or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        if as_int(epoch) is None:
+            raise ValueError(f"epoch must be an int (it picks the epoch's shuffle), got {epoch!r}")
+        batch_size, epoch = as_int(batch_size), as_int(epoch)
         mine = self._order(epoch)
         stop = len(mine) - len(mine) % batch_size if drop_last else len(mine)
         for start in range(0, stop, batch_size):
@@ -279,6 +345,11 @@ def _to_tensor(column, kind: str, name: str):
         if column.null_count:
             raise ValueError(f"column {name!r} has nulls; fill or drop them before training")
         return torch.from_numpy(np.array(column.to_numpy(zero_copy_only=False)))  # writable, as torch wants
+    if column.null_count:
+        raise ValueError(f"array column {name!r} has null rows; fill or drop them before training")
+    if column.flatten().null_count:
+        raise ValueError(f"array column {name!r} has null elements inside its arrays; fill them (e.g. "
+                         f"F.transform({name!r}, lambda v: F.coalesce(v, F.lit(0)))) or drop those rows before training")
     lengths = np.diff(np.asarray(column.offsets))
     if len(lengths) and (lengths != lengths[0]).any():
         raise ValueError(f"array column {name!r} has rows of different lengths; pad them to one length")
@@ -319,6 +390,6 @@ def write_partition(batches: Iterator, path: str, schema) -> int:
     rows = 0
     with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
         for batch in batches:
-            writer.write_batch(batch)
+            writer.write_batch(pa.RecordBatch.from_arrays(batch.columns, schema=schema))  # the real names
             rows += batch.num_rows
     return rows

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from .callbacks import EarlyStopping, Trainer
-from .errors import LaunchRefused
+from .errors import LaunchRefused, as_int
 from .runner import HorovodRunner, RunInfo
 from .tensors import comm_device
 
@@ -91,6 +91,13 @@ def _losses(loss: Any, constructors: Any, weights: Any, label_cols: list[str]) -
     if not fns or not all(callable(fn) for fn in fns):
         kind = "a function (output, *labels) -> tensor" if loss is not None else "a function () -> loss"
         raise LaunchRefused(f"{what} must be {kind} or a list of them (one per label column), got {given!r}")
+    import torch
+
+    classes = [fn for fn in fns if isinstance(fn, type) and issubclass(fn, torch.nn.Module)]
+    if loss is not None and classes:
+        name = f"{classes[0].__module__}.{classes[0].__qualname__}"
+        raise LaunchRefused(f"loss is the class {name}, not a loss: pass an instance, loss={name}(), or the class as "
+                            f"loss_constructors=[{name}] (built on each rank)")
     per_output = isinstance(given, (list, tuple)) or weights is not None
     if per_output and len(fns) not in (1, n):
         raise LaunchRefused(f"{what} has {len(fns)} losses for {n} label columns {label_cols}: give one per label "
@@ -192,7 +199,7 @@ def _runner_options(options: dict[str, Any]) -> dict[str, Any]:
 
 
 def _names(value: str | Sequence[str], what: str) -> list[str]:
-    names = [value] if isinstance(value, str) else list(value)
+    names = [value] if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else []
     if not names or not all(isinstance(n, str) and n for n in names):
         raise LaunchRefused(f"{what} must be a column name or a non-empty list of them, got {value!r}")
     return names
@@ -293,8 +300,12 @@ class TorchEstimator:
                             ("validation_steps_per_epoch", validation_steps_per_epoch)):
             if value is None and name in _OPTIONAL_SIZES:
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if as_int(value) is None or value < 1:
                 raise LaunchRefused(f"{name} must be an int >= 1, got {value!r}")
+        batch_size, epochs, num_proc, backward_passes_per_step = (
+            as_int(batch_size), as_int(epochs), as_int(num_proc), as_int(backward_passes_per_step))
+        val_batch_size, train_steps_per_epoch, validation_steps_per_epoch = (
+            None if v is None else as_int(v) for v in (val_batch_size, train_steps_per_epoch, validation_steps_per_epoch))
         if gradient_compression is not None and not isinstance(gradient_compression, Compressor):
             raise LaunchRefused(f"gradient_compression must be a compressor from spark_dl.compression (FP16(), QSGD(), "
                                 f"PowerSGD(), ...) or None, got {type(gradient_compression).__name__}")
@@ -322,7 +333,6 @@ class TorchEstimator:
         self.num_proc = num_proc
         self.prediction_col = prediction_col
         self.shuffle = shuffle
-        self.seed = seed
         self.validation = validation
         if sample_weight_col is not None and not (isinstance(sample_weight_col, str) and sample_weight_col):
             raise LaunchRefused(f"sample_weight_col must be a column name, got {sample_weight_col!r}")
@@ -341,8 +351,19 @@ class TorchEstimator:
         self.validation_steps_per_epoch = validation_steps_per_epoch
         if verbose not in (0, 1, 2) or isinstance(verbose, bool):
             raise LaunchRefused(f"verbose must be 0, 1 or 2, got {verbose!r}")
-        if random_seed is not None and (isinstance(random_seed, bool) or not isinstance(random_seed, int)):
+        if random_seed is not None and as_int(random_seed) is None:
             raise LaunchRefused(f"random_seed must be an int or None, got {random_seed!r}")
+        random_seed = None if random_seed is None else as_int(random_seed)
+        if as_int(seed) is None:
+            raise LaunchRefused(f"seed must be an int (the shuffle's and the validation split's), got {seed!r}")
+        self.seed = as_int(seed)
+        if not isinstance(shuffle, bool):
+            raise LaunchRefused(f"shuffle must be True or False, got {shuffle!r}")
+        if not (isinstance(prediction_col, str) and prediction_col) and not (
+                isinstance(prediction_col, (list, tuple)) and prediction_col
+                and all(isinstance(c, str) and c for c in prediction_col)):
+            raise LaunchRefused(f"prediction_col must be a column name or a list of them (one per model output), "
+                                f"got {prediction_col!r}")
         if not isinstance(use_gpu, bool):
             raise LaunchRefused(f"use_gpu must be True or False, got {use_gpu!r}")
         self.verbose, self.random_seed, self.use_gpu = verbose, random_seed, use_gpu
@@ -371,7 +392,9 @@ class TorchEstimator:
 
     def fit(self, df) -> "TorchModel":
         """Train across ``num_proc`` ranks; return the trained model as a :class:`TorchModel`."""
-        from .data import shards
+        from .data import check_dataframe, shards
+
+        check_dataframe(df, "TorchEstimator.fit(df)")
 
         columns = self.feature_cols + self.label_cols
         weights = self.sample_weight_col
@@ -465,6 +488,9 @@ def _fit(data, validation, model, optimizer, loss: _Losses, feature_cols, label_
     # .to(device) moves parameters in place, so an optimizer unpickled with the model still holds them
     ddp = prepare_model(model)
     opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer(ddp.parameters())
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise TypeError(f"optimizer(params) returned {type(opt).__name__}, not a torch.optim.Optimizer: the function "
+                        "must build and return one, e.g. functools.partial(torch.optim.SGD, lr=0.1)")
     if options.compression is not None and isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
         from .compression.ddp import make_ddp_hook
 
@@ -716,8 +742,9 @@ class TorchModel:
         import cloudpickle
         from pyspark.sql import types as T
 
-        from .data import column_kinds
+        from .data import check_dataframe, column_kinds
 
+        check_dataframe(df, "TorchModel.transform(df)")
         kinds = column_kinds(df, self.feature_cols)
         widths, several = self._output_widths(df, kinds)
         names = self._prediction_names(widths, several)
@@ -774,12 +801,22 @@ class TorchModel:
         on the driver; and whether it returns several (a tuple)."""
         import torch
 
-        sample = df.select(*self.feature_cols).limit(1).toArrow()
+        from .data import quoted
+
+        sample = df.select(*[quoted(c) for c in self.feature_cols]).limit(1).toArrow()
         if sample.num_rows == 0:
             raise LaunchRefused("the DataFrame is empty: nothing to predict")
-        with torch.no_grad():
-            out = self.model.eval()(*_features(sample, self.feature_cols, kinds, _float_dtype(self.model),
-                                               self.input_shapes))
-        if isinstance(out, (list, tuple)):
-            return [int(o.reshape(1, -1).shape[1]) for o in out], True
-        return [int(out.reshape(1, -1).shape[1])], False
+        features = _features(sample, self.feature_cols, kinds, _float_dtype(self.model), self.input_shapes)
+        try:
+            with torch.no_grad():
+                out = self.model.eval()(*features)
+        except Exception as e:  # noqa: BLE001 - the model's own error, with what it was given
+            shapes = [tuple(f.shape) for f in features]
+            raise LaunchRefused(f"running the model on one row of feature_cols {self.feature_cols} (tensors of shapes "
+                                f"{shapes}) failed with {type(e).__name__}: {e}; the model must take one tensor per "
+                                "feature column (input_shapes= reshapes them)") from e
+        outs = list(out) if isinstance(out, (list, tuple)) else [out]
+        if not outs or not all(torch.is_tensor(o) for o in outs):
+            raise LaunchRefused(f"the model must return a tensor or a tuple/list of tensors to predict with, got "
+                                f"{type(out).__name__}")
+        return [int(o.reshape(1, -1).shape[1]) for o in outs], isinstance(out, (list, tuple))

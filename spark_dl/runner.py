@@ -566,7 +566,7 @@ class _SparkLauncher(_Launcher):
                     "training on a DataFrame needs one rank per task; with several GPUs per task, "
                     "set spark.task.resource.gpu.amount=1"
                 )
-            data.check_not_empty()
+            data.check_rows(np)
         return (_ConnectLauncher if connect else _SparkLauncher)(session, np, per_task, data)
 
     def start(self, spec: JobSpec, monitor: JobMonitor) -> None:

@@ -91,6 +91,110 @@ def test_bad_dataframes_are_refused_before_launch(spark, df):
         HorovodRunner(np=2).run(read_epochs, shards(df), 1, 4)
 
 
+def test_dataframes_that_leave_ranks_nothing_or_are_not_dataframes_are_refused(spark, df):
+    import pandas as pd
+
+    one = spark.range(1)
+    with pytest.raises(LaunchRefused, match=r"has 1 row\(s\), fewer than the 2 ranks: remainder='drop' leaves every "
+                                            r"rank empty; use shards\(df, remainder='pad'\)"):
+        HorovodRunner(np=2).run(read_epochs, data=shards(one), epochs=1, batch_size=4)
+    padded = HorovodRunner(np=2).run_all(read_epochs, data=shards(one, remainder="pad"), epochs=1, batch_size=4)
+    assert [r["epochs"][0] for r in padded] == [[0], [0]]
+    for bad, match in [(pd.DataFrame({"a": [1]}), r"got pandas[.\w]*DataFrame: .*spark.createDataFrame\(pdf\)"),
+                       (None, "takes a pyspark.sql.DataFrame, got None"),
+                       (spark.sparkContext.parallelize([1]), r"got pyspark.core.rdd.RDD: .*rdd.toDF\(\)")]:
+        with pytest.raises(LaunchRefused, match=match):
+            shards(bad)
+    stream = spark.readStream.format("rate").load()
+    with pytest.raises(LaunchRefused, match="streaming DataFrame: .*spark.read.table"):
+        shards(stream)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"columns": []}, r"columns\) must be a column name or a non-empty list of column names \(str\), got \[\]"),
+    ({"columns": ["id", 3]}, r"non-empty list of column names .*got \['id', 3\]"),
+    ({"seed": "a"}, "seed must be an int"),
+    ({"seed": 1.5}, "seed must be an int"),
+    ({"shuffle": "yes"}, "shuffle must be True or False"),
+])
+def test_bad_shard_options_are_refused(df, kwargs, match):
+    with pytest.raises(LaunchRefused, match=match):
+        shards(df, **kwargs)
+
+
+def read_odd_columns(data):
+    import numpy
+
+    spark_dl.init()
+    batch = next(data.batches(numpy.int64(8), epoch=numpy.int64(0)))
+    out = {k: v.tolist() for k, v in batch.items()}
+    for bad in (2.5, "4", None):
+        try:
+            next(data.batches(bad))
+        except ValueError as e:
+            out[f"batch_size={bad!r}"] = str(e)
+    try:
+        next(data.batches(4, epoch=1.5))
+    except ValueError as e:
+        out["epoch"] = str(e)
+    return out
+
+
+def test_odd_column_names_one_name_huge_seeds_and_numpy_counts(spark):
+    """A column named with a dot (not a nested field), one name as a str, a seed from
+    time.time_ns() (past 64 bits once mixed with the epoch), numpy batch sizes and epochs."""
+    from pyspark.sql import functions as F
+
+    df = spark.range(8).select(F.col("id").alias("a.b"), (F.col("id") * 2).alias("y"))
+    out = HorovodRunner(np=2).run(read_odd_columns, data=shards(df, ["a.b", "y"], seed=1_800_000_000_000_000_000))
+    assert sorted(out) == sorted(["a.b", "y", "batch_size=2.5", "batch_size='4'", "batch_size=None", "epoch"])
+    assert [2 * a for a in out["a.b"]] == out["y"] and len(out["y"]) == 4
+    assert "batch_size must be an int >= 1, got 2.5" in out["batch_size=2.5"]
+    assert "epoch must be an int" in out["epoch"]
+    single = HorovodRunner(np=2).run(read_odd_columns, data=shards(df, "y"))
+    assert "y" in single and "a.b" not in single
+    twice = df.crossJoin(df.select("y"))  # two columns named y
+    with pytest.raises(LaunchRefused, match=r"more than one column named \['y'\]"):
+        shards(twice, ["y"])
+
+
+def read_arrays(data):
+    spark_dl.init()
+    try:
+        return next(data.batches(4))["x"].tolist()
+    except ValueError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("rows, match", [
+    ("array(1.0D, NULL)", "has null elements inside its arrays"),
+    ("CAST(NULL AS array<double>)", "has null rows"),
+])
+def test_nulls_in_array_columns_are_named(spark, rows, match):
+    df = spark.sql(f"SELECT id, IF(id = 1, {rows}, array(1.0D, 2.0D)) AS x FROM range(4)")
+    out = HorovodRunner(np=2).run_all(read_arrays, data=shards(df, ["x"]))
+    assert any(isinstance(o, str) and match in o for o in out), out
+
+
+def test_a_dataframe_of_a_stopped_session_is_refused():
+    """Its own SparkSession, in a subprocess: stopping the shared one would end the test session's."""
+    import subprocess
+    import sys
+
+    code = (
+        "from pyspark.sql import SparkSession\n"
+        "from spark_dl.data import shards\n"
+        "s = SparkSession.builder.master('local[1]').config('spark.ui.enabled', 'false').getOrCreate()\n"
+        "df = s.range(4)\n"
+        "s.stop()\n"
+        "shards(df)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "LaunchRefused" in proc.stderr and "a SparkSession that was stopped" in proc.stderr
+    assert "Py4J" not in proc.stderr
+
+
 def read_then_fail_once(data, epochs, batch_size):
     import os
 

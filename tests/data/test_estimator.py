@@ -222,6 +222,11 @@ def test_bad_estimators_and_inputs_are_refused(spark, digits):
         ({"val_batch_size": 2.5}, "val_batch_size must be an int >= 1, got 2.5"),
         ({"train_steps_per_epoch": 0}, "train_steps_per_epoch must be an int >= 1"),
         ({"gradient_compression": "fp16"}, "gradient_compression must be a compressor from spark_dl.compression"),
+        ({"loss": torch.nn.MSELoss}, r"loss is the class torch.nn.modules.loss.MSELoss, not a loss: pass an instance"),
+        ({"feature_cols": None}, "feature_cols must be a column name or a non-empty list of them, got None"),
+        ({"seed": "a"}, "seed must be an int"),
+        ({"shuffle": 1}, "shuffle must be True or False"),
+        ({"prediction_col": ""}, "prediction_col must be a column name"),
     ]:
         with pytest.raises(LaunchRefused, match=match):
             TorchEstimator(**{**good, **change})
@@ -235,6 +240,34 @@ def test_bad_estimators_and_inputs_are_refused(spark, digits):
         TorchModel(model, ["pixels"], prediction_col="label").transform(train)
     with pytest.raises(LaunchRefused, match="empty"):
         fitted.transform(train.limit(0))
+    import pandas as pd
+
+    with pytest.raises(LaunchRefused, match=r"TorchEstimator.fit\(df\) takes a pyspark.sql.DataFrame, got pandas"):
+        TorchEstimator(**good).fit(pd.DataFrame({"pixels": [1.0], "label": [0]}))
+    with pytest.raises(LaunchRefused, match=r"TorchModel.transform\(df\) takes a pyspark.sql.DataFrame, got None"):
+        fitted.transform(None)
+    # the model and the columns do not fit: the driver's one-row probe says so, with the shapes
+    with pytest.raises(LaunchRefused, match=r"running the model on one row of feature_cols \['pixels'\] \(tensors of "
+                                            r"shapes \[\(1, 64\)\]\) failed with RuntimeError: mat1 and mat2"):
+        TorchModel(torch.nn.Linear(3, 1), ["pixels"]).transform(train)
+
+    class Dict(torch.nn.Module):
+        def forward(self, x):
+            return {"y": x}
+
+    with pytest.raises(LaunchRefused, match="must return a tensor or a tuple/list of tensors to predict with, got dict"):
+        TorchModel(Dict(), ["pixels"]).transform(train)
+    # counts computed with numpy are taken as ints
+    est = TorchEstimator(**{**good, "batch_size": np.int64(16), "num_proc": np.int32(2), "random_seed": np.int64(3)})
+    assert (type(est.batch_size), est.num_proc, est.random_seed) == (int, 2, 3)
+
+
+def test_an_optimizer_function_that_returns_no_optimizer_is_named(digits):
+    train, _ = digits
+    est = TorchEstimator(model=_mlp(), optimizer=lambda params: None, loss=torch.nn.functional.cross_entropy,
+                         feature_cols="pixels", label_cols="label", num_proc=2)
+    with pytest.raises(RankFailed, match=r"optimizer\(params\) returned NoneType, not a torch.optim.Optimizer"):
+        est.fit(train.limit(64))
 
 
 def failing_loss(output, labels):
