@@ -12,10 +12,15 @@ So a rank can decompress another rank's payload for the same region with its own
 """
 from __future__ import annotations
 
+import inspect
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Hashable
 
 import torch
+
+from spark_dl.errors import as_int
 
 Key = Hashable
 
@@ -125,3 +130,84 @@ def flat32(tensor: torch.Tensor) -> torch.Tensor:
 def restore(flat: torch.Tensor, meta: Meta) -> torch.Tensor:
     """Back to the original shape and dtype."""
     return flat.to(meta.dtype).reshape(meta.shape)
+
+
+def _public_compressors() -> dict[str, type]:
+    """Compressor classes by lower-case name, to suggest the one a string like ``"qsgd"`` means."""
+    found, todo = {}, [Compressor]
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        if not cls.__name__.startswith("_"):
+            found.setdefault(cls.__name__.lower(), cls)
+    return found
+
+
+def _needs_arguments(cls: type) -> bool:
+    try:
+        params = inspect.signature(cls).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: let the call itself say what it needs
+        return False
+    named = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+             inspect.Parameter.KEYWORD_ONLY)
+    return any(p.default is inspect.Parameter.empty and p.kind in named for p in params)
+
+
+def as_compressor(value: Any, who: str, *, instances_only: bool = False) -> Compressor:
+    """``value`` as a compressor, checked where it is handed over rather than at the first compress.
+
+    An instance is returned as is; a :class:`Compressor` subclass that takes no arguments is
+    instantiated (as ``hvd``'s ``compression=`` does); anything else is a TypeError that says what
+    to pass. ``instances_only`` (:func:`allreduce`, called every step) refuses classes too: a fresh
+    instance per call would drop the state a compressor keeps between calls.
+    """
+    if isinstance(value, Compressor):
+        return value
+    if isinstance(value, type) and issubclass(value, Compressor):
+        name = value.__name__
+        if _needs_arguments(value):
+            raise TypeError(f"{who} got the class {name}, which takes arguments: pass {name}(...) (an instance).")
+        if instances_only:
+            raise TypeError(
+                f"{who} got the class {name}: pass {name}() (an instance), created once and reused on every "
+                "call; a compressor keeps state between calls (error feedback, warm starts, step counters)."
+            )
+        return value()
+    hint = "QSGD(), TopK(0.01) or PowerSGD()"
+    if isinstance(value, str):
+        cls = _public_compressors().get(value.replace("_", "").replace("-", "").lower())
+        if cls is not None:
+            hint = f"{cls.__name__}({'...' if _needs_arguments(cls) else ''})"
+    raise TypeError(f"{who} got {value!r}, which is not a spark_dl.compression.Compressor: use an instance "
+                    f"such as {hint}.")
+
+
+def int_param(value: Any, who: str, name: str, low: int | None = None, high: int | None = None, *,
+              none: bool = False, why: str = "") -> int | None:
+    """A constructor's integer parameter (numpy integers included, bools not) as a Python int, or a
+    ValueError naming the compressor, the parameter, what it must be and the value; ``none``:
+    ``None`` is allowed and returned as is."""
+    if value is None and none:
+        return None
+    n = as_int(value)
+    if n is None or (low is not None and n < low) or (high is not None and n > high):
+        span = f" in {low}..{high}" if low is not None and high is not None else \
+            f" >= {low}" if low is not None else ""
+        raise ValueError(f"{who} {name} must be an int{span}{' or None' if none else ''}{why}, got {value!r}")
+    return n
+
+
+def real_param(value: Any, who: str, name: str, low: float, high: float | None = None, *,
+               open_low: bool = False) -> float:
+    """A constructor's real-number parameter as a float: finite, not a bool, ``low <= value``
+    (``<`` with ``open_low``) and ``value <= high``; else a ValueError that says so."""
+    # an int is finite (math.isfinite would overflow on a huge one)
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and (
+        isinstance(value, numbers.Integral) or math.isfinite(value))
+    if ok:
+        ok = (value > low if open_low else value >= low) and (high is None or value <= high)
+    if not ok:
+        span = f"in {'(' if open_low else '['}{low:g}, {high:g}]" if high is not None else \
+            f"{'>' if open_low else '>='} {low:g}"
+        raise ValueError(f"{who} {name} must be a finite real number {span}, got {value!r}")
+    return float(value)

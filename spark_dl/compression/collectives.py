@@ -25,7 +25,9 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .base import Compressor, Payload
+from spark_dl.errors import as_int
+
+from .base import Compressor, Payload, as_compressor
 from .fp import NoneCompressor, _Cast
 from .powersgd import PowerSGD
 from .stats import stats
@@ -199,13 +201,22 @@ def _scatter_reduce_allgather(x: torch.Tensor, c: Compressor, name: Any, group: 
     return out.to(x.dtype).reshape(x.shape)
 
 
-def _check_layout(layout: Sequence[Sequence[int]], tensor: torch.Tensor) -> None:
+def _dims(layout: Any) -> list[list[int]] | None:
+    """``layout`` as lists of Python ints, or None where it is not a list of sequences of ints."""
     try:
-        sizes = [math.prod(int(d) for d in shape) for shape in layout]
-        bad = any(int(d) < 0 for shape in layout for d in shape)
-    except TypeError:
-        raise TypeError(f"layout must be a list of shapes (sequences of ints), got {layout!r}") from None
-    if bad or sum(sizes) != tensor.numel():
+        dims = [None if isinstance(shape, (str, bytes)) else [as_int(d) for d in shape] for shape in layout]
+    except TypeError:  # not iterable
+        return None
+    return None if any(shape is None or None in shape for shape in dims) else dims
+
+
+def _check_layout(layout: Sequence[Sequence[int]], tensor: torch.Tensor) -> None:
+    # as_int: a dimension such as "3" or 2.5 is not silently converted (int() would take both)
+    dims = None if isinstance(layout, (str, bytes)) else _dims(layout)
+    if dims is None:
+        raise TypeError(f"layout must be a list of shapes (sequences of ints), got {layout!r}")
+    sizes = [math.prod(shape) for shape in dims]
+    if any(d < 0 for shape in dims for d in shape) or sum(sizes) != tensor.numel():
         raise ValueError(
             f"layout describes {sum(sizes)} elements in {len(sizes)} tensors but the tensor has "
             f"{tensor.numel()}: pass the shapes of exactly the tensors packed in it, in order."
@@ -230,7 +241,8 @@ def allreduce(tensor: torch.Tensor, compression: Compressor | None = None, *,
     """
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
-    c = NoneCompressor() if compression is None else compression
+    # an instance only: a class or a name would fail deep inside (or lose its state every call)
+    c = NoneCompressor() if compression is None else as_compressor(compression, "allreduce", instances_only=True)
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"allreduce takes a torch.Tensor, got {type(tensor).__name__}")
     if c.stateful and name is None:

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .base import Compressor
+from .base import Compressor, as_compressor
 from .collectives import OPS, allreduce
 from .fp import NoneCompressor
 
@@ -82,10 +82,12 @@ def compressed_hook(state: DDPHookState, bucket: dist.GradBucket) -> torch.futur
 
 def make_ddp_hook(compressor: Compressor | None = None, *, op: str = "average",
                   process_group: Any = None) -> tuple[DDPHookState, Callable]:
-    """``(state, hook)`` for ``DistributedDataParallel.register_comm_hook(state, hook)``."""
+    """``(state, hook)`` for ``DistributedDataParallel.register_comm_hook(state, hook)``. ``compressor``:
+    an instance, or a compressor class that takes no arguments (instantiated once, here)."""
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
-    state = DDPHookState(NoneCompressor() if compressor is None else compressor, op, process_group)
+    c = NoneCompressor() if compressor is None else as_compressor(compressor, "make_ddp_hook")
+    state = DDPHookState(c, op, process_group)
     return state, compressed_hook
 
 

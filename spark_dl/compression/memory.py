@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .base import Compressor, Key, Payload, check_float
+from .base import Compressor, Key, Payload, as_compressor, check_float
 
 
 def key_matches(key: Key, prefix: Key) -> bool:
@@ -132,7 +132,7 @@ class ErrorFeedback(Compressor):
     """Wraps any compressor with error-feedback memory keyed by tensor name (see module doc)."""
 
     def __init__(self, compressor: Compressor) -> None:
-        self.compressor = compressor
+        self.compressor = as_compressor(compressor, "ErrorFeedback")
         self.residuals = Residuals()
 
     @property

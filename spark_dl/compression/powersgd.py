@@ -36,7 +36,7 @@ from typing import Callable, Sequence
 import torch
 
 from . import native
-from .base import Compressor, Key, Meta, Payload, check_float, restore
+from .base import Compressor, Key, Meta, Payload, check_float, int_param, real_param, restore
 from .memory import PendingResiduals, key_matches
 from .rng import generator
 
@@ -127,13 +127,11 @@ class PowerSGD(Compressor):
 
     def __init__(self, rank: int = 4, start_iter: int = 10, warm_start: bool = True,
                  min_compression_rate: float = 2.0, seed: int = 0) -> None:
-        if rank < 1:
-            raise ValueError(f"PowerSGD rank must be >= 1, got {rank}")
-        self.rank = rank
-        self.start_iter = start_iter
+        self.rank = int_param(rank, "PowerSGD", "rank", 1)
+        self.start_iter = int_param(start_iter, "PowerSGD", "start_iter", 0)
         self.warm_start = warm_start
-        self.min_compression_rate = min_compression_rate
-        self.seed = seed
+        self.min_compression_rate = real_param(min_compression_rate, "PowerSGD", "min_compression_rate", 0.0)
+        self.seed = int_param(seed, "PowerSGD", "seed")
         self.residuals = FactoredResiduals()
         self.qs: dict[Key, torch.Tensor] = {}
         self.steps: dict[Key, int] = {}

@@ -7,11 +7,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Compressor, Key, Meta, Payload, check_float, flat32, restore
+from .base import Compressor, Key, Meta, Payload, check_float, flat32, int_param, restore
 from . import native
 from .bits import pack, unpack
 from .sums import bucket_sums
 from .rng import counter_uniform, generator, process_rank
+
+
+MAX_LEVELS = 127  # the most levels whose 2s + 1 signed codes fit in 8 bits
 
 
 @dataclass
@@ -30,13 +33,14 @@ class QSGD(Compressor):
     Wire: one float32 norm per bucket + the signed level in [-s, s] packed in
     ceil(log2(2s+1)) bits (4 bits for the default s = 7: about 8x fewer bytes than fp32).
     Not summable. Every rank draws its own noise (seeded by ``seed``, rank and call count).
+    ``levels`` s is 1..127: the 2s + 1 signed codes fit in at most 8 bits.
     """
 
     def __init__(self, levels: int = 7, bucket_size: int | None = 512, seed: int | None = None) -> None:
-        if levels < 1:
-            raise ValueError(f"QSGD needs levels >= 1, got {levels}")
-        if bucket_size is not None and bucket_size < 1:
-            raise ValueError(f"bucket_size must be >= 1 or None, got {bucket_size}")
+        # 2s + 1 codes must fit the 8-bit codes bits.pack and the native kernels handle: s <= 127.
+        levels = int_param(levels, "QSGD", "levels", 1, MAX_LEVELS, why=" (a code has at most 8 bits)")
+        bucket_size = int_param(bucket_size, "QSGD", "bucket_size", 1, none=True)
+        seed = int_param(seed, "QSGD", "seed", none=True)
         self.levels = levels
         self.bucket_size = bucket_size
         self.seed = int.from_bytes(os.urandom(7), "little") if seed is None else seed

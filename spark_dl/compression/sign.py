@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Compressor, Key, Meta, Payload, check_float, flat32, restore
+from .base import Compressor, Key, Meta, Payload, check_float, flat32, int_param, restore
 from . import native
 from .bits import pack, unpack
 from .sums import bucket_counts, bucket_sums
@@ -33,9 +33,7 @@ class SignMeans(Compressor):
     """
 
     def __init__(self, bucket_size: int | None = None) -> None:
-        if bucket_size is not None and bucket_size < 1:
-            raise ValueError(f"bucket_size must be >= 1 or None, got {bucket_size}")
-        self.bucket_size = bucket_size
+        self.bucket_size = int_param(bucket_size, type(self).__name__, "bucket_size", 1, none=True)
 
     def _bucket(self, n: int) -> int:
         return max(1, n if self.bucket_size is None else min(self.bucket_size, n))
@@ -217,7 +215,7 @@ class OneBit(_DeferredEF):
     """
 
     def __init__(self, bucket_size: int | None = 1024) -> None:
-        super().__init__(SignMeans(bucket_size))
+        super().__init__(SignMeans(int_param(bucket_size, "OneBit", "bucket_size", 1, none=True)))
         self.residuals = DeferredResiduals()
 
     def compress(self, tensor: torch.Tensor, key: Key = None) -> Payload:

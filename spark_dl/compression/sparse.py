@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from . import native
-from .base import Compressor, Key, Meta, Payload, check_float, flat32, restore
+from .base import Compressor, Key, Meta, Payload, check_float, flat32, int_param, real_param, restore
 from .rng import generator
 
 
@@ -25,11 +25,6 @@ def _subtract_kept(p: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> 
     return p
 
 
-def _check_ratio(ratio: float) -> None:
-    if not 0.0 < ratio <= 1.0:
-        raise ValueError(f"ratio must be in (0, 1], got {ratio}")
-
-
 class TopK(Compressor):
     """Keeps the k = ceil(ratio * n) entries of largest |g_i|, zeroes the rest.
 
@@ -39,8 +34,7 @@ class TopK(Compressor):
     """
 
     def __init__(self, ratio: float = 0.01) -> None:
-        _check_ratio(ratio)
-        self.ratio = ratio
+        self.ratio = real_param(ratio, "TopK", "ratio", 0.0, 1.0, open_low=True)
 
     def _params(self) -> dict:
         return {"ratio": self.ratio}
@@ -101,9 +95,8 @@ class RandomK(Compressor):
     summable = True
 
     def __init__(self, ratio: float = 0.01, seed: int = 0, scale: bool = False) -> None:
-        _check_ratio(ratio)
-        self.ratio = ratio
-        self.seed = seed
+        self.ratio = real_param(ratio, "RandomK", "ratio", 0.0, 1.0, open_low=True)
+        self.seed = int_param(seed, "RandomK", "seed")
         self.scale = scale
         self.steps: dict[Key, int] = {}
 

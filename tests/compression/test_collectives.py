@@ -307,3 +307,24 @@ def test_out_receives_the_result_even_when_it_is_the_input(ranks):
     for (key, op), (is_x, same, is_other, same_again) in ranks[0]["into"].items():
         assert is_x and is_other, (key, op)
         assert same and same_again, (key, op)
+
+
+@pytest.mark.parametrize("compression,message", [
+    ("qsgd", r"allreduce got 'qsgd', which is not a spark_dl.compression.Compressor: use an instance such as QSGD\(\)"),
+    ("top-k", r"such as TopK\(\)"),
+    (3, r"allreduce got 3, which is not a spark_dl.compression.Compressor"),
+    # a fresh instance every call would drop the state a compressor keeps between calls
+    (C.QSGD, r"allreduce got the class QSGD: pass QSGD\(\) \(an instance\), created once and reused"),
+    (C.OneBit, r"pass OneBit\(\) \(an instance\)"),
+    (C.ErrorFeedback, r"allreduce got the class ErrorFeedback, which takes arguments: pass ErrorFeedback\(...\)"),
+])
+def test_allreduce_refuses_what_is_not_a_compressor_instance(compression, message):
+    # refused before any collective: no process group is needed to see it
+    with pytest.raises(TypeError, match=message):
+        C.allreduce(grad(0), compression, name="g")
+
+
+@pytest.mark.parametrize("layout", ["abc", [(2.5, 4)], [("3", 4)], 5, [None], [b"ab"]])
+def test_allreduce_refuses_a_layout_that_is_not_a_list_of_shapes(layout):
+    with pytest.raises(TypeError, match="layout must be a list of shapes"):
+        C.allreduce(grad(0), C.PowerSGD(), name="g", layout=layout)

@@ -5,6 +5,7 @@ import pickle
 
 import pytest
 
+import spark_dl.compression as C
 from spark_dl import HorovodRunner
 
 
@@ -115,3 +116,20 @@ def test_ddp_hook_powersgd_factors_each_weight_of_a_bucket(ranks):
     assert sorted(q for _, q in shapes) == [(8, 2), (16, 2)], shapes
     for (bucket, position), _ in shapes:
         assert bucket.startswith("ddp.bucket") and isinstance(position, int)
+
+
+@pytest.mark.parametrize("compressor,message", [
+    ("qsgd", r"make_ddp_hook got 'qsgd', which is not a spark_dl.compression.Compressor: use an instance "
+             r"such as QSGD\(\)"),
+    (object(), "make_ddp_hook got <object object at .*>, which is not a spark_dl.compression.Compressor"),
+    (C.ErrorFeedback, r"make_ddp_hook got the class ErrorFeedback, which takes arguments: pass ErrorFeedback\(...\)"),
+])
+def test_make_ddp_hook_refuses_what_is_not_a_compressor(compressor, message):
+    with pytest.raises(TypeError, match=message):
+        C.make_ddp_hook(compressor)
+
+
+def test_make_ddp_hook_instantiates_a_compressor_class_once():
+    state, hook = C.make_ddp_hook(C.QSGD)  # kept in the state: its one instance lives across steps
+    assert isinstance(state.compressor, C.QSGD) and hook is C.compressed_hook
+    assert C.make_ddp_hook()[0].compressor.__class__ is C.NoneCompressor

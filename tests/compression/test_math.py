@@ -370,3 +370,79 @@ def test_powersgd_bucket_sends_its_uncompressed_tensors_together_and_puts_them_b
     into = torch.full((n,), float("nan"))
     p.round_layers(flat, shapes, "b", two_ranks, world=2, scale=0.5, into=into)
     assert not into.isnan().any() and all(torch.equal(into[a:b], flat[a:b].float() * 0.5) for a, b in raw)
+
+
+LEVELS = "QSGD levels must be an int in 1..127"
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda: C.QSGD(levels=128), LEVELS + r".*got 128"),  # 2s + 1 = 257 codes: 9 bits
+    (lambda: C.QSGD(levels=10**6), LEVELS),
+    (lambda: C.QSGD(levels=0), LEVELS),
+    (lambda: C.QSGD(levels=2.5), LEVELS + r".*got 2.5"),
+    (lambda: C.QSGD(levels=float("nan")), LEVELS),
+    (lambda: C.QSGD(levels=float("inf")), LEVELS),
+    (lambda: C.QSGD("4"), LEVELS + r".*got '4'"),
+    (lambda: C.QSGD(levels=True), LEVELS),
+    (lambda: C.QSGD(bucket_size=2.5), "QSGD bucket_size must be an int >= 1 or None, got 2.5"),
+    (lambda: C.QSGD(bucket_size=0), "QSGD bucket_size must be an int >= 1 or None"),
+    (lambda: C.QSGD(seed="a"), "QSGD seed must be an int or None, got 'a'"),
+    (lambda: C.OneBit(bucket_size=2.5), "OneBit bucket_size must be an int >= 1 or None, got 2.5"),
+    (lambda: C.OneBit(bucket_size="8"), "OneBit bucket_size must be an int"),
+    (lambda: C.SignMeans(0), "SignMeans bucket_size must be an int >= 1 or None, got 0"),
+    (lambda: C.PowerSGD(rank=2.5), "PowerSGD rank must be an int >= 1, got 2.5"),
+    (lambda: C.PowerSGD(None), "PowerSGD rank must be an int >= 1, got None"),
+    (lambda: C.PowerSGD(rank=0), "PowerSGD rank must be an int >= 1, got 0"),
+    (lambda: C.PowerSGD(start_iter=-1), "PowerSGD start_iter must be an int >= 0, got -1"),
+    (lambda: C.PowerSGD(start_iter=1.5), "PowerSGD start_iter must be an int >= 0"),
+    (lambda: C.PowerSGD(min_compression_rate=float("nan")), "PowerSGD min_compression_rate must be a finite real"),
+    (lambda: C.PowerSGD(min_compression_rate="2"), "PowerSGD min_compression_rate must be a finite real"),
+    (lambda: C.PowerSGD(min_compression_rate=-1.0), r"PowerSGD min_compression_rate must be .* >= 0, got -1.0"),
+    (lambda: C.PowerSGD(seed=0.5), "PowerSGD seed must be an int, got 0.5"),
+    (lambda: C.TopK(None), r"TopK ratio must be a finite real number in \(0, 1\], got None"),
+    (lambda: C.TopK(0), r"TopK ratio must be a finite real number in \(0, 1\], got 0"),
+    (lambda: C.TopK(1.5), r"TopK ratio must be .*got 1.5"),
+    (lambda: C.TopK(float("nan")), "TopK ratio must be a finite real"),
+    (lambda: C.TopK(True), "TopK ratio must be a finite real"),
+    (lambda: C.TopK("0.1"), "TopK ratio must be a finite real"),
+    (lambda: C.RandomK(float("inf")), "RandomK ratio must be a finite real"),
+    (lambda: C.RandomK(seed="a"), "RandomK seed must be an int, got 'a'"),
+    (lambda: C.RandomK(seed=1.0), "RandomK seed must be an int, got 1.0"),
+])
+def test_bad_constructor_parameters_are_refused_at_construction(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_numpy_integers_and_the_largest_qsgd_level_count_work(monkeypatch):
+    np = pytest.importorskip("numpy")
+    q = C.QSGD(levels=np.int64(5), bucket_size=np.int32(8), seed=np.int64(3))
+    assert (q.levels, q.bucket_size, q.seed) == (5, 8, 3) and type(q.levels) is int
+    assert C.PowerSGD(rank=np.int64(2), start_iter=np.int16(0), min_compression_rate=np.float32(1)).rank == 2
+    assert C.RandomK(np.float64(0.5), seed=np.uint8(7)).seed == 7 and C.TopK(1).ratio == 1.0
+    assert C.OneBit(np.int64(16)).compressor.bucket_size == 16
+    g = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    for native_switch in ("1", "0"):  # the C kernels and the torch path: 2 * 127 + 1 codes fit 8 bits
+        monkeypatch.setenv("SPARK_DL_NATIVE", native_switch)
+        q = C.QSGD(levels=127, bucket_size=64, seed=1)
+        assert q.code_bits == 8
+        assert torch.allclose(q.decompress(q.compress(g)), g, atol=0.1)
+
+
+@pytest.mark.parametrize("inner,message", [
+    ("topk", r"ErrorFeedback got 'topk', which is not a spark_dl.compression.Compressor: use an instance "
+             r"such as TopK\(\)"),
+    (None, "ErrorFeedback got None, which is not a spark_dl.compression.Compressor"),
+    (0.01, "ErrorFeedback got 0.01, which is not"),
+    (C.ErrorFeedback, r"ErrorFeedback got the class ErrorFeedback, which takes arguments: pass ErrorFeedback\(...\)"),
+])
+def test_error_feedback_refuses_what_is_not_a_compressor(inner, message):
+    with pytest.raises(TypeError, match=message):
+        C.ErrorFeedback(inner)
+
+
+def test_error_feedback_instantiates_a_compressor_class_that_takes_no_arguments():
+    ef = C.ErrorFeedback(C.TopK)  # as hvd's compression= does with a class
+    assert isinstance(ef.compressor, C.TopK) and ef.compressor.ratio == 0.01
+    g = torch.randn(50)
+    assert ef.decompress(ef.compress(g, key="w")).shape == g.shape
