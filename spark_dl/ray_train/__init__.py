@@ -11,6 +11,7 @@ keeps the latest for a restarted run (``FailureConfig(max_failures=N)``) to resu
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import io
@@ -24,6 +25,7 @@ import tarfile
 import tempfile
 import threading
 import time
+import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
@@ -43,7 +45,8 @@ from .resume import Resume, ResumeServer, fetched_directory
 from .storage import Storage, checkpoint_folder, storage_mode
 
 __all__ = [
-    "TorchTrainer", "ScalingConfig", "RunConfig", "FailureConfig", "CheckpointConfig", "Checkpoint", "Result",
+    "TorchTrainer", "ScalingConfig", "RunConfig", "FailureConfig", "CheckpointConfig", "SyncConfig", "Checkpoint",
+    "Result",
     "report", "get_context", "get_checkpoint", "get_dataset_shard", "TrainContext",
     "get_device", "prepare_model", "prepare_data_loader",
 ]
@@ -89,15 +92,90 @@ class CheckpointConfig:
 
 
 @dataclass
+class SyncConfig:
+    """Ray's ``SyncConfig``, accepted for its defaults: checkpoints are written straight into
+    ``storage_path`` as they are reported, so there is nothing to sync; ``sync_artifacts=True``
+    (Ray uploads files the workers write into their trial folder) is refused at construction."""
+
+    sync_period: int = 300
+    sync_timeout: int = 1800
+    sync_artifacts: bool = False
+    sync_artifacts_on_checkpoint: bool = True
+
+
+@dataclass
 class RunConfig:
     """``name`` names the MLflow run and the result folder ``storage_path/name`` (default
-    ``~/spark_dl_results``, as Ray's is ``~/ray_results``)."""
+    ``~/spark_dl_results``, as Ray's is ``~/ray_results``).
+
+    Ray's other fields are accepted where they change nothing here: ``verbose``, ``sync_config``
+    (without ``sync_artifacts``), ``storage_filesystem=pyarrow.fs.LocalFileSystem()``, empty
+    ``callbacks``/``worker_runtime_env``; ``TorchTrainer`` refuses the rest with the spark-dl way
+    to get their effect (``stop``, ``callbacks``, ``progress_reporter``, ``log_to_file``,
+    ``local_dir``, other file systems, ``worker_runtime_env``)."""
 
     name: str | None = None
     storage_path: str | os.PathLike | None = None
     failure_config: FailureConfig | None = None
     checkpoint_config: CheckpointConfig | None = None
     verbose: int | None = None
+    # Ray's, after spark-dl's own (a positional RunConfig(name, path, failure_config) keeps working)
+    storage_filesystem: Any = None
+    sync_config: SyncConfig | None = None
+    stop: Any = None
+    callbacks: list | None = None
+    progress_reporter: Any = None
+    log_to_file: bool | str | tuple = False
+    local_dir: str | None = None
+    worker_runtime_env: dict | None = None
+
+
+def _run_config_refusal(config: RunConfig) -> str | None:
+    """Why ``config`` asks for something spark-dl does not do (None: nothing): the field, and the
+    spark-dl way to its effect."""
+    if config.stop is not None:
+        return (f"RunConfig(stop={config.stop!r}): stop criteria are not supported; end the loop yourself when a "
+                "metric says so, on every worker alike (e.g. decide on rank 0 and share it with "
+                "train.collective.broadcast_from_rank_zero), so every worker reports as many times")
+    callbacks = config.callbacks or []
+    callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+    if callbacks:
+        names = [type(c).__name__ for c in callbacks]
+        if any("mlflow" in n.lower() for n in names):
+            return (f"RunConfig(callbacks={names}): MLflow tracking is built in (rank 0's reports are the run's "
+                    "metrics, train_loop_config its params): drop the MLflow callback")
+        return (f"RunConfig(callbacks={names}): Ray Tune/Train callbacks are not run; reports reach MLflow (built in) "
+                "and Result.metrics_dataframe, and code can go in the loop (rank 0) or after fit()")
+    if config.progress_reporter is not None:
+        return ("RunConfig(progress_reporter=...): no progress tables are printed; rank 0's reports are MLflow "
+                "metrics as they come (and train.report's metrics are in Result.metrics_dataframe): drop it")
+    if config.log_to_file:
+        return (f"RunConfig(log_to_file={config.log_to_file!r}): every rank's stdout/stderr is printed on the driver, "
+                "tagged with its rank, and kept in the MLflow run as logs/rank<r>.txt: drop log_to_file")
+    if config.local_dir is not None:
+        return f"RunConfig(local_dir={config.local_dir!r}): Ray's deprecated name; pass storage_path"
+    if config.worker_runtime_env:
+        return ("RunConfig(worker_runtime_env=...): the workers are Spark tasks, in the executors' environment; set "
+                "it through Spark (spark.executorEnv.<NAME>, --py-files/--archives, the cluster's Python environment)")
+    if getattr(config.sync_config, "sync_artifacts", False):
+        return ("RunConfig(sync_config=SyncConfig(sync_artifacts=True)): nothing is synced: checkpoints are written "
+                "into storage_path as reported; write other files into storage_path/name yourself "
+                "(train.get_context().get_trial_dir(), on storage every executor mounts)")
+    fs = config.storage_filesystem
+    if fs is not None and not _local_filesystem(fs):
+        return (f"RunConfig(storage_filesystem={type(fs).__name__}): spark-dl writes checkpoints to a file system "
+                "path; drop storage_filesystem and pass the folder where the storage is mounted on the driver and "
+                "executors as storage_path")
+    return None
+
+
+def _local_filesystem(fs: Any) -> bool:
+    """Whether ``fs`` is pyarrow's local file system: paths on it are file system paths, as spark-dl's are."""
+    try:
+        from pyarrow.fs import LocalFileSystem
+    except ImportError:  # no pyarrow here: then fs cannot be one
+        return False
+    return isinstance(fs, LocalFileSystem)
 
 
 # -- checkpoints: directories, packed for the trip to the driver -----------------------------------
@@ -178,6 +256,8 @@ class TrainContext:
     node_rank: int
     experiment_name: str
     metadata: dict = field(default_factory=dict)
+    trial_dir: str = ""
+    trial_id: str = ""
 
     def get_metadata(self) -> dict:
         """``TorchTrainer(metadata=...)``, as Ray gives it to the workers (a copy)."""
@@ -204,6 +284,16 @@ class TrainContext:
     def get_trial_name(self) -> str:
         return self.experiment_name
 
+    def get_trial_dir(self) -> str:
+        """The run's folder, ``storage_path/name`` (``Result.path``), as the driver names it: a path
+        on this worker's host, shared with the driver only where ``storage_path`` is mounted on every
+        executor."""
+        return self.trial_dir
+
+    def get_trial_id(self) -> str:
+        """The run's id: made by a fit that starts a run, kept by ``TorchTrainer.restore`` fits."""
+        return self.trial_id
+
 
 @dataclass
 class _Worker:
@@ -219,6 +309,12 @@ class _Worker:
     group: Any = None  # a Gloo group for report()'s checkpoint exchange (the default group on CPU)
     storage: Storage | None = None  # set when every worker sees storage_path: checkpoints are written there
     metadata: dict = field(default_factory=dict)  # TorchTrainer(metadata=...): in every reported checkpoint
+    path: str = ""  # storage_path/name, as the driver names it
+    trial_id: str = ""
+    # checkpoint_dir_name: what the run folder held when the fit started, and the names this fit's
+    # reports used (carried over a restart), each refused for a later report
+    taken: frozenset = frozenset()
+    names: dict = field(default_factory=dict)
 
 
 _worker: _Worker | None = None
@@ -235,13 +331,15 @@ def get_context() -> TrainContext:
     w = _current()
     env = os.environ
     return TrainContext(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]),
-                        int(env["LOCAL_WORLD_SIZE"]), int(env["GROUP_RANK"]), w.name, w.metadata)
+                        int(env["LOCAL_WORLD_SIZE"]), int(env["GROUP_RANK"]), w.name, w.metadata, w.path, w.trial_id)
 
 
-def report(metrics: Mapping[str, Any], checkpoint: Checkpoint | None = None) -> None:
+def report(metrics: Mapping[str, Any], checkpoint: Checkpoint | None = None,
+           checkpoint_dir_name: str | None = None) -> None:
     """Report ``metrics`` (rank 0's land in MLflow, step = the report's index, and in the result)
     and a ``checkpoint``: as in Ray, every worker's checkpoint directory (those that pass one) is
-    merged into one ``storage_path/name/checkpoint_<n>``, kept for a restart and for
+    merged into one ``storage_path/name/checkpoint_<n>`` (or ``checkpoint_dir_name``: the same
+    plain folder name on every worker, once per run), kept for a restart and for
     ``Result.checkpoint``: written by the workers when they all see that folder, else sent through
     rank 0 to the driver. Every worker must call it as many times (Ray's rule): the checkpoints
     are exchanged here."""
@@ -251,6 +349,7 @@ def report(metrics: Mapping[str, Any], checkpoint: Checkpoint | None = None) -> 
     if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
         raise TypeError(f"report(checkpoint=...) takes a Checkpoint, got {type(checkpoint).__name__}: "
                         "Checkpoint.from_directory(path)")
+    name = _checkpoint_dir_name(checkpoint_dir_name, w) if checkpoint_dir_name is not None else None
     values = {k: _plain(v) for k, v in metrics.items()}
     step = len(w.reports)
     w.reports.append(values)
@@ -259,69 +358,121 @@ def report(metrics: Mapping[str, Any], checkpoint: Checkpoint | None = None) -> 
     if numbers:
         log_metrics(numbers, step=step)
     if w.storage is not None:
-        _report_to_storage(checkpoint, w, step)
+        _report_to_storage(checkpoint, w, step, name)
         return
     mine = _pack(checkpoint.path) if checkpoint is not None else None
-    parts, sizes = _gather_checkpoints(mine, w) if get_context().world_size > 1 else ([mine], [0])
+    # the sizes go round first (-1: none), so only the ranks that have a checkpoint send one
+    sizes = [len(mine) if mine is not None else -1, _name_code(name)]
+    every = _all_gather_ints(sizes, w) if get_context().world_size > 1 else [sizes]
+    registered = any(n >= 0 for n, _ in every)
+    if registered:
+        _agree_on_name(every, name, w, step)
+    parts = _gather_checkpoints(mine, [n for n, _ in every], w) if get_context().world_size > 1 else [mine]
     if any(p is not None for p in parts):  # only rank 0 holds the parts
         w.checkpoint = _merge(parts, w.metadata)
         # the driver keeps it for restarts and writes it to storage_path (_CheckpointKeeper)
-        save_checkpoint({"ray_train_checkpoint": w.checkpoint, "reports": w.reports}, step=step)
-    if get_context().world_size > 1 and any(n >= 0 for n in sizes):
-        _all_gather_int(0, w)  # as Ray's report is a barrier: no worker goes on before the checkpoint is kept
+        save_checkpoint({"ray_train_checkpoint": w.checkpoint, "ray_train_name": name, "reports": w.reports,
+                         "names": w.names}, step=step)
+    if get_context().world_size > 1 and registered:
+        _all_gather_ints([0], w)  # as Ray's report is a barrier: no worker goes on before the checkpoint is kept
 
 
 REPORT_STALL_S = 60.0  # a worker waiting this long in report() says why it may be stuck
 
 
-def _report_to_storage(checkpoint: Checkpoint | None, w: "_Worker", step: int) -> None:
+def _checkpoint_dir_name(name: Any, w: "_Worker") -> str:
+    """``report(checkpoint_dir_name=...)`` checked on this worker: a plain folder name, new to the run."""
+    what = f"train.report(checkpoint_dir_name={name!r})"
+    if not isinstance(name, str):
+        raise TypeError(f"{what}: give the checkpoint folder's name as a str")
+    if (not name or name in (".", "..") or "/" in name or os.sep in name or (os.altsep and os.altsep in name)
+            or "\0" in name or len(name.encode("utf-8", "surrogateescape")) > 255):
+        raise ValueError(f"{what}: give a plain folder name (no '/', not '.' or '..', at most 255 bytes), "
+                         "kept as storage_path/name/<it>")
+    if name.startswith("."):
+        raise ValueError(f"{what}: names starting with '.' are the run's staging and probe files; drop the dot")
+    if re.fullmatch(r"checkpoint_\d+", name):
+        raise ValueError(f"{what}: checkpoint_<number> names are the automatic ones (of checkpoints reported "
+                         "without a name), which a later report could take; pick another, e.g. 'epoch_3'")
+    if name in w.names:
+        raise ValueError(f"{what}: report {w.names[name]} of this fit already put a checkpoint under that name; "
+                         "name each checkpoint once (e.g. with its epoch), or leave checkpoint_dir_name out")
+    if name in w.taken:
+        raise ValueError(f"{what}: {w.path} already holds {name!r} (an earlier fit's checkpoint, or the run's own "
+                         "file), which this report would overwrite; pick another name")
+    return name
+
+
+def _name_code(name: str | None) -> int:
+    """``checkpoint_dir_name`` as one int64 for report()'s all-gather: 0 for none."""
+    if name is None:
+        return 0
+    import hashlib
+
+    return (int.from_bytes(hashlib.sha256(name.encode("utf-8", "surrogateescape")).digest()[:8], "big") >> 2) + 1
+
+
+def _agree_on_name(every: list[list[int]], name: str | None, w: "_Worker", step: int) -> None:
+    """Every worker that passes a checkpoint or a ``checkpoint_dir_name`` must pass the same name
+    (a folder per report); if so, it is this run's from now on (refused for a later report)."""
+    given = {code for n, code in every if n >= 0 or code != 0}
+    if len(given) > 1:
+        ranks = [r for r, (n, code) in enumerate(every) if n >= 0 or code != 0]
+        raise ValueError(f"train.report(checkpoint_dir_name=...): the workers passing a checkpoint or a name (ranks "
+                         f"{ranks}) passed different names (rank {get_context().world_rank}: {name!r}); the report's "
+                         "checkpoint is one folder: pass the same name on every worker")
+    if name is not None:
+        w.names[name] = step
+
+
+def _report_to_storage(checkpoint: Checkpoint | None, w: "_Worker", step: int, name: str | None = None) -> None:
     """Each worker copies its files into the report's staging folder; once every worker has (the
-    all-gather of what each passed), rank 0 merges them into ``checkpoint_<n>`` and sends the
-    driver its path only."""
+    all-gather of what each passed), rank 0 merges them into ``checkpoint_<n>`` (or ``name``) and
+    sends the driver its path only."""
     rank = get_context().world_rank
     passed = _storage.stage(checkpoint.path if checkpoint is not None else None, w.storage, step, rank)
-    everyone = _all_gather_int(passed, w) if get_context().world_size > 1 else [passed]
-    if all(p < 0 for p in everyone):
+    code = _name_code(name)
+    everyone = _all_gather_ints([passed, code], w) if get_context().world_size > 1 else [[passed, code]]
+    if all(p < 0 for p, _ in everyone):
         return
+    _agree_on_name(everyone, name, w, step)
     # every rank follows the latest (the one it resumed from may be pruned once this one is kept);
     # rank 0 publishes it now, and get_checkpoint() waits for that
-    w.checkpoint = w.storage.final(step)
+    w.checkpoint = w.storage.final(step, name)
     if rank == 0:
-        _storage.publish(w.storage, step, everyone)
+        _storage.publish(w.storage, step, [p for p, _ in everyone], name)
         _stamp(w.checkpoint, w.metadata)
-        save_checkpoint({"ray_train_path": w.checkpoint, "reports": w.reports}, step=step)
+        save_checkpoint({"ray_train_path": w.checkpoint, "reports": w.reports, "names": w.names}, step=step)
     if len(everyone) > 1:
         # as Ray's report is a barrier: no worker goes on (or fails) before the checkpoint is kept,
         # so a restart resumes from it
-        _all_gather_int(0, w)
+        _all_gather_ints([0], w)
 
 
-def _all_gather_int(value: int, w: "_Worker") -> list[int]:
-    """One number from every rank, waited for with report()'s stall message."""
+def _all_gather_ints(values: list[int], w: "_Worker") -> list[list[int]]:
+    """A few numbers from every rank (the same count on each), waited for with report()'s stall message."""
     import torch
     import torch.distributed as dist
 
-    mine = torch.tensor([value], dtype=torch.int64)
-    every = [torch.zeros(1, dtype=torch.int64) for _ in range(get_context().world_size)]
+    mine = torch.tensor(values, dtype=torch.int64)
+    every = [torch.zeros(len(values), dtype=torch.int64) for _ in range(get_context().world_size)]
     _wait(dist.all_gather(every, mine, group=w.group, async_op=True))
-    return [int(t.item()) for t in every]
+    return [[int(v) for v in t.tolist()] for t in every]
 
 
-def _gather_checkpoints(mine: bytes | None, w: "_Worker") -> tuple[list[bytes | None], list[int]]:
-    """Every rank's packed checkpoint (None where it passed none), on rank 0 ([] elsewhere), and
-    every rank's size (-1: none). The sizes go round first, so only the ranks that have a
-    checkpoint send one."""
+def _gather_checkpoints(mine: bytes | None, sizes: list[int], w: "_Worker") -> list[bytes | None]:
+    """Every rank's packed checkpoint (None where it passed none), on rank 0 ([] elsewhere), given
+    every rank's size (-1: none), gathered before."""
     import torch
     import torch.distributed as dist
 
     ctx = get_context()
-    sizes = _all_gather_int(-1 if mine is None else len(mine), w)
     if ctx.world_rank != 0:
         if mine:
             # the sizes went round, so rank 0 is in this report too; Gloo's point-to-point work
             # never reads as completed before wait(), so it is not polled
             dist.send(torch.frombuffer(bytearray(mine), dtype=torch.uint8), 0, group=w.group)
-        return [], sizes
+        return []
     parts: list[bytes | None] = [mine] + [None] * (ctx.world_size - 1)
     pending = []
     for r in range(1, ctx.world_size):
@@ -332,7 +483,7 @@ def _gather_checkpoints(mine: bytes | None, w: "_Worker") -> tuple[list[bytes | 
     for r, buf, work in pending:
         work.wait()
         parts[r] = buf.numpy().tobytes()
-    return parts, sizes
+    return parts
 
 
 def _wait(work: Any) -> None:
@@ -594,9 +745,11 @@ class _Loop:
     """What every rank runs: ``train_loop_per_worker`` in a Ray worker's setting."""
 
     def __init__(self, fn: Callable, name: str, resume: Resume | None, storage: Storage | None = None,
-                 metadata: dict | None = None) -> None:
+                 metadata: dict | None = None, path: str = "", trial_id: str = "",
+                 taken: frozenset = frozenset()) -> None:
         self.fn, self.name, self.resume, self.storage = fn, name, resume, storage
         self.metadata = metadata or {}
+        self.path, self.trial_id, self.taken = path, trial_id, taken
         self.__qualname__ = getattr(fn, "__qualname__", "train_loop_per_worker")  # the MLflow run's "main"
 
     def __call__(self, train_loop_config: dict | None = None, **datasets: Any) -> dict | None:
@@ -608,7 +761,8 @@ class _Loop:
         latest = (saved.get("ray_train_path") or saved.get("ray_train_checkpoint")) if saved else self.resume
         _worker = _Worker(self.name, latest, {k: DataShard(v) for k, v in datasets.items()},
                           reports=list(saved["reports"]) if saved else [], group=group,
-                          storage=self.storage if shared else None, metadata=self.metadata)
+                          storage=self.storage if shared else None, metadata=self.metadata, path=self.path,
+                          trial_id=self.trial_id, taken=self.taken, names=dict(saved.get("names", {})) if saved else {})
         try:
             if _takes_config(self.fn):
                 self.fn(train_loop_config if train_loop_config is not None else {})
@@ -639,14 +793,16 @@ def _report_group() -> Any:
 
 class _CheckpointKeeper:
     """Driver-side observer: writes each checkpoint rank 0 reports into ``path`` as it arrives
-    (``checkpoint_<report index>``) and keeps ``num_to_keep`` of them: the best by
-    ``checkpoint_score_attribute`` if set, else the latest; the latest is always kept."""
+    (``checkpoint_<report index>``, or the report's ``checkpoint_dir_name``) and keeps
+    ``num_to_keep`` of them: the best by ``checkpoint_score_attribute`` if set, else the latest;
+    the latest is always kept."""
 
-    RECORD = "spark_dl_run.json"  # the run's reports and kept checkpoints, for restore()
+    RECORD = "spark_dl_run.json"  # the run's id, reports and kept checkpoints, for restore() and Result.from_path
 
-    def __init__(self, path: str, config: CheckpointConfig, earlier: dict | None = None) -> None:
+    def __init__(self, path: str, config: CheckpointConfig, earlier: dict | None = None, trial_id: str = "") -> None:
         self.path = path
         self.config = config
+        self.trial_id = trial_id
         # numbering continues after what the folder holds (a restored or repeated run): none overwritten
         self.offset = 1 + max(_checkpoint_indices(path), default=-1)
         # a restored run goes on with its earlier fits' reports and kept checkpoints (num_to_keep counts them)
@@ -671,7 +827,7 @@ class _CheckpointKeeper:
     def record(self, reports: list[dict]) -> None:
         """Write the run's reports so far (earlier fits' first) and the kept checkpoints."""
         record = {"reports": self.history + list(reports),
-                  "kept": [[os.path.basename(c.path), m] for c, m in self.kept]}
+                  "kept": [[os.path.basename(c.path), m] for c, m in self.kept], "trial_id": self.trial_id}
         tmp = os.path.join(self.path, f".{self.RECORD}.tmp")
         try:
             with open(tmp, "w") as f:
@@ -700,7 +856,9 @@ class _CheckpointKeeper:
         if "ray_train_path" in state:  # the workers wrote it into the storage: only its path came
             checkpoint = Checkpoint(state["ray_train_path"])
         else:
-            checkpoint = _unpack(state["ray_train_checkpoint"], checkpoint_folder(self.path, self.offset + step))
+            name = state.get("ray_train_name")
+            folder = os.path.join(self.path, name) if name else checkpoint_folder(self.path, self.offset + step)
+            checkpoint = _unpack(state["ray_train_checkpoint"], folder)
         metrics = state["reports"][step]
         attr = self.config.checkpoint_score_attribute
         if attr is not None and _score(metrics, attr) is None and not self._warned:
@@ -737,6 +895,18 @@ class _CheckpointKeeper:
             if (c, m) not in keep:
                 shutil.rmtree(c.path, ignore_errors=True)
         self.kept = [cm for cm in self.kept if cm in keep]  # in report order
+
+
+def _latest_kept(path: str) -> str | None:
+    """The latest checkpoint the run in ``path`` kept: its record's (named folders included), else
+    (a folder without one) the highest ``checkpoint_<n>``."""
+    record = _CheckpointKeeper.earlier(path)
+    if record is not None:
+        kept = [os.path.join(path, folder) for folder, _ in record.get("kept", [])
+                if os.path.isdir(os.path.join(path, folder))]
+        return kept[-1] if kept else None
+    latest = max(_checkpoint_indices(path), default=None)
+    return checkpoint_folder(path, latest) if latest is not None else None
 
 
 def _checkpoint_indices(path: str) -> list[int]:
@@ -785,6 +955,37 @@ class Result:
         import pandas as pd
 
         return pd.DataFrame(self.reports)
+
+    @property
+    def filesystem(self) -> Any:
+        """Ray's: the file system ``path`` is on; spark-dl's runs are on file system paths (pyarrow's local one)."""
+        from pyarrow.fs import LocalFileSystem
+
+        return LocalFileSystem()
+
+    @classmethod
+    def from_path(cls, path: str | os.PathLike, storage_filesystem: Any = None) -> "Result":
+        """Ray's: the Result of the run in ``path`` (``storage_path/name``, a ``Result.path``), from its
+        record: ``metrics`` its last report, ``checkpoint`` its latest kept one, ``best_checkpoints``
+        the kept ones, every report (a restored run's earlier fits' first). ``error`` is None: a
+        failed run's error is raised by its ``fit()``, not recorded."""
+        if storage_filesystem is not None and not _local_filesystem(storage_filesystem):
+            raise ValueError(f"Result.from_path(storage_filesystem={type(storage_filesystem).__name__}): spark-dl's "
+                             "runs are on file system paths; pass the folder where the storage is mounted")
+        path = os.path.abspath(_local_path(os.fspath(path)))
+        expected = (f"expected a TorchTrainer run's folder, storage_path/name (Result.path), holding its record "
+                    f"{_CheckpointKeeper.RECORD}")
+        if not os.path.isdir(path):
+            raise ValueError(f"Result.from_path({path!r}): no such folder; {expected}")
+        record = _CheckpointKeeper.earlier(path)
+        if record is None:
+            raise ValueError(f"Result.from_path({path!r}): not a run folder (no readable {_CheckpointKeeper.RECORD}); "
+                             f"{expected}")
+        kept = [(Checkpoint(os.path.join(path, folder)), metrics) for folder, metrics in record.get("kept", [])
+                if os.path.isdir(os.path.join(path, folder))]
+        reports = list(record["reports"])
+        return cls(reports[-1] if reports else None, kept[-1][0] if kept else None, path, reports,
+                   best_checkpoints=kept)
 
     def get_best_checkpoint(self, metric: str, mode: str) -> Checkpoint | None:
         """Ray's: of the kept checkpoints, the one whose report has the lowest (``mode="min"``) or
@@ -839,6 +1040,9 @@ class TorchTrainer:
             raise LaunchRefused(f"datasets={sorted(self.datasets)} are Spark DataFrames, read by the barrier stage's "
                                 "tasks: drop local_mode=True (local processes have no Spark tasks to read them), or "
                                 "pass a DataLoader's data through train_loop_config instead")
+        refusal = _run_config_refusal(self.run_config)
+        if refusal is not None:
+            raise LaunchRefused(refusal)
         self.max_failures = self._max_failures()
         keeping = self.run_config.checkpoint_config or CheckpointConfig()
         if keeping.num_to_keep is not None and (isinstance(keeping.num_to_keep, bool)
@@ -915,16 +1119,25 @@ class TorchTrainer:
         resume = (Resume.of(self.resume_from_checkpoint.path, storage_mode())
                   if self.resume_from_checkpoint is not None else None)
         config = {"train_loop_config": self.train_loop_config} if self.train_loop_config is not None else {}
+        earlier = _CheckpointKeeper.earlier(self.path)
+        if self._restored:  # the same run goes on: its id, reports and kept checkpoints
+            trial_id = (earlier or {}).get("trial_id") or uuid.uuid4().hex[:8]
+        else:
+            trial_id = uuid.uuid4().hex[:8]
+            self._say_new_run(earlier)
         keeper = _CheckpointKeeper(self.path, self.run_config.checkpoint_config or CheckpointConfig(),
-                                   _CheckpointKeeper.earlier(self.path) if self._restored else None)
+                                   earlier if self._restored else None, trial_id)
         distributor = self._distributor()
         distributor._observers.append(keeper)
         server = ResumeServer(resume) if resume is not None else None
         if server is not None:  # the workers that cannot read it in place fetch it from here
             distributor._observers.append(server)
         self._save_for_restore()
+        keeper.record([])  # the folder's record is this run's from now on (Result.from_path, restore())
         storage = Storage.prepare(self.path, keeper.offset)
-        loop = _Loop(self.train_loop_per_worker, self.name, resume, storage, self.metadata)
+        # checkpoint_dir_name must not take a name the folder holds: an earlier fit's checkpoint may be a live Result's
+        taken = frozenset(os.listdir(self.path))
+        loop = _Loop(self.train_loop_per_worker, self.name, resume, storage, self.metadata, self.path, trial_id, taken)
         try:
             out = distributor.run(loop, **config, **self.datasets)  # the config's values become MLflow params
         except JobFailed as e:
@@ -944,6 +1157,21 @@ class TorchTrainer:
         reports = keeper.history + out["reports"]  # a restored run's earlier fits' too
         return Result(reports[-1] if reports else None, keeper.latest, self.path, reports,
                       best_checkpoints=list(keeper.kept))
+
+    def _say_new_run(self, earlier: dict | None) -> None:
+        """A fit (not restored) into a folder that holds a run starts a new one there, as each Ray
+        ``fit()`` is a new trial: said on stderr, with what happens to the earlier run's files."""
+        indices = _checkpoint_indices(self.path)
+        kept = [folder for folder, _ in (earlier or {}).get("kept", [])]
+        if earlier is None and not indices:
+            return
+        count = len(set(kept) | {os.path.basename(checkpoint_folder(self.path, i)) for i in indices})
+        sys.stderr.write(f"[spark-dl] {self.path} already holds a run ({count} checkpoint folder"
+                         f"{'' if count == 1 else 's'}): this fit starts a new run there (as each Ray fit() is a new "
+                         "trial), numbering its checkpoints after them; it never removes or overwrites them, nor "
+                         "counts them toward num_to_keep, and the folder's record (Result.from_path, restore()) "
+                         f"follows the new run. To go on with the earlier run, use TorchTrainer.restore({self.path!r})"
+                         "; for a folder of its own, give RunConfig(name=...) a new name\n")
 
     # -- restore: Ray's way to continue an experiment that failed or was interrupted -------------
     _STATE = "spark_dl_trainer.pkl"
@@ -982,18 +1210,17 @@ class TorchTrainer:
             raise LaunchRefused(f"{path} holds no TorchTrainer run to restore (no {cls._STATE}): pass a Result.path")
         with open(os.path.join(path, cls._STATE), "rb") as f:
             state = cloudpickle.load(f)
-        latest = max(_checkpoint_indices(path), default=None)
-        run_config = state["run_config"]
+        latest = _latest_kept(path)
         # the same folder: later checkpoints join the earlier ones
-        run_config = RunConfig(name=os.path.basename(path), storage_path=os.path.dirname(path),
-                               failure_config=run_config.failure_config, checkpoint_config=run_config.checkpoint_config,
-                               verbose=run_config.verbose)
+        saved = state["run_config"]  # a run saved before a field was added lacks it: its default
+        run_config = RunConfig(**{f.name: getattr(saved, f.name, f.default) for f in dataclasses.fields(RunConfig)
+                                  if f.name not in ("name", "storage_path")},
+                               name=os.path.basename(path), storage_path=os.path.dirname(path))
         if train_loop_config is None:
             train_loop_config = state["train_loop_config"]
         trainer = cls(train_loop_per_worker or state["train_loop_per_worker"], train_loop_config=train_loop_config,
                       scaling_config=scaling_config or state["scaling_config"], run_config=run_config, datasets=datasets,
-                      resume_from_checkpoint=(Checkpoint(checkpoint_folder(path, latest))
-                                              if latest is not None else None),
+                      resume_from_checkpoint=Checkpoint(latest) if latest is not None else None,
                       local_mode=state["local_mode"], metadata=state.get("metadata"))
         trainer._restored = True
         return trainer
@@ -1005,5 +1232,6 @@ from . import collective  # noqa: E402 - ray.train.collective; it needs _current
 importlib.import_module(f"{__name__}.torch")
 
 __all__ = ["Checkpoint", "CheckpointConfig", "DataShard", "FailureConfig", "REPORT_STALL_S", "Result", "RunConfig",
-           "ScalingConfig", "TorchTrainer", "TrainContext", "TrainingFailedError", "collective", "get_checkpoint",
-           "get_context", "get_dataset_shard", "get_device", "prepare_data_loader", "prepare_model", "report"]
+           "ScalingConfig", "SyncConfig", "TorchTrainer", "TrainContext", "TrainingFailedError", "collective",
+           "get_checkpoint", "get_context", "get_dataset_shard", "get_device", "prepare_data_loader", "prepare_model",
+           "report"]

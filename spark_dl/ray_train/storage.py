@@ -81,8 +81,9 @@ class Storage:
         except OSError:
             return False
 
-    def final(self, step: int) -> str:
-        return checkpoint_folder(self.path, self.offset + step)
+    def final(self, step: int, name: str | None = None) -> str:
+        """Where report ``step``'s checkpoint is kept: ``name`` (``checkpoint_dir_name``) if given."""
+        return os.path.join(self.path, name) if name else checkpoint_folder(self.path, self.offset + step)
 
     def staging(self, step: int) -> str:
         return os.path.join(self.path, f"{STAGING}{self.offset + step:06d}-{self.token}")
@@ -139,9 +140,9 @@ def stage(directory: str | None, storage: Storage, step: int, rank: int) -> int:
     return 1
 
 
-def publish(storage: Storage, step: int, passed: list[int]) -> None:
+def publish(storage: Storage, step: int, passed: list[int], name: str | None = None) -> None:
     """Rank 0, once every rank has staged its files and some rank passed a checkpoint: merge them
-    (a file several ranks wrote is the lowest rank's, as in Ray) into ``storage.final(step)``.
+    (a file several ranks wrote is the lowest rank's, as in Ray) into ``storage.final(step, name)``.
     Moves within the storage's file system: no file is copied twice."""
     staging = storage.staging(step)
     with_files = [r for r, p in enumerate(passed) if p > 0]
@@ -152,8 +153,8 @@ def publish(storage: Storage, step: int, passed: list[int]) -> None:
     else:  # only empty directories were passed: the checkpoint is an empty one
         merged = os.path.join(staging, "empty")
         os.makedirs(merged, exist_ok=True)
-    final = storage.final(step)
-    shutil.rmtree(final, ignore_errors=True)  # a restart's redo of this report
+    final = storage.final(step, name)
+    shutil.rmtree(final, ignore_errors=True)  # a restart's redo of this report (report() refuses other taken names)
     os.replace(merged, final)
     shutil.rmtree(staging, ignore_errors=True)
 

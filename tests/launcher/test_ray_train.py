@@ -13,8 +13,8 @@ import torch
 
 import spark_dl.ray_train as train
 from spark_dl import LaunchRefused, RankFailed
-from spark_dl.ray_train import (Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig,
-                                TorchTrainer)
+from spark_dl.ray_train import (Checkpoint, CheckpointConfig, FailureConfig, Result, RunConfig, ScalingConfig,
+                                SyncConfig, TorchTrainer)
 
 
 def train_func(config):
@@ -652,6 +652,14 @@ def test_a_failure_without_restarts_raises_the_ranks_error(tmp_path):
     assert isinstance(e.value, train.TrainingFailedError)  # what Ray's code catches
 
 
+class MLflowLoggerCallback:  # Ray Tune's callbacks, as far as the refusal sees them: by their class names
+    pass
+
+
+class PrintingCallback:
+    pass
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"run_config": RunConfig(failure_config=FailureConfig(max_failures=-1))}, "unlimited restarts"),
     ({"scaling_config": ScalingConfig(num_workers=2, resources_per_worker={"TPU": 1})}, "Ray resources"),
@@ -678,6 +686,23 @@ def test_a_failure_without_restarts_raises_the_ranks_error(tmp_path):
     ({"run_config": RunConfig(storage_path="dbfs:/Volumes/c/s/v")}, r"\(Databricks mounts it at /Volumes/c/s/v\)"),
     ({"run_config": RunConfig(storage_path="file://nas/runs")}, r"names a path on this machine \(file:///path\), not "
      r"on host 'nas'"),
+    # Ray's RunConfig fields that would change what the run does: refused with the spark-dl way
+    ({"run_config": RunConfig(stop={"training_iteration": 10})}, r"RunConfig\(stop=\{'training_iteration': 10\}\): "
+     r"stop criteria are not supported; end the loop yourself .*broadcast_from_rank_zero"),
+    ({"run_config": RunConfig(callbacks=[MLflowLoggerCallback()])}, r"callbacks=\['MLflowLoggerCallback'\]\): MLflow "
+     r"tracking is built in .*drop the MLflow callback"),
+    ({"run_config": RunConfig(callbacks=[PrintingCallback()])}, r"callbacks=\['PrintingCallback'\]\): Ray Tune/Train "
+     r"callbacks are not run; reports reach MLflow"),
+    ({"run_config": RunConfig(progress_reporter=object())}, r"progress_reporter=\.\.\.\): no progress tables"),
+    ({"run_config": RunConfig(log_to_file=True)}, r"log_to_file=True\): every rank's stdout/stderr .*logs/rank<r>.txt"),
+    ({"run_config": RunConfig(local_dir="/tmp/ray")}, r"local_dir='/tmp/ray'\): Ray's deprecated name; pass "
+     r"storage_path"),
+    ({"run_config": RunConfig(worker_runtime_env={"env_vars": {"A": "1"}})}, r"worker_runtime_env=\.\.\.\): the "
+     r"workers are Spark tasks.*spark.executorEnv"),
+    ({"run_config": RunConfig(sync_config=SyncConfig(sync_artifacts=True))}, r"sync_artifacts=True\)\): nothing is "
+     r"synced.*get_trial_dir\(\)"),
+    ({"run_config": RunConfig(storage_filesystem="s3fs")}, r"storage_filesystem=str\): spark-dl writes checkpoints to "
+     r"a file system path; drop storage_filesystem"),
 ])
 def test_bad_trainers_are_refused_at_construction(kwargs, message):
     with pytest.raises(LaunchRefused, match=message):
@@ -899,3 +924,192 @@ def test_a_restored_run_keeps_num_to_keep_across_its_fits(tmp_path):
     on_disk = sorted(d for d in os.listdir(first.path) if d.startswith("checkpoint_"))
     assert on_disk == ["checkpoint_000002"]  # the first fit's kept one counted, so pruned
     assert [r["score"] for r in second.reports] == [3, 1, 2]
+
+
+def test_rays_harmless_run_config_fields_are_accepted_and_kept_by_restore(tmp_path):
+    from pyarrow.fs import LocalFileSystem
+
+    run = RunConfig(name="harmless", storage_path=str(tmp_path), verbose=1, sync_config=SyncConfig(), callbacks=[],
+                    storage_filesystem=LocalFileSystem(), log_to_file=False, worker_runtime_env={})
+    result = TorchTrainer(lambda: train.report({"ok": 1}), local_mode=True, run_config=run).fit()
+    assert result.metrics == {"ok": 1}
+    restored = TorchTrainer.restore(result.path)
+    assert restored.run_config.sync_config == SyncConfig() and restored.run_config.verbose == 1
+
+
+def report_named_checkpoints(config):
+    """Epochs named epoch_<n> (one left to the automatic checkpoint_<n>), resumed from get_checkpoint();
+    rank 1 fails right after epoch 1's report in the first attempt when config says so."""
+    ctx = train.get_context()
+    start = 0
+    checkpoint = train.get_checkpoint()  # the kept folder, or (through the driver) a copy of it
+    if checkpoint:
+        with checkpoint.as_directory() as d:
+            start = int(open(os.path.join(d, "epoch")).read()) + 1
+    for epoch in range(start, config["epochs"]):
+        with tempfile.TemporaryDirectory() as d:
+            open(os.path.join(d, "epoch"), "w").write(str(epoch))
+            name = None if epoch == config.get("unnamed") else f"epoch_{epoch}"
+            train.report({"epoch": epoch, "started_at": start},
+                         checkpoint=Checkpoint.from_directory(d) if ctx.get_world_rank() == 0 else None,
+                         checkpoint_dir_name=name)
+        if (epoch == config.get("crash_after") and ctx.get_world_rank() == 1
+                and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"):
+            raise ValueError("failed after the report")
+
+
+@pytest.mark.parametrize("storage", ["auto", "driver"])
+def test_checkpoint_dir_name_names_the_kept_folder_through_pruning_restarts_and_restore(tmp_path, monkeypatch, storage):
+    monkeypatch.setenv("SPARK_DL_RAY_STORAGE", storage)
+    run = RunConfig(name="named", storage_path=str(tmp_path), failure_config=FailureConfig(max_failures=1),
+                    checkpoint_config=CheckpointConfig(num_to_keep=2))
+    result = TorchTrainer(report_named_checkpoints, train_loop_config={"epochs": 4, "unnamed": 3, "crash_after": 1},
+                          scaling_config=ScalingConfig(num_workers=2), local_mode=True, run_config=run).fit()
+    folder = tmp_path / "named"
+    # the restart resumed from the named folder of the report before the failure
+    assert [(r["epoch"], r["started_at"]) for r in result.reports] == [(0, 0), (1, 0), (2, 2), (3, 2)]
+    assert sorted(d for d in os.listdir(folder) if not d.startswith("spark_dl_")) == ["checkpoint_000003", "epoch_2"]
+    assert [os.path.basename(c.path) for c, _ in result.best_checkpoints] == ["epoch_2", "checkpoint_000003"]
+    assert result.checkpoint.path == str(folder / "checkpoint_000003")
+    # restore() follows the record, not the highest checkpoint_<n>: here the latest is named
+    more = TorchTrainer.restore(folder, train_loop_config={"epochs": 6, "unnamed": 4})
+    assert more.resume_from_checkpoint.path == str(folder / "checkpoint_000003")
+    more = more.fit()
+    assert [(r["epoch"], r["started_at"]) for r in more.reports[4:]] == [(4, 4), (5, 4)]
+    assert sorted(d for d in os.listdir(folder) if not d.startswith("spark_dl_")) == ["checkpoint_000004", "epoch_5"]
+    assert open(folder / "epoch_5" / "epoch").read() == "5"
+    again = TorchTrainer.restore(folder)
+    assert again.resume_from_checkpoint.path == str(folder / "epoch_5")  # named, and numbered lower than the other
+
+
+def test_bad_checkpoint_dir_names_are_refused_with_the_reason(tmp_path):
+    def loop():
+        errors = []
+        with tempfile.TemporaryDirectory() as d:
+            checkpoint = Checkpoint.from_directory(d)
+            train.report({}, checkpoint=checkpoint, checkpoint_dir_name="best")
+            for bad in ("a/b", "..", "", ".hidden", "checkpoint_000007", 7, "best", "first"):
+                try:
+                    train.report({}, checkpoint=checkpoint, checkpoint_dir_name=bad)
+                except (TypeError, ValueError) as e:
+                    errors.append(str(e))
+        train.report({"errors": errors})
+
+    first = TorchTrainer(lambda: train.report({}, checkpoint=Checkpoint.from_directory(tempfile.mkdtemp()),
+                                              checkpoint_dir_name="first"),
+                         local_mode=True, run_config=RunConfig(name="bad", storage_path=str(tmp_path))).fit()
+    assert first.checkpoint.path == str(tmp_path / "bad" / "first")
+    errors = TorchTrainer(loop, local_mode=True, run_config=RunConfig(name="bad", storage_path=str(tmp_path))
+                          ).fit().metrics["errors"]
+    assert len(errors) == 8
+    assert all("give a plain folder name (no '/', not '.' or '..'" in e for e in errors[:3])
+    assert "names starting with '.' are the run's staging and probe files" in errors[3]
+    assert "checkpoint_<number> names are the automatic ones" in errors[4]
+    assert "give the checkpoint folder's name as a str" in errors[5]
+    assert "report 0 of this fit already put a checkpoint under that name" in errors[6]
+    assert f"{tmp_path / 'bad'} already holds 'first' (an earlier fit's checkpoint" in errors[7]
+    assert os.listdir(first.checkpoint.path) == []  # the earlier fit's checkpoint is untouched
+
+
+@pytest.mark.parametrize("storage", ["auto", "driver"])
+def test_workers_passing_different_checkpoint_dir_names_fail_the_run(tmp_path, monkeypatch, storage):
+    monkeypatch.setenv("SPARK_DL_RAY_STORAGE", storage)
+
+    def loop():
+        rank = train.get_context().get_world_rank()
+        with tempfile.TemporaryDirectory() as d:
+            # a rank with neither a checkpoint nor a name takes no part in the name
+            train.report({}, checkpoint=Checkpoint.from_directory(d) if rank == 0 else None,
+                         checkpoint_dir_name="same" if rank == 0 else None)
+            train.report({}, checkpoint=Checkpoint.from_directory(d), checkpoint_dir_name=f"rank_{rank}")
+
+    with pytest.raises(RankFailed, match=r"the workers passing a checkpoint or a name \(ranks \[0, 1\]\) passed "
+                                         r"different names \(rank [01]: 'rank_[01]'\).*pass the same name on every "
+                                         r"worker"):
+        TorchTrainer(loop, scaling_config=ScalingConfig(num_workers=2), local_mode=True,
+                     run_config=RunConfig(name="differ", storage_path=str(tmp_path))).fit()
+    assert sorted(d for d in os.listdir(tmp_path / "differ") if not d.startswith("spark_dl_")) == ["same"]
+
+
+def test_result_from_path_is_the_runs_result_and_other_folders_are_refused(tmp_path):
+    from pyarrow.fs import LocalFileSystem, SubTreeFileSystem
+
+    keeping = CheckpointConfig(num_to_keep=2, checkpoint_score_attribute="score")
+    run = RunConfig(name="done", storage_path=str(tmp_path), checkpoint_config=keeping)
+    result = TorchTrainer(report_scored_checkpoints, train_loop_config={"scores": [3, 1, 5, 2]}, local_mode=True,
+                          run_config=run).fit()
+    for given in (result.path, f"{result.path}/", f"file://{result.path}"):
+        loaded = Result.from_path(given)
+        assert loaded.path == result.path and loaded.metrics == result.metrics == {"score": 2, "i": 3}
+        assert loaded.checkpoint.path == result.checkpoint.path and loaded.error is None
+        assert [(c.path, m) for c, m in loaded.best_checkpoints] == [(c.path, m) for c, m in result.best_checkpoints]
+        assert loaded.reports == result.reports and list(loaded.metrics_dataframe["score"]) == [3, 1, 5, 2]
+        assert loaded.get_best_checkpoint("score", "max").path.endswith("checkpoint_000002")
+    assert isinstance(loaded.filesystem, LocalFileSystem)
+    assert Result.from_path(result.path, storage_filesystem=LocalFileSystem()).metrics == result.metrics
+    with pytest.raises(ValueError, match=rf"Result.from_path\('{tmp_path}'\): not a run folder \(no readable "
+                                         r"spark_dl_run.json\); expected a TorchTrainer run's folder, "
+                                         r"storage_path/name \(Result.path\)"):
+        Result.from_path(tmp_path)
+    with pytest.raises(ValueError, match=r"nowhere'\): no such folder; expected a TorchTrainer run's folder"):
+        Result.from_path(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match=r"storage_filesystem=SubTreeFileSystem\): spark-dl's runs are on file system"):
+        Result.from_path(result.path, storage_filesystem=SubTreeFileSystem(str(tmp_path), LocalFileSystem()))
+
+
+def report_context(config):
+    import torch.distributed as dist
+
+    ctx = train.get_context()
+    seen = [None] * ctx.get_world_size()
+    dist.all_gather_object(seen, (ctx.get_trial_dir(), ctx.get_trial_id(), ctx.get_trial_name()))
+    with tempfile.TemporaryDirectory() as d:
+        train.report({"seen": seen}, checkpoint=Checkpoint.from_directory(d) if config.get("checkpoint") else None)
+
+
+def test_a_second_fit_with_the_same_name_is_a_new_run_that_leaves_the_first_alone(tmp_path, capfd):
+    keeping = CheckpointConfig(num_to_keep=1)
+    run = RunConfig(name="twice", storage_path=str(tmp_path), checkpoint_config=keeping)
+    first = TorchTrainer(report_scored_checkpoints, train_loop_config={"scores": [3, 1]}, local_mode=True,
+                         run_config=run).fit()
+    assert "already holds a run" not in capfd.readouterr().err
+    second = TorchTrainer(report_scored_checkpoints, train_loop_config={"scores": [7, 8]}, local_mode=True,
+                          run_config=run).fit()
+    folder = tmp_path / "twice"
+    err = capfd.readouterr().err
+    assert f"[spark-dl] {folder} already holds a run (1 checkpoint folder): this fit starts a new run there" in err
+    assert "it never removes or overwrites them, nor counts them toward num_to_keep" in err
+    assert f"use TorchTrainer.restore({str(folder)!r})" in err
+    # as each Ray fit() is a new trial: the first run's checkpoint stays, for its Result, uncounted
+    assert first.checkpoint.path == str(folder / "checkpoint_000001") and open(
+        os.path.join(first.checkpoint.path, "i")).read() == "1"
+    assert second.checkpoint.path == str(folder / "checkpoint_000003")
+    assert [r["score"] for r in second.reports] == [7, 8] and len(second.best_checkpoints) == 1
+    assert sorted(d for d in os.listdir(folder) if d.startswith("checkpoint_")) == ["checkpoint_000001",
+                                                                                 "checkpoint_000003"]
+    # the folder's record, Result.from_path and restore() follow the new run
+    assert Result.from_path(folder).reports == second.reports
+    third = TorchTrainer.restore(folder, train_loop_config={"scores": [9]}).fit()
+    assert [r["score"] for r in third.reports] == [7, 8, 9]
+    assert sorted(d for d in os.listdir(folder) if d.startswith("checkpoint_")) == ["checkpoint_000001",
+                                                                                 "checkpoint_000004"]
+
+
+def test_the_context_names_the_runs_folder_and_its_id(tmp_path, capfd):
+    run = RunConfig(name="ctx", storage_path=str(tmp_path))
+    result = TorchTrainer(report_context, train_loop_config={"checkpoint": True}, local_mode=True,
+                          scaling_config=ScalingConfig(num_workers=2), run_config=run).fit()
+    (folder, trial_id, name), other = result.metrics["seen"]
+    assert other == (folder, trial_id, name) or list(other) == [folder, trial_id, name]  # every worker alike
+    assert folder == result.path and name == "ctx" and len(trial_id) == 8
+    restored = TorchTrainer.restore(result.path).fit()  # the same run: the same id
+    assert [tuple(s) for s in restored.metrics["seen"]] == [(folder, trial_id, "ctx")] * 2
+    fresh = TorchTrainer(report_context, local_mode=True, run_config=run).fit()  # a new run: a new id
+    assert fresh.metrics["seen"][0][1] != trial_id
+
+
+def test_the_context_names_the_runs_folder_and_its_id_on_spark(spark, tmp_path):
+    result = TorchTrainer(report_context, scaling_config=ScalingConfig(num_workers=2),
+                          run_config=RunConfig(name="ctx", storage_path=str(tmp_path))).fit()
+    seen = [tuple(s) for s in result.metrics["seen"]]
+    assert seen[0] == seen[1] and seen[0][0] == result.path == str(tmp_path / "ctx") and len(seen[0][1]) == 8
