@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from spark_dl.compression import FP16, Compressor, NoneCompressor
+from spark_dl.compression.base import as_compressor
 from spark_dl.compression import allreduce as compressed_allreduce
 
 
@@ -22,16 +23,18 @@ class Compression:
     fp16 = FP16()
 
 
-def resolve(compression: Any) -> Compressor:
-    """The compressor behind ``compression`` (an instance, or a class taking no arguments)."""
-    if isinstance(compression, type) and issubclass(compression, Compressor):
-        return compression()
-    if isinstance(compression, Compressor):
-        return compression
-    raise TypeError(
-        f"compression={compression!r} is not a spark_dl.compression.Compressor: use "
-        "hvd.Compression.none, hvd.Compression.fp16 or a compressor such as spark_dl.compression.QSGD()."
-    )
+def resolve(compression: Any, per_call: bool = False) -> Compressor:
+    """The compressor behind ``compression`` (an instance, or a class taking no arguments).
+
+    ``per_call``: for a collective (``hvd.allreduce``), where a class would make a fresh instance on
+    every call, so a compressor that keeps state between calls would silently lose it: refused."""
+    c = as_compressor(compression, "compression")
+    if per_call and isinstance(compression, type) and c.stateful:
+        name = compression.__name__
+        raise TypeError(f"compression={name} keeps state between calls (error feedback, warm starts), which a "
+                        f"fresh instance per call would drop: create {name}() once and pass it, with a name= "
+                        "that is the same on every rank")
+    return c
 
 
 def is_none(compressor: Compressor) -> bool:

@@ -147,7 +147,7 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: An
         raise ValueError("reducescatter does not take op=hvd.Adasum (nor does Horovod's): use Average or Sum")
     if tensor.dim() == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension (it slices dimension 0)")
-    compressor = _compression.resolve(compression)
+    compressor = _compression.resolve(compression, per_call=True)
     half = not _compression.is_none(compressor)
     if half and not (isinstance(compressor, FP16) and tensor.is_floating_point()):
         raise ValueError("reducescatter takes compression=hvd.Compression.none or hvd.Compression.fp16 "
@@ -185,7 +185,7 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
     _check()
     op = resolve_op(op, average)
     ps = resolve_set(process_set)
-    compressor = _compression.resolve(compression)
+    compressor = _compression.resolve(compression, per_call=True)
     _check_items(tensors, "grouped_allreduce")
 
     def reduce(j: int, flat: torch.Tensor, sizes: list[int]) -> torch.Tensor:

@@ -120,7 +120,7 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     _check()
     op = resolve_op(op, average)
     ps = resolve_set(process_set)
-    compressor = _compression.resolve(compression)
+    compressor = _compression.resolve(compression, per_call=True)
     return _Allreduce.apply(tensor, op, name, compressor, prescale_factor, postscale_factor, ps)
 
 

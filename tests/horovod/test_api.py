@@ -214,3 +214,33 @@ def test_a_plain_script_is_a_world_of_one():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["0", "1", "1", "4.0", "0", "[0.0,", "0.0]"]
+
+
+def test_compression_that_is_not_a_usable_compressor_is_refused_by_name():
+    """A name, a class that needs arguments, and (for a collective called every step) a class that
+    keeps state between calls: each a TypeError naming what to pass; a stateless class is fine."""
+    code = (
+        "import torch, spark_dl.horovod as hvd\n"
+        "from spark_dl.compression import ErrorFeedback, OneBit, QSGD\n"
+        "hvd.init()\n"
+        "print(hvd.allreduce(torch.tensor([4.0]), compression=QSGD).item())\n"
+        "for c in ('fp16', ErrorFeedback, OneBit):\n"
+        "    try:\n"
+        "        hvd.allreduce(torch.tensor([4.0]), name='g', compression=c)\n"
+        "    except TypeError as e:\n"
+        "        print('REFUSED', e)\n"
+        "w = torch.nn.Parameter(torch.ones(2))\n"
+        "opt = hvd.DistributedOptimizer(torch.optim.SGD([w], lr=1.0), compression=OneBit)  # built once: fine\n"
+        "w.sum().backward(); opt.step()\n"
+        "print(w.tolist())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "4.0" and lines[-1] == "[0.0, 0.0]"
+    refused = [line for line in lines if line.startswith("REFUSED")]
+    assert len(refused) == 3, out.stdout
+    assert "got 'fp16', which is not a spark_dl.compression.Compressor: use an instance such as FP16()" in refused[0]
+    assert "the class ErrorFeedback, which takes arguments: pass ErrorFeedback(...)" in refused[1]
+    assert "compression=OneBit keeps state between calls" in refused[2] and "create OneBit() once" in refused[2]
