@@ -129,6 +129,8 @@ class PowerSGD(Compressor):
                  min_compression_rate: float = 2.0, seed: int = 0) -> None:
         self.rank = int_param(rank, "PowerSGD", "rank", 1)
         self.start_iter = int_param(start_iter, "PowerSGD", "start_iter", 0)
+        if not isinstance(warm_start, bool):
+            raise ValueError(f"PowerSGD warm_start must be True or False, got {warm_start!r}")
         self.warm_start = warm_start
         self.min_compression_rate = real_param(min_compression_rate, "PowerSGD", "min_compression_rate", 0.0)
         self.seed = int_param(seed, "PowerSGD", "seed")

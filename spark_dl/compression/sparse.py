@@ -97,6 +97,8 @@ class RandomK(Compressor):
     def __init__(self, ratio: float = 0.01, seed: int = 0, scale: bool = False) -> None:
         self.ratio = real_param(ratio, "RandomK", "ratio", 0.0, 1.0, open_low=True)
         self.seed = int_param(seed, "RandomK", "seed")
+        if not isinstance(scale, bool):
+            raise ValueError(f"RandomK scale must be True or False, got {scale!r}")
         self.scale = scale
         self.steps: dict[Key, int] = {}
 

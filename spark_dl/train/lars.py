@@ -5,6 +5,8 @@ from typing import Any, Iterable
 
 import torch
 
+from .checks import number
+
 
 def lars_trust_ratio(weight: torch.Tensor, grad: torch.Tensor, trust_coefficient: float = 0.001,
                      weight_decay: float = 0.0, eps: float = 0.0) -> torch.Tensor:
@@ -39,16 +41,11 @@ class LARS(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[Any], lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
                  trust_coefficient: float = 0.001, eps: float = 1e-9, exclude_bias_and_norm: bool = True) -> None:
-        if lr < 0:
-            raise ValueError(f"lr must be >= 0, got {lr}")
-        if not 0 <= momentum < 1:
-            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-        if weight_decay < 0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-        if trust_coefficient <= 0:
-            raise ValueError(f"trust_coefficient must be > 0, got {trust_coefficient}")
-        if eps < 0:
-            raise ValueError(f"eps must be >= 0, got {eps}")
+        lr = number(lr, "lr", low=0)
+        momentum = number(momentum, "momentum", low=0, high=1, high_open=True)
+        weight_decay = number(weight_decay, "weight_decay", low=0)
+        trust_coefficient = number(trust_coefficient, "trust_coefficient", low=0, low_open=True)
+        eps = number(eps, "eps", low=0)
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, trust_coefficient=trust_coefficient,
                         eps=eps, exclude_bias_and_norm=exclude_bias_and_norm)
         super().__init__(params, defaults)
@@ -64,6 +61,11 @@ class LARS(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
+                if p.grad.is_sparse:
+                    raise RuntimeError(
+                        f"LARS got a sparse gradient (a parameter of shape {tuple(p.shape)}, e.g. nn.Embedding("
+                        "sparse=True)): its trust ratio scales each layer by its whole gradient's norm, so it needs "
+                        "dense gradients; build the embedding with sparse=False, or give it an optimizer of its own")
                 if group["exclude_bias_and_norm"] and p.ndim <= 1:
                     d = p.grad
                 else:

@@ -23,6 +23,8 @@ from typing import Any, Iterable
 
 import torch
 
+from .checks import number
+
 
 class VFormSGD(torch.optim.Optimizer):
     """Momentum SGD in velocity form, with Goyal et al.'s momentum correction.
@@ -40,12 +42,9 @@ class VFormSGD(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[Any], lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
                  momentum_correction: bool = True) -> None:
-        if lr < 0:
-            raise ValueError(f"lr must be >= 0, got {lr}")
-        if not 0 <= momentum < 1:
-            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-        if weight_decay < 0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        lr = number(lr, "lr", low=0)
+        momentum = number(momentum, "momentum", low=0, high=1, high_open=True)
+        weight_decay = number(weight_decay, "weight_decay", low=0)
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
                         momentum_correction=momentum_correction)
         super().__init__(params, defaults)

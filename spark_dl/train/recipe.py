@@ -6,6 +6,7 @@ from dataclasses import KW_ONLY, dataclass
 
 import torch
 
+from .checks import number
 from .scaling import Rule, scale_lr
 from .schedule import Decay, LRSchedule, WarmupScheduler
 
@@ -45,12 +46,22 @@ class LargeBatchRecipe:
     backward_passes_per_step: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("per_rank_batch", "world_size", "steps_per_epoch", "backward_passes_per_step"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.warmup_epochs < 0:
-            raise ValueError(f"warmup_epochs must be >= 0, got {self.warmup_epochs}")
-        object.__setattr__(self, "milestones", tuple(self.milestones))
+        for name in ("per_rank_batch", "world_size", "steps_per_epoch", "backward_passes_per_step", "base_batch"):
+            object.__setattr__(self, name, number(getattr(self, name), name, low=1, integer=True))
+        object.__setattr__(self, "base_lr", number(self.base_lr, "base_lr", low=0))
+        object.__setattr__(self, "warmup_epochs", number(self.warmup_epochs, "warmup_epochs", low=0))
+        if self.epochs is not None:
+            object.__setattr__(self, "epochs", number(self.epochs, "epochs", low=0, low_open=True))
+        if isinstance(self.milestones, (str, bytes)) or not isinstance(self.milestones, (list, tuple)):
+            raise TypeError(f"milestones must be a tuple of epochs, e.g. (30, 60, 80), got {self.milestones!r}")
+        object.__setattr__(self, "milestones", tuple(number(m, "each milestone", low=0) for m in self.milestones))
+        # the schedule's own checks speak in steps: say the same things in epochs, as given here
+        if self.decay == "step" and self.milestones and self.milestones[0] < self.warmup_epochs:
+            raise ValueError(f"milestone epoch {self.milestones[0]:g} falls inside the warmup ({self.warmup_epochs:g} "
+                             "epochs): milestones are epochs from the start and must come after the warmup")
+        if self.decay == "cosine" and (self.epochs is None or self.epochs <= self.warmup_epochs):
+            raise ValueError(f"decay='cosine' anneals until epochs, which must be > warmup_epochs="
+                             f"{self.warmup_epochs:g}; got epochs={self.epochs}")
         self.schedule  # validates the rest
 
     @property

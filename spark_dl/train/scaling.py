@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from typing import Literal
 
+from .checks import number
+
 Rule = Literal["linear", "sqrt", "none"]
 RULES: tuple[str, ...] = ("linear", "sqrt", "none")
 
@@ -20,10 +22,10 @@ def scale_lr(base_lr: float, base_batch: int, global_batch: int, rule: Rule = "l
       the covariance of the update ``eta^2 / M * cov(g)`` constant across batch sizes ``M``.
     - ``"none"``: ``lr = base_lr``.
     """
-    if base_lr < 0:
-        raise ValueError(f"base_lr must be >= 0, got {base_lr}")
-    if base_batch <= 0 or global_batch <= 0:
-        raise ValueError(f"batch sizes must be positive, got base_batch={base_batch}, global_batch={global_batch}")
+    base_lr = number(base_lr, "base_lr", low=0)
+    for name, batch in (("base_batch", base_batch), ("global_batch", global_batch)):
+        if number(batch, name) <= 0:
+            raise ValueError(f"batch sizes must be positive, got base_batch={base_batch}, global_batch={global_batch}")
     k = global_batch / base_batch
     if rule == "linear":
         return base_lr * k

@@ -14,6 +14,8 @@ from typing import Literal, Sequence
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
+from .checks import number
+
 Decay = Literal["none", "step", "cosine"]
 DECAYS: tuple[str, ...] = ("none", "step", "cosine")
 
@@ -59,17 +61,19 @@ def lr_at(
 
 def _check(peak_lr: float, warmup_steps: int, warmup_start_lr: float | None, decay: str,
            milestones: Sequence[int], gamma: float, total_steps: int | None, final_lr: float) -> None:
-    if peak_lr < 0:
-        raise ValueError(f"peak_lr must be >= 0, got {peak_lr}")
-    if warmup_steps < 0:
-        raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+    number(peak_lr, "peak_lr", low=0)
+    number(warmup_steps, "warmup_steps", low=0)
+    number(gamma, "gamma")
+    number(final_lr, "final_lr")
+    if total_steps is not None:
+        number(total_steps, "total_steps", low=0)
     if warmup_steps > 0 and warmup_start_lr is None:
         raise ValueError(
             "warmup_steps > 0 needs warmup_start_lr: Goyal et al. start the warmup at the "
             "single-worker lr eta (the base_lr of scale_lr) and reach peak_lr = k * eta"
         )
-    if warmup_start_lr is not None and warmup_start_lr < 0:
-        raise ValueError(f"warmup_start_lr must be >= 0, got {warmup_start_lr}")
+    if warmup_start_lr is not None:
+        number(warmup_start_lr, "warmup_start_lr", low=0)
     if decay not in DECAYS:
         raise ValueError(f"decay must be one of {DECAYS}, got {decay!r}")
     if decay == "step":
@@ -111,7 +115,10 @@ class LRSchedule:
     final_lr: float = 0.0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "milestones", tuple(int(m) for m in self.milestones))
+        if isinstance(self.milestones, (str, bytes)) or not isinstance(self.milestones, (list, tuple)):
+            raise TypeError(f"milestones must be a tuple of steps, e.g. (3000, 6000), got {self.milestones!r}")
+        object.__setattr__(self, "milestones", tuple(int(number(m, "each milestone", low=0))
+                                                     for m in self.milestones))
         _check(self.peak_lr, self.warmup_steps, self.warmup_start_lr, self.decay, self.milestones,
                self.gamma, self.total_steps, self.final_lr)
 

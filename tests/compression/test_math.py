@@ -399,6 +399,8 @@ LEVELS = "QSGD levels must be an int in 1..127"
     (lambda: C.PowerSGD(min_compression_rate="2"), "PowerSGD min_compression_rate must be a finite real"),
     (lambda: C.PowerSGD(min_compression_rate=-1.0), r"PowerSGD min_compression_rate must be .* >= 0, got -1.0"),
     (lambda: C.PowerSGD(seed=0.5), "PowerSGD seed must be an int, got 0.5"),
+    (lambda: C.PowerSGD(warm_start="False"), "PowerSGD warm_start must be True or False, got 'False'"),
+    (lambda: C.RandomK(0.1, scale=1), "RandomK scale must be True or False, got 1"),
     (lambda: C.TopK(None), r"TopK ratio must be a finite real number in \(0, 1\], got None"),
     (lambda: C.TopK(0), r"TopK ratio must be a finite real number in \(0, 1\], got 0"),
     (lambda: C.TopK(1.5), r"TopK ratio must be .*got 1.5"),

@@ -93,3 +93,26 @@ def test_refuses_bad_hyperparameters():
         LARS(p, lr=0.1, trust_coefficient=0.0)
     with pytest.raises(ValueError, match="momentum"):
         LARS(p, lr=0.1, momentum=1.0)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"lr": None}, TypeError, "lr must be a number >= 0, got None"),
+    ({"lr": float("nan")}, ValueError, "lr must be a finite number >= 0, got nan"),
+    ({"lr": 0.1, "weight_decay": "1e-4"}, TypeError, "weight_decay must be a number >= 0"),
+    ({"lr": 0.1, "momentum": float("nan")}, ValueError, r"momentum must be a finite number in \[0, 1\)"),
+])
+def test_hyperparameters_of_the_wrong_kind_are_named(kwargs, error, match):
+    from spark_dl.train import VFormSGD
+
+    p = [torch.nn.Parameter(torch.zeros(2, 2))]
+    for optimizer in (LARS, VFormSGD):
+        with pytest.raises(error, match=match):
+            optimizer(p, **kwargs)
+
+
+def test_a_sparse_gradient_is_refused_with_the_reason():
+    emb = torch.nn.Embedding(4, 2, sparse=True)
+    opt = LARS(emb.parameters(), lr=0.1)
+    emb(torch.tensor([1])).sum().backward()
+    with pytest.raises(RuntimeError, match=r"LARS got a sparse gradient \(a parameter of shape \(4, 2\).*sparse=False"):
+        opt.step()

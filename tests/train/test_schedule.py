@@ -175,3 +175,44 @@ def test_recipe_pickles_and_scheduler_resumes_from_a_checkpoint():
         opt2.step()
         sched2.step()
     assert seen == pytest.approx([r.lr_at(t) for t in range(6, 20)], rel=1e-12)
+
+
+RECIPE_ARGS = dict(base_lr=0.1, base_batch=256, per_rank_batch=32, world_size=8, steps_per_epoch=10)
+
+
+@pytest.mark.parametrize("change, error, match", [
+    ({"world_size": None}, TypeError, "world_size must be an int >= 1, got None"),
+    ({"per_rank_batch": 2.5}, TypeError, "per_rank_batch must be an int >= 1, got 2.5"),
+    ({"base_lr": float("nan")}, ValueError, "base_lr must be a finite number >= 0, got nan"),
+    ({"base_lr": "0.1"}, TypeError, "base_lr must be a number >= 0, got '0.1'"),
+    ({"warmup_epochs": float("nan")}, ValueError, "warmup_epochs must be a finite number >= 0"),
+    ({"epochs": -5, "decay": "cosine"}, ValueError, "epochs must be a finite number > 0, got -5"),
+    ({"milestones": 30}, TypeError, r"milestones must be a tuple of epochs, e.g. \(30, 60, 80\), got 30"),
+    ({"milestones": (2,)}, ValueError, r"milestone epoch 2 falls inside the warmup \(5 epochs\)"),
+    ({"decay": "cosine"}, ValueError, "decay='cosine' anneals until epochs, which must be > warmup_epochs=5; got "
+                                      "epochs=None"),
+])
+def test_recipe_arguments_of_the_wrong_kind_are_named(change, error, match):
+    with pytest.raises(error, match=match):
+        LargeBatchRecipe(**{**RECIPE_ARGS, **change})
+
+
+def test_recipe_takes_numpy_counts():
+    import numpy
+
+    r = LargeBatchRecipe(**{**RECIPE_ARGS, "world_size": numpy.int64(8), "base_lr": numpy.float32(0.1)})
+    assert type(r.world_size) is int and r.peak_lr == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: scale_lr(None, 256, 512), TypeError, "base_lr must be a number >= 0, got None"),
+    (lambda: scale_lr(0.1, "256", 512), TypeError, "base_batch must be a number, got '256'"),
+    (lambda: LRSchedule(peak_lr=float("inf")), ValueError, "peak_lr must be a finite number >= 0, got inf"),
+    (lambda: LRSchedule(peak_lr=1.0, decay="step", milestones=30), TypeError, "milestones must be a tuple of steps"),
+    (lambda: LRSchedule(peak_lr=1.0, decay="step", milestones=("a",)), TypeError, "each milestone must be a number"),
+    (lambda: LRSchedule(peak_lr=1.0, warmup_steps=10, warmup_start_lr=float("nan")), ValueError,
+     "warmup_start_lr must be a finite number >= 0"),
+])
+def test_schedule_arguments_of_the_wrong_kind_are_named(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
