@@ -808,6 +808,55 @@ def test_lightning_with_rays_callback_resumes_after_a_restart(tmp_path):
     assert state["epoch"] == 4 and "layer.weight" in state["state_dict"]
 
 
+def pytorch_lightning_loop(config):
+    """The same idiom written with ``import pytorch_lightning as pl`` where ``lightning`` is installed too."""
+    import pytorch_lightning as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from spark_dl.ray_train import lightning as for_lightning
+    from spark_dl.ray_train.pytorch_lightning import (RayDDPStrategy, RayLightningEnvironment,
+                                                      RayTrainReportCallback, prepare_trainer)
+
+    class Net(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, _):
+            x, y = batch
+            loss = (self.layer(x) - y).pow(2).mean()
+            self.log("train_loss", loss, sync_dist=True)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    torch.manual_seed(0)
+    x = torch.randn(128, 4)
+    trainer = pl.Trainer(max_epochs=config["epochs"], accelerator="cpu", devices="auto", strategy=RayDDPStrategy(),
+                         plugins=[RayLightningEnvironment()], callbacks=[RayTrainReportCallback()],
+                         enable_checkpointing=False, enable_progress_bar=False, logger=False,
+                         enable_model_summary=False)
+    try:
+        for_lightning.prepare_trainer(trainer)  # the other package's helpers: named, not Lightning's own error
+    except TypeError as e:
+        mixed = str(e)
+    trainer = prepare_trainer(trainer)
+    trainer.fit(Net(), DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=16))
+    train.report({"mixed": mixed, "world": trainer.world_size})
+
+
+def test_pytorch_lightning_code_uses_helpers_built_on_its_own_package(tmp_path):
+    result = TorchTrainer(pytorch_lightning_loop, train_loop_config={"epochs": 2}, local_mode=True,
+                          scaling_config=ScalingConfig(num_workers=2),
+                          run_config=RunConfig(storage_path=str(tmp_path))).fit()
+    *epochs, last = result.reports
+    assert [r["epoch"] for r in epochs] == [0, 1] and last["world"] == 2
+    assert os.listdir(result.checkpoint.path) == ["checkpoint.ckpt"]
+    assert ("prepare_trainer takes a lightning.pytorch.Trainer, got Trainer: it is pytorch_lightning's; import these "
+            "helpers from spark_dl.ray_train.pytorch_lightning instead") in last["mixed"]
+
+
 def test_prepare_trainer_refuses_a_trainer_that_would_train_alone_on_each_worker(tmp_path):
     def loop():
         import lightning as L
