@@ -89,7 +89,7 @@ class TorchDistributor:
         runner = self._runner(self._processes())
         try:
             if is_script:
-                runner.run_script(train_object, *args)
+                runner.run_script(train_object, *[str(a) for a in args])  # as PySpark's class does
                 return None
             return runner.run(train_object, *args, **kwargs)
         finally:

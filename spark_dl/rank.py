@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import queue
+import sys
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
@@ -138,6 +139,9 @@ class _Outbox:
                 self.conn.send(*item)
             except OSError as e:
                 self.broken = e
+            except Exception as e:  # noqa: BLE001 - pickling fails before a byte is sent: drop this one only
+                sys.stderr.write(f"[spark-dl] could not send a {item[0]!r} message to the driver ({type(e).__name__}: "
+                                 f"{e}); it was dropped, the rank's other messages still go\n")
 
 
 _outbox: _Outbox | None = None

@@ -152,6 +152,11 @@ class HorovodRunner:
         if nodes not in NODES:
             raise LaunchRefused(f"nodes must be one of {NODES} (what LOCAL_RANK counts within), got {nodes!r}")
         self.nodes = nodes
+        if tracking is not None and not isinstance(tracking, (bool, Tracking)):
+            raise LaunchRefused(f"tracking must be True, False, None or spark_dl.tracking.Tracking(...), got {tracking!r} "
+                                f"({type(tracking).__name__})")
+        if progress is not None and not isinstance(progress, bool):
+            raise LaunchRefused(f"progress must be True, False or None, got {progress!r}")
         self.tracking = tracking
         self.progress = progress
         self.observers: list[Observer] = []
@@ -178,8 +183,16 @@ class HorovodRunner:
         The script's source is read here and shipped with the job. A script that raises or
         exits with a non-zero status fails the run with :class:`spark_dl.RankFailed`.
         """
+        if not isinstance(path, (str, os.PathLike)):
+            raise LaunchRefused(f"run_script takes the script's path (str or os.PathLike), got {path!r}")
+        bad = [a for a in args if not isinstance(a, (str, os.PathLike))]
+        if bad:
+            hint = ": unpack it, run_script(path, *args)" if isinstance(bad[0], (list, tuple)) else \
+                f": pass its text, e.g. {str(bad[0])!r}"
+            raise LaunchRefused(f"run_script's arguments are the script's command line, so each must be a str (or "
+                                f"os.PathLike); got {type(bad[0]).__name__} {bad[0]!r}{hint}")
         full, source = read_script(path)
-        self._run(Script(full, source), {"script": full, "argv": [str(a) for a in args]}, all_results=False)
+        self._run(Script(full, source), {"script": full, "argv": [os.fspath(a) for a in args]}, all_results=False)
 
     # ------------------------------------------------------------------------------------------
     def _run(self, main: Callable[..., Any], kwargs: dict[str, Any], all_results: bool,

@@ -12,6 +12,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import LaunchRefused
 from .mlflow_writer import MlflowWriter
 from .params import clean_name, flatten, is_plain
 from .progress import ProgressBar
@@ -38,6 +39,17 @@ class Tracking:
     rank_logs: bool = True
     run_name: str | None = None
     grace_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name in ("all_ranks", "system_metrics", "rank_logs"):
+            if not isinstance(getattr(self, name), bool):
+                raise LaunchRefused(f"Tracking({name}=...) must be True or False, got {getattr(self, name)!r}")
+        if self.run_name is not None and not isinstance(self.run_name, str):
+            raise LaunchRefused(f"Tracking(run_name=...) must be a str or None, got {self.run_name!r}")
+        g = self.grace_s
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 <= g < float("inf"):
+            raise LaunchRefused(f"Tracking(grace_s=...) must be a number of seconds >= 0 (how long the end of run() "
+                                f"waits for a failing MLflow server), got {g!r}")
 
 
 def tracking_enabled(tracking: "bool | Tracking | None") -> bool:

@@ -17,6 +17,7 @@ Message kinds sent to the driver (see ``observer.py`` for their handling):
 from __future__ import annotations
 
 import io
+import numbers
 import os
 import threading
 import time
@@ -105,10 +106,8 @@ class _Buffer:
         self.thread.start()
 
     def add(self, metrics: Mapping[str, Any], step: int | None, all_ranks: bool) -> None:
-        values = {str(k): float(v) for k, v in metrics.items()}
-        if step is None:
-            step = self.auto_step
-        step = int(step)
+        values = _numbers(metrics)
+        step = self.auto_step if step is None else _step(step)
         if self.comm is not None:
             self.comm.sample(step, values)
         rec = (time.time(), step, values, all_ranks)
@@ -194,6 +193,27 @@ def _active() -> bool:
 
 
 # -- public API -----------------------------------------------------------------------------------
+def _numbers(metrics: Any) -> dict[str, float]:
+    """``metrics`` as ``{name: float}``, or an error naming the metric that is not one number."""
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"log_metrics takes a dict {{name: number}}, got {type(metrics).__name__}")
+    values = {}
+    for k, v in metrics.items():
+        try:
+            values[str(k)] = float(v)
+        except (TypeError, ValueError, OverflowError, RuntimeError) as e:
+            shape = f" of shape {tuple(v.shape)}" if hasattr(v, "shape") else ""
+            raise TypeError(f"log_metrics: the value of {k!r} is a {type(v).__name__}{shape}, not one number ({e}): "
+                            "pass a number or a one-element tensor (e.g. loss.item())") from None
+    return values
+
+
+def _step(step: Any) -> int:
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+        raise TypeError(f"log_metrics: step must be an int, got {step!r}")
+    return int(step)
+
+
 def log_metrics(metrics: Mapping[str, Any], step: int | None = None, *, all_ranks: bool = False) -> None:
     """Log ``{name: number}`` for ``step`` (default: one more than this rank's previous step).
 
@@ -207,7 +227,7 @@ def log_metrics(metrics: Mapping[str, Any], step: int | None = None, *, all_rank
     if b is not None:
         b.add(metrics, step, all_ranks)
     elif not rank_api.in_rank_process():
-        _local("log_metrics", {k: float(v) for k, v in metrics.items()}, step=step)
+        _local("log_metrics", _numbers(metrics), step=None if step is None else _step(step))
 
 
 def log_metric(key: str, value: Any, step: int | None = None, *, all_ranks: bool = False) -> None:
@@ -217,13 +237,24 @@ def log_metric(key: str, value: Any, step: int | None = None, *, all_ranks: bool
 
 def log_params(params: Mapping[str, Any]) -> None:
     """Log parameters to the run (nested dicts become ``a.b.c``). Only rank 0's are kept."""
+    if not isinstance(params, Mapping):
+        raise TypeError(f"log_params takes a dict {{name: value}}, got {type(params).__name__}")
     if _buffer is not None:
         if _rank == 0:
-            rank_api.send_to_driver("tracking/params", dict(params))
+            # as text here: a value that cannot be pickled (a function, a lock) must not stop the
+            # rank's messages to the driver; MLflow keeps params as text anyway
+            rank_api.send_to_driver("tracking/params", _as_text(params))
     elif not rank_api.in_rank_process():
         from .params import flatten
 
         _local("log_params", flatten(params))
+
+
+def _as_text(params: Mapping[str, Any]) -> dict[str, Any]:
+    """Nested dicts kept (they become ``a.b.c``), every other value as MLflow will show it."""
+    from .params import param_value
+
+    return {str(k): _as_text(v) if isinstance(v, Mapping) else param_value(v) for k, v in params.items()}
 
 
 def set_tags(tags: Mapping[str, Any]) -> None:

@@ -66,6 +66,17 @@ def test_missing_or_broken_script_is_refused(tmp_path):
         HorovodRunner(np=-2).run_script(bad)
 
 
+def test_script_arguments_that_are_not_text_are_refused(tmp_path):
+    script = tmp_path / "argv.py"
+    script.write_text("import sys\nprint(sys.argv)\n")
+    with pytest.raises(LaunchRefused, match=r"each must be a str \(or os.PathLike\); got list \['--lr', '1'\]: unpack it"):
+        HorovodRunner(np=-2).run_script(str(script), ["--lr", "1"])
+    with pytest.raises(LaunchRefused, match=r"got int 1: pass its text, e.g. '1'"):
+        HorovodRunner(np=-2).run_script(script, "--lr", 1)
+    with pytest.raises(LaunchRefused, match="run_script takes the script's path"):
+        HorovodRunner(np=-2).run_script(None)
+
+
 def test_scripts_in_another_declared_encoding_or_with_a_bom_run_as_python_runs_them(tmp_path):
     latin = tmp_path / "latin.py"
     latin.write_bytes("# -*- coding: latin-1 -*-\nimport os\nassert 'caf\u00e9' == 'caf' + chr(233)\n"

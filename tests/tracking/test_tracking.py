@@ -264,6 +264,71 @@ def test_a_bad_system_metrics_interval_is_refused_before_the_run(tracking_uri, m
     HorovodRunner(np=-2, progress=False, tracking=Tracking(system_metrics=False)).run(train, steps=2, lr=0.1)
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    ({"tracking": Tracking(all_ranks=True)}, None),
+    ({"tracking": 0}, r"tracking must be True, False, None or spark_dl.tracking.Tracking\(...\), got 0 \(int\)"),
+    ({"tracking": "off"}, "tracking must be True, False, None"),
+    ({"tracking": {"all_ranks": True}}, "tracking must be True, False, None"),
+    ({"progress": "no"}, "progress must be True, False or None"),
+])
+def test_tracking_and_progress_of_the_wrong_kind_are_refused(kwargs, match):
+    if match is None:
+        HorovodRunner(np=-2, **kwargs)
+        return
+    with pytest.raises(LaunchRefused, match=match):
+        HorovodRunner(np=-2, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"grace_s": "5"}, r"Tracking\(grace_s=...\) must be a number of seconds >= 0 .*got '5'"),
+    ({"grace_s": -1}, "grace_s=...\\) must be a number of seconds >= 0"),
+    ({"all_ranks": "no"}, r"Tracking\(all_ranks=...\) must be True or False, got 'no'"),
+    ({"rank_logs": None}, "rank_logs=...\\) must be True or False"),
+    ({"run_name": 123}, r"Tracking\(run_name=...\) must be a str or None, got 123"),
+])
+def test_bad_tracking_options_are_refused_at_construction(kwargs, match):
+    with pytest.raises(LaunchRefused, match=match):
+        Tracking(**kwargs)
+
+
+def odd_values_main():
+    import threading
+
+    import torch
+
+    import spark_dl
+
+    spark_dl.init()
+    spark_dl.log_params({"fn": lambda: 1, "lock": threading.Lock(), "nested": {"lr": 0.1}})
+    errors = []
+    for bad in ({"loss": None}, {"loss": torch.ones(3)}, {"loss": "abc"}, [("loss", 1.0)]):
+        try:
+            spark_dl.log_metrics(bad)
+        except TypeError as e:
+            errors.append(str(e))
+    try:
+        spark_dl.log_metrics({"loss": 1.0}, step="abc")
+    except TypeError as e:
+        errors.append(str(e))
+    spark_dl.log_metrics({"loss": 0.5}, step=0)
+    return errors
+
+
+def test_params_that_cannot_be_pickled_and_metrics_that_are_not_numbers(tracking_uri):
+    """A function or a lock as a param value is logged as its text (it stopped the rank's messages
+    and lost the result); a metric that is not one number names its key."""
+    errors = HorovodRunner(np=-2, progress=False).run(odd_values_main)
+    assert "log_metrics: the value of 'loss' is a NoneType, not one number" in errors[0]
+    assert "the value of 'loss' is a Tensor of shape (3,), not one number" in errors[1]
+    assert "the value of 'loss' is a str" in errors[2] and "log_metrics takes a dict {name: number}, got list" in errors[3]
+    assert "step must be an int, got 'abc'" in errors[4]
+    run = _only_run()
+    assert run.info.status == "FINISHED"
+    assert run.data.params["fn"].startswith("<function odd_values_main.<locals>.<lambda>")
+    assert "lock" in run.data.params["lock"] and run.data.params["nested.lr"] == "0.1"
+    assert [m.value for m in _history(run, "loss")] == [0.5]
+
+
 def model_main(hidden):
     import torch
 
