@@ -360,7 +360,8 @@ class JobMonitor:
     def result(self, rank: int) -> Any:
         blob = self.results.get(rank)
         if blob is None:
-            raise JobFailed(f"rank {rank} finished without sending its return value")
+            raise JobFailed(f"rank {rank} finished without sending its return value: its process ended with status 0 "
+                            "before main returned (os._exit(0) in main or in a script?)")
         try:
             return cloudpickle.loads(blob)
         except Exception as e:  # noqa: BLE001

@@ -248,6 +248,12 @@ class HorovodRunner:
                     earlier.append(ended)
                     launcher = self._relaunch(data, attempt, len(earlier), ended, store, observers, sizes[-1])
                 sizes.append(launcher.world_size)
+            if outcome is None:
+                try:  # a result that never came fails the run: the MLflow run and last_run say so too
+                    value = ([monitor.result(r) for r in range(launcher.world_size)] if all_results
+                             else monitor.result(0))
+                except JobFailed as e:
+                    outcome = e
         except BaseException as e:  # what the observers (the MLflow run) are told; e itself propagates
             outcome = e if isinstance(e, JobFailed) else JobFailed(_driver_failure(e))
             raise
@@ -263,10 +269,7 @@ class HorovodRunner:
                                     time.monotonic() - started, tuple(sizes), grows)
         if outcome is not None:
             raise outcome
-        assert monitor is not None
-        if all_results:
-            return [monitor.result(r) for r in range(launcher.world_size)]
-        return monitor.result(0)
+        return value
 
     def _launcher(self, data: ShardSet | None, wait_s: float | None = None, low: int | None = None) -> "_Launcher":
         if self.np < 0:

@@ -329,6 +329,28 @@ def test_params_that_cannot_be_pickled_and_metrics_that_are_not_numbers(tracking
     assert [m.value for m in _history(run, "loss")] == [0.5]
 
 
+def exits_early_main():
+    import os
+
+    import spark_dl
+
+    spark_dl.init()
+    spark_dl.log_metrics({"loss": 1.0}, step=0)
+    if spark_dl.get_context().rank == 0:
+        os._exit(0)
+    return 1
+
+
+def test_a_result_that_never_came_fails_the_mlflow_run_and_last_run(tracking_uri):
+    from spark_dl import JobFailed
+
+    runner = HorovodRunner(np=-2, progress=False)
+    with pytest.raises(JobFailed, match=r"rank 0 finished without sending its return value: .*os._exit\(0\)"):
+        runner.run(exits_early_main)
+    assert not runner.last_run.succeeded
+    assert _only_run().info.status == "FAILED"
+
+
 def model_main(hidden):
     import torch
 
