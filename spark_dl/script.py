@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import tokenize
+import types
 from typing import Sequence
 
 from .errors import LaunchRefused
@@ -59,9 +60,18 @@ class Script:
         directory = os.path.dirname(script)
         if os.path.isdir(directory) and directory not in sys.path:
             sys.path.insert(0, directory)  # sibling imports work as under `python script`
-        namespace = {"__name__": "__main__", "__file__": script, "__builtins__": __builtins__}
+        # a module of its own as __main__, as `python script` has: what the script defines
+        # pickles by reference (torch.save of a model class, multiprocessing's spawn)
+        main = types.ModuleType("__main__")
+        main.__file__ = script
+        main.__builtins__ = __builtins__
+        previous = sys.modules.get("__main__")
+        sys.modules["__main__"] = main
         try:
-            exec(compile(self.source, script, "exec"), namespace)
+            exec(compile(self.source, script, "exec"), main.__dict__)
         except SystemExit as e:
             if e.code not in (None, 0):
                 raise ScriptExit(script, e.code) from None
+        finally:
+            if previous is not None:
+                sys.modules["__main__"] = previous

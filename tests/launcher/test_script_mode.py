@@ -66,6 +66,33 @@ def test_missing_or_broken_script_is_refused(tmp_path):
         HorovodRunner(np=-2).run_script(bad)
 
 
+PICKLES_ITS_OWN_CLASS = """
+import io, os, pickle, sys
+import torch
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+
+
+buf = io.BytesIO()
+torch.save(Net(), buf)  # pickles __main__.Net by reference, as under `python script`
+buf.seek(0)
+net = torch.load(buf, weights_only=False)
+assert type(net).__name__ == "Net" and pickle.loads(pickle.dumps(Net())).layer.in_features == 2
+open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.txt"), "w").write(type(net).__module__)
+"""
+
+
+def test_what_a_script_defines_pickles_by_reference_as_under_python(tmp_path):
+    script = tmp_path / "own_class.py"
+    script.write_text(PICKLES_ITS_OWN_CLASS)
+    HorovodRunner(np=-2).run_script(script, str(tmp_path))
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)] == ["__main__", "__main__"]
+
+
 def test_script_arguments_that_are_not_text_are_refused(tmp_path):
     script = tmp_path / "argv.py"
     script.write_text("import sys\nprint(sys.argv)\n")
