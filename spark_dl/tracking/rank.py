@@ -17,7 +17,7 @@ Message kinds sent to the driver (see ``observer.py`` for their handling):
 from __future__ import annotations
 
 import io
-import numbers
+import operator
 import os
 import threading
 import time
@@ -209,9 +209,14 @@ def _numbers(metrics: Any) -> dict[str, float]:
 
 
 def _step(step: Any) -> int:
-    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
-        raise TypeError(f"log_metrics: step must be an int, got {step!r}")
-    return int(step)
+    """An int, numpy integer or integer tensor (what ``__index__`` takes): a float step is refused,
+    not truncated."""
+    try:
+        if isinstance(step, bool):
+            raise TypeError
+        return operator.index(step)
+    except TypeError:
+        raise TypeError(f"log_metrics: step must be an int, got {step!r}") from None
 
 
 def log_metrics(metrics: Mapping[str, Any], step: int | None = None, *, all_ranks: bool = False) -> None:

@@ -310,7 +310,11 @@ def odd_values_main():
         spark_dl.log_metrics({"loss": 1.0}, step="abc")
     except TypeError as e:
         errors.append(str(e))
-    spark_dl.log_metrics({"loss": 0.5}, step=0)
+    try:
+        spark_dl.log_metrics({"loss": 1.0}, step=1.7)  # not cut to 1
+    except TypeError as e:
+        errors.append(str(e))
+    spark_dl.log_metrics({"loss": 0.5}, step=torch.tensor(0))  # an integer tensor is a step
     return errors
 
 
@@ -321,7 +325,7 @@ def test_params_that_cannot_be_pickled_and_metrics_that_are_not_numbers(tracking
     assert "log_metrics: the value of 'loss' is a NoneType, not one number" in errors[0]
     assert "the value of 'loss' is a Tensor of shape (3,), not one number" in errors[1]
     assert "the value of 'loss' is a str" in errors[2] and "log_metrics takes a dict {name: number}, got list" in errors[3]
-    assert "step must be an int, got 'abc'" in errors[4]
+    assert "step must be an int, got 'abc'" in errors[4] and "step must be an int, got 1.7" in errors[5]
     run = _only_run()
     assert run.info.status == "FINISHED"
     assert run.data.params["fn"].startswith("<function odd_values_main.<locals>.<lambda>")
