@@ -24,6 +24,7 @@ import run_script  # noqa: E402  (the runner next to this one)
 from spark_dl.submit import nonzero_int  # noqa: E402
 
 PROG = "horovodrun.py"
+HARMLESS_INTERPRETER_FLAGS = ("-u", "-B", "-O", "-OO", "-s", "-E")
 
 
 def translate(argv: Sequence[str]) -> list[str]:
@@ -37,6 +38,11 @@ def translate(argv: Sequence[str]) -> list[str]:
     parser.add_argument("-H", "--hosts", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--hostfile", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--mpi", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--start-timeout", type=float, default=None,
+                        help="seconds to wait for every rank to start (as horovodrun's)")
+    parser.add_argument("-p", "--ssh-port", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--min-np", "--max-np", "--host-discovery-script", dest="elastic", default=None,
+                        help=argparse.SUPPRESS)
     parser.add_argument("--gloo", action="store_true", help="accepted (collectives always go through torch.distributed)")
     parser.add_argument("--verbose", action="store_true", help="accepted")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="python script.py [args...]")
@@ -45,20 +51,39 @@ def translate(argv: Sequence[str]) -> list[str]:
         parser.error("Spark places the ranks: drop -H/--hosts/--hostfile (use -np and the cluster's task slots)")
     if args.mpi:
         parser.error("--mpi: there is no MPI here; collectives go through torch.distributed (Gloo or NCCL)")
+    if args.ssh_port:
+        parser.error("-p/--ssh-port: Spark starts the ranks, with no ssh; drop it")
+    if args.elastic:
+        parser.error("--min-np/--max-np/--host-discovery-script: elastic runs on Spark are "
+                     "spark_dl.horovod.spark.run_elastic(fn, num_proc=..., min_num_proc=..., max_num_proc=...) "
+                     "(the free task slots are the hosts); this runner runs a fixed -np")
     command = list(args.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
     if command and os.path.basename(command[0]).startswith("python") and not command[0].endswith(".py"):
         command = command[1:]  # the interpreter is the ranks' own (PYSPARK_PYTHON)
+        # its flags: -u and the like change nothing that matters here (rank output is streamed)
+        while command and command[0] in HARMLESS_INTERPRETER_FLAGS:
+            command = command[1:]
+        if command and command[0] in ("-m", "-c"):
+            parser.error(f"python {command[0]}: the command must be a script file, python train.py [args...]; "
+                         "for a module, name its .py file")
+        if command and command[0].startswith("-"):
+            parser.error(f"python {command[0]}: interpreter options cannot be passed to the ranks' Python; drop it "
+                         f"(accepted and ignored: {' '.join(HARMLESS_INTERPRETER_FLAGS)})")
     if not command or not command[0].endswith(".py"):
-        parser.error("the command must be a Python script: python train.py [args...] (not -m or another program)")
+        parser.error("the command must be a Python script: python train.py [args...] (not another program)")
     out = ["--np", str(args.np)]
     if args.master:
         out += ["--master", args.master]
+    if args.start_timeout is not None:
+        out += ["--start-timeout", str(args.start_timeout)]
     return out + command
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the script on every rank; return the process exit code."""
-    return run_script.main(translate(sys.argv[1:] if argv is None else argv))
+    return run_script.main(translate(sys.argv[1:] if argv is None else argv), prog=PROG)
 
 
 if __name__ == "__main__":

@@ -60,8 +60,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the script on every rank; return the process exit code."""
+def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
+    """Run the script on every rank; return the process exit code. ``prog`` names the runner in
+    its messages (horovodrun.py translates its command line into this one's)."""
     args = parse_args(argv)
 
     from spark_dl import HorovodRunner, LaunchRefused
@@ -77,15 +78,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         read_script(args.script)  # a missing or broken script is refused before Spark starts
     except LaunchRefused as e:  # the arguments alone are wrong
-        error(f"{PROG}: run refused: {e}")
+        error(f"{prog}: run refused: {e}")
         return EXIT_FAILED
-    code, _ = launch(PROG, args.script, f"spark-dl {args.script}", args.master, args.np, error,
+    code, _ = launch(prog, args.script, f"spark-dl {args.script}", args.master, args.np, error,
                      lambda: runner.run_script(args.script, *args.script_args))
     if code != EXIT_OK:
         return code
     info = runner.last_run
     restarts = f", {info.attempts - 1} restart(s)" if info is not None and info.attempts > 1 else ""
-    error(f"{PROG}: {args.script} finished on {abs(args.np)} ranks{restarts}")
+    error(f"{prog}: {args.script} finished on {abs(args.np)} ranks{restarts}")
     return EXIT_OK
 
 

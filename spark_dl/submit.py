@@ -107,7 +107,14 @@ def launch(prog: str, what: str, app_name: str, master: str | None, np: int, err
     refusal or a failed run is one message on ``error`` (``"prog: what failed: ..."``) and exit 1."""
     from .errors import LaunchRefused, SparkDLError
 
-    spark = spark_session(prog, app_name, master, np, error) if np > 0 else None
+    try:
+        spark = spark_session(prog, app_name, master, np, error) if np > 0 else None
+    except Exception as e:  # noqa: BLE001 - Spark's own start-up errors: one line, not a JVM trace
+        text = str(e).strip().splitlines()
+        error(f"{prog}: could not start Spark on master {master or f'local[{np}]'!r} ({type(e).__name__}: "
+              f"{text[0] if text else ''}); check --master (local[N], spark://host:port, yarn, k8s://...) and the "
+              "JVM's message above")
+        return EXIT_FAILED, None
     try:
         return EXIT_OK, run()
     except LaunchRefused as e:

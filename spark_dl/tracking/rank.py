@@ -275,8 +275,22 @@ def log_artifact_bytes(data: bytes, artifact_file: str) -> None:
     """Store ``data`` as ``artifact_file`` in the run (files from ranks other than 0 go under ``rank<r>/``)."""
     if _buffer is None:
         return
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"log_artifact_bytes takes bytes, got {type(data).__name__} (text: .encode('utf-8'))")
+    _check_artifact_path(artifact_file)
     path = artifact_file if _rank == 0 else f"rank{_rank}/{artifact_file}"
     rank_api.send_to_driver("tracking/artifact", {"path": path, "data": bytes(data)})
+
+
+def _check_artifact_path(artifact_file: Any) -> None:
+    """Refused at the call: MLflow refuses such a path only at the end of the run, where its error
+    read as a server failure held back the writes behind it (the run was left RUNNING)."""
+    if not isinstance(artifact_file, str) or not artifact_file:
+        raise TypeError(f"an artifact's path must be a non-empty str, got {artifact_file!r}")
+    norm = os.path.normpath(artifact_file)
+    if os.path.isabs(artifact_file) or norm == ".." or norm.startswith(".." + os.sep) or artifact_file.endswith("/"):
+        raise ValueError(f"artifact path {artifact_file!r} must be a file's path relative to the run's artifacts, "
+                         "inside them (no leading '/', no '..' out of them), e.g. 'reports/summary.txt'")
 
 
 def log_model(model: Any, name: str = "model", *, input_example: Any = None) -> None:

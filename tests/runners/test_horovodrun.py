@@ -41,6 +41,15 @@ def test_a_horovod_script_on_local_processes(tmp_path):
         assert f"rank {r} of 2: sum 3.0, lr 0.1" in proc.stdout + proc.stderr
 
 
+def test_interpreter_flags_a_leading_double_dash_and_start_timeout_as_horovodrun_takes_them(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(HOROVOD_SCRIPT)
+    proc = _run("-np", "-2", "--start-timeout", "60", "--", "python", "-u", str(script), "--lr", "0.2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 1 of 2: sum 3.0, lr 0.2" in proc.stdout + proc.stderr
+    assert "horovodrun.py: " in proc.stderr and "run_script.py:" not in proc.stderr  # its own name
+
+
 def test_a_horovod_script_in_a_spark_barrier_stage(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(HOROVOD_SCRIPT)
@@ -54,7 +63,11 @@ def test_what_spark_cannot_do_is_refused_with_exit_2(tmp_path):
     script = str(tmp_path / "train.py")
     for args, message in [(["-np", "2", "-H", "a:2,b:2", "python", script], "Spark places the ranks"),
                           (["-np", "2", "--mpi", "python", script], "no MPI here"),
-                          (["-np", "2", "python", "-m", "train"], "must be a Python script"),
+                          (["-np", "2", "python", "-m", "train"], "python -m: the command must be a script file"),
+                          (["-np", "2", "python", "-X", "dev", script], "python -X: interpreter options cannot"),
+                          (["-np", "2", "-p", "12345", "python", script], "-p/--ssh-port: Spark starts the ranks"),
+                          (["-np", "2", "--min-np", "1", "python", script], "run_elastic"),
+                          (["-np", "2", "bash", "run.sh"], "must be a Python script"),
                           (["python", script], "-np/--num-proc"),
                           (["-np", "0", "python", script], "")]:
         proc = _run(*args)

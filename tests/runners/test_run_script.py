@@ -107,6 +107,14 @@ def test_refusals_exit_1_before_spark_starts(tmp_path):
         assert "run_script.py: run refused: " in proc.stderr and needle in proc.stderr, (args, proc.stderr)
 
 
+def test_spark_that_cannot_start_is_one_line_not_a_trace(tmp_path):
+    """SPARK_HOME points nowhere here, so the JVM cannot start: the runner says so and exits 1."""
+    proc = _python("--np", "2", "--master", "local[2]", _script(tmp_path), timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert "run_script.py: could not start Spark on master 'local[2]' (" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_bad_arguments_exit_2_and_help_lists_options():
     for args, needle in [
         ([], "the following arguments are required: script"),

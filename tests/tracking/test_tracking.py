@@ -333,6 +333,33 @@ def test_params_that_cannot_be_pickled_and_metrics_that_are_not_numbers(tracking
     assert [m.value for m in _history(run, "loss")] == [0.5]
 
 
+def bad_artifact_paths_main():
+    import mlflow
+
+    import spark_dl
+
+    spark_dl.init()
+    errors = []
+    for path in ("../../escaped.txt", "/tmp/abs.txt", "notes/"):
+        try:
+            mlflow.log_text("hi", path)
+        except ValueError as e:
+            errors.append(str(e))
+    mlflow.log_text("kept", "notes/ok.txt")
+    return errors
+
+
+def test_artifact_paths_outside_the_run_are_refused_at_the_call(tracking_uri):
+    """MLflow refused them only at the end, where the error read as a failing server, held back the
+    writes behind it and left the run RUNNING."""
+    errors = HorovodRunner(np=-2, progress=False).run(bad_artifact_paths_main)
+    assert len(errors) == 3 and all("must be a file's path relative to the run's artifacts" in e for e in errors)
+    assert "'../../escaped.txt'" in errors[0] and "'/tmp/abs.txt'" in errors[1]
+    run = _only_run()
+    assert run.info.status == "FINISHED"
+    assert "notes/ok.txt" in {a.path for a in MlflowClient().list_artifacts(run.info.run_id, "notes")}
+
+
 def exits_early_main():
     import os
 
