@@ -1,6 +1,7 @@
 """Typed errors. Each says what went wrong, where, and what to do next."""
 from __future__ import annotations
 
+import math
 import numbers
 import os
 from typing import Any, Sequence
@@ -29,6 +30,19 @@ def as_int(value: Any) -> int | None:
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         return int(value)
     return None
+
+
+def in_range(value: Any, *, low: float | None = None, high: float | None = None, low_open: bool = False,
+             high_open: bool = False, integer: bool = False) -> bool:
+    """Whether ``value`` is a number (an integer when ``integer``; numpy's included, bools not),
+    finite, and within the bounds (each closed unless ``low_open``/``high_open``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral if integer else numbers.Real):
+        return False
+    # an int is finite (math.isfinite would overflow on a huge one)
+    if not isinstance(value, numbers.Integral) and not math.isfinite(value):
+        return False
+    return (low is None or (value > low if low_open else value >= low)) and (
+        high is None or (value < high if high_open else value <= high))
 
 
 def env_number(name: str, default: float, *, minimum: float = 0.0, integer: bool = False, unit: str = "") -> float:

@@ -13,14 +13,12 @@ So a rank can decompress another rank's payload for the same region with its own
 from __future__ import annotations
 
 import inspect
-import math
-import numbers
 from dataclasses import dataclass
 from typing import Any, Hashable
 
 import torch
 
-from spark_dl.errors import as_int
+from spark_dl.errors import as_int, in_range
 
 Key = Hashable
 
@@ -190,7 +188,7 @@ def int_param(value: Any, who: str, name: str, low: int | None = None, high: int
     if value is None and none:
         return None
     n = as_int(value)
-    if n is None or (low is not None and n < low) or (high is not None and n > high):
+    if n is None or not in_range(n, low=low, high=high, integer=True):
         span = f" in {low}..{high}" if low is not None and high is not None else \
             f" >= {low}" if low is not None else ""
         raise ValueError(f"{who} {name} must be an int{span}{' or None' if none else ''}{why}, got {value!r}")
@@ -201,12 +199,7 @@ def real_param(value: Any, who: str, name: str, low: float, high: float | None =
                open_low: bool = False) -> float:
     """A constructor's real-number parameter as a float: finite, not a bool, ``low <= value``
     (``<`` with ``open_low``) and ``value <= high``; else a ValueError that says so."""
-    # an int is finite (math.isfinite would overflow on a huge one)
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and (
-        isinstance(value, numbers.Integral) or math.isfinite(value))
-    if ok:
-        ok = (value > low if open_low else value >= low) and (high is None or value <= high)
-    if not ok:
+    if not in_range(value, low=low, high=high, low_open=open_low):
         span = f"in {'(' if open_low else '['}{low:g}, {high:g}]" if high is not None else \
             f"{'>' if open_low else '>='} {low:g}"
         raise ValueError(f"{who} {name} must be a finite real number {span}, got {value!r}")

@@ -2,9 +2,10 @@
 named with the parameter, not left to fail as ``'<' not supported`` or to run as a NaN lr."""
 from __future__ import annotations
 
-import math
 import numbers
 from typing import Any
+
+from ..errors import in_range
 
 
 def number(value: Any, name: str, *, low: float | None = None, high: float | None = None,
@@ -12,14 +13,10 @@ def number(value: Any, name: str, *, low: float | None = None, high: float | Non
     """``value`` as a Python number in range (an int when ``integer``; numpy scalars are fine), or a
     TypeError (not a number) / ValueError (NaN, infinite, out of range) that names ``name``."""
     kind = "an int" if integer else "a number"
-    ok_type = isinstance(value, numbers.Integral if integer else numbers.Real) and not isinstance(value, bool)
-    if not ok_type:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral if integer else numbers.Real):
         raise TypeError(f"{name} must be {kind}{_span(low, high, low_open, high_open)}, got {value!r}")
-    value = int(value) if integer else float(value) if not isinstance(value, numbers.Integral) else int(value)
-    finite = integer or math.isfinite(value)
-    in_range = finite and (low is None or (value > low if low_open else value >= low)) and (
-        high is None or (value < high if high_open else value <= high))
-    if not in_range:
+    value = int(value) if isinstance(value, numbers.Integral) else float(value)
+    if not in_range(value, low=low, high=high, low_open=low_open, high_open=high_open, integer=integer):
         raise ValueError(f"{name} must be {'a finite number' if not integer else kind}"
                          f"{_span(low, high, low_open, high_open)}, got {value!r}")
     return value
