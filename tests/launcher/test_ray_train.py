@@ -752,22 +752,18 @@ def test_misuse_inside_a_worker_names_the_fix(tmp_path):
            "executor, and its checkpoints be left to the run" in errors[3]
 
 
-def lightning_loop(config):
-    """Ray Train's Lightning idiom; rank 1 dies in epoch 2 of the first attempt."""
-    import lightning as L
-    from torch.utils.data import DataLoader, TensorDataset
+def lightning_net(pl, crash: bool = False):
+    """A LightningModule class fitting y = sum(x), on Lightning package ``pl`` (``lightning`` or
+    ``pytorch_lightning``); ``crash``: rank 1 dies in epoch 2 of the first attempt."""
 
-    from spark_dl.ray_train.lightning import (RayDDPStrategy, RayLightningEnvironment, RayTrainReportCallback,
-                                              prepare_trainer)
-
-    class Net(L.LightningModule):
+    class Net(pl.LightningModule):
         def __init__(self):
             super().__init__()
             self.layer = torch.nn.Linear(4, 1)
 
         def training_step(self, batch, _):
             x, y = batch
-            if (self.current_epoch == 2 and self.global_rank == 1
+            if (crash and self.current_epoch == 2 and self.global_rank == 1
                     and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"):
                 os._exit(3)
             loss = (self.layer(x) - y).pow(2).mean()
@@ -777,20 +773,34 @@ def lightning_loop(config):
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.05)
 
+    return Net
+
+
+def lightning_trainer(pl, helpers, epochs: int):
+    """Ray Train's Lightning idiom: a Trainer on ``helpers``' strategy, environment and report callback."""
+    return pl.Trainer(max_epochs=epochs, devices="auto", accelerator="cpu", strategy=helpers.RayDDPStrategy(),
+                      plugins=[helpers.RayLightningEnvironment()], callbacks=[helpers.RayTrainReportCallback()],
+                      enable_checkpointing=False, enable_progress_bar=False, logger=False, enable_model_summary=False)
+
+
+def lightning_loop(config):
+    """Ray Train's Lightning idiom; rank 1 dies in epoch 2 of the first attempt."""
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from spark_dl.ray_train import lightning as helpers
+
     torch.manual_seed(0)
     x = torch.randn(256, 4)
     data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=16)
-    trainer = L.Trainer(max_epochs=config["epochs"], devices="auto", accelerator="cpu", strategy=RayDDPStrategy(),
-                        plugins=[RayLightningEnvironment()], callbacks=[RayTrainReportCallback()],
-                        enable_checkpointing=False, enable_progress_bar=False, logger=False,
-                        enable_model_summary=False)
-    trainer = prepare_trainer(trainer)
+    trainer = helpers.prepare_trainer(lightning_trainer(L, helpers, config["epochs"]))
+    net = lightning_net(L, crash=True)()
     checkpoint = train.get_checkpoint()
     if checkpoint is None:
-        trainer.fit(Net(), data)
+        trainer.fit(net, data)
     else:
         with checkpoint.as_directory() as d:
-            trainer.fit(Net(), data, ckpt_path=os.path.join(d, RayTrainReportCallback.CHECKPOINT_NAME))
+            trainer.fit(net, data, ckpt_path=os.path.join(d, helpers.RayTrainReportCallback.CHECKPOINT_NAME))
     train.report({"batches": trainer.num_training_batches, "world": trainer.world_size,
                   "environment": type(trainer.strategy.cluster_environment).__name__})
 
@@ -814,35 +824,17 @@ def pytorch_lightning_loop(config):
     from torch.utils.data import DataLoader, TensorDataset
 
     from spark_dl.ray_train import lightning as for_lightning
-    from spark_dl.ray_train.pytorch_lightning import (RayDDPStrategy, RayLightningEnvironment,
-                                                      RayTrainReportCallback, prepare_trainer)
-
-    class Net(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.layer = torch.nn.Linear(4, 1)
-
-        def training_step(self, batch, _):
-            x, y = batch
-            loss = (self.layer(x) - y).pow(2).mean()
-            self.log("train_loss", loss, sync_dist=True)
-            return loss
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.05)
+    from spark_dl.ray_train import pytorch_lightning as helpers
 
     torch.manual_seed(0)
     x = torch.randn(128, 4)
-    trainer = pl.Trainer(max_epochs=config["epochs"], accelerator="cpu", devices="auto", strategy=RayDDPStrategy(),
-                         plugins=[RayLightningEnvironment()], callbacks=[RayTrainReportCallback()],
-                         enable_checkpointing=False, enable_progress_bar=False, logger=False,
-                         enable_model_summary=False)
+    trainer = lightning_trainer(pl, helpers, config["epochs"])
     try:
         for_lightning.prepare_trainer(trainer)  # the other package's helpers: named, not Lightning's own error
     except TypeError as e:
         mixed = str(e)
-    trainer = prepare_trainer(trainer)
-    trainer.fit(Net(), DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=16))
+    trainer = helpers.prepare_trainer(trainer)
+    trainer.fit(lightning_net(pl)(), DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=16))
     train.report({"mixed": mixed, "world": trainer.world_size})
 
 
