@@ -200,6 +200,14 @@ def test_broadcast_optimizer_state(ranks):
     assert ranks[0]["opt_state"][0]["step"] == 1.0
 
 
+def run_plain_script(code: str) -> subprocess.CompletedProcess:
+    """``code`` under plain python, outside any launcher (none of its variables set); it must succeed."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out
+
+
 def test_a_plain_script_is_a_world_of_one():
     code = (
         "import torch, spark_dl.horovod as hvd\n"
@@ -210,9 +218,7 @@ def test_a_plain_script_is_a_world_of_one():
         "w.sum().backward(); opt.step()\n"
         "print(hvd.join(), w.tolist())\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
+    out = run_plain_script(code)
     assert out.stdout.split() == ["0", "1", "1", "4.0", "0", "[0.0,", "0.0]"]
 
 
@@ -234,9 +240,7 @@ def test_compression_that_is_not_a_usable_compressor_is_refused_by_name():
         "w.sum().backward(); opt.step()\n"
         "print(w.tolist())\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
+    out = run_plain_script(code)
     lines = out.stdout.splitlines()
     assert lines[0] == "4.0" and lines[-1] == "[0.0, 0.0]"
     refused = [line for line in lines if line.startswith("REFUSED")]
