@@ -7,8 +7,12 @@ training: failed calls are retried with exponential backoff while new data is bu
 warning is issued per run, and :meth:`MlflowWriter.close` waits a bounded time before giving up on
 what could not be written (and says how much that was).
 
-Errors MLflow calls permanent (a bad value, a param changed in a run the user opened) do not
-block the rest: the batch is bisected and only the offending entries are dropped.
+Errors MLflow calls permanent (a bad value, a param changed in a run the user opened; any 4xx
+but 408/409/429) do not block the rest: the batch is bisected and only the offending entries are
+dropped. A write that keeps failing while the store answers (an artifact location that cannot be
+written, a server error on one request) is skipped after ``stall_s`` (at the end of the run, after
+``grace_s / 2``, and the writes behind it are then tried once each), so that it never holds back
+the run's end. A run MLflow refuses to create (an experiment that does not exist) is given up at once.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import os
 import queue
 import shutil
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -34,7 +39,9 @@ BACKOFF_MAX_S = 10.0
 LINGER_S = 0.5  # gather this long before writing a partial batch: fewer, fuller calls to the server
 MAX_BUFFERED_METRICS = 5_000_000
 _PERMANENT = {"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "INVALID_STATE", "BAD_REQUEST",
-              "RESOURCE_ALREADY_EXISTS", "PERMISSION_DENIED"}
+              "RESOURCE_ALREADY_EXISTS", "PERMISSION_DENIED", "MAX_BLOCK_SIZE_EXCEEDED", "MAX_READ_SIZE_EXCEEDED",
+              "MAX_LIST_SIZE_EXCEEDED", "DATA_LOSS"}
+_RETRYABLE_HTTP = {408, 409, 429}  # timeout, conflict, rate limit: a later try can succeed
 
 
 class TrackingWarning(UserWarning):
@@ -42,12 +49,14 @@ class TrackingWarning(UserWarning):
 
 
 def _permanent(e: BaseException) -> bool:
-    """True for errors a retry cannot fix: MLflow rejecting the data, or our own data being bad
-    (say, a model that does not unpickle). Connection trouble and server errors are transient."""
+    """True for errors a retry cannot fix: MLflow rejecting the data (a 4xx answer but a timeout,
+    conflict or rate limit), or our own data being bad (say, a model that does not unpickle).
+    Connection trouble and server errors are transient."""
     from mlflow.exceptions import MlflowException
 
     if isinstance(e, MlflowException):
-        return e.error_code in _PERMANENT
+        status = e.get_http_status_code()
+        return e.error_code in _PERMANENT or (400 <= status < 500 and status not in _RETRYABLE_HTTP)
     return not isinstance(e, OSError)
 
 
@@ -58,8 +67,10 @@ class MlflowWriter:
         tracking_uri: where to write (captured on the driver's calling thread).
         run_id: an existing run to log into (left open), or None to create one in ``experiment_id``
             (ended at :meth:`close` with the given status).
-        grace_s: how long :meth:`close` keeps waiting while the server keeps failing.
-        stall_s: how long :meth:`close` waits for a server that answers but makes no progress.
+        grace_s: how long :meth:`close` keeps waiting while the server keeps failing (or, before any
+            write succeeded, does not answer).
+        stall_s: how long :meth:`close` waits for a server that answers but makes no progress, and
+            how long one write may keep failing while the store answers before it is skipped.
     """
 
     def __init__(
@@ -90,6 +101,9 @@ class MlflowWriter:
         self._tmp = tempfile.mkdtemp(prefix="spark-dl-tracking-")
         self._models: dict[str, Any] = {}
         self._failures = 0
+        self._fail_since = 0.0
+        self._skipping = False  # at the end, after one write was skipped: the rest get one try each
+        self._written = False  # some call to the store has succeeded
         self._next_try = 0.0
         self._last_progress = time.monotonic()
         self._last_error: BaseException | None = None
@@ -135,27 +149,39 @@ class MlflowWriter:
             self._thread.join(0.1)
             now = time.monotonic()
             failing_for = now - start if self._failures else 0.0
+            # a store that never once answered (it takes connections and hangs) is not worth stall_s
+            stall_s = self.stall_s if self._written else min(self.stall_s, self.grace_s)
             if (
                 (self._failures and failing_for > self.grace_s and now - self._last_progress > self.grace_s)
-                or now - self._last_progress > self.stall_s
+                or now - self._last_progress > stall_s
                 or now - start > max_wait_s
             ):
                 self._abandoned = True
                 left = len(self._metrics) + len(self._params) + len(self._tags) + len(self._ops) + self._q.qsize()
-                why = f": {type(self._last_error).__name__}: {self._last_error}" if self._last_error else ""
+                if self._last_error is not None:
+                    why = f": {type(self._last_error).__name__}: {self._last_error}"
+                elif not self._written:
+                    why = f": it did not answer within {stall_s:g} s"
+                else:
+                    why = ""
                 self._warn(
                     f"MLflow tracking at {self.tracking_uri} could not be completed{why}. Training was not "
-                    f"affected; about {left} pending MLflow writes were dropped."
+                    f"affected; about {left} pending MLflow writes were dropped.",
+                    loss=True,
                 )
                 return False
         shutil.rmtree(self._tmp, ignore_errors=True)
         return self.dropped == 0
 
     # -- writer thread ---------------------------------------------------------------------------
-    def _warn(self, message: str) -> None:
+    def _warn(self, message: str, loss: bool = False) -> None:
+        """One warning per run; later ones that tell of lost data go to stderr (the first warning
+        may only have told of retries)."""
         if not self._warned:
             self._warned = True
             warnings.warn(message, TrackingWarning, stacklevel=2)
+        elif loss:
+            print(f"spark-dl: {message}", file=sys.stderr, flush=True)
 
     def _pending(self) -> bool:
         return bool(self._metrics or self._params or self._tags or self._ops or self.run_id is None)
@@ -195,7 +221,7 @@ class MlflowWriter:
                 if ended:
                     return
                 continue
-            self._attempt()
+            self._attempt(ended)
             if ended and not self._pending():
                 return
 
@@ -248,10 +274,12 @@ class MlflowWriter:
         with socket.create_connection((u.hostname, port), timeout=3.0):
             pass
 
-    def _attempt(self) -> None:
+    def _attempt(self, ended: bool) -> None:
+        answered = False  # the store is there: the probe passed, or it is not a server
         try:
             if self._failures or self.run_id is None:
                 self._probe()
+            answered = True
             if self.run_id is None:
                 self._create_run()
             elif self._params or self._tags or self._metrics:
@@ -260,22 +288,76 @@ class MlflowWriter:
                 self._run_op(self._ops[0])
                 self._ops.popleft()
         except Exception as e:  # noqa: BLE001 - the server's trouble must never reach training
+            self._last_error = e
+            if self.run_id is None and answered and _permanent(e):
+                self._give_up(e)
+                return
             if self.run_id is not None and not (self._params or self._tags or self._metrics) and _permanent(e):
                 self._ops.popleft()  # this artifact/model cannot be written; the rest can
                 self.dropped += 1
-                self._last_error = e
-                self._warn(f"MLflow rejected a write ({type(e).__name__}: {e}); it was skipped.")
+                self._warn(f"MLflow rejected a write ({type(e).__name__}: {e}); it was skipped.", loss=True)
                 return
+            now = time.monotonic()
+            if not self._failures:
+                self._fail_since = now
             self._failures += 1
-            self._last_error = e
-            self._next_try = time.monotonic() + min(BACKOFF_MAX_S, 0.25 * 2 ** (self._failures - 1))
+            if answered and self.run_id is not None and (
+                self._skipping or now - self._fail_since > (self.grace_s / 2 if ended else self.stall_s)
+            ):
+                self._skip_head(e, ended)
+                return
+            backoff_max = max(0.1, self.grace_s / 4) if ended else BACKOFF_MAX_S
+            self._next_try = now + min(backoff_max, 0.25 * 2 ** (self._failures - 1))
             self._warn(
                 f"MLflow tracking at {self.tracking_uri} failed ({type(e).__name__}: {e}). Training goes on; "
                 "spark-dl buffers the run's data and retries in the background."
             )
             return
         self._failures = 0
+        self._skipping = False
+        self._written = True
         self._last_progress = time.monotonic()
+
+    def _skip_head(self, e: BaseException, ended: bool) -> None:
+        """The store answers but keeps failing this write: drop it, so that what is behind it (the
+        run's end among them) is written. At the end, the writes after it get one try each."""
+        if self._params or self._tags or self._metrics:
+            n = min(len(self._metrics), MAX_BATCH)
+            for _ in range(n):
+                self._metrics.popleft()
+            self.dropped += n + len(self._params) + len(self._tags)
+            self._params.clear()
+            self._tags.clear()
+            what = f"{n} metric values and the pending params/tags"
+        else:
+            kind, data = self._ops.popleft()
+            self.dropped += 1
+            if kind == "artifact_bytes":
+                what = f"artifact {data[0]!r}"
+            elif kind == "artifact_file":
+                what = f"artifact {os.path.basename(data[0])!r}"
+            elif kind == "model":
+                what = f"model {data[1].get('name')!r}"
+            else:
+                what = f"the run's {kind}"
+        self._failures = 0
+        self._skipping = ended
+        self._last_progress = time.monotonic()
+        self._warn(f"MLflow tracking at {self.tracking_uri} kept failing one write while answering "
+                   f"({type(e).__name__}: {e}); {what} was skipped so that the rest of the run could be written.",
+                   loss=True)
+
+    def _give_up(self, e: BaseException) -> None:
+        """MLflow refuses to create the run: nothing of it can be written; say why, and stop."""
+        self.dropped += len(self._metrics) + len(self._params) + len(self._tags) + len(self._ops) + 1
+        self._abandoned = True
+        where = f"experiment {self.experiment_id or '0'}"
+        self._warn(
+            f"MLflow at {self.tracking_uri} refused to create the run in {where} ({type(e).__name__}: {e}); "
+            "this job is not tracked (training is not affected). Fix: point MLFLOW_EXPERIMENT_ID or "
+            "mlflow.set_experiment(...) at an experiment that exists, or run with tracking=False.",
+            loss=True,
+        )
 
     def _create_run(self) -> None:
         run = self._client_().create_run(
@@ -310,7 +392,8 @@ class MlflowWriter:
             if total == 1:
                 self.dropped += 1
                 self._last_error = e
-                self._warn(f"MLflow rejected a write to run {self.run_id} ({e}); it was skipped, the rest was written.")
+                self._warn(f"MLflow rejected a write to run {self.run_id} ({e}); it was skipped, the rest was written.",
+                           loss=True)
                 return
             # bisect so only the offending entries are lost
             items = [("m", x) for x in metrics] + [("p", x) for x in params] + [("t", x) for x in tags]

@@ -1,6 +1,8 @@
 """The driver's MLflow writer and the rank-side helpers on their own, against a real local store."""
 from __future__ import annotations
 
+import time
+import warnings
 from types import SimpleNamespace
 
 import mlflow
@@ -57,3 +59,74 @@ def test_compression_stats_become_per_step_metrics():
         "comm/bytes_sent_per_step": 500.0, "comm/allreduce_s_per_step": 0.01,
         "comm/allreduce_calls_per_step": 2.0, "comm/compression_ratio": 32.0,
     }
+
+
+def test_errors_a_retry_cannot_fix_are_told_from_server_trouble():
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos import databricks_pb2 as codes
+
+    from spark_dl.tracking.mlflow_writer import _permanent
+
+    def permanent(code):
+        return _permanent(MlflowException("x", error_code=getattr(codes, code)))
+
+    for code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "ENDPOINT_NOT_FOUND", "UNAUTHENTICATED",
+                 "PERMISSION_DENIED", "BAD_REQUEST", "INVALID_STATE", "MAX_BLOCK_SIZE_EXCEEDED"):
+        assert permanent(code), code
+    for code in ("INTERNAL_ERROR", "TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED", "DEADLINE_EXCEEDED",
+                 "RESOURCE_CONFLICT", "IO_ERROR"):
+        assert not permanent(code), code
+    assert not _permanent(ConnectionRefusedError()) and _permanent(ValueError("a model that does not unpickle"))
+
+
+@pytest.mark.parametrize("store", ["sqlite", "server"])
+def test_a_run_mlflow_refuses_to_create_is_given_up_at_once(store, request):
+    uri = request.getfixturevalue("tracking_uri" if store == "sqlite" else "server_uri")
+    w = MlflowWriter(uri, None, "987654321", grace_s=30.0)
+    w.log_metrics([("loss", 1.0, 1_000, 0)])
+    t0 = time.monotonic()
+    with pytest.warns(TrackingWarning, match=r"refused to create the run in experiment 987654321 .*"
+                      r"not tracked \(training is not affected\)\. Fix: point MLFLOW_EXPERIMENT_ID"):
+        assert not w.close("FINISHED")
+    assert time.monotonic() - t0 < 10, "not retried until grace_s"
+    assert w.run_id is None and w.dropped >= 1
+
+
+def test_a_write_that_keeps_failing_never_holds_back_the_runs_end(tracking_uri, tmp_path, capfd):
+    """An artifact location that cannot be written (under a file): the artifacts are skipped at the
+    end, the metrics, tags and the run's FINISHED status are written."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    exp = MlflowClient().create_experiment("bad-artifacts", artifact_location=str(blocker / "artifacts"))
+    w = MlflowWriter(tracking_uri, None, exp, grace_s=2.0)
+    w.log_metrics([("loss", 1.0, 1_000, 0)])
+    w.log_artifact_bytes("a.txt", b"a")
+    w.log_artifact_bytes("b.txt", b"b")
+    w.set_tags({"after": "yes"})
+    t0 = time.monotonic()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert not w.close("FINISHED")
+    elapsed = time.monotonic() - t0
+    run = MlflowClient().get_run(w.run_id)
+    assert run.info.status == "FINISHED" and run.data.metrics == {"loss": 1.0} and run.data.tags["after"] == "yes"
+    assert w.dropped == 2 and elapsed < 8, (w.dropped, elapsed)
+    said = " ".join(str(c.message) for c in caught if issubclass(c.category, TrackingWarning)) + capfd.readouterr().err
+    assert "artifact 'a.txt' was skipped so that the rest of the run could be written" in said
+    assert "NotADirectoryError" in said
+
+
+def test_a_server_that_takes_connections_and_never_answers_costs_grace_s_not_a_minute():
+    import socket
+
+    with socket.socket() as s:  # listens (the kernel completes connections) but never reads or answers
+        s.bind(("127.0.0.1", 0))
+        s.listen(16)
+        uri = f"http://127.0.0.1:{s.getsockname()[1]}"
+        w = MlflowWriter(uri, None, "0", grace_s=2.0)
+        w.log_metrics([("loss", 1.0, 1_000, 0)])
+        t0 = time.monotonic()
+        with pytest.warns(TrackingWarning, match=r"could not be completed: it did not answer within 2 s\. Training was "
+                          r"not affected; about \d+ pending MLflow writes were dropped"):
+            assert not w.close("FINISHED")
+        assert time.monotonic() - t0 < 6
