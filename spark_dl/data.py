@@ -78,10 +78,21 @@ def _check_type(name: str, dtype: Any) -> str:
             )
     except ImportError:
         pass
-    raise LaunchRefused(
-        f"column {name!r} has type {dtype.simpleString()}, which spark-dl cannot turn into a tensor: "
-        "use numeric columns or arrays of numbers (e.g. images flattened to array<float>), or drop it with columns=[...]"
-    )
+    col = f"F.col({name!r})"
+    if isinstance(dtype, T.DecimalType):
+        fix = f"cast it first: df.withColumn({name!r}, {col}.cast('double'))"
+    elif isinstance(dtype, (T.TimestampType, T.TimestampNTZType, T.DateType)):
+        fix = (f"turn it into a number first, e.g. seconds since the epoch: df.withColumn({name!r}, "
+               f"F.unix_timestamp({col}).cast('double'))")
+    elif isinstance(dtype, T.StringType):
+        fix = (f"index it first (pyspark.ml.feature.StringIndexer(inputCol={name!r}, outputCol=...)) or cast text that "
+               f"holds numbers: df.withColumn({name!r}, {col}.cast('double'))")
+    elif isinstance(dtype, T.ArrayType) and isinstance(dtype.elementType, T.DecimalType):
+        fix = f"cast its elements first: df.withColumn({name!r}, {col}.cast('array<double>'))"
+    else:
+        fix = ("use numeric columns or arrays of numbers (e.g. images flattened to array<float>), or drop it with "
+               "columns=[...]")
+    raise LaunchRefused(f"column {name!r} has type {dtype.simpleString()}, which spark-dl cannot turn into a tensor: {fix}")
 
 
 def column_kinds(df: Any, columns: list[str]) -> dict[str, str]:
@@ -126,6 +137,7 @@ class DataFrameShards:
         kinds = column_kinds(df, columns)
         self.df = df.select(*[quoted(c) for c in columns])
         self.spec = Shards(columns=columns, kinds=kinds, shuffle=shuffle, seed=as_int(seed), remainder=remainder)
+        self.empty_hint = ""  # what the refusal of an empty DataFrame adds: the fix, where the caller knows it
 
     @functools.cached_property
     def schema(self):
@@ -143,7 +155,7 @@ class DataFrameShards:
         which = f"passed as {name}=" if name else "to train on"
         rows = self.df.limit(np).count()
         if rows == 0:
-            raise LaunchRefused(f"the DataFrame {which} is empty: there is nothing to shard")
+            raise LaunchRefused(f"the DataFrame {which} is empty: there is nothing to shard{self.empty_hint}")
         if rows < np and self.spec.remainder == "drop":
             raise LaunchRefused(
                 f"the DataFrame {which} has {rows} row(s), fewer than the {np} ranks: remainder='drop' leaves "

@@ -407,6 +407,12 @@ class TorchEstimator:
         data = shards(train, columns, shuffle=self.shuffle, seed=self.seed)
         # every held-out row once per rank's share ("pad" repeats a few when they do not divide evenly)
         val = shards(held_out, columns, shuffle=False, remainder="pad") if held_out is not None else None
+        if val is not None:
+            v = self.validation
+            val.empty_hint = (
+                f": validation={v!r} held out no rows; hold out a larger fraction (validation=0.2), mark the held-out "
+                "rows with a column (validation='is_val'), or leave validation=None" if isinstance(v, float) else
+                f": no row of column {v!r} is true (or 1); mark some rows, or pass a fraction such as validation=0.1")
         out = self._runner.run(_fit, data=data, validation=val, model=self.model, optimizer=self.optimizer, loss=self._losses,
                                feature_cols=self.feature_cols, label_cols=self.label_cols,
                                batch_size=self.batch_size, epochs=self.epochs, metrics=self.metrics,

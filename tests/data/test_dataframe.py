@@ -81,8 +81,17 @@ def test_fewer_partitions_than_ranks(spark):
 def test_bad_dataframes_are_refused_before_launch(spark, df):
     with pytest.raises(LaunchRefused, match="empty"):
         HorovodRunner(np=2).run(read_epochs, data=shards(spark.range(0)), epochs=1, batch_size=4)
-    with pytest.raises(LaunchRefused, match=r"column 'name' has type string"):
+    with pytest.raises(LaunchRefused, match=r"column 'name' has type string, .*StringIndexer\(inputCol='name'"):
         shards(spark.createDataFrame([("a", 1)], ["name", "n"]))
+    typed = spark.sql("select cast(1.5 as decimal(10,2)) as price, timestamp'2026-01-01 00:00:00' as t, "
+                      "array(cast(1 as decimal(4,1))) as ds")
+    with pytest.raises(LaunchRefused, match=r"column 'price' has type decimal\(10,2\), .*cast it first: "
+                       r"df.withColumn\('price', F.col\('price'\).cast\('double'\)\)"):
+        shards(typed, ["price"])
+    with pytest.raises(LaunchRefused, match=r"column 't' has type timestamp, .*F.unix_timestamp\(F.col\('t'\)\)"):
+        shards(typed, ["t"])
+    with pytest.raises(LaunchRefused, match=r"column 'ds' has type array<decimal\(4,1\)>, .*cast\('array<double>'\)"):
+        shards(typed, ["ds"])
     with pytest.raises(LaunchRefused, match=r"\['nope'\] are not in the DataFrame"):
         shards(df, ["nope"])
     with pytest.raises(LaunchRefused, match="np > 0"):

@@ -91,9 +91,14 @@ def test_validation_holds_rows_out_and_reports_their_loss(spark):
     with pytest.raises(LaunchRefused, match="validation must be a fraction"):
         TorchEstimator(model=TwoInputs(), optimizer=torch.optim.SGD, loss=torch.nn.functional.mse_loss,
                        feature_cols=["a", "b"], label_cols="y", validation=1.5)
-    with pytest.raises(LaunchRefused, match="the DataFrame passed as validation= is empty"):
+    with pytest.raises(LaunchRefused, match=r"the DataFrame passed as validation= is empty: there is nothing to shard: "
+                       r"no row of column 'is_val' is true \(or 1\); mark some rows, or pass a fraction"):
         TorchEstimator(model=TwoInputs(), optimizer=torch.optim.SGD, loss=torch.nn.functional.mse_loss,
                        feature_cols=["a", "b"], label_cols="y", validation="is_val").fit(df.filter("a < 0.5"))
+    with pytest.raises(LaunchRefused, match=r"validation=0.001 held out no rows; hold out a larger fraction "
+                       r"\(validation=0.2\), mark the held-out rows with a column \(validation='is_val'\)"):
+        TorchEstimator(model=TwoInputs(), optimizer=torch.optim.SGD, loss=torch.nn.functional.mse_loss,
+                       feature_cols=["a", "b"], label_cols="y", validation=0.001).fit(df.limit(20))
     with pytest.raises(LaunchRefused, match="'held' is not a column"):
         TorchEstimator(model=TwoInputs(), optimizer=torch.optim.SGD, loss=torch.nn.functional.mse_loss,
                        feature_cols=["a", "b"], label_cols="y", validation="held").fit(df)
