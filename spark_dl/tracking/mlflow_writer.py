@@ -277,7 +277,7 @@ class MlflowWriter:
     def _attempt(self, ended: bool) -> None:
         answered = False  # the store is there: the probe passed, or it is not a server
         try:
-            if self._failures or self.run_id is None:
+            if self._failures or self.run_id is None or self._skipping:
                 self._probe()
             answered = True
             if self.run_id is None:
@@ -344,7 +344,7 @@ class MlflowWriter:
         self._skipping = ended
         self._last_progress = time.monotonic()
         self._warn(f"MLflow tracking at {self.tracking_uri} kept failing one write while answering "
-                   f"({type(e).__name__}: {e}); {what} was skipped so that the rest of the run could be written.",
+                   f"({type(e).__name__}: {e}); skipped {what} so that the rest of the run could be written.",
                    loss=True)
 
     def _give_up(self, e: BaseException) -> None:
