@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import run_script  # noqa: E402  (the runner next to this one)
 
-from spark_dl.submit import nonzero_int  # noqa: E402
+from spark_dl.submit import nonzero_int, seconds  # noqa: E402
 
 PROG = "horovodrun.py"
 HARMLESS_INTERPRETER_FLAGS = ("-u", "-B", "-O", "-OO", "-s", "-E")
@@ -38,7 +38,7 @@ def translate(argv: Sequence[str]) -> list[str]:
     parser.add_argument("-H", "--hosts", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--hostfile", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--mpi", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--start-timeout", type=float, default=None,
+    parser.add_argument("--start-timeout", type=seconds("the default, 300"), default=None,
                         help="seconds to wait for every rank to start (as horovodrun's)")
     parser.add_argument("-p", "--ssh-port", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--min-np", "--max-np", "--host-discovery-script", dest="elastic", default=None,

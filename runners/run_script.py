@@ -18,7 +18,7 @@ import sys
 from typing import Sequence
 
 from spark_dl.submit import (EXIT_FAILED, EXIT_OK, add_cluster_options, env_pair, launch, non_negative_int,
-                             positive_float, stderr_writer)
+                             seconds, stderr_writer)
 
 PROG = "run_script.py"
 
@@ -39,10 +39,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-restarts", type=non_negative_int, default=0,
                         help="launch a failed run again up to this many times; the script resumes from "
                              "spark_dl.load_checkpoint() if it saves one (default: %(default)s)")
-    parser.add_argument("--run-timeout", type=positive_float, default=None,
+    parser.add_argument("--run-timeout", type=seconds("no limit"), default=None,
                         help="stop every rank and fail the attempt after this many seconds (a hang) "
                              "(default: no limit)")
-    parser.add_argument("--start-timeout", type=positive_float, default=300.0,
+    parser.add_argument("--start-timeout", type=seconds("the default, 300"), default=300.0,
                         help="seconds to wait for every barrier task to start (default: %(default)s)")
     parser.add_argument("--checkpoint-dir", default=None,
                         help="keep the script's latest spark_dl.save_checkpoint() in this directory on the "

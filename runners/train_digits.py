@@ -15,7 +15,7 @@ from typing import Sequence
 
 from spark_dl.examples.digits import COMPRESSIONS
 from spark_dl.submit import (EXIT_OK, add_cluster_options, fraction, launch, non_negative_int, positive_float,
-                             positive_int, stderr_writer)
+                             positive_int, seconds, stderr_writer)
 
 EXIT_BELOW_MIN = 3
 PROG = "train_digits.py"
@@ -44,7 +44,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-restarts", type=non_negative_int, default=0,
                         help="launch a failed run again up to this many times (a lost executor, a killed rank), "
                              "resuming after the last finished epoch (default: %(default)s)")
-    parser.add_argument("--run-timeout", type=positive_float, default=None,
+    parser.add_argument("--run-timeout", type=seconds("no limit"), default=None,
                         help="stop every rank and fail the attempt after this many seconds (a hang); "
                              "retried with --max-restarts (default: no limit)")
     parser.add_argument("--checkpoint-dir", default=None,

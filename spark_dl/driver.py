@@ -347,9 +347,11 @@ class JobMonitor:
             return RankFailed(f.rank, host, f.summary, "", tail, code)
         if code is None or code < 0:  # a rank that reported its error exits 1 (the abort may kill it first)
             code = 1
-        err = RankFailed(
-            f.rank, host, f"{info['exc_type']}: {info['message']}", info["traceback"], tail, code, info["exc_type"]
-        )
+        summary = f"{info['exc_type']}: {info['message']}"
+        if info.get("exit_code") is not None:  # main or the script called sys.exit(N): its status, no traceback
+            code, summary = info["exit_code"], info["message"]
+            tail = [line for line in tail if line != f"[{f.rank}]<stderr>: {summary}"]  # said in the summary
+        err = RankFailed(f.rank, host, summary, info["traceback"], tail, code, info["exc_type"])
         if info.get("pickled") is not None:
             try:
                 err.__cause__ = cloudpickle.loads(info["pickled"])

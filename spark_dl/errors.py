@@ -46,7 +46,7 @@ def in_range(value: Any, *, low: float | None = None, high: float | None = None,
 
 
 def env_number(name: str, default: float, *, minimum: float = 0.0, integer: bool = False, unit: str = "") -> float:
-    """Environment variable ``name`` as a number ``>= minimum`` (unset or empty: ``default``), or a
+    """Environment variable ``name`` as a finite number ``>= minimum`` (unset or empty: ``default``), or a
     refusal that names the variable, its value and what it must be."""
     raw = (os.environ.get(name) or "").strip()
     if not raw:
@@ -55,7 +55,7 @@ def env_number(name: str, default: float, *, minimum: float = 0.0, integer: bool
         value = int(raw) if integer else float(raw)
     except ValueError:
         value = None
-    if value is None or value != value or value < minimum:  # value != value: NaN
+    if not in_range(value, low=minimum):  # None (not a number), NaN and inf too
         kind = "an integer" if integer else "a number"
         raise LaunchRefused(f"{name}={os.environ.get(name)!r} is not {kind} >= {_plain(minimum)}{unit}: set it "
                             f"to one or unset it for the default, {_plain(default)}{unit}")

@@ -15,7 +15,7 @@ from . import channel, cluster
 from .checkpoint import CheckpointStore
 from .data import SHARD_ENV, DataFrameShards, ShardSet
 from .driver import ABORT_GRACE_S, VERBOSITIES, Failure, JobMonitor, Observer, notify, run_timeout_message
-from .errors import JobFailed, LaunchRefused, as_int
+from .errors import JobFailed, LaunchRefused, as_int, in_range
 from .launch.layout import RankSpec
 from .launch.relay import replay
 from .launch.task import (
@@ -140,14 +140,15 @@ class HorovodRunner:
         if grow_interval is not None and min_np is None:
             raise LaunchRefused(f"grow_interval={grow_interval!r} needs min_np: without it every attempt runs all "
                                 f"np={np} ranks and has nothing to grow into; set min_np (the fewest ranks to start with)")
-        self.grow_interval = None if grow_interval is None else _seconds("grow_interval", grow_interval)
+        self.grow_interval = None if grow_interval is None else _seconds("grow_interval", grow_interval,
+                                                                          "growing only at restarts")
         self._grow_wait = self.grow_interval or 0.0  # doubled after each grow that got no more ranks
         if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
             raise LaunchRefused(f"checkpoint_dir must be a path (str or os.PathLike), got {checkpoint_dir!r}")
         self.checkpoint_dir = checkpoint_dir
         self.driver_log_verbosity = driver_log_verbosity
         self.start_timeout = _seconds("start_timeout", start_timeout)
-        self.run_timeout = None if run_timeout is None else _seconds("run_timeout", run_timeout)
+        self.run_timeout = None if run_timeout is None else _seconds("run_timeout", run_timeout, "no limit")
         self.env = _rank_env(env)
         if nodes not in NODES:
             raise LaunchRefused(f"nodes must be one of {NODES} (what LOCAL_RANK counts within), got {nodes!r}")
@@ -732,10 +733,17 @@ class _ConnectLauncher(_SparkLauncher):
         )
 
 
-def _seconds(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise LaunchRefused(f"{name} must be a number of seconds > 0, got {value!r}")
+def _seconds(name: str, value: Any, unset: str = "") -> float:
+    """``value`` as seconds: a finite number > 0 (numpy's included; ``inf``, ``nan``, bools and text
+    refused, as the runners' ``--run-timeout``/``--start-timeout`` refuse them). ``unset``: what
+    None means for ``name``, said in the refusal."""
+    if not in_range(value, low=0, low_open=True):
+        raise LaunchRefused(f"{name} must be a number of seconds > 0, got {value!r}: pass a finite one such as "
+                            f"{_SECONDS_EXAMPLE.get(name, 60)}{f', or None for {unset}' if unset else ''}")
     return float(value)
+
+
+_SECONDS_EXAMPLE = {"start_timeout": 300, "run_timeout": 3600, "grow_interval": 60}
 
 
 # what each rank's place in the world and the run's own plumbing are made of: not the user's to set

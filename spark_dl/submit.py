@@ -7,6 +7,8 @@ import os
 import sys
 from typing import Any, Callable
 
+from .errors import in_range
+
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
@@ -36,6 +38,25 @@ def positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
+
+
+def seconds(unset: str) -> Callable[[str], float]:
+    """An argparse type for a time limit: a finite number of seconds > 0, as ``HorovodRunner``'s
+    ``run_timeout``/``start_timeout`` take (``inf``, ``nan`` and negatives are refused, naming the
+    value and the fix; argparse adds the option's name). ``unset``: what leaving the option out means."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = None
+        if not in_range(value, low=0.0, low_open=True):
+            raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}: pass one, "
+                                             f"e.g. 600, or leave the option out for {unset}")
+        return value
+
+    parse.__name__ = "seconds"  # argparse names the type in some messages
+    return parse
 
 
 def fraction(text: str) -> float:

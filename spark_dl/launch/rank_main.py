@@ -145,6 +145,7 @@ def main() -> int:
     import cloudpickle
 
     from spark_dl import channel, rank as rank_api
+    from spark_dl.script import ExitStatus
     from spark_dl.tracking import rank as tracking
 
     boot = pickle.load(sys.stdin.buffer)  # written by our parent task over a private pipe
@@ -177,7 +178,7 @@ def main() -> int:
                     _exit_fork()
         except SystemExit as e:
             if e.code not in (None, 0):
-                raise RuntimeError(f"main called sys.exit({e.code!r})") from e
+                raise ExitStatus(f"main called sys.exit({e.code!r})", e.code) from None
             result = None
         finally:
             tracking.finish()  # before the error goes out: the driver stops this rank once it has it
@@ -192,7 +193,12 @@ def main() -> int:
             outbox.put("result", pickle.PickleBuffer(blob))  # out of band: never copied into a frame
     except BaseException as e:  # noqa: BLE001 - every failure is reported, then the rank exits 1
         info = _error_info(e)
-        sys.stderr.write(info["traceback"])  # clipped, as the report is: its last lines travel with it
+        if isinstance(e, ExitStatus):  # sys.exit(3): one line, as python says nothing but the status
+            info["traceback"] = ""
+            info["exit_code"] = e.exit_code
+            sys.stderr.write(info["message"] + "\n")
+        else:
+            sys.stderr.write(info["traceback"])  # clipped, as the report is: its last lines travel with it
         sys.stderr.flush()
         outbox.put("error", info)
         code = 1

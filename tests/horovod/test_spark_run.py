@@ -70,7 +70,7 @@ def test_what_has_no_counterpart_is_refused(kwargs, match):
         horovod_spark.run(fn, **{"args": (1,), "num_proc": 2, **kwargs})
 
 
-@pytest.mark.parametrize("value", ["abc", "-5", "nan"])
+@pytest.mark.parametrize("value", ["abc", "-5", "nan", "inf"])
 def test_a_bad_start_timeout_in_the_environment_is_named(monkeypatch, value):
     monkeypatch.setenv("HOROVOD_SPARK_START_TIMEOUT", value)
     with pytest.raises(LaunchRefused, match=rf"HOROVOD_SPARK_START_TIMEOUT='{value}' is not a number >= 0 s.*unset it "

@@ -381,3 +381,22 @@ def test_a_thread_left_running_by_main_does_not_keep_the_job_alive():
     t = time.monotonic()
     assert HorovodRunner(np=-2).run(main) == "done"
     assert time.monotonic() - t < 60
+
+
+def test_sys_exit_in_main_is_reported_by_its_status_in_one_line_without_a_traceback(capfd):
+    def main():
+        import sys
+
+        print("last words", flush=True)
+        if spark_dl.get_context().rank == 1:
+            sys.exit(4)
+
+    with pytest.raises(RankFailed) as e:
+        HorovodRunner(np=-2, driver_log_verbosity="all").run(main)
+    err = e.value
+    assert err.rank == 1 and err.exit_code == 4 and err.remote_traceback == ""
+    assert str(err).startswith("rank 1 on localhost failed: main called sys.exit(4)") and "Traceback" not in str(err)
+    assert err.__cause__.code == 4  # spark_dl.script.ExitStatus, rebuilt on the driver
+    assert any("last words" in line for line in err.last_lines)
+    printed = capfd.readouterr().err
+    assert printed.count("[1]<stderr>: main called sys.exit(4)\n") == 1 and "Traceback" not in printed

@@ -342,3 +342,16 @@ def test_checkpoints_in_a_forked_worker_fail_at_once_instead_of_hanging(capfd):
     out = HorovodRunner(np=-1, driver_log_verbosity="all").run(main)
     assert "checkpoint/load was called in a process forked from the rank" in out and "DataLoader" in out
     assert "[0]<stdout>: hello from the worker" in capfd.readouterr().out
+
+
+@pytest.mark.parametrize("name,bad,fix", [("run_timeout", float("inf"), ", or None for no limit"),
+                                          ("run_timeout", float("-inf"), ", or None for no limit"),
+                                          ("start_timeout", float("inf"), "")])
+def test_a_timeout_must_be_finite_as_the_runners_flags_require(name, bad, fix):
+    with pytest.raises(LaunchRefused) as e:
+        HorovodRunner(np=-2, **{name: bad})
+    assert str(e.value) == (f"{name} must be a number of seconds > 0, got {bad!r}: pass a finite one such as "
+                            f"{3600 if name == 'run_timeout' else 300}{fix}")
+    import numpy
+
+    assert HorovodRunner(np=-2, **{name: numpy.float32(2.5)}).__dict__[name] == 2.5  # numpy's numbers still count

@@ -146,3 +146,29 @@ def test_a_script_restarts_from_its_checkpoint(tmp_path):
     # epoch 1 of the first attempt failed on rank 1 after its checkpoint: the restart runs 2 and 3 only
     assert [n for n in done if n.startswith("rank1")] == ["rank1-attempt0-epoch0", "rank1-attempt1-epoch2",
                                                         "rank1-attempt1-epoch3"]
+
+
+def test_a_path_that_is_there_but_is_not_a_regular_file_says_what_it_is(tmp_path):
+    with pytest.raises(LaunchRefused, match=r"^training script '/dev/null' is a character device \(/dev/null\), "
+                                            r"not a regular file: name the .py file to run$"):
+        HorovodRunner(np=-2).run_script("/dev/null")
+    fifo = tmp_path / "train.py"
+    os.mkfifo(fifo)
+    with pytest.raises(LaunchRefused, match=r"is a named pipe \(.*\), not a regular file: name the .py file to run"):
+        HorovodRunner(np=-2).run_script(fifo)
+    dangling = tmp_path / "link.py"
+    dangling.symlink_to(tmp_path / "gone.py")
+    with pytest.raises(LaunchRefused, match=r"is a symbolic link to '.*gone.py', which does not exist: fix the link"):
+        HorovodRunner(np=-2).run_script(dangling)
+
+
+def test_a_script_exit_status_is_the_error_without_a_traceback(script, tmp_path):
+    from spark_dl.script import ScriptExit
+
+    with pytest.raises(RankFailed) as e:
+        HorovodRunner(np=-2).run_script(script, "--out", str(tmp_path), "--fail-rank", "1")
+    err = e.value
+    assert str(err).startswith(f"rank 1 on localhost failed: {script} exited with status 3\n")
+    assert err.exit_code == 3 and err.remote_traceback == "" and "Traceback" not in str(err)
+    assert isinstance(err.__cause__, ScriptExit) and err.__cause__.code == 3 and err.__cause__.path == str(script)
+    assert not any("exited with status" in line for line in err.last_lines)  # said once, in the summary

@@ -73,3 +73,10 @@ def test_what_spark_cannot_do_is_refused_with_exit_2(tmp_path):
         proc = _run(*args)
         assert proc.returncode == 2, (args, proc.stderr)
         assert message in proc.stderr, (args, proc.stderr)
+
+
+def test_a_start_timeout_that_is_not_a_finite_number_above_0_is_refused_under_horovodrun_s_name(tmp_path):
+    proc = _run("-np", "2", "--start-timeout", "inf", "python", str(tmp_path / "train.py"))
+    assert proc.returncode == 2, proc.stderr
+    assert ("horovodrun.py: error: argument --start-timeout: must be a finite number of seconds > 0, got 'inf'"
+            in proc.stderr), proc.stderr

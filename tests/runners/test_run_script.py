@@ -120,7 +120,7 @@ def test_bad_arguments_exit_2_and_help_lists_options():
         ([], "the following arguments are required: script"),
         (["--np", "0", "x.py"], "must not be 0"),
         (["--env", "NOVALUE", "x.py"], "must be NAME=VALUE"),
-        (["--run-timeout", "-1", "x.py"], "must be > 0"),
+        (["--run-timeout", "-1", "x.py"], "must be a finite number of seconds > 0"),
         (["--nodes", "racks", "x.py"], "invalid choice: 'racks'"),
     ]:
         proc = _python(*args, timeout=30)
@@ -128,3 +128,52 @@ def test_bad_arguments_exit_2_and_help_lists_options():
         assert needle in proc.stderr, (args, proc.stderr)
     proc = _python("--help", timeout=30)
     assert proc.returncode == 0 and all(o in proc.stdout for o in OPTIONS) and "Exit codes" in proc.stdout
+
+
+def test_a_timeout_that_is_not_a_finite_number_above_0_is_refused_naming_the_flag_value_and_fix():
+    for flag, value, unset in [("--run-timeout", "inf", "no limit"), ("--run-timeout", "nan", "no limit"),
+                               ("--run-timeout", "-5", "no limit"), ("--start-timeout", "inf", "the default, 300")]:
+        proc = _python(flag, value, "x.py", timeout=30)
+        assert proc.returncode == 2, (flag, value, proc.stderr)
+        assert (f"argument {flag}: must be a finite number of seconds > 0, got '{value}': pass one, e.g. 600, "
+                f"or leave the option out for {unset}") in proc.stderr, proc.stderr
+
+
+def test_a_script_path_that_is_not_a_regular_file_says_what_it_is(tmp_path):
+    for path, needle in [("/dev/null", "training script '/dev/null' is a character device (/dev/null), not a "
+                                       "regular file: name the .py file to run"),
+                         (str(tmp_path), f"training script '{tmp_path}' is a folder ({tmp_path}): name the .py file")]:
+        proc = _python("--np", "2", path, timeout=30)  # np > 0: refused before Spark would start (and fail)
+        assert proc.returncode == 1, proc.stderr
+        assert f"run_script.py: run refused: {needle}" in proc.stderr and "does not exist" not in proc.stderr
+
+
+EXITS_OR_RAISES = """
+import sys
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+dist.all_reduce(torch.ones(1))
+print(f"rank {dist.get_rank()} done", flush=True)
+if dist.get_rank() == 1:
+    if sys.argv[1] == "exit":
+        sys.exit(3)
+    def load_batch():
+        raise ValueError("bad batch 17")
+    load_batch()
+"""
+
+
+def test_a_script_exiting_with_a_status_is_one_line_without_tracebacks_a_raise_keeps_its_traceback(tmp_path):
+    script = tmp_path / "exits.py"
+    script.write_text(EXITS_OR_RAISES)
+    proc = _python("--np", "-2", str(script), "exit")
+    assert proc.returncode == 1
+    assert proc.stderr.count(f"[1]<stderr>: {script} exited with status 3\n") == 1, proc.stderr
+    assert f"run_script.py: {script} failed: rank 1 on localhost failed: {script} exited with status 3" \
+        in proc.stderr, proc.stderr
+    assert proc.stderr.count("exited with status 3") == 2, proc.stderr  # the rank's line and the error
+    assert "Traceback" not in proc.stderr and "ScriptExit" not in proc.stderr and "rank_main" not in proc.stderr
+    proc = _python("--np", "-2", str(script), "raise")
+    assert proc.returncode == 1
+    assert "failed: rank 1 on localhost failed: builtins.ValueError: bad batch 17" in proc.stderr, proc.stderr
+    assert "Remote traceback (rank 1):" in proc.stderr and f'File "{script}", line 11, in load_batch' in proc.stderr

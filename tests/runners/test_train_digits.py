@@ -66,7 +66,7 @@ def test_bad_arguments_exit_2_with_argparse_message():
         (["--min-accuracy", "1.5"], "between 0 and 1"),
         (["--bogus"], "unrecognized arguments"),
         (["--max-restarts", "-1"], "must be 0 or more"),
-        (["--run-timeout", "0"], "must be > 0"),
+        (["--run-timeout", "0"], "must be a finite number of seconds > 0"),
     ]:
         proc = _python(*args, timeout=30)
         assert proc.returncode == 2, (args, proc.stderr)
@@ -153,3 +153,11 @@ def test_spark_submit_more_ranks_than_slots_exits_1_with_launch_refused_message(
     assert "Traceback" not in proc.stderr
     assert "Py4JJavaError" not in proc.stderr
     assert "test accuracy" not in proc.stdout
+
+
+def test_run_timeout_must_be_finite_naming_the_flag_value_and_fix():
+    for value in ("inf", "nan", "-1"):
+        proc = _python("--run-timeout", value, timeout=30)
+        assert proc.returncode == 2, (value, proc.stderr)
+        assert (f"argument --run-timeout: must be a finite number of seconds > 0, got '{value}': pass one, e.g. 600, "
+                "or leave the option out for no limit") in proc.stderr, proc.stderr
