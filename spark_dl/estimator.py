@@ -9,6 +9,7 @@ the trained model shipped to the executors.
 from __future__ import annotations
 
 import copy
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -569,7 +570,13 @@ def _fit(data, validation, model, optimizer, loss: _Losses, feature_cols, label_
             break
     cbs.call(callbacks, "on_train_end", dict(logs), trainer)
     if options.log_model:  # rank 0's, when tracking is on; a no-op otherwise
-        spark_dl.log_model(model, "model", input_example=example)
+        try:
+            spark_dl.log_model(model, "model", input_example=example)
+        except ValueError as e:
+            # the CPU copy cannot run on the example (say, a forward that makes CUDA tensors): the
+            # trained model is worth more than its signature
+            print(f"spark-dl: the model is logged without a signature: {e}", file=sys.stderr, flush=True)
+            spark_dl.log_model(model, "model")
     return {"state": state, "history": history,
             "val_history": val_history, "metric_history": metric_history}
 

@@ -3,30 +3,55 @@
 The driver's writer thread has no active fluent run (and must not start one: that would end or
 shadow the user's). ``Model.log`` takes ``run_id`` in recent MLflow, and ``mlflow.pytorch.log_model``
 passes it through; its destination is ``name=`` in MLflow 3 and ``artifact_path=`` in 2.x. Where
-``run_id`` is not accepted, the model is saved locally with ``save_model`` and uploaded with
-``MlflowClient.log_artifacts``, which gives the same ``runs:/<run_id>/<name>`` layout.
+``run_id`` is not accepted, or the name is a path MLflow 3 refuses as a logged model's name (with a
+``/`` or a ``.``, e.g. ``models/final``), the model is saved locally with ``save_model`` and uploaded
+with ``MlflowClient.log_artifacts``, which gives the same ``runs:/<run_id>/<name>`` layout.
 """
 from __future__ import annotations
 
 import inspect
 import os
 import tempfile
+import warnings
 from typing import Any, Mapping
 
+# what MLflow 3 refuses in a logged model's name (mlflow.utils.validation._validate_logged_model_name);
+# a model named so is stored with save_model + log_artifacts, which take any path in the run
+_NOT_IN_LOGGED_MODEL_NAME = ("/", ":", ".", "%", '"', "'")
 
-def _signature_kwargs(model: Any, input_example: Any) -> dict[str, Any]:
-    if input_example is None:
-        return {}
+
+def run_on_example(model: Any, input_example: Any) -> tuple[Any, Any]:
+    """``(input_example as a numpy array, model's output on it)``: what the signature is inferred
+    from. The rank calls it at ``log_model`` (so an example the model cannot take fails there) and
+    the driver again when it logs the model."""
     import numpy as np
     import torch
-    from mlflow.models import infer_signature
 
     example = np.asarray(input_example)
     with torch.no_grad():
         out = model(torch.as_tensor(example))
     if isinstance(out, torch.Tensor):
         out = out.detach().cpu().numpy()
-    return {"signature": infer_signature(example, out), "input_example": example}
+    return example, out
+
+
+def _signature_kwargs(model: Any, input_example: Any, name: str = "model") -> dict[str, Any]:
+    """The signature and example to log ``model`` with; none (and a warning) when they cannot be
+    inferred, so that the model is still logged."""
+    if input_example is None:
+        return {}
+    try:
+        from mlflow.models import infer_signature
+
+        example, out = run_on_example(model, input_example)
+        return {"signature": infer_signature(example, out), "input_example": example}
+    except Exception as e:  # noqa: BLE001 - the model matters more than its signature
+        from .mlflow_writer import TrackingWarning
+
+        warnings.warn(f"log_model: no signature could be inferred for model {name!r} from its input_example "
+                      f"({type(e).__name__}: {e}); it is logged without a signature and input example",
+                      TrackingWarning, stacklevel=2)
+        return {}
 
 
 def log_torch_model(model: Any, name: str, input_example: Any, run_id: str, client: Any = None) -> None:
@@ -43,14 +68,16 @@ def log_torch_model(model: Any, name: str, input_example: Any, run_id: str, clie
             client.log_artifacts(run_id, path, name)
         return
     model.eval()
-    kwargs = _signature_kwargs(model, input_example)
+    kwargs = _signature_kwargs(model, input_example, name)
     takes = inspect.signature(mlflow.pytorch.log_model).parameters
     if "serialization_format" in takes:
         # MLflow 3's default ('pt2') traces forward() with torch.export: it refuses a model logged
         # without an input example and fails on models torch.export cannot trace; pickle takes any
         # module and loads back as the same class
         kwargs["serialization_format"] = "pickle"
-    if "run_id" in inspect.signature(Model.log).parameters:
+    if "run_id" in inspect.signature(Model.log).parameters and (
+        "name" not in takes or not any(c in name for c in _NOT_IN_LOGGED_MODEL_NAME)
+    ):
         where = {"name": name} if "name" in takes else {"artifact_path": name}
         mlflow.pytorch.log_model(model, run_id=run_id, **where, **kwargs)
         return

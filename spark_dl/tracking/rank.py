@@ -22,9 +22,11 @@ import os
 import threading
 import time
 import uuid
+import warnings
 from typing import Any, Mapping
 
 from .. import rank as rank_api
+from .mlflow_writer import TrackingWarning
 
 FLUSH_S = 0.05
 MODEL_CHUNK = 4 * 1024 * 1024
@@ -130,13 +132,18 @@ class _Buffer:
 _buffer: _Buffer | None = None
 _pending_models: list[threading.Thread] = []
 _rank: int = 0
+# the rank's own process: one forked from it (a DataLoader worker) inherits _buffer and the outbox
+# but not the threads that send them, so what it logged would be lost without a word
+_pid: int = 0
+_fork_warned: int = 0  # the forked process that was already told so (once per process)
 
 
 def install(enabled: bool) -> None:
     """Start the rank-side tracking machinery when the driver tracks this job (it decides: an
     executor does not see the driver's settings). Called once by the rank's entry point."""
-    global _buffer, _rank
+    global _buffer, _rank, _pid
     _rank = int(os.environ.get("RANK", "0"))
+    _pid = os.getpid()
     if not enabled:
         return
     _buffer = _Buffer()
@@ -192,6 +199,36 @@ def _active() -> bool:
     return _buffer is not None
 
 
+def _forked(fn: str) -> bool:
+    """True in a process forked from the rank (typically a DataLoader worker, num_workers > 0):
+    nothing there sends to the driver, so the call is dropped, with one warning per process."""
+    global _fork_warned
+    pid = os.getpid()
+    if pid == _pid:
+        return False
+    if _fork_warned != pid:
+        _fork_warned = pid
+        warnings.warn(
+            f"spark_dl.{fn} was called in a process forked from rank {_rank} (pid {pid}, e.g. a DataLoader "
+            "worker with num_workers > 0), which has no link to the driver: what it logs is dropped (said once "
+            "per process). Log from the training loop in the rank's main process instead, e.g. return the "
+            "values with the batch and log them there.",
+            TrackingWarning,
+            stacklevel=3,
+        )
+        _flush_stderr()
+    return True
+
+
+def _flush_stderr() -> None:
+    import sys
+
+    try:
+        sys.stderr.flush()  # a DataLoader worker may leave with os._exit, which flushes nothing
+    except (OSError, ValueError):
+        pass
+
+
 # -- public API -----------------------------------------------------------------------------------
 def _numbers(metrics: Any) -> dict[str, float]:
     """``metrics`` as ``{name: float}``, or an error naming the metric that is not one number."""
@@ -230,7 +267,8 @@ def log_metrics(metrics: Mapping[str, Any], step: int | None = None, *, all_rank
     """
     b = _buffer
     if b is not None:
-        b.add(metrics, step, all_ranks)
+        if not _forked("log_metrics"):
+            b.add(metrics, step, all_ranks)
     elif not rank_api.in_rank_process():
         _local("log_metrics", _numbers(metrics), step=None if step is None else _step(step))
 
@@ -245,7 +283,7 @@ def log_params(params: Mapping[str, Any]) -> None:
     if not isinstance(params, Mapping):
         raise TypeError(f"log_params takes a dict {{name: value}}, got {type(params).__name__}")
     if _buffer is not None:
-        if _rank == 0:
+        if _rank == 0 and not _forked("log_params"):
             # as text here: a value that cannot be pickled (a function, a lock) must not stop the
             # rank's messages to the driver; MLflow keeps params as text anyway
             rank_api.send_to_driver("tracking/params", _as_text(params))
@@ -265,7 +303,7 @@ def _as_text(params: Mapping[str, Any]) -> dict[str, Any]:
 def set_tags(tags: Mapping[str, Any]) -> None:
     """Set tags on the run. Only rank 0's are kept."""
     if _buffer is not None:
-        if _rank == 0:
+        if _rank == 0 and not _forked("set_tags"):
             rank_api.send_to_driver("tracking/tags", {str(k): str(v) for k, v in tags.items()})
     elif not rank_api.in_rank_process():
         _local("set_tags", dict(tags))
@@ -278,19 +316,57 @@ def log_artifact_bytes(data: bytes, artifact_file: str) -> None:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"log_artifact_bytes takes bytes, got {type(data).__name__} (text: .encode('utf-8'))")
     _check_artifact_path(artifact_file)
+    if _forked("log_artifact_bytes"):
+        return
     path = artifact_file if _rank == 0 else f"rank{_rank}/{artifact_file}"
     rank_api.send_to_driver("tracking/artifact", {"path": path, "data": bytes(data)})
 
 
-def _check_artifact_path(artifact_file: Any) -> None:
+def _check_artifact_path(artifact_file: Any, what: str = "artifact path", kind: str = "a file's path",
+                         example: str = "'reports/summary.txt'") -> None:
     """Refused at the call: MLflow refuses such a path only at the end of the run, where its error
     read as a server failure held back the writes behind it (the run was left RUNNING)."""
-    if not isinstance(artifact_file, str) or not artifact_file:
-        raise TypeError(f"an artifact's path must be a non-empty str, got {artifact_file!r}")
-    norm = os.path.normpath(artifact_file)
-    if os.path.isabs(artifact_file) or norm == ".." or norm.startswith(".." + os.sep) or artifact_file.endswith("/"):
-        raise ValueError(f"artifact path {artifact_file!r} must be a file's path relative to the run's artifacts, "
-                         "inside them (no leading '/', no '..' out of them), e.g. 'reports/summary.txt'")
+    if not isinstance(artifact_file, str):
+        raise TypeError(f"{what} must be a non-empty str, got {artifact_file!r} ({type(artifact_file).__name__}), "
+                        f"e.g. {example}")
+    norm = os.path.normpath(artifact_file) if artifact_file else ""
+    if (not artifact_file or os.path.isabs(artifact_file) or norm in (".", "..") or norm.startswith(".." + os.sep)
+            or artifact_file.endswith("/")):
+        raise ValueError(f"{what} {artifact_file!r} must be {kind} relative to the run's artifacts, inside them "
+                         f"(not empty, no leading '/', no '..' out of them), e.g. {example}")
+
+
+def _check_model_name(name: Any) -> None:
+    _check_artifact_path(name, "log_model: name", "a folder's path", "'model' or 'models/final'")
+
+
+def _check_example(model: Any, input_example: Any, name: str) -> None:
+    """Run ``model`` (the CPU snapshot, in eval mode) on ``input_example`` as the driver will to
+    infer the signature: an example the model cannot take fails here, at the call, not on the
+    driver at the end of the run (where the model was dropped)."""
+    from .models import run_on_example
+
+    try:
+        run_on_example(model, _to_numpy(input_example))
+    except Exception as e:  # noqa: BLE001 - whatever the model raises, said with the fix
+        raise ValueError(
+            f"log_model({name!r}): the model cannot take its input_example ({_describe(input_example)}): "
+            f"{type(e).__name__}: {e}. Pass an input_example the model takes (e.g. one batch of its inputs: "
+            "model(input_example) must work), or no input_example (the model is then logged without a signature)"
+        ) from e
+
+
+def _describe(example: Any) -> str:
+    shape, dtype = getattr(example, "shape", None), getattr(example, "dtype", None)
+    if shape is None or dtype is None:
+        try:
+            import numpy as np
+
+            array = np.asarray(example)
+            shape, dtype = array.shape, array.dtype
+        except Exception:  # noqa: BLE001 - described by its type alone
+            return f"a {type(example).__name__}"
+    return f"a {type(example).__name__} of shape {tuple(shape)}, dtype {dtype}"
 
 
 def log_model(model: Any, name: str = "model", *, input_example: Any = None) -> None:
@@ -300,7 +376,12 @@ def log_model(model: Any, name: str = "model", *, input_example: Any = None) -> 
     changing its weights right after), then serialized and streamed to the driver in the
     background; the driver logs it with ``mlflow.pytorch.log_model``, with a signature inferred
     from ``input_example`` when one is given. Calls on other ranks do nothing.
+
+    Checked at the call: ``name`` must be a relative path inside the run's artifacts (else
+    ``ValueError``/``TypeError``), the module must be copyable (else ``TypeError``: log its
+    ``state_dict()``), and the copy must run on ``input_example`` (else ``ValueError``).
     """
+    _check_model_name(name)
     if _buffer is None:
         if not rank_api.in_rank_process():
             import mlflow.pytorch
@@ -308,36 +389,64 @@ def log_model(model: Any, name: str = "model", *, input_example: Any = None) -> 
             if mlflow.active_run() is not None:
                 from .models import log_torch_model
 
-                log_torch_model(model, name, input_example, run_id=mlflow.active_run().info.run_id)
+                snapshot = _snapshot(model, name, input_example)
+                log_torch_model(snapshot, name, input_example, run_id=mlflow.active_run().info.run_id)
         return
-    if _rank != 0:
+    if _rank != 0 or _forked("log_model"):
         return
-    snapshot = _cpu_copy(model)
+    snapshot = _snapshot(model, name, input_example)
     example = _to_numpy(input_example)
     t = threading.Thread(target=_send_model, args=(snapshot, name, example), name="spark-dl-model", daemon=True)
     _pending_models.append(t)
     t.start()
 
 
-def _cpu_copy(model: Any) -> Any:
-    import copy
+def _snapshot(model: Any, name: str, input_example: Any) -> Any:
+    """The CPU copy of ``model`` to log, checked on ``input_example``."""
+    import torch
 
+    snapshot = _cpu_copy(model)
+    if input_example is not None and isinstance(snapshot, torch.nn.Module):
+        snapshot.eval()  # as the driver logs it (and so that a BatchNorm's statistics stay as they were)
+        _check_example(snapshot, input_example, name)
+    return snapshot
+
+
+def _cpu_copy(model: Any) -> Any:
     import torch
 
     if isinstance(model, torch.nn.Module):
         params = list(model.parameters()) + list(model.buffers())
         if all(p.device.type == "cpu" for p in params):
-            return copy.deepcopy(model)
+            return _deepcopy(model)
         # copy tensor by tensor to host memory instead of duplicating the module on the GPU
         memo: dict[int, Any] = {}
         for p in params:
             host = p.detach().to("cpu", copy=True)
             memo[id(p)] = torch.nn.Parameter(host, p.requires_grad) if isinstance(p, torch.nn.Parameter) else host
-        return copy.deepcopy(model, memo)
+        return _deepcopy(model, memo)
     if isinstance(model, Mapping):
-        return {k: (v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else copy.deepcopy(v))
+        return {k: (v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else _deepcopy(v, key=k))
                 for k, v in model.items()}
     raise TypeError(f"log_model takes a torch.nn.Module or a state_dict, got {type(model).__name__}")
+
+
+def _deepcopy(obj: Any, memo: dict[int, Any] | None = None, key: Any = None) -> Any:
+    """``copy.deepcopy``, or a ``TypeError`` saying what to log instead (a module holding a lock, a
+    generator or an open file cannot be copied, nor pickled to the driver)."""
+    import copy
+
+    try:
+        return copy.deepcopy(obj, memo)
+    except Exception as e:  # noqa: BLE001 - deepcopy raises whatever the object's __reduce_ex__ does
+        if key is not None:
+            raise TypeError(
+                f"log_model could not copy the entry {key!r} of the state_dict ({type(e).__name__}: {e}): "
+                "remove it from the dict, or keep only tensors and plain values in it") from e
+        raise TypeError(
+            f"log_model could not copy the module {type(obj).__name__} ({type(e).__name__}: {e}). Log its "
+            "state_dict() instead (spark_dl.log_model(model.state_dict(), name)), or remove the attribute "
+            "that cannot be copied (a lock, a generator, an open file) from the module") from e
 
 
 def _to_numpy(example: Any) -> Any:

@@ -371,3 +371,33 @@ def test_compression_accumulation_and_step_limits(spark, tmp_path, monkeypatch):
     again = est.fit(_regression(spark))
     assert again.history == fitted.history
     torch.testing.assert_close(again.getModel().w.weight, fitted.getModel().w.weight)
+
+
+class _TrainsButFailsInEval(torch.nn.Module):
+    """Stands for a model whose logged CPU copy cannot run on the example (a forward that makes
+    CUDA tensors): here, any forward in eval mode fails."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Linear(1, 1)
+
+    def forward(self, a):
+        if not self.training:
+            raise RuntimeError("this forward needs the GPU")
+        return self.w(a.unsqueeze(1)).squeeze(1)
+
+
+def test_a_model_that_cannot_run_on_its_example_is_still_logged_without_a_signature(spark, tmp_path, monkeypatch,
+                                                                                     capfd):
+    import mlflow
+
+    monkeypatch.setenv("SPARK_DL_TRACKING", "1")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    est = TorchEstimator(model=_TrainsButFailsInEval(), optimizer=torch.optim.SGD, loss=torch.nn.functional.mse_loss,
+                         feature_cols="a", label_cols="y", batch_size=16, epochs=1, num_proc=2, progress=False,
+                         driver_log_verbosity="all")
+    est.fit(_regression(spark))
+    assert "spark-dl: the model is logged without a signature: log_model('model'): the model cannot take its " \
+           "input_example" in capfd.readouterr().err
+    info = mlflow.models.get_model_info(f"runs:/{est.last_run.mlflow_run_id}/model")
+    assert info.signature is None
