@@ -9,16 +9,22 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import LaunchRefused
-from .mlflow_writer import MlflowWriter
-from .params import clean_name, flatten, is_plain
+from .mlflow_writer import MlflowWriter, TrackingWarning
+from .params import clean_name, cut_from, cut_warning, flatten, is_plain, param_value
 from .progress import ProgressBar
+from .store_check import CheckedStore, check_store
 from .system import interval_s
 
 MAX_LOG_BYTES = 64 * 1024 * 1024
+# the params spark-dl logs itself (the launch's, rank 0's process group, the world's layout): a run()
+# kwarg of one of these names is logged as kwargs.<name>, so that neither hides the other
+OWN_PARAMS = frozenset({"np", "mode", "world_size", "num_tasks", "ranks_per_task", "main", "backend",
+                        "world.hosts", "world.num_hosts", "world.ranks_per_host"})
 
 
 @dataclass
@@ -83,6 +89,14 @@ class TrackingObserver:
         # how often executors sample their hosts (0: not at all); read here, so a bad
         # SPARK_DL_SYSTEM_METRICS_INTERVAL is refused before the run starts
         self.system_metrics_s = interval_s() if options is not None and options.system_metrics else 0.0
+        # the store the run goes to, checked here too: one that can never take the run (an experiment
+        # that does not exist, a URI MLflow cannot open, a file store MLflow refuses, a directory that
+        # cannot be written) is refused before anything is launched, not retried after training
+        self.store: CheckedStore | None = None
+        if options is not None:
+            import mlflow
+
+            self.store = check_store(mlflow.get_tracking_uri())
         self.progress = ProgressBar() if progress else None
         self.writer: MlflowWriter | None = None
         self.world_size = 0
@@ -95,6 +109,7 @@ class TrackingObserver:
         self._log_bytes: dict[int, int] = {}
         self._log_dir: str | None = None
         self._lock = threading.Lock()
+        self._cut_keys: set[str] = set()  # params cut to MLflow's limit, warned about once each
 
 
     # -- Observer ------------------------------------------------------------------------------
@@ -114,7 +129,7 @@ class TrackingObserver:
             self.writer = MlflowWriter(mlflow.get_tracking_uri(), active.info.run_id, grace_s=self.options.grace_s)
         else:
             self.writer = MlflowWriter(
-                mlflow.get_tracking_uri(), None, _experiment_id(), self.options.run_name, _context_tags(),
+                mlflow.get_tracking_uri(), None, _experiment_for(self.store), self.options.run_name, _context_tags(),
                 grace_s=self.options.grace_s,
             )
         params = {
@@ -123,7 +138,8 @@ class TrackingObserver:
         }
         positional = {f"arg{i}": v for i, v in enumerate(job.get("args", ()))}  # run(train, 1e-3, 64)
         user = flatten({k: v for k, v in {**positional, **job["kwargs"]}.items() if is_plain(v)})
-        self.writer.log_params({clean_name(k): v for k, v in {**params, **user}.items()})
+        user = {clean_name(k): v for k, v in user.items()}
+        self._log_params({**params, **{f"kwargs.{k}" if k in OWN_PARAMS else k: v for k, v in user.items()}})
         self.writer.set_tags({"spark_dl.job_id": job["job_id"]})
         if self.options.rank_logs:
             self._log_dir = tempfile.mkdtemp(prefix="spark-dl-logs-")
@@ -138,7 +154,7 @@ class TrackingObserver:
         if w is None:
             return
         if kind == "tracking/params":
-            w.log_params({clean_name(k): v for k, v in flatten(data).items()})
+            self._log_params({clean_name(k): v for k, v in flatten(data).items()})
         elif kind == "tracking/tags":
             w.set_tags(data)
         elif kind == "tracking/model":
@@ -257,6 +273,22 @@ class TrackingObserver:
         if out and self.writer is not None:
             self.writer.log_metrics(out)
 
+    def _log_params(self, params: dict[str, Any]) -> None:
+        """``params`` to the run as MLflow keeps them; a value cut to MLflow's limit (here, or by
+        the rank that logged it) is marked so, and warned about once per key."""
+        texts = {k: param_value(v) for k, v in params.items()}
+        for k, text in texts.items():
+            length = cut_from(text)
+            if length is None:
+                continue
+            with self._lock:
+                first = k not in self._cut_keys
+                self._cut_keys.add(k)
+            if first:
+                warnings.warn(cut_warning(k, length), TrackingWarning, stacklevel=2)
+        if self.writer is not None:
+            self.writer.log_params(texts)
+
     def _layout(self, info: dict) -> None:
         with self._lock:
             self._rank_info[info["rank"]] = info
@@ -264,10 +296,18 @@ class TrackingObserver:
             infos = [self._rank_info[r] for r in sorted(self._rank_info)]
         if complete and self.writer is not None:
             hosts = list(dict.fromkeys(i["host"] for i in infos))
-            self.writer.log_params(
+            self._log_params(
                 {"world.hosts": ",".join(hosts), "world.num_hosts": len(hosts),
                  "world.ranks_per_host": ",".join(str(sum(i["host"] == h for i in infos)) for h in hosts)}
             )
+
+
+def _experiment_for(store: CheckedStore | None) -> str | None:
+    """The experiment the pre-launch check found (without MLflow's lookup, which retries for
+    minutes when an HTTP server is down), else MLflow's own resolution."""
+    if store is not None and store.resolved:
+        return store.experiment_id
+    return _experiment_id()
 
 
 def _experiment_id() -> str | None:

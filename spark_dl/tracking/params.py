@@ -35,8 +35,35 @@ def is_plain(value: Any) -> bool:
 
 
 def param_value(value: Any) -> str:
+    """``value`` as MLflow shows a param, at most ``MAX_PARAM_VALUE`` characters (MLflow refuses
+    longer ones): a longer one is cut and marked, ending ``...[cut from N chars]`` (see
+    :func:`cut_from`). A value already made by this function comes back unchanged."""
     text = value if isinstance(value, str) else repr(value) if isinstance(value, (list, tuple)) else str(value)
-    return text[:MAX_PARAM_VALUE]
+    if len(text) <= MAX_PARAM_VALUE:
+        return text
+    mark = _CUT_MARK.format(len(text))
+    return text[: MAX_PARAM_VALUE - len(mark)] + mark
+
+
+_CUT_MARK = "...[cut from {} chars]"
+_CUT = re.compile(r"\.\.\.\[cut from (\d+) chars\]\Z")
+
+
+def cut_from(text: str) -> int | None:
+    """The length of the value :func:`param_value` cut to ``text`` (on the rank or on the driver),
+    or None when ``text`` is whole."""
+    if not isinstance(text, str) or len(text) != MAX_PARAM_VALUE:
+        return None
+    m = _CUT.search(text)
+    return int(m.group(1)) if m is not None and int(m.group(1)) > MAX_PARAM_VALUE else None
+
+
+def cut_warning(key: str, length: int) -> str:
+    """What the driver says, once per key, of a param that was cut."""
+    return (f"param {key!r} is {length} characters, more than MLflow's limit of {MAX_PARAM_VALUE}: it was "
+            f"logged cut, ending '{_CUT_MARK.format(length)}'. Log long text as an artifact instead, e.g. "
+            f"spark_dl.tracking.log_artifact_bytes(text.encode(), '{key}.txt') or mlflow.log_text(text, "
+            f"'{key}.txt') on rank 0, and keep the param short")
 
 
 @functools.lru_cache(maxsize=4096)

@@ -32,7 +32,12 @@ def _template_db(tmp_path_factory):
     import mlflow
 
     path = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
-    mlflow.MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
+    here = os.getcwd()
+    os.chdir(path.parent)  # experiment 0's artifact root is ./mlruns of where it is made: not the checkout
+    try:
+        mlflow.MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
+    finally:
+        os.chdir(here)
     return path
 
 

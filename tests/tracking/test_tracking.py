@@ -1,6 +1,7 @@
 """MLflow tracking of HorovodRunner runs, against real MLflow stores (local SQLite and `mlflow server`)."""
 from __future__ import annotations
 
+import re
 import time
 import warnings
 
@@ -513,3 +514,419 @@ def test_lightning_metrics_and_hyperparameters_reach_the_run(tracking_uri):
     assert run.data.params["lr"] == "0.05" and run.data.params["hidden"] == "4"
     history = _history(run, "train_loss")
     assert [m.step for m in history] == list(range(8)) and history[-1].value < history[0].value
+
+
+def bad_log_model_calls_main():
+    import threading
+
+    import torch
+
+    import spark_dl
+
+    class Locked(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 2)
+            self.lock = threading.Lock()  # cannot be deep-copied (nor pickled to the driver)
+
+        def forward(self, x):
+            return self.layer(x)
+
+    errors = []
+    model = torch.nn.Linear(4, 2)
+    for name in ("../x", "/abs", "", ".", 5):
+        try:
+            spark_dl.log_model(model, name)
+        except (TypeError, ValueError) as e:
+            errors.append(f"{type(e).__name__}: {e}")
+    locked = Locked()
+    try:
+        spark_dl.log_model(locked, "locked")
+    except TypeError as e:
+        errors.append(str(e))
+    spark_dl.log_model(locked.state_dict(), "locked_weights")  # the fix the error gives
+    spark_dl.log_model(model, "models/v1.0", input_example=torch.zeros(2, 4))  # a nested name MLflow 3 refuses
+    return errors
+
+
+def test_log_model_refuses_a_bad_name_and_a_module_it_cannot_copy_at_the_call(tracking_uri):
+    """They were found only on the driver at the end of the run (the model dropped with a
+    misleading 'MLflow rejected a write'), or failed the rank with a raw pickling error."""
+    import torch
+
+    errors = HorovodRunner(np=-2, progress=False).run(bad_log_model_calls_main)
+    assert len(errors) == 6, errors
+    for bad, error in zip(("'../x'", "'/abs'", "''", "'.'"), errors):
+        assert error.startswith(f"ValueError: log_model: name {bad} must be a folder's path relative to the run's "
+                                "artifacts, inside them"), error
+        assert "e.g. 'model' or 'models/final'" in error
+    assert errors[4] == ("TypeError: log_model: name must be a non-empty str, got 5 (int), "
+                         "e.g. 'model' or 'models/final'")
+    assert errors[5].startswith("log_model could not copy the module Locked (TypeError: cannot pickle '_thread.lock' "
+                                "object). Log its state_dict() instead (spark_dl.log_model(model.state_dict(), name)), "
+                                "or remove the attribute that cannot be copied"), errors[5]
+    run = _only_run()
+    assert run.info.status == "FINISHED"
+    assert {a.path for a in MlflowClient().list_artifacts(run.info.run_id)} >= {"locked_weights", "models"}
+    state = mlflow.pytorch.load_state_dict(f"runs:/{run.info.run_id}/locked_weights")
+    assert set(state) == {"layer.weight", "layer.bias"}
+    model = mlflow.pytorch.load_model(f"runs:/{run.info.run_id}/models/v1.0")
+    assert model(torch.ones(1, 4)).shape == (1, 2)
+    info = mlflow.models.get_model_info(f"runs:/{run.info.run_id}/models/v1.0")
+    assert info.signature is not None
+
+
+def bad_example_main():
+    import torch
+
+    import spark_dl
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    spark_dl.log_metrics({"loss": 1.0}, step=0)
+    spark_dl.log_model(model, "model", input_example=torch.zeros(3, 5))  # 5 features, the model takes 4
+    return "unreachable"
+
+
+def test_an_input_example_the_model_cannot_take_fails_the_rank_at_the_call(tracking_uri):
+    with pytest.raises(RankFailed) as info:
+        HorovodRunner(np=-2, progress=False).run(bad_example_main)
+    message = str(info.value)
+    assert ("ValueError: log_model('model'): the model cannot take its input_example (a Tensor of shape (3, 5), "
+            "dtype torch.float32): RuntimeError: mat1 and mat2 shapes cannot be multiplied") in message, message
+    assert ("Pass an input_example the model takes (e.g. one batch of its inputs: model(input_example) must work), "
+            "or no input_example") in message
+    run = _only_run()
+    assert run.info.status == "FAILED" and run.data.metrics["loss"] == 1.0
+
+
+def test_log_model_outside_a_rank_checks_the_same(tracking_uri):
+    """With an active run in the driver, log_model logs there directly: the same checks apply."""
+    import threading
+
+    import torch
+
+    class Generating(torch.nn.Linear):
+        def __init__(self):
+            super().__init__(4, 2)
+            self.batches = (i for i in range(3))  # a generator cannot be deep-copied
+
+    model = torch.nn.Linear(4, 2)
+    with mlflow.start_run() as run:
+        with pytest.raises(ValueError, match=r"log_model: name '\.\./x' must be a folder's path relative to the run"):
+            spark_dl.log_model(model, "../x")
+        with pytest.raises(TypeError, match=r"name must be a non-empty str, got None \(NoneType\)"):
+            spark_dl.log_model(model, None)
+        with pytest.raises(ValueError) as bad_dtype:
+            spark_dl.log_model(model, "model", input_example=torch.zeros(2, 4, dtype=torch.int64))
+        with pytest.raises(TypeError) as no_copy:
+            spark_dl.log_model(Generating(), "model")
+        model.train()
+        spark_dl.log_model(model, "model", input_example=torch.zeros(2, 4))
+        assert model.training, "the caller's module is left as it was (a copy is logged)"
+        locked = torch.nn.Linear(4, 2)
+        locked.lock = threading.Lock()
+        spark_dl.log_model(locked.state_dict(), "weights")
+    message = str(bad_dtype.value)
+    assert message.startswith("log_model('model'): the model cannot take its input_example (a Tensor of shape (2, 4), "
+                              "dtype torch.int64): RuntimeError: "), message
+    assert "Pass an input_example the model takes" in message
+    assert str(no_copy.value).startswith("log_model could not copy the module Generating (TypeError: cannot pickle "
+                                         "'generator' object). Log its state_dict() instead")
+    uri = f"runs:/{run.info.run_id}"
+    assert mlflow.models.get_model_info(f"{uri}/model").signature is not None
+    assert set(mlflow.pytorch.load_state_dict(f"{uri}/weights")) == {"weight", "bias"}
+
+
+def test_a_signature_that_cannot_be_inferred_on_the_driver_still_logs_the_model(tracking_uri):
+    """The driver's last line of defence (the rank checks the example first): the model is logged
+    without a signature, with a warning saying why, instead of being dropped."""
+    import numpy as np
+    import torch
+
+    from spark_dl.tracking.models import log_torch_model
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    with mlflow.start_run() as run:
+        with pytest.warns(TrackingWarning, match=r"log_model: no signature could be inferred for model 'model' from "
+                                                 r"its input_example \(RuntimeError: .*\); it is logged without"):
+            log_torch_model(model, "model", np.zeros((3, 5), dtype=np.float32), run.info.run_id)
+    uri = f"runs:/{run.info.run_id}/model"
+    assert mlflow.models.get_model_info(uri).signature is None
+    assert torch.allclose(mlflow.pytorch.load_model(uri)(torch.ones(1, 4)), model(torch.ones(1, 4)))
+
+
+def fork_logging_main(batches):
+    import torch
+    from torch.utils.data import DataLoader, Dataset
+
+    import spark_dl
+
+    class Logging(Dataset):
+        def __len__(self):
+            return batches
+
+        def __getitem__(self, i):
+            spark_dl.log_metrics({"worker_metric": float(i)}, step=i)  # in the DataLoader worker: dropped
+            spark_dl.log_params({"worker_param": i})
+            return torch.tensor([float(i)])
+
+    seen = 0
+    loader = DataLoader(Logging(), batch_size=1, num_workers=1, multiprocessing_context="fork")
+    for step, x in enumerate(loader):
+        spark_dl.log_metrics({"loss": float(x.sum())}, step=step)
+        seen += 1
+    return seen
+
+
+def test_logging_from_a_forked_dataloader_worker_is_dropped_with_a_warning(tracking_uri, capfd):
+    """A forked worker inherits the rank's buffer but not the thread sending it: what it logged
+    was lost without a word."""
+    out = HorovodRunner(np=-2, progress=False, driver_log_verbosity="all").run(fork_logging_main, batches=4)
+    assert out == 4
+    err = capfd.readouterr().err
+    for r in (0, 1):
+        warned = [line for line in err.splitlines() if line.startswith(f"[{r}]<stderr>:") and "TrackingWarning" in line]
+        assert len(warned) == 1, err  # once per process
+        assert (f"spark_dl.log_metrics was called in a process forked from rank {r} (pid ") in warned[0]
+        assert ("e.g. a DataLoader worker with num_workers > 0), which has no link to the driver: what it logs is "
+                "dropped") in warned[0]
+        assert ("Log from the training loop in the rank's main process instead, e.g. return the values with the "
+                "batch and log them there.") in warned[0]
+    run = _only_run()
+    assert run.info.status == "FINISHED"
+    assert "worker_metric" not in run.data.metrics and "worker_param" not in run.data.params
+    assert [(m.step, m.value) for m in _history(run, "loss")] == [(s, float(s)) for s in range(4)]
+
+
+def long_params_main(notes, prompt, fine):
+    import spark_dl
+
+    if spark_dl.get_context().rank == 0:
+        spark_dl.log_params({"notes": notes, "short": "ok"})
+        spark_dl.log_params({"notes": notes})  # the same key again: still one warning
+    return len(notes)
+
+
+def test_params_over_mlflows_limit_are_cut_visibly_with_one_warning_per_key(tracking_uri):
+    """MLflow refuses a param over 6000 characters: the value is still cut, but marked, and the
+    driver says so once per key, whether the driver (a run() kwarg) or the rank cut it."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert HorovodRunner(np=-2, progress=False).run(long_params_main, notes="n" * 7000, prompt="p" * 9000,
+                                                        fine="f" * 6000) == 7000
+    p = _only_run().data.params
+    for key, length in (("notes", 7000), ("prompt", 9000)):
+        mark = f"...[cut from {length} chars]"
+        assert len(p[key]) == 6000 and p[key] == key[0] * (6000 - len(mark)) + mark
+        said = [str(w.message) for w in caught if issubclass(w.category, TrackingWarning) and f"'{key}'" in str(w.message)]
+        assert said == [f"param '{key}' is {length} characters, more than MLflow's limit of 6000: it was logged cut, "
+                        f"ending '{mark}'. Log long text as an artifact instead, e.g. spark_dl.tracking."
+                        f"log_artifact_bytes(text.encode(), '{key}.txt') or mlflow.log_text(text, '{key}.txt') on "
+                        "rank 0, and keep the param short"], said
+    assert p["fine"] == "f" * 6000 and p["short"] == "ok"  # at the limit: whole, no warning
+    assert not any("'fine'" in str(w.message) for w in caught)
+
+
+def colliding_main(np, mode, backend, world, lr):
+    import spark_dl
+
+    spark_dl.init()  # rank 0 logs its process group's backend
+    return spark_dl.get_context().world_size
+
+
+def test_kwargs_named_like_spark_dls_own_params_are_logged_as_kwargs_dot_name(tracking_uri):
+    assert HorovodRunner(np=-2, progress=False).run(colliding_main, np=7, mode="fast", backend="nccl",
+                                                    world={"hosts": "mine"}, lr=0.1) == 2
+    p = _only_run().data.params
+    assert p["np"] == "-2" and p["mode"] == "local" and p["backend"] == "gloo" and p["world_size"] == "2"
+    assert p["world.num_hosts"] == "1" and p["world.hosts"] != "mine"
+    assert p["kwargs.np"] == "7" and p["kwargs.mode"] == "fast" and p["kwargs.backend"] == "nccl"
+    assert p["kwargs.world.hosts"] == "mine" and p["lr"] == "0.1"  # the others keep their names
+
+
+# -- the tracking store is checked before the launch ------------------------------------------------
+def mark_launched(path):
+    open(path, "w").close()
+    return "ran"
+
+
+def _all_runs(uri):
+    from mlflow.entities import ViewType
+
+    client = MlflowClient(tracking_uri=uri)
+    ids = [e.experiment_id for e in client.search_experiments(view_type=ViewType.ALL)]
+    return client.search_runs(ids, run_view_type=ViewType.ALL)
+
+
+@pytest.fixture
+def no_experiment_chosen(monkeypatch):
+    """MLflow's own state as in a fresh process: no active experiment (set_experiment sets it, and
+    MLFLOW_EXPERIMENT_ID, for the rest of the process), no experiment in the environment."""
+    from mlflow.tracking import fluent
+
+    monkeypatch.setattr(fluent, "_active_experiment_id", None)
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_ID", raising=False)
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+
+
+def _refused(tmp_path, match):
+    """Run and expect a refusal before the launch: main never ran."""
+    marker = tmp_path / "launched"
+    started = time.monotonic()
+    with pytest.raises(LaunchRefused, match=match) as info:
+        HorovodRunner(np=-2, progress=False).run(mark_launched, path=str(marker))
+    assert not marker.exists(), "refused, yet main ran"
+    assert time.monotonic() - started < 10
+    return str(info.value)
+
+
+def test_an_experiment_id_that_does_not_exist_is_refused_before_the_launch(tracking_uri, tmp_path, monkeypatch,
+                                                                          no_experiment_chosen):
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_ID", "424242")
+    text = _refused(tmp_path, r"MLflow experiment id '424242' \(from MLFLOW_EXPERIMENT_ID\) does not exist")
+    assert tracking_uri in text and "unset MLFLOW_EXPERIMENT_ID" in text and 'mlflow.set_experiment("name")' in text
+    assert "HorovodRunner(..., tracking=False)" in text and "\n" not in text
+    assert _all_runs(tracking_uri) == [], "refused before an MLflow run was opened"
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_ID", "0")  # one that exists: tracked as ever
+    assert HorovodRunner(np=-2, progress=False).run(train, steps=3, lr=0.1) == "done"
+    assert _only_run().info.status == "FINISHED"
+
+
+def test_a_set_experiment_from_another_store_or_deleted_is_refused(tracking_uri, tmp_path, monkeypatch,
+                                                                    no_experiment_chosen, _template_db):
+    import shutil
+
+    exp = mlflow.set_experiment("mine")
+    MlflowClient().delete_experiment(exp.experiment_id)
+    text = _refused(tmp_path, rf"MLflow experiment 'mine' \(id '{exp.experiment_id}', from the active "
+                              r"mlflow.set_experiment\(\)\) .* is deleted")
+    assert f"restore_experiment('{exp.experiment_id}')" in text
+    MlflowClient().restore_experiment(exp.experiment_id)
+    other = tmp_path / "other"
+    other.mkdir()
+    shutil.copy(_template_db, other / "mlflow.db")
+    uri = f"sqlite:///{other / 'mlflow.db'}"  # the experiment set above is not in this store
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    mlflow.set_tracking_uri(uri)
+    text = _refused(tmp_path, rf"MLflow experiment id '{exp.experiment_id}' \(from the active "
+                              r"mlflow.set_experiment\(\)\) does not exist in the tracking store sqlite:///")
+    assert 'call mlflow.set_experiment("name") again after mlflow.set_tracking_uri()' in text
+    assert _all_runs(uri) == [] and _all_runs(tracking_uri) == []
+
+
+def test_a_tracking_uri_mlflow_cannot_open_is_refused(tracking_uri, tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "foo://x")
+    mlflow.set_tracking_uri("foo://x")
+    text = _refused(tmp_path, r"MLflow cannot open the tracking URI 'foo://x': it has no tracking store for the "
+                              r"scheme 'foo'")
+    assert "'sqlite'" in text and 'mlflow.set_tracking_uri("sqlite:///mlflow.db")' in text and "tracking=False" in text
+
+
+def test_a_file_store_is_refused_unless_mlflow_allows_it(tracking_uri, tmp_path, monkeypatch, no_experiment_chosen):
+    """MLflow 3 keeps its file store in maintenance mode: without MLFLOW_ALLOW_FILE_STORE=true it
+    refuses to open one, which the writer used to retry until after training."""
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    uri = (tmp_path / "mlruns").as_uri()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    mlflow.set_tracking_uri(uri)
+    if hasattr(mlflow.environment_variables, "MLFLOW_ALLOW_FILE_STORE"):  # MLflow 3 (2 opens file stores)
+        text = _refused(tmp_path, rf"The MLflow tracking URI {re.escape(uri)} is a file store, which MLflow "
+                                  rf"{mlflow.__version__} keeps in maintenance mode and refuses to open unless "
+                                  r"MLFLOW_ALLOW_FILE_STORE=true")
+        assert 'mlflow.set_tracking_uri("sqlite:///mlflow.db")' in text and "mlflow migrate-filestore" in text
+        assert not (tmp_path / "mlruns").exists()
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # the opt-out MLflow offers: tracked there
+    assert HorovodRunner(np=-2, progress=False).run(train, steps=3, lr=0.1) == "done"
+    (run,) = _all_runs(uri)
+    assert run.info.status == "FINISHED" and len(MlflowClient(uri).get_metric_history(run.info.run_id, "loss")) == 3
+
+
+def _read_only_dir(tmp_path):
+    """A directory no one here can create files in: mode 0555 (root ignores modes: then /sys or /proc,
+    where the kernel refuses new files to root too)."""
+    import os
+
+    d = tmp_path / "read-only"
+    d.mkdir()
+    d.chmod(0o555)
+    for candidate in (str(d), "/sys", "/proc"):
+        try:
+            with open(os.path.join(candidate, "probe"), "w"):
+                pass
+            os.unlink(os.path.join(candidate, "probe"))
+        except OSError:
+            return candidate
+    raise AssertionError("no directory on this machine refuses new files (a 0555 one, /sys, /proc)")
+
+
+@pytest.mark.parametrize("kind", ["sqlite under a file", "sqlite in a read-only dir", "file store in a read-only dir"])
+def test_a_store_that_cannot_be_written_is_refused(tracking_uri, tmp_path, monkeypatch, no_experiment_chosen, kind):
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    if kind == "sqlite under a file":
+        (tmp_path / "a-file").write_text("not a directory")
+        path = str(tmp_path / "a-file" / "mlflow.db")
+        uri, what = f"sqlite:///{path}", rf"{re.escape(str(tmp_path / 'a-file'))} is not a directory"
+    else:
+        read_only = _read_only_dir(tmp_path)
+        if kind.startswith("sqlite"):
+            uri, what = f"sqlite:///{read_only}/mlflow.db", rf"{re.escape(read_only)} is not writable"
+        else:
+            uri = f"file://{read_only}/mlruns"
+            what = rf"{re.escape(read_only)}/mlruns does not exist and cannot be created: .* is not writable"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    mlflow.set_tracking_uri(uri)
+    text = _refused(tmp_path, rf"The MLflow tracking store {re.escape(uri)} cannot be written: .*{what}")
+    assert "a place this driver can write" in text and "tracking=False" in text
+
+
+def test_a_good_sqlite_store_still_tracks_after_the_check(tmp_path, monkeypatch, no_experiment_chosen):
+    """A store that does not exist yet, in a directory that does not either: MLflow 3 creates both."""
+    from mlflow.store.db import utils
+
+    folder = tmp_path / "new" / "dir" if hasattr(utils, "_make_parent_dirs_if_sqlite") else tmp_path
+    uri = f"sqlite:///{folder / 'mlflow.db'}"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    mlflow.set_tracking_uri(uri)
+    try:
+        assert HorovodRunner(np=-2, progress=False).run(train, steps=4, lr=0.1) == "done"
+        (run,) = _all_runs(uri)
+        assert run.info.status == "FINISHED" and run.info.experiment_id == "0"
+        assert len(MlflowClient(uri).get_metric_history(run.info.run_id, "loss")) == 4
+        exp = MlflowClient(uri).create_experiment("chosen")
+        monkeypatch.setenv("MLFLOW_EXPERIMENT_ID", exp)  # an id that exists goes through the check
+        HorovodRunner(np=-2, progress=False).run(train, steps=2, lr=0.1)
+        assert [r.info.experiment_id for r in _all_runs(uri)].count(exp) == 1
+    finally:
+        mlflow.set_tracking_uri(None)
+
+
+def test_a_tracking_server_refuses_an_unknown_experiment_in_a_moment(server_uri, tmp_path, monkeypatch,
+                                                                    no_experiment_chosen):
+    before = len(_all_runs(server_uri))
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_ID", "987654321")
+    text = _refused(tmp_path, r"MLflow experiment id '987654321' \(from MLFLOW_EXPERIMENT_ID\) does not exist in "
+                              rf"the tracking store {re.escape(server_uri)}")
+    assert "No Experiment with id=987654321" in text
+    assert len(_all_runs(server_uri)) == before
+
+
+def test_an_experiment_id_with_the_server_down_never_blocks_training(tmp_path, monkeypatch, no_experiment_chosen):
+    """MLflow's own lookup of MLFLOW_EXPERIMENT_ID retried for minutes against a server that is down."""
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_ID", "5")
+    with socket_closed_port() as port:
+        uri = f"http://127.0.0.1:{port}"
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        mlflow.set_tracking_uri(uri)
+        try:
+            started = time.monotonic()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out = HorovodRunner(np=-2, progress=False, tracking=Tracking(grace_s=1.0)).run(train, steps=20, lr=0.1)
+            elapsed = time.monotonic() - started
+        finally:
+            mlflow.set_tracking_uri(None)
+    assert out == "done"
+    assert any(issubclass(w.category, TrackingWarning) for w in caught)
+    assert elapsed < 30
