@@ -101,6 +101,25 @@ def spark_session(prog: str, app_name: str, master: str | None, np: int, error: 
     return builder.master(master or f"local[{np}]").getOrCreate()
 
 
+def unreachable_master(master: str | None, timeout_s: float = 3.0) -> str | None:
+    """Why no master of a standalone ``spark://h1:p1,h2:p2`` URL takes a connection, or None (some
+    does, or the master is not a standalone one). Spark itself would start and then wait out its
+    registration retries and the barrier stage's start timeout before saying so."""
+    import socket
+
+    if not master or not master.startswith("spark://"):
+        return None
+    reasons = []
+    for hostport in master[len("spark://"):].split(","):
+        host, _, port = hostport.strip().rpartition(":") if ":" in hostport else (hostport, "", "7077")
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+                return None
+        except (OSError, ValueError) as e:
+            reasons.append(f"{hostport}: {type(e).__name__}: {e}")
+    return "; ".join(reasons)
+
+
 def stderr_writer() -> Callable[[str], None]:
     """A function printing a line on the stderr of the command the user ran.
 
@@ -128,6 +147,11 @@ def launch(prog: str, what: str, app_name: str, master: str | None, np: int, err
     refusal or a failed run is one message on ``error`` (``"prog: what failed: ..."``) and exit 1."""
     from .errors import LaunchRefused, SparkDLError
 
+    unreachable = unreachable_master(master) if np > 0 and "PYSPARK_GATEWAY_PORT" not in os.environ else None
+    if unreachable:
+        error(f"{prog}: could not start Spark: no Spark master answers at {master} ({unreachable}); start it "
+              "(sbin/start-master.sh) or fix --master (spark://host:port, as the master's web UI shows it)")
+        return EXIT_FAILED, None
     try:
         spark = spark_session(prog, app_name, master, np, error) if np > 0 else None
     except Exception as e:  # noqa: BLE001 - Spark's own start-up errors: one line, not a JVM trace

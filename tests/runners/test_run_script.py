@@ -177,3 +177,20 @@ def test_a_script_exiting_with_a_status_is_one_line_without_tracebacks_a_raise_k
     assert proc.returncode == 1
     assert "failed: rank 1 on localhost failed: builtins.ValueError: bad batch 17" in proc.stderr, proc.stderr
     assert "Remote traceback (rank 1):" in proc.stderr and f'File "{script}", line 11, in load_batch' in proc.stderr
+
+
+def test_a_spark_master_no_one_answers_at_is_one_line_before_spark_starts(tmp_path):
+    """Spark would start, wait out its registration retries (a minute) and the barrier stage's start
+    timeout; a closed port is named at once instead."""
+    import socket
+    import time
+
+    with socket.socket() as s:  # bound, never listening: nothing answers there
+        s.bind(("127.0.0.1", 0))
+        master = f"spark://127.0.0.1:{s.getsockname()[1]}"
+        t0 = time.monotonic()
+        proc = _python("--np", "2", "--master", master, _script(tmp_path), timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert f"run_script.py: could not start Spark: no Spark master answers at {master} (" in proc.stderr
+    assert "ConnectionRefusedError" in proc.stderr and "sbin/start-master.sh" in proc.stderr
+    assert "Traceback" not in proc.stderr and time.monotonic() - t0 < 30
