@@ -354,8 +354,9 @@ class MlflowWriter:
         where = f"experiment {self.experiment_id or '0'}"
         self._warn(
             f"MLflow at {self.tracking_uri} refused to create the run in {where} ({type(e).__name__}: {e}); "
-            "this job is not tracked (training is not affected). Fix: point MLFLOW_EXPERIMENT_ID or "
-            "mlflow.set_experiment(...) at an experiment that exists, or run with tracking=False.",
+            "this job is not tracked (training is not affected). Fix: check the tracking URI, and point "
+            "MLFLOW_EXPERIMENT_ID or mlflow.set_experiment(...) at an experiment that exists there, or run with "
+            "tracking=False.",
             loss=True,
         )
 

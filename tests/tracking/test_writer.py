@@ -87,7 +87,7 @@ def test_a_run_mlflow_refuses_to_create_is_given_up_at_once(store, request):
     w.log_metrics([("loss", 1.0, 1_000, 0)])
     t0 = time.monotonic()
     with pytest.warns(TrackingWarning, match=r"refused to create the run in experiment 987654321 .*"
-                      r"not tracked \(training is not affected\)\. Fix: point MLFLOW_EXPERIMENT_ID"):
+                      r"not tracked \(training is not affected\)\. Fix: check the tracking URI, and point MLFLOW_EXPERIMENT_ID"):
         assert not w.close("FINISHED")
     assert time.monotonic() - t0 < 10, "not retried until grace_s"
     assert w.run_id is None and w.dropped >= 1
