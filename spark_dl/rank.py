@@ -170,7 +170,7 @@ def request(kind: str, data: dict) -> dict:
     global _next_request
     if _outbox is None:
         raise RuntimeError("not inside a spark-dl rank process")
-    if _outbox.pid != os.getpid():  # nothing would ever send the request: fail instead of hanging
+    if in_forked_child():  # nothing would ever send the request: fail instead of hanging
         raise RuntimeError(
             f"{kind} was called in a process forked from the rank (pid {os.getpid()}, e.g. a DataLoader "
             "worker), which has no link to the driver: call it in the rank's own process and pass the "
@@ -204,13 +204,19 @@ def in_rank_process() -> bool:
     return _outbox is not None
 
 
+def in_forked_child() -> bool:
+    """True in a process forked from a rank (a DataLoader worker with ``num_workers > 0``): it
+    inherits the rank's outbox but not the thread that sends it, so nothing it sends arrives."""
+    return _outbox is not None and _outbox.pid != os.getpid()
+
+
 def log_to_driver(message: Any) -> None:
     """Show ``message`` on the driver, tagged with this rank, whatever ``driver_log_verbosity`` is.
 
     Outside a rank process it prints locally, so the same training function runs anywhere.
     """
     text = str(message)
-    if _outbox is None or _outbox.pid != os.getpid():  # a forked worker: its stdout is the rank's
+    if _outbox is None or in_forked_child():  # a forked worker: its stdout is the rank's
         print(text, flush=True)
         return
     _outbox.put("user_log", text)

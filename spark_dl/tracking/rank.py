@@ -132,18 +132,14 @@ class _Buffer:
 _buffer: _Buffer | None = None
 _pending_models: list[threading.Thread] = []
 _rank: int = 0
-# the rank's own process: one forked from it (a DataLoader worker) inherits _buffer and the outbox
-# but not the threads that send them, so what it logged would be lost without a word
-_pid: int = 0
 _fork_warned: int = 0  # the forked process that was already told so (once per process)
 
 
 def install(enabled: bool) -> None:
     """Start the rank-side tracking machinery when the driver tracks this job (it decides: an
     executor does not see the driver's settings). Called once by the rank's entry point."""
-    global _buffer, _rank, _pid
+    global _buffer, _rank
     _rank = int(os.environ.get("RANK", "0"))
-    _pid = os.getpid()
     if not enabled:
         return
     _buffer = _Buffer()
@@ -203,9 +199,9 @@ def _forked(fn: str) -> bool:
     """True in a process forked from the rank (typically a DataLoader worker, num_workers > 0):
     nothing there sends to the driver, so the call is dropped, with one warning per process."""
     global _fork_warned
-    pid = os.getpid()
-    if pid == _pid:
+    if not rank_api.in_forked_child():
         return False
+    pid = os.getpid()
     if _fork_warned != pid:
         _fork_warned = pid
         warnings.warn(
