@@ -52,7 +52,7 @@ def check_store(uri: str) -> CheckedStore:
     if scheme in ("", "file"):
         _check_file_store_allowed(uri)
         root = _file_store_path(uri)
-        _check_writable_dir(uri, root)
+        _probe_dir(uri, root)
         return _check_local(uri, store_exists=True)
     return CheckedStore(uri)  # a database server, Databricks, a plugin's store: as before
 
@@ -275,10 +275,6 @@ def _probe_dir(uri: str, path: str) -> None:
         raise _unwritable(uri, path, what) from None
     os.close(fd)
     os.unlink(probe)
-
-
-def _check_writable_dir(uri: str, path: str) -> None:
-    _probe_dir(uri, path)
 
 
 def _creates_sqlite_dirs(uri: str) -> bool:

@@ -83,14 +83,21 @@ def test_errors_a_retry_cannot_fix_are_told_from_server_trouble():
 @pytest.mark.parametrize("store", ["sqlite", "server"])
 def test_a_run_mlflow_refuses_to_create_is_given_up_at_once(store, request):
     uri = request.getfixturevalue("tracking_uri" if store == "sqlite" else "server_uri")
-    w = MlflowWriter(uri, None, "987654321", grace_s=30.0)
+    w = _one_metric_then_close(uri, "987654321", 30.0, within_s=10,  # not retried until grace_s
+                               match=r"refused to create the run in experiment 987654321 .*not tracked \(training "
+                                     r"is not affected\)\. Fix: check the tracking URI, and point MLFLOW_EXPERIMENT_ID")
+    assert w.run_id is None and w.dropped >= 1
+
+
+def _one_metric_then_close(uri, experiment_id, grace_s, within_s, match):
+    """A writer given one metric, closed: it must fail to write it, say ``match``, and return within ``within_s``."""
+    w = MlflowWriter(uri, None, experiment_id, grace_s=grace_s)
     w.log_metrics([("loss", 1.0, 1_000, 0)])
     t0 = time.monotonic()
-    with pytest.warns(TrackingWarning, match=r"refused to create the run in experiment 987654321 .*"
-                      r"not tracked \(training is not affected\)\. Fix: check the tracking URI, and point MLFLOW_EXPERIMENT_ID"):
+    with pytest.warns(TrackingWarning, match=match):
         assert not w.close("FINISHED")
-    assert time.monotonic() - t0 < 10, "not retried until grace_s"
-    assert w.run_id is None and w.dropped >= 1
+    assert time.monotonic() - t0 < within_s
+    return w
 
 
 def test_a_write_that_keeps_failing_never_holds_back_the_runs_end(tracking_uri, tmp_path, capfd):
@@ -123,11 +130,6 @@ def test_a_server_that_takes_connections_and_never_answers_costs_grace_s_not_a_m
     with socket.socket() as s:  # listens (the kernel completes connections) but never reads or answers
         s.bind(("127.0.0.1", 0))
         s.listen(16)
-        uri = f"http://127.0.0.1:{s.getsockname()[1]}"
-        w = MlflowWriter(uri, None, "0", grace_s=2.0)
-        w.log_metrics([("loss", 1.0, 1_000, 0)])
-        t0 = time.monotonic()
-        with pytest.warns(TrackingWarning, match=r"could not be completed: it did not answer within 2 s\. Training was "
-                          r"not affected; about \d+ pending MLflow writes were dropped"):
-            assert not w.close("FINISHED")
-        assert time.monotonic() - t0 < 6
+        _one_metric_then_close(f"http://127.0.0.1:{s.getsockname()[1]}", "0", 2.0, within_s=6,
+                               match=r"could not be completed: it did not answer within 2 s\. Training was not "
+                                     r"affected; about \d+ pending MLflow writes were dropped")
