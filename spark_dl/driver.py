@@ -351,6 +351,7 @@ class JobMonitor:
         if info.get("exit_code") is not None:  # main or the script called sys.exit(N): its status, no traceback
             code, summary = info["exit_code"], info["message"]
             tail = [line for line in tail if line != f"[{f.rank}]<stderr>: {summary}"]  # said in the summary
+        tail = _without_traceback(tail, f.rank, info["traceback"])  # the rank printed what the report holds
         err = RankFailed(f.rank, host, summary, info["traceback"], tail, code, info["exc_type"])
         if info.get("pickled") is not None:
             try:
@@ -393,3 +394,22 @@ def _signal_name(code: int) -> str:
         return f" (killed by {signal.Signals(-code).name})"
     except ValueError:
         return ""
+
+
+def _without_traceback(tail: list[str], rank: int, tb: str) -> list[str]:
+    """``tail`` less the traceback the rank wrote to stderr as it failed (the error shows it once).
+
+    Matched from the end, as the rank writes it last; stdout lines between are kept (the two
+    streams interleave), and any other stderr line ends the match."""
+    expected = [f"[{rank}]<stderr>: {line}" for line in tb.rstrip("\n").split("\n")] if tb.strip() else []
+    drop = set()
+    j = len(expected) - 1
+    for i in range(len(tail) - 1, -1, -1):
+        if j < 0:
+            break
+        if tail[i] == expected[j]:
+            drop.add(i)
+            j -= 1
+        elif tail[i].startswith(f"[{rank}]<stderr>: "):
+            break
+    return [line for i, line in enumerate(tail) if i not in drop]

@@ -109,10 +109,9 @@ class RankFailed(JobFailed):
         if self.remote_traceback:
             parts.append("Remote traceback (rank %d):\n%s" % (self.rank, self.remote_traceback.rstrip()))
         if self.last_lines:
-            parts.append(
-                "Last %d output lines of rank %d:\n%s"
-                % (len(self.last_lines), self.rank, "\n".join(self.last_lines))
-            )
+            n = len(self.last_lines)
+            what = "output line" if n == 1 else f"{n} output lines"
+            parts.append(f"Last {what} of rank {self.rank}:\n" + "\n".join(self.last_lines))
         return "\n\n".join(parts)
 
     def __reduce__(self):

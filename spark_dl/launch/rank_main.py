@@ -90,15 +90,21 @@ def _clip(text: str) -> str:
     return f"{text[:half]}\n[... {len(text) - 2 * half} characters cut by spark-dl ...]\n{text[-half:]}"
 
 
+_CALLERS = (__file__, os.path.join(os.path.dirname(os.path.dirname(__file__)), "script.py"))
+
+
 def _error_info(exc: BaseException) -> dict:
     try:
         message = str(exc)
     except Exception as e:  # noqa: BLE001 - an exception whose __str__ fails is still reported
         message = f"<str() of the {type(exc).__name__} failed: {type(e).__name__}: {e}>"
+    tb_top = exc.__traceback__
+    while tb_top is not None and tb_top.tb_next is not None and tb_top.tb_frame.f_code.co_filename in _CALLERS:
+        tb_top = tb_top.tb_next  # the calls into main (or the script) are ours: the user's frames start below
     try:
-        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        tb = "".join(traceback.format_exception(type(exc), exc, tb_top))
     except Exception:  # noqa: BLE001 - as above: the frames without the message
-        tb = "".join(traceback.format_tb(exc.__traceback__)) + f"{type(exc).__name__}: {message}\n"
+        tb = "".join(traceback.format_tb(tb_top)) + f"{type(exc).__name__}: {message}\n"
     try:
         import cloudpickle
 

@@ -141,8 +141,11 @@ def test_rank_error_is_raised_with_context_and_nothing_survives(tmp_path):
     assert err.rank == 1 and err.host == "localhost" and err.exit_code == 1  # not the abort's SIGKILL (-9)
     assert err.exc_type.endswith("ValueError") and "bad batch 17" in str(err)
     assert "fail_on_rank_1" in err.remote_traceback
+    assert err.remote_traceback.splitlines()[1].strip().startswith(f'File "{__file__}"')  # the user's frame first
     assert any("about to fail" in line for line in err.last_lines)
     assert any("<stderr>" in line and "a warning on stderr" in line for line in err.last_lines)
+    assert not any("bad batch 17" in line or "Traceback" in line for line in err.last_lines)  # shown once, above
+    assert str(err).count("ValueError: bad batch 17") == 2  # the summary line and the traceback's last line
     assert isinstance(err.__cause__, ValueError)
     assert elapsed < 30, "the sleeping rank 0 was not stopped promptly"
     pids = recorded_pids(str(tmp_path))

@@ -172,3 +172,14 @@ def test_a_script_exit_status_is_the_error_without_a_traceback(script, tmp_path)
     assert err.exit_code == 3 and err.remote_traceback == "" and "Traceback" not in str(err)
     assert isinstance(err.__cause__, ScriptExit) and err.__cause__.code == 3 and err.__cause__.path == str(script)
     assert not any("exited with status" in line for line in err.last_lines)  # said once, in the summary
+
+
+def test_a_script_error_shows_the_scripts_frames_once(tmp_path):
+    path = tmp_path / "fails.py"
+    path.write_text('print("loading", flush=True)\n\ndef load():\n    raise KeyError("no column y")\n\nload()\n')
+    with pytest.raises(RankFailed) as e:
+        HorovodRunner(np=-1).run_script(path)
+    err = e.value
+    frames = [line.strip() for line in err.remote_traceback.splitlines() if line.strip().startswith("File ")]
+    assert frames == [f'File "{path}", line 6, in <module>', f'File "{path}", line 4, in load']  # none of ours
+    assert err.last_lines == ["[0]<stdout>: loading"]  # the traceback the rank printed is not repeated
