@@ -368,14 +368,13 @@ def _describe(example: Any) -> str:
 def log_model(model: Any, name: str = "model", *, input_example: Any = None) -> None:
     """Log a ``torch.nn.Module`` (or a ``state_dict``) from rank 0 as an MLflow PyTorch model.
 
-    The model is copied to CPU memory on the calling thread (a memory copy, so training may go on
-    changing its weights right after), then serialized and streamed to the driver in the
-    background; the driver logs it with ``mlflow.pytorch.log_model``, with a signature inferred
+    The model is copied to CPU memory and serialized on the calling thread (so training may go on
+    changing its weights right after), then streamed to the driver in the background; the driver logs it with ``mlflow.pytorch.log_model``, with a signature inferred
     from ``input_example`` when one is given. Calls on other ranks do nothing.
 
     Checked at the call: ``name`` must be a relative path inside the run's artifacts (else
-    ``ValueError``/``TypeError``), the module must be copyable (else ``TypeError``: log its
-    ``state_dict()``), and the copy must run on ``input_example`` (else ``ValueError``).
+    ``ValueError``/``TypeError``), the module must be copyable and picklable (else ``TypeError``: log
+    its ``state_dict()``), and the copy must run on ``input_example`` (else ``ValueError``).
     """
     _check_model_name(name)
     if _buffer is None:
@@ -391,8 +390,11 @@ def log_model(model: Any, name: str = "model", *, input_example: Any = None) -> 
     if _rank != 0 or _forked("log_model"):
         return
     snapshot = _snapshot(model, name, input_example)
-    example = _to_numpy(input_example)
-    t = threading.Thread(target=_send_model, args=(snapshot, name, example), name="spark-dl-model", daemon=True)
+    data = _serialize(snapshot)  # here, not on the sender thread: a model that cannot be pickled fails the call
+    meta = {"name": name, "input_example": _to_numpy(input_example), "state_dict": isinstance(snapshot, Mapping),
+            "bytes": len(data)}
+    del snapshot
+    t = threading.Thread(target=_send_model, args=(data, meta), name="spark-dl-model", daemon=True)
     _pending_models.append(t)
     t.start()
 
@@ -458,15 +460,26 @@ def _to_numpy(example: Any) -> Any:
     return example
 
 
-def _send_model(model: Any, name: str, example: Any) -> None:
+def _serialize(model: Any) -> memoryview:
+    """``model`` as ``torch.save`` bytes (cloudpickle: classes defined in a notebook travel by value),
+    or a ``TypeError`` saying what to log instead."""
     import cloudpickle
     import torch
 
     buf = io.BytesIO()
-    torch.save(model, buf, pickle_module=cloudpickle)
-    data = buf.getbuffer()
+    try:
+        torch.save(model, buf, pickle_module=cloudpickle)
+    except Exception as e:  # noqa: BLE001 - pickling raises whatever an attribute's __reduce_ex__ does
+        what = "state_dict" if isinstance(model, Mapping) else f"module {type(model).__name__}"
+        raise TypeError(
+            f"log_model could not pickle the {what} to send it to the driver ({type(e).__name__}: {e}). "
+            "Log its state_dict() instead (spark_dl.log_model(model.state_dict(), name)), or remove the "
+            "attribute that cannot be pickled (a weakref, a function closing over a lock or a file)") from e
+    return buf.getbuffer()
+
+
+def _send_model(data: memoryview, meta: dict) -> None:
     model_id = uuid.uuid4().hex
-    meta = {"name": name, "input_example": example, "state_dict": isinstance(model, Mapping), "bytes": len(data)}
     n = max(1, -(-len(data) // MODEL_CHUNK))
     outbox = rank_api._outbox
     for i in range(n):

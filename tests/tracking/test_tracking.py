@@ -550,17 +550,25 @@ def bad_log_model_calls_main():
     except TypeError as e:
         errors.append(str(e))
     spark_dl.log_model(locked.state_dict(), "locked_weights")  # the fix the error gives
+    import weakref
+
+    weakly = torch.nn.Linear(4, 2)
+    weakly.peer = weakref.ref(model)  # deepcopy keeps a weakref as is; pickling it fails
+    try:
+        spark_dl.log_model(weakly, "weakly")
+    except TypeError as e:
+        errors.append(str(e))
     spark_dl.log_model(model, "models/v1.0", input_example=torch.zeros(2, 4))  # a nested name MLflow 3 refuses
     return errors
 
 
-def test_log_model_refuses_a_bad_name_and_a_module_it_cannot_copy_at_the_call(tracking_uri):
+def test_log_model_refuses_a_bad_name_and_a_module_it_cannot_copy_or_pickle_at_the_call(tracking_uri):
     """They were found only on the driver at the end of the run (the model dropped with a
     misleading 'MLflow rejected a write'), or failed the rank with a raw pickling error."""
     import torch
 
     errors = HorovodRunner(np=-2, progress=False).run(bad_log_model_calls_main)
-    assert len(errors) == 6, errors
+    assert len(errors) == 7, errors
     for bad, error in zip(("'../x'", "'/abs'", "''", "'.'"), errors):
         assert error.startswith(f"ValueError: log_model: name {bad} must be a folder's path relative to the run's "
                                 "artifacts, inside them"), error
@@ -570,6 +578,9 @@ def test_log_model_refuses_a_bad_name_and_a_module_it_cannot_copy_at_the_call(tr
     assert errors[5].startswith("log_model could not copy the module Locked (TypeError: cannot pickle '_thread.lock' "
                                 "object). Log its state_dict() instead (spark_dl.log_model(model.state_dict(), name)), "
                                 "or remove the attribute that cannot be copied"), errors[5]
+    # copied, but not picklable: it was lost on the background sender thread with a traceback on stderr
+    assert errors[6].startswith("log_model could not pickle the module Linear to send it to the driver (TypeError: "
+                                "cannot pickle 'weakref.ReferenceType' object). Log its state_dict() instead"), errors[6]
     run = _only_run()
     assert run.info.status == "FINISHED"
     assert {a.path for a in MlflowClient().list_artifacts(run.info.run_id)} >= {"locked_weights", "models"}
