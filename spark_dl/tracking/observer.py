@@ -110,6 +110,8 @@ class TrackingObserver:
         self._log_dir: str | None = None
         self._lock = threading.Lock()
         self._cut_keys: set[str] = set()  # params cut to MLflow's limit, warned about once each
+        self._param_texts: dict[str, str] = {}  # each param's first value: the one MLflow keeps
+        self._changed_keys: set[str] = set()  # params a rank logged again with another value, warned once each
 
 
     # -- Observer ------------------------------------------------------------------------------
@@ -154,7 +156,7 @@ class TrackingObserver:
         if w is None:
             return
         if kind == "tracking/params":
-            self._log_params({clean_name(k): v for k, v in flatten(data).items()})
+            self._log_params(self._unchanged({clean_name(k): v for k, v in flatten(data).items()}))
         elif kind == "tracking/tags":
             w.set_tags(data)
         elif kind == "tracking/model":
@@ -277,6 +279,9 @@ class TrackingObserver:
         """``params`` to the run as MLflow keeps them; a value cut to MLflow's limit (here, or by
         the rank that logged it) is marked so, and warned about once per key."""
         texts = {k: param_value(v) for k, v in params.items()}
+        with self._lock:
+            for k, text in texts.items():
+                self._param_texts.setdefault(k, text)
         for k, text in texts.items():
             length = cut_from(text)
             if length is None:
@@ -289,6 +294,28 @@ class TrackingObserver:
         if self.writer is not None:
             self.writer.log_params(texts)
 
+    def _unchanged(self, params: dict[str, Any]) -> dict[str, Any]:
+        """A rank's ``params`` less those already logged with another value (MLflow keeps a
+        param's first value; its own ``log_param`` raises on a change), warned about once per key."""
+        out = {}
+        for k, v in params.items():
+            text = param_value(v)
+            with self._lock:
+                first = self._param_texts.get(k, text)
+                warn = first != text and k not in self._changed_keys
+                if warn:
+                    self._changed_keys.add(k)
+            if first == text:
+                out[k] = v
+            elif warn:
+                whose = ("spark-dl logs this param itself" if k in OWN_PARAMS
+                         else "MLflow keeps a param's first value")
+                warnings.warn(
+                    f"param {k!r} was already logged as {_short(first)}; the value a rank logged, {_short(text)}, "
+                    f"is not logged ({whose}). Log it under another name, or log a value that changes "
+                    "during training as a metric (spark_dl.log_metrics)", TrackingWarning, stacklevel=2)
+        return out
+
     def _layout(self, info: dict) -> None:
         with self._lock:
             self._rank_info[info["rank"]] = info
@@ -300,6 +327,10 @@ class TrackingObserver:
                 {"world.hosts": ",".join(hosts), "world.num_hosts": len(hosts),
                  "world.ranks_per_host": ",".join(str(sum(i["host"] == h for i in infos)) for h in hosts)}
             )
+
+
+def _short(text: str, limit: int = 80) -> str:
+    return repr(text if len(text) <= limit else text[: limit - 3] + "...")
 
 
 def _experiment_for(store: CheckedStore | None) -> str | None:

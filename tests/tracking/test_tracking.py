@@ -761,6 +761,36 @@ def test_kwargs_named_like_spark_dls_own_params_are_logged_as_kwargs_dot_name(tr
     assert p["kwargs.world.hosts"] == "mine" and p["lr"] == "0.1"  # the others keep their names
 
 
+def relogging_main():
+    import spark_dl
+
+    if spark_dl.get_context().rank == 0:
+        spark_dl.log_params({"np": 5, "lr": 0.1})
+        spark_dl.log_params({"lr": 0.2})
+        spark_dl.log_params({"lr": 0.3, "lr_final": 0.3})  # a second change of lr: no second warning
+        spark_dl.log_params({"lr": 0.1})  # the same value again: nothing to say
+    return "done"
+
+
+def test_a_param_a_rank_logs_again_with_another_value_is_warned_about_once(tracking_uri):
+    """MLflow keeps a param's first value (its log_param raises on a change): the changed value,
+    or a rank's 'np' where spark-dl logged its own, was dropped without a word."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert HorovodRunner(np=-2, progress=False).run(relogging_main) == "done"
+    p = _only_run().data.params
+    assert p["np"] == "-2" and p["lr"] == "0.1" and p["lr_final"] == "0.3"
+    said = sorted(str(w.message) for w in caught if issubclass(w.category, TrackingWarning))
+    assert said == [
+        "param 'lr' was already logged as '0.1'; the value a rank logged, '0.2', is not logged (MLflow keeps a "
+        "param's first value). Log it under another name, or log a value that changes during training as a "
+        "metric (spark_dl.log_metrics)",
+        "param 'np' was already logged as '-2'; the value a rank logged, '5', is not logged (spark-dl logs this "
+        "param itself). Log it under another name, or log a value that changes during training as a metric "
+        "(spark_dl.log_metrics)",
+    ], said
+
+
 # -- the tracking store is checked before the launch ------------------------------------------------
 def mark_launched(path):
     open(path, "w").close()
