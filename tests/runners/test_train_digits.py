@@ -67,6 +67,8 @@ def test_bad_arguments_exit_2_with_argparse_message():
         (["--bogus"], "unrecognized arguments"),
         (["--max-restarts", "-1"], "must be 0 or more"),
         (["--run-timeout", "0"], "must be a finite number of seconds > 0"),
+        (["--lr", "inf"], "argument --lr: must be a finite number > 0, got inf"),
+        (["--lr", "-0.1"], "argument --lr: must be a finite number > 0, got -0.1"),
     ]:
         proc = _python(*args, timeout=30)
         assert proc.returncode == 2, (args, proc.stderr)
