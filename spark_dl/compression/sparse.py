@@ -83,13 +83,32 @@ class _RandMeta(Meta):
     indices: torch.Tensor
 
 
+def _distinct(n: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """k distinct indices in [0, n), a uniform k-subset drawn from ``g`` (so every rank with the same
+    generator state draws the same). A dense draw is a permutation's prefix; a sparse one keeps the
+    first k distinct values of uniform draws, which is uniform too and costs O(k log k), not O(n)."""
+    device = g.device
+    if k * 4 >= n:
+        return torch.randperm(n, generator=g, device=device)[:k]
+    draws = torch.empty(0, dtype=torch.long, device=device)
+    short = k
+    while short > 0:  # k / n < 1/4: the first pass almost always draws enough
+        more = torch.randint(0, n, (short + short * k // n + 16,), generator=g, device=device)
+        draws = torch.cat([draws, more])
+        distinct, inverse = torch.unique(draws, return_inverse=True)
+        short = k - distinct.numel()
+    order = torch.arange(draws.numel(), device=device)
+    first = torch.full_like(distinct, draws.numel()).scatter_reduce_(0, inverse, order, "amin")
+    return distinct[torch.argsort(first)[:k]]
+
+
 class RandomK(Compressor):
     """Keeps k = ceil(ratio * n) entries at indices drawn from (seed, key, step): the same on
     every rank as long as ranks compress the same tensors in the same order, so only the values
     travel and the payload is summable. With ``scale=True`` the values are multiplied by n/k,
     making q unbiased (E[q(g)] = g); by default it is unscaled and meant for error feedback.
-    Indices are sampled with replacement (a duplicate only lowers the effective k).
-    Wire: k float32 values (32 * ratio bits per element).
+    The k indices are distinct (a uniform k-subset: each entry is kept with probability k/n, and
+    ``ratio=1`` sends every entry). Wire: k float32 values (32 * ratio bits per element).
     """
 
     summable = True
@@ -112,8 +131,7 @@ class RandomK(Compressor):
         step = self.steps.get(key, 0)
         self.steps[key] = step + 1
         k = _k(n, self.ratio)
-        g = generator(x.device, "randomk", self.seed, key, step)
-        idx = torch.randint(0, max(n, 1), (k,), generator=g, device=x.device)
+        idx = _distinct(n, k, generator(x.device, "randomk", self.seed, key, step))
         values = x[idx]
         if self.scale and k:
             values.mul_(n / k)
@@ -140,6 +158,10 @@ class RandomK(Compressor):
 
     def bits_per_element(self) -> float:
         return 32.0 * self.ratio
+
+    @property
+    def stateful(self) -> bool:
+        return True  # the step counters: a fresh instance per call would draw the same indices each time
 
     def reset(self, key: Key = None) -> None:
         # Step counters are shared state across ranks: every rank resets them together.

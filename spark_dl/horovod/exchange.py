@@ -147,11 +147,10 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: An
         raise ValueError("reducescatter does not take op=hvd.Adasum (nor does Horovod's): use Average or Sum")
     if tensor.dim() == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension (it slices dimension 0)")
-    compressor = _compression.resolve(compression, per_call=True)
+    compressor = _compression.for_tensor(_compression.resolve(compression, per_call=True), tensor)
     half = not _compression.is_none(compressor)
-    if half and not (isinstance(compressor, FP16) and tensor.is_floating_point()):
-        raise ValueError("reducescatter takes compression=hvd.Compression.none or hvd.Compression.fp16 "
-                         "(fp16 for floating-point tensors)")
+    if half and not isinstance(compressor, FP16):
+        raise ValueError("reducescatter takes compression=hvd.Compression.none or hvd.Compression.fp16")
     return _Reducescatter.apply(tensor, op, half, prescale_factor, postscale_factor, ps)
 
 

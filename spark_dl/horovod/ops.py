@@ -69,6 +69,7 @@ def _reduce_into(work: torch.Tensor, op: ReduceOp, name: str | None, compressor:
     """Reduce ``work`` (a private buffer on the comm device; may be modified) over ``ps``.
     Returns the result. ``sizes``: the tensors fused in ``work``, for Adasum's per-tensor
     coefficients."""
+    compressor = _compression.for_tensor(compressor, work)
     if prescale_factor != 1.0:
         work.mul_(prescale_factor)
     if op == Adasum:
@@ -77,9 +78,14 @@ def _reduce_into(work: torch.Tensor, op: ReduceOp, name: str | None, compressor:
         work = _adasum.allreduce(work.reshape(-1), sizes, group_of(ps)).view_as(work)
     elif op in (Average, Sum):
         work = _compression.reduce(work, compressor, average=op == Average, name=name, group=group_of(ps))
+    elif _compression.is_cast(compressor):  # Min, Max, Product of the cast tensor, as Horovod's fp16 does
+        wire = work.to(compressor.wire_dtype)
+        dist.all_reduce(wire, op=_TORCH_OPS[op], group=group_of(ps))
+        work.copy_(wire)
     else:
         if not _compression.is_none(compressor):
-            raise ValueError(f"compression is only supported with op=Average or Sum, not {op.name}")
+            raise ValueError(f"compression is only supported with op=Average or Sum (or fp16/bf16 with any op), "
+                             f"not {op.name}")
         dist.all_reduce(work, op=_TORCH_OPS[op], group=group_of(ps))
     if postscale_factor != 1.0:
         work.mul_(postscale_factor)

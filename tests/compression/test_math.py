@@ -135,7 +135,7 @@ def test_error_feedback_loses_nothing_only_delays_it():
 @pytest.mark.parametrize("n", [0, 1, 9, 1000, 70_001])
 def test_sparse_error_feedback_touches_only_the_kept_entries_and_equals_p_minus_q(make, n):
     """Sparse compressors update the residual at their k entries only; bit for bit the general
-    rule e = p - D(C(p)), NaN and inf included, over several steps (random-k draws duplicates)."""
+    rule e = p - D(C(p)), NaN and inf included, over several steps."""
     ef, twin = C.ErrorFeedback(make()), make()
     gen = torch.Generator().manual_seed(n)
     e_ref = torch.zeros(n)
@@ -173,11 +173,11 @@ def test_topk_decompress_into_scatters_only_the_kept_entries(n):
     assert torch.equal(acc, base + ef.decompress(p2))
 
 
-def test_randomk_decompress_into_counts_a_duplicated_index_once():
+def test_randomk_decompress_into_writes_or_adds_the_kept_entries():
     c, twin = C.RandomK(0.9, seed=1), C.RandomK(0.9, seed=1)
     g = torch.randn(100, generator=torch.Generator().manual_seed(0))
     payload = c.compress(g, key="w")
-    assert payload.meta.indices.unique().numel() < payload.meta.indices.numel()  # duplicates drawn
+    assert payload.meta.indices.unique().numel() == payload.meta.indices.numel() == 90  # k distinct indices
     dense = twin.decompress(twin.compress(g, key="w"))
     written, added = torch.full((100,), 3.0), torch.ones(100)
     c.decompress_into(payload, written)
@@ -249,6 +249,36 @@ def test_random_k_is_shared_by_seed_and_step_and_unbiased_when_scaled():
     qs = _samples(scaled, g, 4000)
     se = qs.std(dim=0) / math.sqrt(len(qs))
     assert ((qs.mean(dim=0) - g).abs() <= 5 * se + 1e-6).all()
+
+
+@pytest.mark.parametrize("n, ratio", [(40, 0.1), (40, 0.5), (1000, 0.01), (1000, 0.3)])
+def test_random_k_keeps_each_entry_with_probability_k_over_n(n, ratio):
+    """k distinct indices, each kept with probability k/n, so scale=True is unbiased at any ratio
+    (drawn with replacement, an entry was kept with 1 - (1 - 1/n)^k: 0.63 at ratio 1, and the
+    scaled mean fell short by as much)."""
+    c = C.RandomK(ratio, seed=5)
+    k = math.ceil(ratio * n)
+    kept = torch.zeros(n)
+    draws = 3000
+    for _ in range(draws):
+        idx = c.compress(torch.ones(n), key="w").meta.indices
+        assert idx.numel() == k and idx.unique().numel() == k
+        kept[idx] += 1
+    p = k / n
+    se = math.sqrt(p * (1 - p) / draws)
+    assert ((kept / draws - p).abs() <= 5 * se).all()
+    assert kept.sum() == k * draws  # exactly k per draw
+    scaled = C.RandomK(ratio, seed=5, scale=True)
+    g = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    qs = _samples(scaled, g, 3000)
+    assert ((qs.mean(dim=0) - g).abs() <= 5 * qs.std(dim=0) / math.sqrt(len(qs)) + 1e-6).all()
+
+
+def test_random_k_at_ratio_one_sends_the_tensor_whole():
+    g = torch.randn(1000)
+    c = C.RandomK(1.0)
+    for step in range(3):
+        assert torch.equal(c.decompress(c.compress(g, key="w")), g)
 
 
 def test_powersgd_exact_on_low_rank_and_uncompressed_before_start():

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from spark_dl import HorovodRunner
 
@@ -57,6 +58,13 @@ def api_main():
     out["allreduce_"] = inplace.tolist()
     ints = torch.tensor([r + 1, 10 * (r + 1)])
     out["int_sum"] = hvd.allreduce(ints, op=hvd.Sum).tolist()
+    # Horovod's Compression.fp16 casts floating-point tensors only: a count passes as it is
+    fp16 = hvd.Compression.fp16
+    out["int_fp16"] = [hvd.allreduce(ints, op=hvd.Sum, compression=fp16).tolist(),
+                       str(hvd.allreduce(ints, compression=fp16).dtype),
+                       [x.tolist() for x in hvd.grouped_allreduce([ints, t], op=hvd.Sum, compression=fp16)],
+                       hvd.reducescatter(torch.tensor([[r + 1], [5 * (r + 1)]]), op=hvd.Sum, compression=fp16).tolist()]
+    out["max_fp16"] = hvd.allreduce(t + 1e-3, op=hvd.Max, compression=fp16).tolist()  # in float16, as Horovod
     h = hvd.allreduce_async(t)
     out["async"] = hvd.synchronize(h).tolist()
     h = hvd.allreduce_async_(t.clone(), op=hvd.Sum)
@@ -152,6 +160,10 @@ def test_allreduce(ranks):
         assert o["input_untouched"] is True
         assert o["allreduce_returns_same_object"] is True and o["allreduce_"] == [3.0, 6.0, 9.0]
         assert o["int_sum"] == [3, 30]
+        assert o["int_fp16"][0] == [3, 30] and o["int_fp16"][1] == "torch.int64"
+        assert o["int_fp16"][2] == [[3, 30], [3.0, 6.0, 9.0]]
+        assert o["int_fp16"][3] == [[3] if o["rank"] == 0 else [15]]
+        assert o["max_fp16"] == torch.tensor([2.001, 4.001, 6.001]).half().float().tolist()
         assert o["async"] == [1.5, 3.0, 4.5]
         assert o["poll_after_barrier"] is True and o["async_"] == [3.0, 6.0, 9.0]
         assert o["error_op_and_average"] == "ValueError"
@@ -227,10 +239,10 @@ def test_compression_that_is_not_a_usable_compressor_is_refused_by_name():
     keeps state between calls: each a TypeError naming what to pass; a stateless class is fine."""
     code = (
         "import torch, spark_dl.horovod as hvd\n"
-        "from spark_dl.compression import ErrorFeedback, OneBit, QSGD\n"
+        "from spark_dl.compression import ErrorFeedback, OneBit, QSGD, RandomK\n"
         "hvd.init()\n"
         "print(hvd.allreduce(torch.tensor([4.0]), compression=QSGD).item())\n"
-        "for c in ('fp16', ErrorFeedback, OneBit):\n"
+        "for c in ('fp16', ErrorFeedback, OneBit, RandomK):\n"
         "    try:\n"
         "        hvd.allreduce(torch.tensor([4.0]), name='g', compression=c)\n"
         "    except TypeError as e:\n"
@@ -244,7 +256,9 @@ def test_compression_that_is_not_a_usable_compressor_is_refused_by_name():
     lines = out.stdout.splitlines()
     assert lines[0] == "4.0" and lines[-1] == "[0.0, 0.0]"
     refused = [line for line in lines if line.startswith("REFUSED")]
-    assert len(refused) == 3, out.stdout
+    assert len(refused) == 4, out.stdout
     assert "got 'fp16', which is not a spark_dl.compression.Compressor: use an instance such as FP16()" in refused[0]
     assert "the class ErrorFeedback, which takes arguments: pass ErrorFeedback(...)" in refused[1]
     assert "compression=OneBit keeps state between calls" in refused[2] and "create OneBit() once" in refused[2]
+    # its step counter: a fresh instance per call drew the same indices every time (2% of entries ever sent)
+    assert "compression=RandomK keeps state between calls" in refused[3]
