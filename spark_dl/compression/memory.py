@@ -8,6 +8,10 @@ With a (possibly biased) compressor ``C`` and decompressor ``D``, per tensor key
 
 Nothing is lost, only delayed: sum_t D(C(p_t)) = sum_t g_t - e_{T+1}. This is what makes
 1-bit, sign and top-k compression converge to the same optimum as exact SGD.
+
+A step whose p is not finite (an inf or NaN gradient, as mixed precision's loss scaling makes
+and then skips) leaves no residual for its key: what it sends stays non-finite, so the skip
+still happens, but the steps after it start from e = 0 instead of adding inf or NaN for ever.
 """
 from __future__ import annotations
 
@@ -62,6 +66,10 @@ class Residuals:
     def store(self, key: Key, residual: torch.Tensor) -> None:
         self.memory[key] = residual
 
+    def drop(self, key: Key) -> None:
+        """Forget ``e[key]`` alone (:meth:`reset` also forgets the keys under it)."""
+        self.memory.pop(key, None)
+
     def reset(self, key: Key = None) -> None:
         if key is None:
             self.memory.clear()
@@ -112,6 +120,10 @@ class PendingResiduals(Residuals):
         self._memory[key] = residual
         self.pending.pop(key, None)
 
+    def drop(self, key: Key) -> None:
+        self._memory.pop(key, None)
+        self.pending.pop(key, None)
+
     def reset(self, key: Key = None) -> None:
         for d in (self.pending, self._memory):
             for k in [k for k in d if key is None or key_matches(k, key)]:
@@ -156,7 +168,11 @@ class ErrorFeedback(Compressor):
         check_float(tensor, type(self).__name__)
         p = self.residuals.add(tensor, key, world)
         payload = self.compressor.compress(p, key)
-        self.residuals.store(key, self.compressor.subtract_decompressed(p, payload))
+        residual = self.compressor.subtract_decompressed(p, payload)
+        if torch.isfinite(residual.sum()):
+            self.residuals.store(key, residual)
+        else:
+            self.residuals.drop(key)  # an inf/NaN gradient (a step AMP skips) must not poison every later step
         return Payload(payload.tensors, _EFMeta(payload.meta, tensor.shape, tensor.dtype))
 
     def decompress(self, payload: Payload) -> torch.Tensor:

@@ -143,7 +143,10 @@ def _fused_ef(ef: ErrorFeedback, tensor: torch.Tensor, key: Key, encode) -> Payl
     if e is not None and (e.shape != tensor.shape or e.device != tensor.device):
         e = None  # as Residuals.add: a key whose shape changed starts from zero
     head, bits, residual = encode(tensor, e)
-    ef.residuals.store(key, residual.view(tensor.shape))
+    if torch.isfinite(head).all():  # the sums behind the means see every element of p
+        ef.residuals.store(key, residual.view(tensor.shape))
+    else:
+        ef.residuals.drop(key)  # p held an inf or NaN: see memory.py
     return Payload([head, bits], _EFMeta(_SignMeta(tensor.shape, torch.float32), tensor.shape, tensor.dtype))
 
 
@@ -180,8 +183,11 @@ class DeferredResiduals(PendingResiduals):
         p = e.view(-1) if e is not None else torch.empty(g.numel(), dtype=torch.float32)
         # raises MemoryError before writing anything: e and its pending q stay as they were
         head, bits, qpairs = kernel(g, e, None if pend is None else pend[0], p)
-        self._memory[key] = p.view(g.shape)
-        self.pending[key] = (qpairs, bucket)
+        if torch.isfinite(head).all():  # the sums behind the means or scale see every element of p
+            self._memory[key] = p.view(g.shape)
+            self.pending[key] = (qpairs, bucket)
+        else:
+            self.drop(key)  # p held an inf or NaN: see memory.py
         return head, bits
 
 

@@ -478,3 +478,33 @@ def test_error_feedback_instantiates_a_compressor_class_that_takes_no_arguments(
     assert isinstance(ef.compressor, C.TopK) and ef.compressor.ratio == 0.01
     g = torch.randn(50)
     assert ef.decompress(ef.compress(g, key="w")).shape == g.shape
+
+
+@pytest.mark.parametrize("make", [C.OneBit, lambda: C.OneBit(bucket_size=None), C.EFSign,
+                                  lambda: C.ErrorFeedback(C.TopK(0.1)), lambda: C.ErrorFeedback(C.RandomK(0.1)),
+                                  lambda: C.ErrorFeedback(C.QSGD(seed=1))],
+                         ids=["onebit", "onebit-whole", "efsign", "topk-ef", "randomk-ef", "qsgd-ef"])
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")], ids=["inf", "nan"])
+@pytest.mark.parametrize("native_switch", ["1", "0"], ids=["native", "torch"])
+def test_an_inf_or_nan_gradient_does_not_poison_the_steps_after_it(make, bad, native_switch, monkeypatch):
+    """A step AMP's loss scaling skips (an inf or NaN gradient) sends non-finite values, so the
+    skip still happens, but leaves no residual: the next steps are finite, starting from e = 0
+    (the residual kept inf or NaN, and every later step of that key was non-finite)."""
+    monkeypatch.setenv("SPARK_DL_NATIVE", native_switch)
+    c = make()
+    n = 70_001  # over the 1-bit kernels' fused bucket: OneBit(None) and EFSign defer their residual
+    gen = torch.Generator().manual_seed(1)
+    c.compress(torch.randn(n, generator=gen), key="w")
+    poisoned = torch.randn(n, generator=gen)
+    poisoned[3] = bad
+    sent = c.decompress(c.compress(poisoned, key="w"))
+    if not isinstance(getattr(c, "compressor", None), C.RandomK):  # random-k may not draw the entry
+        assert not torch.isfinite(sent).all()
+    assert "w" not in c.residuals.memory
+    g = torch.randn(n, generator=gen)
+    after = c.decompress(c.compress(g, key="w"))
+    assert torch.isfinite(after).all() and torch.isfinite(c.residuals.memory["w"]).all()
+    if isinstance(c, (C.OneBit, C.EFSign)) or isinstance(c.compressor, C.TopK):  # deterministic: as a fresh one
+        assert torch.equal(after, make().decompress(make().compress(g, key="w")))
+    for _ in range(3):
+        assert torch.isfinite(c.decompress(c.compress(torch.randn(n, generator=gen), key="w"))).all()
