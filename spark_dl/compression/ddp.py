@@ -5,12 +5,19 @@
 
 Contract: the hook returns a completed ``torch.futures.Future`` holding the bucket's averaged
 (``op="average"``) or summed gradients, identical on every rank. Per-bucket compressor state
-(error feedback, PowerSGD's Q, step counters) is keyed ``"ddp.bucket<i>"`` (PowerSGD factors
-each gradient of the bucket as its own matrix, as torch's ``powerSGD_hook`` does); when bucket i's
-layout (its parameters' shapes) changes, as after DDP rebuilds its buckets following the first
-iteration, that state is reset on every rank alike. The state pickles without its process group
-(restored as the default group), so it can be checkpointed with the model.
+(error feedback, PowerSGD's Q, step counters) is keyed by the bucket's index and layout (its
+size and its parameters' shapes), ``"ddp.bucket<i>.<hash of the layout>"`` (PowerSGD factors
+each gradient of the bucket as its own matrix, as torch's ``powerSGD_hook`` does). When DDP
+rebuilds its buckets after the first iteration, the new buckets start from fresh state and the
+state of the layout they replace is reset once all its parameters have moved, on every rank
+alike; the state remembers how that layout's parameters are reduced now. The state pickles
+without its process group (restored as the default group), so it can be checkpointed with the
+model: a fresh DDP restored from it starts with its initial buckets again, whose gradients are
+then reduced through the rebuilt buckets' state they were reduced through before the checkpoint
+(the same collectives in the same order: training resumes as if uninterrupted), and the rebuilt
+buckets find their state again by their layout.
 """
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -24,21 +31,28 @@ from .fp import NoneCompressor
 
 @dataclass
 class DDPHookState:
-    """What the hook keeps between steps: the compressor (with its memories) and bucket layouts."""
+    """What the hook keeps between steps: the compressor (with its memories), each bucket index's
+    latest layout, how many layouts' state was reset, and ``routes``: for a layout DDP replaced,
+    the buckets its parameters went to (state key, index, the parameters' positions in it).
+    ``owners`` and ``members`` track this process's parameters (by address) and are not pickled."""
 
     compressor: Compressor
     op: str = "average"
     process_group: Any = None
     layouts: dict[int, tuple] = field(default_factory=dict)
     resets: int = 0
+    routes: dict[str, list[tuple[str, int, tuple[int, ...]]]] = field(default_factory=dict)
+    owners: dict[int, str] = field(default_factory=dict, repr=False)  # parameter -> its layout's key
+    members: dict[str, tuple[int, list[int], bool]] = field(default_factory=dict, repr=False)
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["process_group"] = None  # a process group is a live connection, not data
+        state["owners"], state["members"] = {}, {}  # addresses of this process's parameters
         return state
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
+        self.__dict__.update({"routes": {}, "owners": {}, "members": {}, **state})
 
 
 def _layout(bucket: dist.GradBucket) -> tuple:
@@ -59,22 +73,79 @@ def _shapes(bucket: dist.GradBucket) -> list[tuple[int, ...]] | None:
     return shapes if at == buffer.numel() else None
 
 
+def _key(index: int, layout: tuple) -> str:
+    """The state key of bucket ``index`` with ``layout``: the same in every process and run."""
+    return f"ddp.bucket{index}.{hashlib.sha1(repr(layout).encode()).hexdigest()[:12]}"
+
+
+def _route(state: DDPHookState, old: str) -> list[tuple[str, int, tuple[int, ...]]] | None:
+    """How the parameters of layout ``old``, all of which have moved, are reduced now: each
+    bucket that took them, in bucket order, with their positions in ``old``; None when one of
+    those buckets also holds other parameters or does not tile its buffer."""
+    where = {p: i for i, p in enumerate(state.members[old][1])}
+    route = []
+    for key in sorted({state.owners[p] for p in where}, key=lambda k: state.members[k][0]):
+        index, params, tiles = state.members[key]
+        if not tiles or any(p not in where for p in params):
+            return None
+        route.append((key, index, tuple(where[p] for p in params)))
+    return route
+
+
+def _track(state: DDPHookState, bucket: dist.GradBucket, key: str, tiles: bool) -> None:
+    """Record that ``bucket``'s parameters are reduced under ``key``; a layout whose parameters
+    have all moved to other buckets (DDP rebuilt them) has its state reset and its route kept."""
+    params = [p.data_ptr() for p in bucket.parameters()]
+    state.members[key] = (bucket.index(), params, tiles)
+    before = {state.owners.get(p) for p in params} - {None, key}
+    for p in params:
+        state.owners[p] = key
+    for old in before:
+        if all(state.owners.get(p) != old for p in state.members[old][1]):
+            route = _route(state, old)
+            if route is not None:
+                state.routes[old] = route
+            state.compressor.reset(old)
+            state.resets += 1
+            del state.members[old]
+
+
+def _reduce_routed(state: DDPHookState, bucket: dist.GradBucket,
+                   route: list[tuple[str, int, tuple[int, ...]]]) -> None:
+    """Reduce the bucket's gradients as the buckets of ``route`` do, each with its own state: a
+    restored DDP's initial bucket goes through the state its gradients used before the checkpoint."""
+    grads, params = bucket.gradients(), bucket.parameters()
+    for key, index, positions in route:
+        flat = torch.cat([grads[i].reshape(-1) for i in positions])
+        allreduce(flat, state.compressor, op=state.op, name=key, group=state.process_group,
+                  layout=[tuple(grads[i].shape) for i in positions], out=flat)
+        at = 0
+        for i in positions:  # the gradients are views of the bucket's buffer
+            grads[i].copy_(flat[at:at + grads[i].numel()].view_as(grads[i]))
+            at += grads[i].numel()
+        state.members[key] = (index, [params[i].data_ptr() for i in positions], True)
+        for i in positions:
+            state.owners[params[i].data_ptr()] = key
+
+
 # DDP checks these annotations at runtime, so they are real objects here, not strings.
 def compressed_hook(state: DDPHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """All-reduce ``bucket.buffer()`` through ``state.compressor`` (see the module docstring)."""
-    index = bucket.index()
-    name = f"ddp.bucket{index}"
-    layout = _layout(bucket)
-    if state.layouts.get(index) != layout:
-        if index in state.layouts:
-            state.resets += 1
-        state.compressor.reset(name)
-        state.layouts[index] = layout
-    # The result goes straight into the bucket (read in full before it is written): no result
-    # tensor, and DDP has nothing to copy back.
+    index, layout = bucket.index(), _layout(bucket)
+    key = _key(index, layout)
+    shapes = _shapes(bucket)
     buffer = bucket.buffer()
-    out = allreduce(buffer, state.compressor, op=state.op, name=name, group=state.process_group,
-                    layout=_shapes(bucket), out=buffer)
+    route = state.routes.get(key)
+    if route is not None and shapes is not None:
+        _reduce_routed(state, bucket, route)
+        out = buffer
+    else:
+        _track(state, bucket, key, shapes is not None)
+        state.layouts[index] = layout
+        # The result goes straight into the bucket (read in full before it is written): no result
+        # tensor, and DDP has nothing to copy back.
+        out = allreduce(buffer, state.compressor, op=state.op, name=key, group=state.process_group,
+                        layout=shapes, out=buffer)
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(out)
     return fut

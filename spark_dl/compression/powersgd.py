@@ -23,8 +23,11 @@ slices are the residuals, with batched products and one in-place residual update
 the wire.
 Before ``start_iter``
 compressed steps (counted per tensor) and for tensors where rank r saves less than
-``min_compression_rate``, the tensor is all-reduced uncompressed and e stays empty, as in
-``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook``.
+``min_compression_rate``, or no bytes at all (r(n + m) >= n m: a (1, N) or (N, 1) weight), the
+tensor is all-reduced uncompressed, exactly, and e stays empty, as in
+``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook``; float64 tensors sent uncompressed
+stay float64 on the wire. A round whose P or Q comes out non-finite (an inf or NaN gradient on
+some rank) returns a non-finite result and drops that tensor's e and warm-start Q.
 """
 from __future__ import annotations
 
@@ -53,9 +56,12 @@ class _PMeta(Meta):
 
 
 def _matrix_shape(shape: torch.Size) -> tuple[int, int]:
+    """torch's view, ``shape[0] x rest``, for a tensor of two or more dimensions (a (1, N) or
+    (N, 1) weight stays 1 x N or N x 1, which no factorization shrinks: it goes uncompressed);
+    a 1-D tensor as a near-square matrix, zero-padded."""
     n = math.prod(shape)
-    if len(shape) >= 2 and shape[0] > 1 and n // shape[0] > 1:
-        return shape[0], n // shape[0]
+    if len(shape) >= 2:
+        return shape[0], n // shape[0] if shape[0] else math.prod(shape[1:])
     rows = max(1, math.isqrt(max(n - 1, 0)) + 1) if n else 1
     return rows, max(1, -(-n // rows))
 
@@ -76,6 +82,10 @@ def _no_op(t: torch.Tensor) -> None:
 
 def _done() -> None:
     return None
+
+
+def _finite(*tensors: torch.Tensor) -> bool:
+    return bool(functools.reduce(torch.logical_and, [torch.isfinite(t).all() for t in tensors]))
 
 
 def _started(all_reduce: AllReduce) -> StartAllReduce:
@@ -115,6 +125,12 @@ class FactoredResiduals(PendingResiduals):
         self._memory[key] = m
         self.pending[key] = (p, q)
 
+    def drop(self, key: Key) -> None:
+        """Forget ``key``'s residual, pending product included (after a non-finite round: the next
+        round starts from e = 0); exactly that key, where :meth:`reset` also takes its sub-keys."""
+        self._memory.pop(key, None)
+        self.pending.pop(key, None)
+
 
 class PowerSGD(Compressor):
     """See the module docstring. ``rank`` r, ``start_iter`` uncompressed steps per tensor first,
@@ -150,7 +166,9 @@ class PowerSGD(Compressor):
         r = min(self.rank, rows, cols)
         step = self.steps.get(key, 0)
         self.steps[key] = step + 1
-        worth = (vectors or tensor.dim() > 1) and rows * cols >= self.min_compression_rate * r * (rows + cols)
+        # as torch's _should_compress: the factors must be smaller than the tensor, whatever the rate
+        worth = ((vectors or tensor.dim() > 1) and r * (rows + cols) < rows * cols
+                 and rows * cols >= self.min_compression_rate * r * (rows + cols))
         return _PMeta(tensor.shape, tensor.dtype, rows, cols, worth and step >= self.start_iter)
 
     def _q(self, key: Key, meta: _PMeta, device: torch.device) -> torch.Tensor:
@@ -180,7 +198,8 @@ class PowerSGD(Compressor):
         is one tensor, keyed ``key``. All P (with the tensors sent uncompressed) go in one
         all-reduce and all Q in a second, whatever the number of tensors. ``start(t)`` begins an
         in-place sum of ``t`` across ranks and returns a function that waits for it. Returns the
-        average, flat float32, written into ``into`` when given (a contiguous float32 tensor of
+        average, flat float32 (float64 for a float64 ``flat``, whose uncompressed tensors then
+        travel in float64), written into ``into`` when given (a contiguous float32 tensor of
         ``flat``'s numel; ``flat`` itself is allowed: it is read before anything is written).
         """
         check_float(flat, "PowerSGD")
@@ -223,12 +242,17 @@ class PowerSGD(Compressor):
             groups.setdefault((metas[i].rows, metas[i].cols), []).append(i)
         # Round 1 carries the uncompressed tensors (scaled) first, then every P, stored r x n: the
         # layout (Q^T M^T) in which BLAS streams the row-major M once (3x faster than M Q).
+        # float64 ones travel in float64 instead, in a buffer of their own (torch's hook sends
+        # them in the bucket's dtype), and the result is then float64.
+        wide = parts[0].dtype == torch.float64 and into is None
         raw_at, p_at, q_at, n1, n2 = {}, {}, {}, 0, 0
         for i, m in enumerate(metas):
             if not m.compressed:
                 raw_at[i] = n1
                 n1 += m.numel
         n_raw = n1
+        if wide:
+            n1 = 0
         for idx in groups.values():
             for i in idx:
                 p_at[i], q_at[i] = n1, n2
@@ -236,22 +260,21 @@ class PowerSGD(Compressor):
                 n2 += ranks[i] * metas[i].cols
         round1 = torch.empty(n1, dtype=torch.float32, device=device)
         round2 = torch.empty(n2, dtype=torch.float32, device=device)
+        raw = torch.empty(n_raw, dtype=torch.float64, device=device) if wide else round1[:n_raw]
         fused = native.enabled(parts[0]) and all(parts[i].dtype == torch.float32 for i in comp)
         gather = None
         if flat is not None and len(raw_at) > 1:  # (a bucket's biases and norms: one call, not one each)
             gather = _positions(tuple(metas[i].numel for i in range(len(metas))),
                                 tuple(sorted(raw_at)), device)
-            wire = round1[:n_raw]
-            if flat.dtype == torch.float32:
-                torch.index_select(flat.reshape(-1), 0, gather, out=wire)
+            if flat.dtype == raw.dtype:
+                torch.index_select(flat.reshape(-1), 0, gather, out=raw)
                 if scale != 1.0:
-                    wire.mul_(scale)
+                    raw.mul_(scale)
             else:
-                torch.mul(flat.reshape(-1).index_select(0, gather), scale, out=wire)
+                torch.mul(flat.reshape(-1).index_select(0, gather), scale, out=raw)
         elif raw_at:
             for i in raw_at:
-                torch.mul(parts[i].reshape(-1).to(torch.float32), scale,
-                          out=round1[raw_at[i]:raw_at[i] + metas[i].numel])
+                torch.mul(parts[i].reshape(-1).to(raw.dtype), scale, out=raw[raw_at[i]:raw_at[i] + metas[i].numel])
 
         def group_slice(buf: torch.Tensor, at: dict[int, int], idx: list[int], width: int) -> torch.Tensor:
             r = ranks[idx[0]]
@@ -283,7 +306,10 @@ class PowerSGD(Compressor):
                 ms[i] = mat = mat.view(rows, cols)
                 pt = round1[p_at[i]:p_at[i] + ranks[i] * rows].view(ranks[i], rows)
                 torch.mm(self._q(keys[i], m, device).t(), mat.t(), out=pt)
-        start(round1)()
+        wait_raw = start(raw) if wide and n_raw else _done
+        if n1 or not wide:
+            start(round1)()
+        wait_raw()
         # Orthonormal bases, one batched QR per group.
         ps: dict[int, torch.Tensor] = {}
         bases: dict[tuple[int, int], torch.Tensor] = {}
@@ -320,18 +346,29 @@ class PowerSGD(Compressor):
             for i in idx:
                 self.residuals.store(keys[i], ms[i].view(-1)[:metas[i].numel].view(metas[i].shape))
         wait()
+        # An overflowed step (an inf or a NaN in a gradient on any rank) leaves that tensor's summed
+        # P and Q non-finite on every rank alike: its output stays non-finite, so AMP's GradScaler
+        # sees it and skips the step, but its residual (non-finite too) and warm-start Q are
+        # dropped, so the steps after it start clean instead of staying non-finite for good. One
+        # check of both rounds (one device sync), one per tensor only when it fails.
+        poisoned: set[int] = set()
+        if comp and not _finite(round1[0 if wide else n_raw:], round2):
+            poisoned = {i for i in comp if not _finite(round1[p_at[i]:p_at[i] + ranks[i] * metas[i].rows],
+                                                       round2[q_at[i]:q_at[i] + ranks[i] * metas[i].cols])}
+        for i in poisoned:
+            self.residuals.drop(keys[i])
         # every read of the parts happened in the first loop: ``into`` may alias them
         total = sum(m.numel for m in metas)
-        out = into.view(-1) if into is not None else torch.empty(total, dtype=torch.float32, device=device)
+        out = into.view(-1) if into is not None else torch.empty(total, dtype=raw.dtype, device=device)
         if gather is not None:
-            out.index_copy_(0, gather, round1[:n_raw] / world if world != 1 else round1[:n_raw])
+            out.index_copy_(0, gather, raw / world if world != 1 else raw)
         starts, at = [], 0
         for m in metas:
             starts.append(at)
             at += m.numel
         for i in raw_at:
             if gather is None:
-                dest, wire = out[starts[i]:starts[i] + metas[i].numel], round1[raw_at[i]:raw_at[i] + metas[i].numel]
+                dest, wire = out[starts[i]:starts[i] + metas[i].numel], raw[raw_at[i]:raw_at[i] + metas[i].numel]
                 if world != 1:
                     torch.div(wire, world, out=dest)
                 else:
@@ -342,9 +379,14 @@ class PowerSGD(Compressor):
             q_avg = q_sum / world if world != 1 else q_sum
             for j, i in enumerate(idx):
                 m = metas[i]
-                self.qs[keys[i]] = q_sum[j].t()
+                if i in poisoned:
+                    self.qs.pop(keys[i], None)  # the next step draws a fresh Q, the same on every rank
+                else:
+                    self.qs[keys[i]] = q_sum[j].t()
                 dest = out[starts[i]:starts[i] + m.numel]
-                if native.enabled(ps[i]):  # one streaming write; torch's GEMM at k = r is far slower
+                if wide:  # a float64 result: the float32 product, then cast
+                    dest.copy_((ps[i] @ q_avg[j]).view(-1)[:m.numel])
+                elif native.enabled(ps[i]):  # one streaming write; torch's GEMM at k = r is far slower
                     native.lowrank_product(ps[i], q_avg[j].t(), m.numel, out=dest)
                 elif m.numel == rows * cols:
                     torch.mm(ps[i], q_avg[j], out=dest.view(rows, cols))
@@ -354,7 +396,7 @@ class PowerSGD(Compressor):
         if with_payloads:
             for i, m in enumerate(metas):
                 if i in raw_at:
-                    payloads.append(Payload([round1[raw_at[i]:raw_at[i] + m.numel]], m))
+                    payloads.append(Payload([raw[raw_at[i]:raw_at[i] + m.numel]], m))
                 else:
                     r = ranks[i]
                     qw = local[q_at[i]:q_at[i] + r * m.cols].view(r, m.cols).t().contiguous()

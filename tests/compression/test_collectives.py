@@ -328,3 +328,87 @@ def test_allreduce_refuses_what_is_not_a_compressor_instance(compression, messag
 def test_allreduce_refuses_a_layout_that_is_not_a_list_of_shapes(layout):
     with pytest.raises(TypeError, match="layout must be a list of shapes"):
         C.allreduce(grad(0), C.PowerSGD(), name="g", layout=layout)
+
+
+def powersgd_main():
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    import spark_dl
+    import spark_dl.compression as C
+
+    spark_dl.init()
+    r = dist.get_rank()
+    out: dict = {}
+    # (1, N) and (N, 1) weights (nn.Linear(d, 1) heads): uncompressed, exact, and bytes as sent.
+    for shapes in ([(1, 1000)], [(1000, 1)], [(50, 40), (1, 1000), (40,)]):
+        g = grad(r, (sum(math.prod(s) for s in shapes),))
+        before = C.stats.snapshot()
+        o = C.allreduce(g, C.PowerSGD(rank=4, start_iter=0), name="head", layout=shapes)
+        after = C.stats.snapshot()
+        out["shapes", str(shapes)] = (o.tolist(), after["bytes_sent"] - before["bytes_sent"],
+                                      after["bytes_dense"] - before["bytes_dense"])
+    # float64 before start_iter: all-reduced in float64, as dense as it is.
+    before = C.stats.snapshot()
+    o = C.allreduce(grad(r, (100, 100)).double(), C.PowerSGD(start_iter=10), name="f64")
+    after = C.stats.snapshot()
+    out["f64"] = (str(o.dtype), o.tolist(), after["bytes_sent"] - before["bytes_sent"],
+                  after["bytes_dense"] - before["bytes_dense"])
+    # An inf on rank 0 at step 1, on the native and the torch path.
+    u = torch.randn(20, 2, generator=torch.Generator().manual_seed(7))
+    low = u @ torch.randn(2, 15, generator=torch.Generator().manual_seed(r))
+    for native in ("1", "0"):
+        os.environ["SPARK_DL_NATIVE"] = native
+        p = C.PowerSGD(rank=2, start_iter=0)
+        steps = []
+        for step in range(5):
+            g = low.clone()
+            if step == 1 and r == 0:
+                g[3, 5] = float("inf")
+            steps.append(C.allreduce(g, p, name="low").tolist())
+        out["poison", native] = steps
+    os.environ.pop("SPARK_DL_NATIVE")
+    return out
+
+
+@pytest.fixture(scope="module")
+def powersgd_ranks():
+    return HorovodRunner(np=-2).run_all(powersgd_main)
+
+
+def test_powersgd_sends_row_and_column_weights_exactly(powersgd_ranks):
+    a, b = powersgd_ranks
+    for shapes, numel, sent in [("[(1, 1000)]", 1000, 4000), ("[(1000, 1)]", 1000, 4000),
+                                # P 50 x 4 beside the 1040 sent as they are; Q 40 x 4
+                                ("[(50, 40), (1, 1000), (40,)]", 3040, 4 * (1040 + 200 + 160))]:
+        got, nbytes, dense = a["shapes", shapes]
+        assert got == b["shapes", shapes][0]
+        assert (nbytes, dense) == (sent, 4 * numel)  # a 2-rank ring sends each byte once
+        want = exact(shape=(numel,))
+        if numel == 1000:
+            assert torch.allclose(torch.tensor(got), want, atol=1e-6, rtol=0)
+        else:  # the (1, 1000) weight and the bias
+            assert torch.allclose(torch.tensor(got)[2000:], want[2000:], atol=1e-6, rtol=0)
+
+
+def test_powersgd_reduces_float64_in_float64(powersgd_ranks):
+    dtype, got, nbytes, dense = powersgd_ranks[0]["f64"]
+    assert dtype == "torch.float64" and nbytes == dense == 8 * 10_000
+    want = (grad(0, (100, 100)).double() + grad(1, (100, 100)).double()) / 2
+    assert torch.equal(torch.tensor(got, dtype=torch.float64), want)  # no float32 rounding on the way
+
+
+@pytest.mark.parametrize("native", ["1", "0"], ids=["native", "torch"])
+def test_powersgd_recovers_after_an_inf_on_one_rank(powersgd_ranks, native):
+    a, b = powersgd_ranks
+    steps = [torch.tensor(s) for s in a["poison", native]]
+    for s, t in zip(steps, b["poison", native]):  # identical on both ranks, NaN where NaN
+        torch.testing.assert_close(s, torch.tensor(t), rtol=0, atol=0, equal_nan=True)
+    u = torch.randn(20, 2, generator=torch.Generator().manual_seed(7))
+    want = sum(u @ torch.randn(2, 15, generator=torch.Generator().manual_seed(r)) for r in (0, 1)) / 2
+    assert torch.allclose(steps[0], want, atol=1e-4)
+    assert not torch.isfinite(steps[1]).all()  # the overflow reaches every rank: GradScaler skips
+    for s in steps[2:]:  # then back to the exact average (it stayed NaN for good)
+        assert torch.allclose(s, want, atol=1e-4)

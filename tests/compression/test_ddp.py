@@ -133,3 +133,76 @@ def test_make_ddp_hook_instantiates_a_compressor_class_once():
     state, hook = C.make_ddp_hook(C.QSGD)  # kept in the state: its one instance lives across steps
     assert isinstance(state.compressor, C.QSGD) and hook is C.compressed_hook
     assert C.make_ddp_hook()[0].compressor.__class__ is C.NoneCompressor
+
+
+def checkpoint_main():
+    import io
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import spark_dl
+    import spark_dl.compression as C
+
+    spark_dl.init()
+    r = dist.get_rank()
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 5))
+
+    def train(ddp, opt, steps):
+        for s in steps:
+            x = torch.randn(16, 20, generator=torch.Generator().manual_seed(1000 * s + r))
+            opt.zero_grad()
+            ddp(x).pow(2).mean().backward()
+            opt.step()
+
+    def fresh(make, state=None):
+        m = model()
+        ddp = DDP(m, bucket_cap_mb=0.0005)  # one bucket at first, three after DDP rebuilds them
+        if state is None:
+            state = C.make_ddp_hook(make())[0]
+        ddp.register_comm_hook(state, C.compressed_hook)
+        return m, ddp, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), state
+
+    out = {}
+    for key, make in [("onebit", C.OneBit), ("powersgd", lambda: C.PowerSGD(rank=2, start_iter=1))]:
+        m, ddp, opt, _ = fresh(make)
+        train(ddp, opt, range(8))
+        uninterrupted = [p.detach().clone() for p in m.parameters()]
+        m, ddp, opt, state = fresh(make)
+        train(ddp, opt, range(4))
+        buf = io.BytesIO()
+        torch.save({"model": m.state_dict(), "opt": opt.state_dict(), "comm": state}, buf)
+        buf.seek(0)
+        ckpt = torch.load(buf, weights_only=False)
+        m, ddp, opt, restored = fresh(make, ckpt["comm"])
+        m.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["opt"])
+        train(ddp, opt, range(4, 8))
+        out[key] = {
+            "max_diff": max((p - q).abs().max().item() for p, q in zip(m.parameters(), uninterrupted)),
+            "resets": (state.resets, restored.resets),
+            "buckets": len(state.layouts),
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpointed():
+    return HorovodRunner(np=-2).run_all(checkpoint_main)
+
+
+@pytest.mark.parametrize("key", ["onebit", "powersgd"])
+def test_a_restored_hook_state_resumes_as_if_uninterrupted(checkpointed, key):
+    # 8 steps in one go == 4 steps, torch.save of model, optimizer and hook state, a fresh DDP
+    # restored from them, 4 more steps: the fresh DDP's first step (its initial single bucket)
+    # goes through the three rebuilt buckets' memories, which its rebuilt buckets then find again.
+    for rank in checkpointed:
+        out = rank[key]
+        assert out["buckets"] == 3
+        assert out["max_diff"] == 0.0
+        assert out["resets"] == (1, 1)  # the initial bucket's state, once, and none after the restore

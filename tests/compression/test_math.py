@@ -135,7 +135,8 @@ def test_error_feedback_loses_nothing_only_delays_it():
 @pytest.mark.parametrize("n", [0, 1, 9, 1000, 70_001])
 def test_sparse_error_feedback_touches_only_the_kept_entries_and_equals_p_minus_q(make, n):
     """Sparse compressors update the residual at their k entries only; bit for bit the general
-    rule e = p - D(C(p)), NaN and inf included, over several steps."""
+    rule e = p - D(C(p)) over several steps (a step with NaN or inf in p leaves none, see
+    test_an_inf_or_nan_gradient_does_not_poison_the_steps_after_it)."""
     ef, twin = C.ErrorFeedback(make()), make()
     gen = torch.Generator().manual_seed(n)
     e_ref = torch.zeros(n)
@@ -148,6 +149,10 @@ def test_sparse_error_feedback_touches_only_the_kept_entries_and_equals_p_minus_
         ref_payload = twin.compress(p, key="w")
         assert all(torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(payload.tensors, ref_payload.tensors))
         e_ref = p - twin.decompress(ref_payload)
+        if not torch.isfinite(e_ref).all():
+            assert "w" not in ef.residuals.memory
+            e_ref = torch.zeros(n)
+            continue
         e = ef.residuals.memory["w"]
         assert torch.equal(e.isnan(), e_ref.isnan()) and torch.equal(e.nan_to_num(), e_ref.nan_to_num())
         assert torch.equal(e.signbit(), e_ref.signbit())
@@ -508,3 +513,85 @@ def test_an_inf_or_nan_gradient_does_not_poison_the_steps_after_it(make, bad, na
         assert torch.equal(after, make().decompress(make().compress(g, key="w")))
     for _ in range(3):
         assert torch.isfinite(c.decompress(c.compress(torch.randn(n, generator=gen), key="w"))).all()
+
+
+def test_powersgd_sends_a_row_or_column_weight_uncompressed_and_exact():
+    """A (1, N) or (N, 1) weight (an ``nn.Linear(d, 1)`` head) is viewed as torch's hook views it,
+    1 x N or N x 1, whose rank-1 factors hold N + 1 numbers: it goes uncompressed and exact
+    (it was a zero-padded near-square matrix, 90-100% off each step)."""
+    shapes = [(1, 1000), (1000, 1), (50, 40), (40,)]
+    n = sum(math.prod(s) for s in shapes)
+    flat = torch.randn(n, generator=torch.Generator().manual_seed(5))
+    sent = []
+
+    def two_ranks(t):
+        sent.append(t.numel())
+        t.mul_(2)
+        return lambda: None
+    p = C.PowerSGD(rank=4, start_iter=0)
+    out = p.round_layers(flat, shapes, "b", two_ranks, world=2, scale=0.5)
+    assert torch.equal(out[:2000], flat[:2000] * 0.5) and torch.equal(out[4000:], flat[4000:] * 0.5)
+    assert sorted(p.qs) == [("b", 2)]  # only the 50 x 40 weight is factored
+    assert sent == [2040 + 4 * 50, 4 * 40]  # round 1: the 2040 sent as is, then P; round 2: Q
+    for shape in [(1, 1000), (1000, 1)]:  # without a layout too
+        t = torch.randn(shape)
+        payload = p.compress(t, key=shape)
+        assert payload.nbytes == t.numel() * 4 and torch.equal(p.decompress(payload), t)
+    # Factors that save no bytes are not sent, whatever min_compression_rate allows: 3 x (3 + 1000)
+    # numbers for a 3 x 1000 weight.
+    q = C.PowerSGD(rank=4, start_iter=0, min_compression_rate=0.0)
+    t = torch.randn(3, 1000)
+    assert torch.equal(q.decompress(q.compress(t, key="t")), t) and not q.qs
+
+
+def test_powersgd_keeps_float64_where_it_sends_uncompressed():
+    """torch's hook reduces a bucket in its own dtype: float64 tensors sent uncompressed (before
+    ``start_iter``, biases) travel and come back in float64 (they went through float32)."""
+    w = torch.full((100, 100), 1.0 + 1e-12, dtype=torch.float64)
+    b = torch.full((7,), 1.0 + 3e-12, dtype=torch.float64)
+    p = C.PowerSGD(rank=2, start_iter=1)
+    payload = p.compress(w, key="w")
+    assert payload.tensors[0].dtype == torch.float64 and payload.nbytes == w.numel() * 8
+    assert torch.equal(p.decompress(payload), w)
+    sent = []
+
+    def two_ranks(t):
+        sent.append((t.dtype, t.numel()))
+        t.mul_(2)
+        return lambda: None
+    flat = torch.cat([w.flatten(), b])
+    out = p.round_layers(flat, [w.shape, b.shape], "b", two_ranks, world=2, scale=0.5)
+    assert out.dtype == torch.float64 and torch.equal(out, flat * 0.5)
+    assert sent[0] == (torch.float64, 10_007)  # everything uncompressed, in one float64 all-reduce
+    sent.clear()
+    out = p.round_layers(flat, [w.shape, b.shape], "b", two_ranks, world=2, scale=0.5)
+    assert out.dtype == torch.float64 and torch.equal(out[10_000:], b * 0.5)  # the bias, exactly
+    assert torch.allclose(out[:10_000], w.flatten() * 0.5, rtol=1e-5)  # the factored weight, float32
+    assert sent == [(torch.float64, 7), (torch.float32, 200), (torch.float32, 200)]
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")], ids=["inf", "nan"])
+@pytest.mark.parametrize("native_switch", ["1", "0"], ids=["native", "torch"])
+def test_powersgd_an_inf_or_nan_gradient_does_not_poison_the_steps_after_it(bad, native_switch, monkeypatch):
+    """The overflowed step's output is non-finite (AMP's GradScaler sees it and skips the step),
+    but that weight's residual and warm-start Q are dropped: the next steps are finite and, on
+    rank-2 weights, exact again (they stayed NaN for good). Two weights of one shape: one batched
+    M on the torch path, of which only the poisoned one loses its state."""
+    monkeypatch.setenv("SPARK_DL_NATIVE", native_switch)
+    gen = torch.Generator().manual_seed(6)
+    u = torch.randn(20, 2, generator=gen)
+    shapes = [(20, 15), (15,), (20, 15)]
+
+    g = torch.cat([(u @ torch.randn(2, 15, generator=gen)).reshape(-1), torch.randn(15, generator=gen),
+                   (u @ torch.randn(2, 15, generator=gen)).reshape(-1)])
+    p = C.PowerSGD(rank=2, start_iter=0)
+    assert torch.allclose(p.round_layers(g, shapes, "b", _local), g, atol=1e-4)
+    poisoned = g.clone()
+    poisoned[3] = bad
+    out = p.round_layers(poisoned, shapes, "b", _local)
+    assert not torch.isfinite(out[:300]).all()
+    assert torch.allclose(out[300:], g[300:], atol=1e-4)
+    assert sorted(p.residuals.memory) == sorted(p.qs) == [("b", 2)]
+    for _ in range(3):
+        assert torch.allclose(p.round_layers(g, shapes, "b", _local), g, atol=1e-4)
+    assert all(torch.isfinite(e).all() for e in p.residuals.memory.values())
