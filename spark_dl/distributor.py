@@ -12,7 +12,7 @@ import sys
 from typing import Any, Callable, Mapping
 
 from . import cluster
-from .errors import LaunchRefused, as_int
+from .errors import LaunchRefused, NoGPUs, as_int
 from .runner import START_TIMEOUT_S, HorovodRunner, RunInfo, _rank_env
 from .tracking.observer import Tracking
 
@@ -66,6 +66,8 @@ class TorchDistributor:
         )
         self._observers: list[Any] = []  # driver-side Observers for each run (spark_dl.ray_train's)
         self._runner(num_processes)  # every option checked now, not at run()
+        if use_gpu:
+            self._processes()  # GPUs there are none of: refused now (NoGPUs, a RuntimeError), as PySpark does
         self.last_run: RunInfo | None = None  # what HorovodRunner.last_run says of the latest run()
 
     def run(self, train_object: Callable[..., Any] | str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
@@ -113,7 +115,7 @@ class TorchDistributor:
             session = cluster.active_session(self.num_processes)
             raw = cluster.conf(session, "spark.task.resource.gpu.amount", "0") or "0"
             if float(raw) < 1:
-                raise LaunchRefused(
+                raise NoGPUs(
                     f"use_gpu=True runs one process per GPU, but spark.task.resource.gpu.amount={raw}, so Spark "
                     "gives the tasks no GPU of their own. Configure Spark GPU scheduling (spark.executor.resource."
                     "gpu.amount, spark.task.resource.gpu.amount=1, a discovery script) or pass use_gpu=False."
@@ -121,7 +123,7 @@ class TorchDistributor:
             return self.num_processes
         gpus = _driver_gpus()
         if gpus == 0:
-            raise LaunchRefused(
+            raise NoGPUs(
                 "use_gpu=True with local_mode=True trains on the driver's GPUs, and torch sees none here "
                 "(torch.cuda.device_count() == 0). Pass use_gpu=False to train on CPUs (Gloo)."
             )

@@ -350,8 +350,10 @@ class JobMonitor:
         summary = f"{info['exc_type']}: {info['message']}"
         if info.get("exit_code") is not None:  # main or the script called sys.exit(N): its status, no traceback
             code, summary = info["exit_code"], info["message"]
-            tail = [line for line in tail if line != f"[{f.rank}]<stderr>: {summary}"]  # said in the summary
-        tail = _without_traceback(tail, f.rank, info["traceback"])  # the rank printed what the report holds
+        if info["traceback"]:
+            tail = _without_traceback(tail, f.rank, info["traceback"])  # the rank printed what the report holds
+        else:  # the rank printed one line, the summary's
+            tail = [line for line in tail if line != f"[{f.rank}]<stderr>: {summary}"]
         err = RankFailed(f.rank, host, summary, info["traceback"], tail, code, info["exc_type"])
         if info.get("pickled") is not None:
             try:
@@ -401,7 +403,7 @@ def _without_traceback(tail: list[str], rank: int, tb: str) -> list[str]:
 
     Matched from the end, as the rank writes it last; stdout lines between are kept (the two
     streams interleave), and any other stderr line ends the match."""
-    expected = [f"[{rank}]<stderr>: {line}" for line in tb.rstrip("\n").split("\n")] if tb.strip() else []
+    expected = [f"[{rank}]<stderr>: {line}" for line in tb.rstrip("\n").split("\n")]
     drop = set()
     j = len(expected) - 1
     for i in range(len(tail) - 1, -1, -1):

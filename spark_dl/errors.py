@@ -15,6 +15,11 @@ class LaunchRefused(SparkDLError, ValueError):
     """A run was refused before anything was launched (bad arguments or cluster state)."""
 
 
+class NoGPUs(LaunchRefused, RuntimeError):
+    """``use_gpu=True`` where there are no GPUs to give the processes: a ``RuntimeError`` too,
+    raised when the ``TorchDistributor`` is made, as PySpark's is."""
+
+
 def env_choice(name: str, choices: tuple[str, ...], meanings: str) -> str:
     """Environment variable ``name``, one of ``choices`` in any case (unset or empty: the first),
     or a refusal that lists them and says what each means."""
@@ -120,3 +125,8 @@ class RankFailed(JobFailed):
             (self.rank, self.host, self.summary, self.remote_traceback, self.last_lines,
              self.exit_code, self.exc_type),
         )
+
+
+class ResultNotPicklable(TypeError):
+    """A rank's ``main`` returned a value that cannot be pickled to the driver (raised in the rank,
+    the cause of its ``RankFailed``)."""

@@ -118,8 +118,9 @@ class HorovodRunner:
         np = as_int(np)
         if np == 0:
             raise LaunchRefused(
-                "np=0 runs nothing: use np=N (> 0) for N ranks on the Spark cluster, "
-                "or np=-N for N local processes on the driver"
+                "np=0 (on Databricks, deprecated there: every task slot of the cluster) is not taken: use np=N "
+                "(> 0) for N ranks on the Spark cluster, e.g. np=spark.sparkContext.defaultParallelism for every "
+                "task slot, or np=-N for N local processes on the driver"
             )
         if driver_log_verbosity not in VERBOSITIES:
             raise LaunchRefused(f"driver_log_verbosity must be one of {VERBOSITIES}, got {driver_log_verbosity!r}")

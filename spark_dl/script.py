@@ -6,6 +6,7 @@ script).
 """
 from __future__ import annotations
 
+import linecache
 import os
 import stat
 import sys
@@ -106,6 +107,9 @@ class Script:
         main.__builtins__ = __builtins__
         previous = sys.modules.get("__main__")
         sys.modules["__main__"] = main
+        # the shipped source, for tracebacks and inspect.getsource (torch.jit.script) where the
+        # executor has no copy of the file (mtime None: linecache never reloads it from disk)
+        linecache.cache[script] = (len(self.source), None, self.source.splitlines(True), script)
         try:
             exec(compile(self.source, script, "exec"), main.__dict__)
         except SystemExit as e:

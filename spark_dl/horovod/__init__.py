@@ -72,6 +72,7 @@ from .process_sets import ProcessSet, add_process_set, global_process_set, remov
 from .joining import join
 from .optimizer import DistributedOptimizer
 from .sync_batch_norm import SyncBatchNorm
+from spark_dl.rank import log_to_driver  # Databricks' sparkdl.horovod.log_to_driver, under the same import
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
@@ -88,5 +89,5 @@ __all__ = [
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
     "poll", "synchronize", "barrier", "join",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
-    "DistributedOptimizer", "SyncBatchNorm",
+    "DistributedOptimizer", "SyncBatchNorm", "log_to_driver",
 ]

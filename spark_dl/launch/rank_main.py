@@ -80,6 +80,73 @@ def _destroy_process_group() -> None:
         pass
 
 
+THREAD_WAIT_S = 600.0  # how long a rank whose main returned waits for the threads main left running
+THREAD_NOTICE_S = 5.0  # then says which threads it waits for
+
+
+def _thread_wait_s() -> float:
+    from spark_dl.errors import env_number
+
+    return env_number("SPARK_DL_THREAD_WAIT", THREAD_WAIT_S, unit=" s")
+
+
+def _wait_for_threads(rank: int, limit: float) -> None:
+    """What python does when ``main`` ends: run threading's exit hooks (a ``concurrent.futures``
+    executor finishes its queued work, e.g. torch's ``dcp.async_save``), then wait for the
+    non-daemon threads still running (a checkpoint upload), while the process group is still up.
+    Bounded: after ``limit`` seconds the rank exits without them, saying so."""
+    start = time.monotonic()
+    hooks = list(getattr(threading, "_threading_atexits", ()))
+    if hooks:
+        def run_hooks() -> None:
+            for hook in reversed(hooks):
+                try:
+                    hook()
+                except Exception:  # noqa: BLE001 - as python: one failing hook does not stop the others
+                    traceback.print_exc()
+        waiter = threading.Thread(target=run_hooks, name="spark-dl-thread-exit", daemon=True)
+        waiter.start()
+        _join([waiter], start, limit, rank)
+    me = threading.current_thread()
+    _join([t for t in threading.enumerate() if t is not me and not t.daemon], start, limit, rank)
+
+
+def _join(threads: list[threading.Thread], start: float, limit: float, rank: int) -> None:
+    told = False
+    for t in threads:
+        while t.is_alive():
+            left = limit - (time.monotonic() - start)
+            if left <= 0:
+                names = ", ".join(repr(x.name) for x in threads if x.is_alive())
+                sys.stderr.write(f"spark-dl: rank {rank} exits without waiting more for the threads main left running "
+                                 f"({names}): they ran {limit:g} s after main returned (SPARK_DL_THREAD_WAIT)\n")
+                return
+            t.join(min(left, THREAD_NOTICE_S) if not told else left)
+            if t.is_alive() and not told:
+                told = True
+                names = ", ".join(repr(x.name) for x in threads if x.is_alive())
+                sys.stderr.write(f"spark-dl: rank {rank}'s main returned; waiting, as python does, for the threads it "
+                                 f"left running: {names} (at most {limit:g} s in all, SPARK_DL_THREAD_WAIT; a thread "
+                                 "started with daemon=True is not waited for)\n")
+                sys.stderr.flush()
+
+
+def _flush_open_files() -> None:
+    """Flush the files user code left open, as the interpreter's teardown would (os._exit skips it):
+    a log file a script opened at module level keeps its last writes."""
+    import gc
+    import io
+
+    kinds = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
+    for obj in gc.get_objects():
+        if type(obj) in kinds:  # type(), not isinstance: ABC checks on arbitrary objects have side effects
+            try:
+                if not obj.closed and obj.writable():
+                    obj.flush()
+            except Exception:  # noqa: BLE001 - a broken pipe or a full disk: as python, exit regardless
+                pass
+
+
 MAX_ERROR_TEXT = 64 << 10  # of a message or traceback: a huge one is cut in the middle, not shipped whole
 
 
@@ -151,6 +218,7 @@ def main() -> int:
     import cloudpickle
 
     from spark_dl import channel, rank as rank_api
+    from spark_dl.errors import ResultNotPicklable
     from spark_dl.script import ExitStatus
     from spark_dl.tracking import rank as tracking
 
@@ -175,6 +243,7 @@ def main() -> int:
     code = 0
     me = os.getpid()
     try:
+        thread_wait_s = _thread_wait_s()  # a bad value fails the rank now, not after main's work
         fn, args, kwargs = cloudpickle.loads(boot["payload"])
         try:
             try:
@@ -186,16 +255,19 @@ def main() -> int:
             if e.code not in (None, 0):
                 raise ExitStatus(f"main called sys.exit({e.code!r})", e.code) from None
             result = None
+            _wait_for_threads(r, thread_wait_s)
+        else:
+            _wait_for_threads(r, thread_wait_s)
         finally:
             tracking.finish()  # before the error goes out: the driver stops this rank once it has it
         if boot["want_result"]:
             try:
                 blob = cloudpickle.dumps(result)
             except Exception as e:  # noqa: BLE001
-                raise TypeError(
+                raise ResultNotPicklable(
                     f"rank {r}'s return value ({type(result).__name__}) cannot be pickled: {e}. "
                     "Return plain data (numbers, dicts, numpy arrays, a model's state_dict)."
-                ) from e
+                ) from None
             outbox.put("result", pickle.PickleBuffer(blob))  # out of band: never copied into a frame
     except BaseException as e:  # noqa: BLE001 - every failure is reported, then the rank exits 1
         info = _error_info(e)
@@ -203,6 +275,9 @@ def main() -> int:
             info["traceback"] = ""
             info["exit_code"] = e.exit_code
             sys.stderr.write(info["message"] + "\n")
+        elif isinstance(e, ResultNotPicklable):  # its frames are spark-dl's and pickle's: the message says it all
+            info["traceback"] = ""
+            sys.stderr.write(f"{info['exc_type']}: {info['message']}\n")
         else:
             sys.stderr.write(info["traceback"])  # clipped, as the report is: its last lines travel with it
         sys.stderr.flush()
@@ -220,10 +295,11 @@ def main() -> int:
 
 if __name__ == "__main__":
     exit_code = main()
-    # Skip the interpreter's teardown: it costs seconds with torch loaded, and a non-daemon thread
-    # left running by user code would keep the rank (and the job) alive forever. Exit handlers
-    # still run.
+    # Skip the interpreter's teardown: it costs seconds with torch loaded. What of it user code
+    # counts on still happens: main's threads were waited for (bounded, so a thread that never
+    # ends cannot keep the job alive for ever), exit handlers run, open files are flushed.
     atexit._run_exitfuncs()
+    _flush_open_files()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)

@@ -84,3 +84,18 @@ def test_on_the_driver_install_makes_horovod_spark_run_work(spark):
         sys.meta_path.remove(horovod_imports._finder)
         for name in [m for m in sys.modules if m == "horovod" or m.startswith("horovod.")]:
             del sys.modules[name]
+
+
+def logs_as_on_databricks():
+    from spark_dl.horovod import log_to_driver  # sparkdl.horovod.log_to_driver, renamed as the module is
+
+    import spark_dl.horovod as hvd
+
+    hvd.init()
+    log_to_driver(f"rank {hvd.rank()} says hello")
+
+
+def test_databricks_log_to_driver_is_in_spark_dl_horovod(capfd):
+    HorovodRunner(np=-2).run(logs_as_on_databricks)
+    out = capfd.readouterr().out
+    assert "[0]<log>: rank 0 says hello" in out and "[1]<log>: rank 1 says hello" in out

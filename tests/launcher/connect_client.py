@@ -100,8 +100,7 @@ def data_mode(spark) -> dict:
         return [dist.get_rank(), dist.get_world_size(), os.environ["LOCAL_RANK"], a]
 
     out["distributor"] = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(rank_and_size, 5)
-    out["distributor_gpu"] = errors(TorchDistributor(num_processes=2, local_mode=False, use_gpu=True).run,
-                                    rank_and_size, 5)
+    out["distributor_gpu"] = errors(TorchDistributor, num_processes=2, local_mode=False, use_gpu=True)
 
     def hvd_rank():
         import spark_dl.horovod as hvd

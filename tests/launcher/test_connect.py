@@ -102,7 +102,7 @@ def test_data_and_compatibility_layers_through_spark_connect(connect_url, tmp_pa
     assert not set(first) & set(second) and sorted(first + second) == [float(i) for i in range(10)]
     assert out["distributor"] == [0, 2, "0", 5]  # TorchDistributor(local_mode=False): a task per process
     refused = out["distributor_gpu"]
-    assert refused["type"] == "LaunchRefused" and "spark.task.resource.gpu.amount=0" in refused["message"]
+    assert refused["type"] == "NoGPUs" and "spark.task.resource.gpu.amount=0" in refused["message"]
     assert out["horovod_spark"] == [0, 1]  # num_proc defaults to the declared parallelism
     assert out["ray"] == {"rows": 20, "world": 2, "lr": 0.1}  # Ray Train's TorchTrainer, 40 rows in two shards
     est = out["estimator"]  # y = 3x - 0.05, fitted by DDP, predicted by the executors

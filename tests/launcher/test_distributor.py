@@ -166,13 +166,17 @@ def test_bad_train_objects_are_refused(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a driver without GPUs; tests/gpu covers the other case")
 def test_use_gpu_on_a_driver_without_gpus_is_refused():
-    with pytest.raises(LaunchRefused, match=r"torch.cuda.device_count\(\) == 0.*use_gpu=False"):
-        TorchDistributor(num_processes=2, local_mode=True, use_gpu=True).run(allreduce_rank, 1.0)
+    """When the distributor is made, as a RuntimeError too: PySpark's fallback idiom
+    (except RuntimeError: use_gpu=False) works."""
+    with pytest.raises(LaunchRefused, match=r"torch.cuda.device_count\(\) == 0.*use_gpu=False") as e:
+        TorchDistributor(num_processes=2, local_mode=True, use_gpu=True)
+    assert isinstance(e.value, RuntimeError)
 
 
 def test_use_gpu_without_spark_gpu_scheduling_is_refused(spark):
-    with pytest.raises(LaunchRefused, match="spark.task.resource.gpu.amount=0.*use_gpu=False"):
-        TorchDistributor(num_processes=2, local_mode=False, use_gpu=True).run(allreduce_rank, 1.0)
+    with pytest.raises(RuntimeError, match="spark.task.resource.gpu.amount=0.*use_gpu=False") as e:
+        TorchDistributor(num_processes=2, local_mode=False, use_gpu=True)
+    assert isinstance(e.value, LaunchRefused)
 
 
 def test_gpus_per_task_decide_processes_per_task_only_with_use_gpu():

@@ -76,6 +76,13 @@ def test_bad_np_is_refused(np):
     assert time.monotonic() - t < 1
 
 
+def test_np_zero_names_the_count_for_every_task_slot():
+    """Databricks' np=0 (every task slot, deprecated there) is refused with the count to pass."""
+    with pytest.raises(LaunchRefused, match=r"np=0 \(on Databricks, deprecated there: every task slot of the "
+                                            r"cluster\) is not taken: .*np=spark.sparkContext.defaultParallelism"):
+        HorovodRunner(np=0)
+
+
 def test_numpy_integers_count_as_ints():
     """Counts computed with numpy (np.int64) are taken, and kept as Python ints."""
     runner = HorovodRunner(np=numpy.int64(-2), max_restarts=numpy.int32(1))
@@ -303,8 +310,14 @@ def test_unpicklable_return_value_is_a_clear_error():
 
         return threading.Lock()
 
-    with pytest.raises(RankFailed, match="return value .* cannot be pickled"):
+    with pytest.raises(RankFailed) as e:
         HorovodRunner(np=-2).run(main)
+    err = e.value
+    assert err.summary.startswith("spark_dl.errors.ResultNotPicklable: rank ")
+    assert "'s return value (lock) cannot be pickled: cannot pickle '_thread.lock' object. Return plain data" in str(err)
+    assert err.remote_traceback == "" and "Traceback" not in str(err)  # its frames were spark-dl's and pickle's
+    assert err.last_lines == []  # the one line the rank printed is the summary
+    assert isinstance(err.__cause__, TypeError)
 
 
 def test_keyboard_interrupt_stops_every_rank(tmp_path):
@@ -373,19 +386,6 @@ def test_rank_that_cannot_import_mains_module_fails_clearly(tmp_path, monkeypatc
     assert isinstance(RankFailed(0, "h", "s"), JobFailed)
 
 
-def test_a_thread_left_running_by_main_does_not_keep_the_job_alive():
-    def main():
-        import threading
-        import time
-
-        threading.Thread(target=time.sleep, args=(600,)).start()  # non-daemon
-        return "done"
-
-    t = time.monotonic()
-    assert HorovodRunner(np=-2).run(main) == "done"
-    assert time.monotonic() - t < 60
-
-
 def test_sys_exit_in_main_is_reported_by_its_status_in_one_line_without_a_traceback(capfd):
     def main():
         import sys
@@ -403,3 +403,69 @@ def test_sys_exit_in_main_is_reported_by_its_status_in_one_line_without_a_traceb
     assert any("last words" in line for line in err.last_lines)
     printed = capfd.readouterr().err
     assert printed.count("[1]<stderr>: main called sys.exit(4)\n") == 1 and "Traceback" not in printed
+
+
+def leaves_work_running(out):
+    """Returns while a thread, an executor's task and an open file still hold its work."""
+    import concurrent.futures
+    import os
+    import threading
+    import time
+
+    rank = spark_dl.get_context().rank
+
+    def upload(name):
+        time.sleep(1.0)
+        with open(os.path.join(out, f"{name}{rank}.txt"), "w") as f:
+            f.write("uploaded")
+
+    threading.Thread(target=upload, args=("thread",)).start()  # not a daemon: python waits for it
+    pool = concurrent.futures.ThreadPoolExecutor(1)  # e.g. torch's dcp.async_save: never waited for in main
+    pool.submit(upload, "pool")
+    global _LOG
+    _LOG = open(os.path.join(out, f"log{rank}.txt"), "w")  # never closed: python's teardown flushes it
+    _LOG.write("trained")
+    return "returned"
+
+
+def test_work_main_leaves_running_is_finished_as_under_python(tmp_path):
+    """The rank ended with os._exit right after main: the thread's and the executor's files were
+    never written, the open file's buffer was lost, and the run reported success."""
+    assert HorovodRunner(np=-2).run(leaves_work_running, out=str(tmp_path)) == "returned"
+    for r in (0, 1):
+        for name in ("thread", "pool"):
+            assert (tmp_path / f"{name}{r}.txt").read_text() == "uploaded"
+        assert (tmp_path / f"log{r}.txt").read_text() == "trained"
+
+
+def leaves_a_thread_that_never_ends():
+    import threading
+
+    threading.Thread(target=threading.Event().wait, name="forever").start()
+    return "returned"
+
+
+def test_a_thread_that_never_ends_holds_the_rank_only_for_the_limit(monkeypatch, capfd):
+    """Waited for as python would, but not for ever: the job ends."""
+    monkeypatch.setenv("SPARK_DL_THREAD_WAIT", "6")  # it says what it waits for after 5 s
+    t = time.monotonic()
+    assert HorovodRunner(np=-2, driver_log_verbosity="all").run(leaves_a_thread_that_never_ends) == "returned"
+    assert time.monotonic() - t < 30
+    err = capfd.readouterr().err
+    for r in (0, 1):
+        assert (f"[{r}]<stderr>: spark-dl: rank {r}'s main returned; waiting, as python does, for the threads it left "
+                "running: 'forever' (at most 6 s in all, SPARK_DL_THREAD_WAIT; a thread started with daemon=True is "
+                "not waited for)") in err, err
+        assert (f"[{r}]<stderr>: spark-dl: rank {r} exits without waiting more for the threads main left running "
+                "('forever'): they ran 6 s after main returned (SPARK_DL_THREAD_WAIT)") in err, err
+
+
+def test_a_bad_thread_wait_fails_the_ranks_before_main(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPARK_DL_THREAD_WAIT", "forever")
+    with pytest.raises(RankFailed, match=r"SPARK_DL_THREAD_WAIT='forever' is not a number >= 0 s"):
+        HorovodRunner(np=-1).run(mark_ran, path=str(tmp_path / "ran"))
+    assert not (tmp_path / "ran").exists()
+
+
+def mark_ran(path):
+    open(path, "w").close()

@@ -183,3 +183,20 @@ def test_a_script_error_shows_the_scripts_frames_once(tmp_path):
     frames = [line.strip() for line in err.remote_traceback.splitlines() if line.strip().startswith("File ")]
     assert frames == [f'File "{path}", line 6, in <module>', f'File "{path}", line 4, in load']  # none of ours
     assert err.last_lines == ["[0]<stdout>: loading"]  # the traceback the rank printed is not repeated
+
+
+def test_an_executor_without_the_scripts_file_still_has_its_source(tmp_path):
+    """The source ships with the job; a rank whose host has no copy of the file (run here as a
+    path that does not exist) shows the failing line and lets inspect.getsource (torch.jit.script)
+    read the script's functions: both said 'source code not available'."""
+    from spark_dl.script import Script
+
+    source = ("import inspect\n\ndef step(x):\n    return 1 / x  # the failing line\n\n"
+              "print(inspect.getsource(step).splitlines()[0], flush=True)\nstep(0)\n")
+    path = str(tmp_path / "elsewhere" / "train.py")  # as on an executor without the driver's file
+    with pytest.raises(RankFailed) as e:
+        HorovodRunner(np=-1).run(Script(path, source), script=path, argv=[])
+    err = e.value
+    assert err.last_lines == ["[0]<stdout>: def step(x):"]
+    assert "    return 1 / x  # the failing line\n" in err.remote_traceback
+    assert err.remote_traceback.rstrip().endswith("ZeroDivisionError: division by zero")
