@@ -138,6 +138,8 @@ class DataFrameShards:
         self.df = df.select(*[quoted(c) for c in columns])
         self.spec = Shards(columns=columns, kinds=kinds, shuffle=shuffle, seed=as_int(seed), remainder=remainder)
         self.empty_hint = ""  # what the refusal of an empty DataFrame adds: the fix, where the caller knows it
+        # the fix for fewer rows than ranks, where the caller knows better ones (an estimator has no shards())
+        self.few_rows_hint = "use shards(df, remainder='pad') (ranks wrap around), fewer ranks, or more rows"
 
     @functools.cached_property
     def schema(self):
@@ -159,7 +161,7 @@ class DataFrameShards:
         if rows < np and self.spec.remainder == "drop":
             raise LaunchRefused(
                 f"the DataFrame {which} has {rows} row(s), fewer than the {np} ranks: remainder='drop' leaves "
-                "every rank empty; use shards(df, remainder='pad') (ranks wrap around), fewer ranks, or more rows")
+                f"every rank empty; {self.few_rows_hint}")
 
 
 class ShardSet:
@@ -267,25 +269,41 @@ class Shards:
             seed = (self.seed * 1_000_003 + epoch) % (1 << 63)
             perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
         else:
-            perm = torch.arange(n)
+            # "drop" leaves out n mod w rows: each epoch starts that many rows later, so the rows left
+            # out move on and every row is read within a few epochs, in a fixed order
+            perm = torch.roll(torch.arange(n), -(epoch * (n - per * w)) % max(n, 1))
         if per * w > n:  # pad: wrap around to the start of the same permutation
             perm = torch.cat([perm, perm[: per * w - n]])
         return perm[s["rank"] * per:(s["rank"] + 1) * per].tolist()
 
     # -- batches -------------------------------------------------------------------------------
-    def batches(self, batch_size: int, epoch: int = 0, drop_last: bool = False) -> Iterator[dict]:
+    def batches(self, batch_size: int, epoch: int = 0, drop_last: bool = False,
+                padding: str | None = None) -> Iterator[dict]:
         """This rank's rows for ``epoch`` as ``{column: tensor}`` batches. Every rank must
         iterate the same number of batches (it does: shards are equal), since each batch is
-        fetched with a collective."""
+        fetched with a collective. ``padding="is_pad"`` adds a bool tensor under that key, true
+        for the rows ``remainder="pad"`` repeats (wrapped around): leave them out of a mean over
+        the rows, and each row counts once."""
+        import torch
+
         if as_int(batch_size) is None or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
         if as_int(epoch) is None:
             raise ValueError(f"epoch must be an int (it picks the epoch's shuffle), got {epoch!r}")
+        if padding is not None and (not isinstance(padding, str) or padding in self.columns):
+            raise ValueError(f"padding must name a key other than the columns {self.columns}, got {padding!r}")
         batch_size, epoch = as_int(batch_size), as_int(epoch)
         mine = self._order(epoch)
         stop = len(mine) - len(mine) % batch_size if drop_last else len(mine)
+        # position in the epoch's (wrapped) order: from n on, a row read a second time
+        first = self._state["rank"] * len(mine)
+        n = self.total_rows
         for start in range(0, stop, batch_size):
-            yield self._fetch(mine[start:start + batch_size])
+            batch = self._fetch(mine[start:start + batch_size])
+            if padding is not None:
+                rows = len(mine[start:start + batch_size])
+                batch[padding] = torch.arange(first + start, first + start + rows) >= n
+            yield batch
 
     def _fetch(self, wanted: list[int]) -> dict:
         """Exchange rows so this rank gets ``wanted`` (global indices), in that order."""
@@ -348,20 +366,23 @@ def _ipc_bytes(table) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
-def _to_tensor(column, kind: str, name: str):
+def _to_tensor(column, kind: str, name: str, before: str = "training"):
+    """A column's tensor; nulls are refused, naming the column and the fix to apply ``before``."""
     import numpy as np
     import torch
 
     column = column.combine_chunks() if hasattr(column, "combine_chunks") else column
+    drop = f"df.na.drop(subset=[{name!r}])"
     if kind == "scalar":
         if column.null_count:
-            raise ValueError(f"column {name!r} has nulls; fill or drop them before training")
+            raise ValueError(f"column {name!r} has nulls; fill or drop them before {before} ({drop}, or "
+                             f"df.na.fill(0, subset=[{name!r}]))")
         return torch.from_numpy(np.array(column.to_numpy(zero_copy_only=False)))  # writable, as torch wants
     if column.null_count:
-        raise ValueError(f"array column {name!r} has null rows; fill or drop them before training")
+        raise ValueError(f"array column {name!r} has null rows; fill or drop them before {before} ({drop})")
     if column.flatten().null_count:
         raise ValueError(f"array column {name!r} has null elements inside its arrays; fill them (e.g. "
-                         f"F.transform({name!r}, lambda v: F.coalesce(v, F.lit(0)))) or drop those rows before training")
+                         f"F.transform({name!r}, lambda v: F.coalesce(v, F.lit(0)))) or drop those rows before {before}")
     lengths = np.diff(np.asarray(column.offsets))
     if len(lengths) and (lengths != lengths[0]).any():
         raise ValueError(f"array column {name!r} has rows of different lengths; pad them to one length")

@@ -9,6 +9,7 @@ the trained model shipped to the executors.
 from __future__ import annotations
 
 import copy
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -109,10 +110,11 @@ def _losses(loss: Any, constructors: Any, weights: Any, label_cols: list[str]) -
             raise LaunchRefused(f"loss_weights must be a list of {n} numbers, one per label column {label_cols}, "
                                 f"got {weights!r}")
     if not per_output:
-        return _Losses(tuple(fns), None, constructors is not None)
+        return _Losses(tuple(fns), None, constructors is not None, tuple(label_cols))
     if weights is None:
         weights = [1.0 / n] * n  # Horovod's default: the losses' mean
-    return _Losses(tuple(fns * n if len(fns) == 1 else fns), tuple(float(w) for w in weights), constructors is not None)
+    return _Losses(tuple(fns * n if len(fns) == 1 else fns), tuple(float(w) for w in weights), constructors is not None,
+                   tuple(label_cols))
 
 
 @dataclass(frozen=True)
@@ -123,11 +125,12 @@ class _Losses:
     fns: tuple
     weights: tuple[float, ...] | None = None
     constructors: bool = False  # fns build the losses: called once on each rank
+    label_cols: tuple[str, ...] = ()  # named by a loss's refusal of a label's dtype
 
     def built(self) -> "_Losses":
         if not self.constructors:
             return self
-        return _Losses(tuple(make() for make in self.fns), self.weights)
+        return _Losses(tuple(make() for make in self.fns), self.weights, False, self.label_cols)
 
     def outputs(self, output: Any, labels: list) -> tuple[Any, list]:
         """Horovod's ``transform_outputs``: per output, the outputs as a list (one per label column)
@@ -146,10 +149,34 @@ class _Losses:
         """The batch's loss; with ``sample_weights`` Horovod's rule for each loss: the mean of
         weight x per-row loss."""
         if self.weights is None:
-            return _weighted(self.fns[0], output, labels, sample_weights)
+            return _label_checked(self.fns[0], output, labels, sample_weights, self.label_cols)
         outs, labels = self.outputs(output, labels)
-        return sum(w * _weighted(fn, out, [label], sample_weights)
-                   for fn, w, out, label in zip(self.fns, self.weights, outs, labels))
+        return sum(w * _label_checked(fn, out, [label], sample_weights, (col,))
+                   for fn, w, out, label, col in zip(self.fns, self.weights, outs, labels, self.label_cols))
+
+
+def _label_checked(loss, output, labels, weights, cols):
+    """``_weighted``; a loss's refusal of its target's dtype re-raised naming the label column, its
+    dtype and the cast that fixes it (class indices must be integers, BCE/MSE targets floats)."""
+    try:
+        return _weighted(loss, output, labels, weights)
+    except RuntimeError as e:
+        import torch
+
+        msg = str(e)
+        if not re.search(r"dtype|scalar type|output type", msg):
+            raise
+        named = list(zip(cols, labels)) if len(cols) == len(labels) else []
+        floating = [(c, t) for c, t in named if t.is_floating_point()]
+        integer = [(c, t) for c, t in named if not t.is_floating_point() and t.dtype != torch.bool]
+        if floating and "Long" in msg:
+            (col, t), cast, kind = floating[0], "long", "class indices (cross_entropy, nll_loss) must be integers"
+        elif integer and re.search(r"Float|Double|Half", msg):
+            (col, t), cast, kind = integer[0], "float", "targets of BCE or MSE losses must be floats"
+        else:
+            raise
+        raise TypeError(f"the loss refused label column {col!r}, read as {t.dtype} ({msg}): {kind}; cast the column "
+                        f"first: df.withColumn({col!r}, F.col({col!r}).cast(\"{cast}\"))") from e
 
 
 def _weighted(loss, output, labels, weights):
@@ -406,7 +433,10 @@ class TorchEstimator:
             columns = columns + [weights]
         train, held_out = self._split(df)
         data = shards(train, columns, shuffle=self.shuffle, seed=self.seed)
-        # every held-out row once per rank's share ("pad" repeats a few when they do not divide evenly)
+        data.few_rows_hint = (f"give it at least num_proc={self.num_proc} rows, or use a smaller num_proc"
+                              + (" (or hold fewer rows out with validation=)" if self.validation is not None else ""))
+        # every held-out row once per rank's share ("pad" repeats a few when they do not divide evenly;
+        # _held_out leaves the repeats out)
         val = shards(held_out, columns, shuffle=False, remainder="pad") if held_out is not None else None
         if val is not None:
             v = self.validation
@@ -414,16 +444,19 @@ class TorchEstimator:
                 f": validation={v!r} held out no rows; hold out a larger fraction (validation=0.2), mark the held-out "
                 "rows with a column (validation='is_val'), or leave validation=None" if isinstance(v, float) else
                 f": no row of column {v!r} is true (or 1); mark some rows, or pass a fraction such as validation=0.1")
-        out = self._runner.run(_fit, data=data, validation=val, model=self.model, optimizer=self.optimizer, loss=self._losses,
-                               feature_cols=self.feature_cols, label_cols=self.label_cols,
-                               batch_size=self.batch_size, epochs=self.epochs, metrics=self.metrics,
-                               weight_col=weights, input_shapes=self.input_shapes,
-                               options=_FitOptions(self.gradient_compression, self.backward_passes_per_step,
-                                                   self.val_batch_size or self.batch_size, self.train_steps_per_epoch,
-                                                   self.validation_steps_per_epoch, self.transformation_fn,
-                                                   self.train_minibatch_fn, tuple(self.callbacks),
-                                                   self.label_shapes, self.log_model, self.verbose,
-                                                   self.random_seed))
+        try:
+            out = self._runner.run(_fit, data=data, validation=val, model=self.model, optimizer=self.optimizer,
+                                   loss=self._losses, feature_cols=self.feature_cols, label_cols=self.label_cols,
+                                   batch_size=self.batch_size, epochs=self.epochs, metrics=self.metrics,
+                                   weight_col=weights, input_shapes=self.input_shapes,
+                                   options=_FitOptions(self.gradient_compression, self.backward_passes_per_step,
+                                                       self.val_batch_size or self.batch_size, self.train_steps_per_epoch,
+                                                       self.validation_steps_per_epoch, self.transformation_fn,
+                                                       self.train_minibatch_fn, tuple(self.callbacks),
+                                                       self.label_shapes, self.log_model, self.verbose,
+                                                       self.random_seed))
+        except LaunchRefused as e:
+            raise _in_estimator_terms(e) from e.__cause__
         trained = copy.deepcopy(self.model).cpu()
         trained.load_state_dict(out["state"])
         return TorchModel(trained, self.feature_cols, self.prediction_col, history=out["history"],
@@ -440,11 +473,21 @@ class TorchEstimator:
             return train, held_out
         from pyspark.sql import functions as F
 
+        from .data import quoted
+
         if v not in df.columns:
             raise LaunchRefused(f"validation={v!r} is not a column of the DataFrame (it has {list(df.columns)}); "
                                 "pass a column of booleans or 0/1, or a fraction such as 0.1")
-        held = F.coalesce(F.col(v).cast("boolean"), F.lit(False))
+        held = F.coalesce(quoted(v).cast("boolean"), F.lit(False))
         return df.filter(~held), df.filter(held)
+
+
+def _in_estimator_terms(e: LaunchRefused) -> LaunchRefused:
+    """HorovodRunner's refusal as a TorchEstimator user can act on it: the ranks are ``num_proc``
+    (>= 1), not ``np``, so its hint to run local processes with ``np=-N`` is left out."""
+    msg = re.sub(r",? or (run on the driver|run \d+ processes on this machine without Spark) with np=-\d+", "", str(e))
+    msg = re.sub(r"\bnp( ?<=| ?=)", r"num_proc\1", msg.replace("HorovodRunner(np=", "TorchEstimator(num_proc="))
+    return e if msg == str(e) else LaunchRefused(msg)
 
 
 __all__ = ["EarlyStopping", "TorchEstimator", "TorchModel", "Trainer"]
@@ -601,8 +644,8 @@ class _Batches:
                                 f"columns {needed}; it returned {got}")
         inputs = _reshaped([_as(batch[c], self.device, self.dtype) for c in self.feature_cols], self.input_shapes,
                            self.feature_cols)
-        labels = _reshaped([_as(batch[c], self.device, self.dtype) for c in self.label_cols], self.label_shapes,
-                           self.label_cols, "label_shapes")
+        labels = _reshaped([_widened(_as(batch[c], self.device, self.dtype)) for c in self.label_cols],
+                           self.label_shapes, self.label_cols, "label_shapes")
         weights = None if self.weight_col is None else _as(batch[self.weight_col], self.device, self.dtype)
         return inputs, labels, weights
 
@@ -668,9 +711,13 @@ class _Scores:
         return {name: self.sums[i].item() / rows for i, name in enumerate(self.metrics)}
 
 
+_PADDING = "__spark_dl_padding"
+
+
 def _held_out(val, model, loss: _Losses, metrics, batch_of: _Batches, batch_size, steps=None):
     """The loss and metrics over every rank's held-out rows (its first ``steps`` batches), weighted
-    by rows (batches may be short)."""
+    by rows (batches may be short). The rows ``remainder="pad"`` repeats to even out the shares
+    weigh 0 (they are left out), so each held-out row counts once."""
     import itertools
 
     import torch
@@ -679,7 +726,12 @@ def _held_out(val, model, loss: _Losses, metrics, batch_of: _Batches, batch_size
     scores = _Scores(metrics)
     model.eval()
     with torch.no_grad():
-        for batch in itertools.islice(val.batches(batch_size=batch_size), steps):
+        for batch in itertools.islice(val.batches(batch_size=batch_size, padding=_PADDING), steps):
+            real = ~batch.pop(_PADDING)
+            if not real.any():
+                continue  # only repeats: no collective runs below, so the ranks need not agree
+            if not real.all():
+                batch = {c: t[real] for c, t in batch.items()}
             inputs, labels, weights = batch_of(batch)
             output = model(*inputs)
             rows = len(labels[0])
@@ -709,11 +761,22 @@ def _float_dtype(model):
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
-def _features(table, cols, kinds, dtype, input_shapes=None):
-    """The model's inputs from an Arrow table or batch: one CPU tensor per feature column."""
+def _features(table, cols, kinds, dtype, input_shapes=None, named=None):
+    """The model's inputs from an Arrow table or batch: one CPU tensor per feature column (``cols``,
+    the table's names; ``named`` maps them to the DataFrame's where they differ)."""
     from .data import _to_tensor
 
-    return _reshaped([_as(_to_tensor(table.column(c), kinds[c], c), "cpu", dtype) for c in cols], input_shapes, cols)
+    named = named or {}
+    real = [named.get(c, c) for c in cols]
+    return _reshaped([_as(_to_tensor(table.column(c), kinds[name], name, "transform"), "cpu", dtype)
+                      for c, name in zip(cols, real)], input_shapes, real)
+
+
+def _widened(label):
+    """An int8/16/32 label as int64: class indices as ``cross_entropy`` and ``nll_loss`` take them."""
+    import torch
+
+    return label.long() if label.dtype in (torch.int8, torch.int16, torch.int32) else label
 
 
 def _as(tensor, device, dtype):
@@ -755,7 +818,7 @@ class TorchModel:
         import cloudpickle
         from pyspark.sql import types as T
 
-        from .data import check_dataframe, column_kinds
+        from .data import check_dataframe, column_kinds, quoted
 
         check_dataframe(df, "TorchModel.transform(df)")
         kinds = column_kinds(df, self.feature_cols)
@@ -764,11 +827,22 @@ class TorchModel:
         taken = [n for n in names if n in df.columns]
         if taken:
             raise LaunchRefused(f"the DataFrame already has a column {taken[0]!r}; pick another prediction_col")
-        schema = T.StructType(df.schema.fields + [
+        real = list(df.columns) + names
+        fields = df.schema.fields
+        plain = not any("." in c or "`" in c for c in real)
+        if not plain:
+            # mapInArrow resolves each column by its name, reading "a.b" as field b of a: the rows
+            # travel under plain names, and the result gets the real ones back
+            df = df.select(*[quoted(c).alias(f"_spark_dl_{i}") for i, c in enumerate(df.columns)])
+            fields = [T.StructField(f"_spark_dl_{i}", f.dataType, f.nullable, f.metadata) for i, f in enumerate(fields)]
+        out_names = names if plain else [f"_spark_dl_{len(fields) + i}" for i in range(len(names))]
+        schema = T.StructType(fields + [
             T.StructField(name, T.FloatType() if width == 1 else T.ArrayType(T.FloatType()))
-            for name, width in zip(names, widths)])
+            for name, width in zip(out_names, widths)])
         blob = cloudpickle.dumps(self.model)
-        cols, shapes = self.feature_cols, self.input_shapes
+        shapes = self.input_shapes
+        cols = self.feature_cols if plain else [f"_spark_dl_{real.index(c)}" for c in self.feature_cols]
+        named = dict(zip(cols, self.feature_cols))  # the real names, for the errors
 
         def predict(batches):
             import cloudpickle
@@ -780,8 +854,12 @@ class TorchModel:
             model = cloudpickle.loads(blob).eval()
             dtype = _float_dtype(model)
             for batch in batches:
+                try:
+                    inputs = _features(batch, cols, kinds, dtype, shapes, named)
+                except ValueError as e:  # a null: the message, not this frame, is what helps
+                    raise ValueError(f"TorchModel.transform: {e}") from None
                 with torch.no_grad():
-                    outs = model(*_features(batch, cols, kinds, dtype, shapes))
+                    outs = model(*inputs)
                 columns = []
                 for out, width in zip(outs if isinstance(outs, (list, tuple)) else [outs], widths):
                     flat = out.float().reshape(len(batch), -1).numpy()
@@ -790,9 +868,11 @@ class TorchModel:
                     else:
                         offsets = pa.array(range(0, flat.size + 1, width), type=pa.int32())
                         columns.append(pa.ListArray.from_arrays(offsets, pa.array(flat.reshape(-1), type=pa.float32())))
-                yield pa.RecordBatch.from_arrays(list(batch.columns) + columns, names=list(batch.schema.names) + names)
+                yield pa.RecordBatch.from_arrays(list(batch.columns) + columns,
+                                                 names=list(batch.schema.names) + out_names)
 
-        return df.mapInArrow(predict, schema)
+        out = df.mapInArrow(predict, schema)
+        return out if plain else out.toDF(*real)
 
     def _prediction_names(self, widths: list[int], several: bool) -> list[str]:
         """The prediction columns' names: one for a single output, one per output of a tuple."""
@@ -820,6 +900,7 @@ class TorchModel:
         if sample.num_rows == 0:
             raise LaunchRefused("the DataFrame is empty: nothing to predict")
         features = _features(sample, self.feature_cols, kinds, _float_dtype(self.model), self.input_shapes)
+        training = self.model.training
         try:
             with torch.no_grad():
                 out = self.model.eval()(*features)
@@ -828,6 +909,8 @@ class TorchModel:
             raise LaunchRefused(f"running the model on one row of feature_cols {self.feature_cols} (tensors of shapes "
                                 f"{shapes}) failed with {type(e).__name__}: {e}; the model must take one tensor per "
                                 "feature column (input_shapes= reshapes them)") from e
+        finally:
+            self.model.train(training)  # the caller's model, in the mode it was in
         outs = list(out) if isinstance(out, (list, tuple)) else [out]
         if not outs or not all(torch.is_tensor(o) for o in outs):
             raise LaunchRefused(f"the model must return a tensor or a tuple/list of tensors to predict with, got "

@@ -250,3 +250,28 @@ def test_the_same_shards_twice_is_refused(df):
     data = shards(df)
     with pytest.raises(LaunchRefused, match="same shards"):
         HorovodRunner(np=2).run(read_two, train=data, val=data)
+
+
+def test_without_shuffling_the_dropped_rows_move_on_each_epoch(spark):
+    one = spark.range(10).coalesce(1)
+    # 10 rows on 3 ranks: one dropped per epoch, a different one each epoch, in a fixed order
+    ranks = HorovodRunner(np=3).run_all(read_epochs, data=shards(one, shuffle=False), epochs=3, batch_size=2)
+    epochs = [[i for r in ranks for i in r["epochs"][e]] for e in range(3)]  # in rank order
+    assert all(len(e) == len(set(e)) == 9 for e in epochs)
+    dropped = [set(range(10)) - set(e) for e in epochs]
+    assert all(len(d) == 1 for d in dropped) and len(set.union(*dropped)) == 3
+    # the same order, each epoch starting one row later
+    assert epochs[1][:-1] == epochs[0][1:] and epochs[2][:-1] == epochs[1][1:]
+
+
+def read_padding(data):
+    spark_dl.init()
+    return [(int(i), bool(p)) for b in data.batches(2, padding="is_pad") for i, p in zip(b["id"], b["is_pad"])]
+
+
+def test_padding_marks_the_rows_pad_repeats(spark):
+    ranks = HorovodRunner(np=3).run_all(read_padding, data=shards(spark.range(7), shuffle=False, remainder="pad"))
+    rows = [row for r in ranks for row in r]
+    assert len(rows) == 9 and sorted(i for i, pad in rows if not pad) == list(range(7))
+    assert [i for i, pad in rows if pad] == [i for i, _ in rows[:2]]  # wrapped around to the start
+    assert [pad for _, pad in rows] == [False] * 7 + [True] * 2

@@ -401,3 +401,130 @@ def test_a_model_that_cannot_run_on_its_example_is_still_logged_without_a_signat
            "input_example" in capfd.readouterr().err
     info = mlflow.models.get_model_info(f"runs:/{est.last_run.mlflow_run_id}/model")
     assert info.signature is None
+
+
+class _Zero(TwoInputs):
+    """Predicts 0 for every row (weights 0; lr=0 keeps them so)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.nn.init.zeros_(self.w.weight)
+        torch.nn.init.zeros_(self.w.bias)
+
+
+def _abs_error(output, y):
+    return (output - y).abs().mean()
+
+
+@pytest.mark.parametrize("val_batch_size", [2, 1])
+def test_held_out_loss_and_metrics_count_each_held_out_row_once(spark, val_batch_size):
+    # 3 held-out rows on 2 ranks: remainder="pad" repeats one to even the shares out; it must not
+    # count (with batches of 1, one rank's last batch holds nothing but the repeat)
+    rows = [(float(i % 3), float(i % 2), 0.0, False) for i in range(20)] + [
+        (0.0, 0.0, 0.0, True), (0.0, 0.0, 0.0, True), (0.0, 0.0, 100.0, True)]
+    df = spark.createDataFrame(rows, "a float, b float, y float, is_val boolean")
+    fitted = TorchEstimator(model=_Zero(), optimizer=functools.partial(torch.optim.SGD, lr=0.0),
+                            loss=torch.nn.functional.mse_loss, feature_cols=["a", "b"], label_cols="y",
+                            batch_size=8, num_proc=2, validation="is_val", val_batch_size=val_batch_size,
+                            metrics={"abs_error": _abs_error}, verbose=0, log_model=False).fit(df)
+    assert fitted.val_history == [pytest.approx(100.0 ** 2 / 3)]
+    assert fitted.metric_history["val_abs_error"] == [pytest.approx(100.0 / 3)]
+    assert fitted.history == [0.0]
+
+
+def _classes(spark, label_type):
+    from pyspark.sql import functions as F
+
+    df = spark.range(64).select((F.rand(1) * 2 - 1).cast("float").alias("a"), (F.rand(2) * 2 - 1).cast("float").alias("b"))
+    return df.withColumn("c", (F.col("a") > F.col("b")).cast(label_type))
+
+
+class _TwoClasses(torch.nn.Module):
+    def __init__(self, out=2):
+        super().__init__()
+        self.w = torch.nn.Linear(2, out)
+
+    def forward(self, a, b):
+        return self.w(torch.stack([a, b], 1)).squeeze(-1)
+
+
+@pytest.mark.parametrize("label_type", ["int", "tinyint"])
+def test_int_and_byte_labels_are_class_indices(spark, label_type):
+    torch.manual_seed(0)
+    fitted = TorchEstimator(model=_TwoClasses(), optimizer=functools.partial(torch.optim.SGD, lr=0.5),
+                            loss=torch.nn.functional.cross_entropy, feature_cols=["a", "b"], label_cols="c",
+                            batch_size=8, epochs=3, num_proc=2, verbose=0, log_model=False).fit(_classes(spark, label_type))
+    assert len(fitted.history) == 3 and fitted.history[-1] < fitted.history[0]
+
+
+def test_a_label_of_the_wrong_dtype_for_its_loss_is_named_with_the_cast(spark):
+    good = dict(optimizer=functools.partial(torch.optim.SGD, lr=0.1), feature_cols=["a", "b"], label_cols="c",
+                batch_size=8, num_proc=2, verbose=0, log_model=False)
+    # a StringIndexer's double label as class indices
+    with pytest.raises(RankFailed, match=r"the loss refused label column 'c', read as torch.float32 \(expected target "
+                                         r"dtype to be Long.*cast the column first: df.withColumn\('c', "
+                                         r"F.col\('c'\).cast\(\"long\"\)\)"):
+        TorchEstimator(model=_TwoClasses(), loss=torch.nn.functional.cross_entropy, **good).fit(
+            _classes(spark, "double"))
+    # integer 0/1 as a BCE target
+    with pytest.raises(RankFailed, match=r"the loss refused label column 'c', read as torch.int64 .*BCE or MSE losses "
+                                         r"must be floats; cast the column first: .*cast\(\"float\"\)"):
+        TorchEstimator(model=_TwoClasses(1), loss=torch.nn.BCEWithLogitsLoss(), **good).fit(_classes(spark, "long"))
+
+
+def test_dotted_column_names_in_transform_and_in_validation(spark):
+    from pyspark.sql import functions as F
+
+    df = _regression(spark).withColumnRenamed("a", "a.b").withColumn("x.y", F.lit(1.0))
+    df = df.withColumn("is.val", F.col("b") > 0.6)
+    torch.manual_seed(0)
+    fitted = TorchEstimator(model=TwoInputs(), optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+                            loss=torch.nn.functional.mse_loss, feature_cols=["a.b", "b"], label_cols="y",
+                            batch_size=16, epochs=2, num_proc=2, validation="is.val", verbose=0,
+                            log_model=False).fit(df)
+    assert len(fitted.val_history) == 2
+    predicted = fitted.transform(df)
+    assert predicted.columns == ["a.b", "b", "y", "x.y", "is.val", "prediction"]
+    rows = predicted.collect()
+    with torch.no_grad():
+        expected = fitted.getModel()(torch.tensor([r["a.b"] for r in rows]).float(),
+                                     torch.tensor([r["b"] for r in rows]).float())
+    torch.testing.assert_close(torch.tensor([r["prediction"] for r in rows]), expected)
+    assert {r["x.y"] for r in rows} == {1.0}
+    # a dotted column the model does not read
+    assert TorchModel(torch.nn.Linear(1, 1), ["b"], input_shapes=[[-1, 1]]).transform(df).count() == 400
+
+
+def test_a_null_feature_in_transform_names_the_column_and_the_fix(spark):
+    from pyspark.sql import functions as F
+
+    df = _regression(spark).withColumn("id", F.monotonically_increasing_id())
+    df = df.withColumn("a", F.when(F.col("id") == 7, None).otherwise(F.col("a")))
+    predicted = TorchModel(TwoInputs(), ["a", "b"]).transform(df)  # its first row has no null
+    with pytest.raises(Exception, match=r"TorchModel.transform: column 'a' has nulls; fill or drop them before "
+                                        r"transform \(df.na.drop\(subset=\['a'\]\)") as caught:
+        predicted.collect()
+    assert str(caught.value).lstrip().startswith("An exception was thrown from the Python worker")
+
+
+def test_transform_leaves_the_models_mode_as_it_was(spark):
+    df = _regression(spark)
+    model = TwoInputs()
+    TorchModel(model, ["a", "b"]).transform(df)
+    assert model.training
+    model.eval()
+    TorchModel(model, ["a", "b"]).transform(df)
+    assert not model.training
+
+
+def test_refusals_name_what_a_torch_estimator_takes(spark):
+    est = dict(model=TwoInputs(), optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+               loss=torch.nn.functional.mse_loss, feature_cols=["a", "b"], label_cols="y", verbose=0)
+    df = _regression(spark)
+    with pytest.raises(LaunchRefused, match=r"has 1 row\(s\), fewer than the 2 ranks: .*give it at least num_proc=2 "
+                                            r"rows, or use a smaller num_proc") as caught:
+        TorchEstimator(**est, num_proc=2).fit(df.limit(1))
+    assert "shards(" not in str(caught.value)
+    with pytest.raises(LaunchRefused, match=r"num_proc=5 needs 5 task slots at once.*Use num_proc <= 4") as caught:
+        TorchEstimator(**est, num_proc=5).fit(df)
+    assert "np=" not in str(caught.value).replace("num_proc=", "")
