@@ -32,16 +32,16 @@ def resolve(compression: Any, per_call: bool = False) -> Compressor:
     c = as_compressor(compression, "compression")
     if per_call and isinstance(compression, type) and c.stateful:
         name = compression.__name__
-        raise TypeError(f"compression={name} keeps state between calls (error feedback, warm starts, step counters), which a "
-                        f"fresh instance per call would drop: create {name}() once and pass it, with a name= "
-                        "that is the same on every rank")
+        raise TypeError(f"compression={name} keeps state between calls (error feedback, warm starts, step "
+                        f"counters), which a fresh instance per call would drop: create {name}() once and pass it, "
+                        "with a name= that is the same on every rank")
     return c
 
 
 def for_tensor(compressor: Compressor, tensor: torch.Tensor) -> Compressor:
     """``compressor`` for ``tensor``: a cast (fp16, bf16) leaves a tensor that is not floating point
     as it is, as Horovod's ``Compression.fp16`` does (a count averaged with the gradients' settings)."""
-    return Compression.none if isinstance(compressor, _Cast) and not tensor.is_floating_point() else compressor
+    return Compression.none if is_cast(compressor) and not tensor.is_floating_point() else compressor
 
 
 def is_cast(compressor: Compressor) -> bool:

@@ -369,8 +369,9 @@ def log_model(model: Any, name: str = "model", *, input_example: Any = None) -> 
     """Log a ``torch.nn.Module`` (or a ``state_dict``) from rank 0 as an MLflow PyTorch model.
 
     The model is copied to CPU memory and serialized on the calling thread (so training may go on
-    changing its weights right after), then streamed to the driver in the background; the driver logs it with ``mlflow.pytorch.log_model``, with a signature inferred
-    from ``input_example`` when one is given. Calls on other ranks do nothing.
+    changing its weights right after), then streamed to the driver in the background; the driver
+    logs it with ``mlflow.pytorch.log_model``, with a signature inferred from ``input_example``
+    when one is given. Calls on other ranks do nothing.
 
     Checked at the call: ``name`` must be a relative path inside the run's artifacts (else
     ``ValueError``/``TypeError``), the module must be copyable and picklable (else ``TypeError``: log

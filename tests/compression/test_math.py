@@ -382,6 +382,16 @@ def test_state_pickles():
         assert torch.equal(back.decompress(back.compress(g, key="w")), c.decompress(c.compress(g, key="w")))
 
 
+def _two_identical_ranks(sent: list, record):
+    """``round_layers``' all-reduce for two ranks holding the same tensors: the sum doubles each
+    (``scale=0.5`` halves it back, exactly); ``record(t)`` of each tensor sent goes to ``sent``."""
+    def reduce(t):
+        sent.append(record(t))
+        t.mul_(2)
+        return lambda: None
+    return reduce
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_powersgd_bucket_sends_its_uncompressed_tensors_together_and_puts_them_back(dtype):
     # several biases and norms between the weights: one gather into the first all-reduce, one
@@ -390,11 +400,7 @@ def test_powersgd_bucket_sends_its_uncompressed_tensors_together_and_puts_them_b
     n = sum(math.prod(s) for s in shapes)
     flat = torch.randn(n, generator=torch.Generator().manual_seed(4)).to(dtype)
     sent = []
-
-    def two_ranks(t):
-        sent.append(t.clone())
-        t.mul_(2)
-        return lambda: None
+    two_ranks = _two_identical_ranks(sent, torch.Tensor.clone)
     p = C.PowerSGD(rank=2, start_iter=0)
     out = p.round_layers(flat, shapes, "b", two_ranks, world=2, scale=0.5)
     raw = [(300, 315), (315, 330), (546, 554), (554, 557)]
@@ -523,11 +529,7 @@ def test_powersgd_sends_a_row_or_column_weight_uncompressed_and_exact():
     n = sum(math.prod(s) for s in shapes)
     flat = torch.randn(n, generator=torch.Generator().manual_seed(5))
     sent = []
-
-    def two_ranks(t):
-        sent.append(t.numel())
-        t.mul_(2)
-        return lambda: None
+    two_ranks = _two_identical_ranks(sent, torch.Tensor.numel)
     p = C.PowerSGD(rank=4, start_iter=0)
     out = p.round_layers(flat, shapes, "b", two_ranks, world=2, scale=0.5)
     assert torch.equal(out[:2000], flat[:2000] * 0.5) and torch.equal(out[4000:], flat[4000:] * 0.5)
@@ -554,11 +556,7 @@ def test_powersgd_keeps_float64_where_it_sends_uncompressed():
     assert payload.tensors[0].dtype == torch.float64 and payload.nbytes == w.numel() * 8
     assert torch.equal(p.decompress(payload), w)
     sent = []
-
-    def two_ranks(t):
-        sent.append((t.dtype, t.numel()))
-        t.mul_(2)
-        return lambda: None
+    two_ranks = _two_identical_ranks(sent, lambda t: (t.dtype, t.numel()))
     flat = torch.cat([w.flatten(), b])
     out = p.round_layers(flat, [w.shape, b.shape], "b", two_ranks, world=2, scale=0.5)
     assert out.dtype == torch.float64 and torch.equal(out, flat * 0.5)
