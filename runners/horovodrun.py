@@ -6,7 +6,7 @@
 The script runs unchanged: in every rank ``import horovod.torch as hvd`` gives spark_dl.horovod
 (Horovod's API on torch.distributed). This is ``run_script.py`` with horovodrun's spelling:
 ``-np``/``--num-proc``, the command as ``python train.py ...`` (or just ``train.py ...``),
-``--gloo`` and ``--verbose`` accepted. Spark places the ranks, so host lists (``-H``,
+``--gloo`` and ``--verbose`` accepted, ``--no-tracking`` as run_script.py's. Spark places the ranks, so host lists (``-H``,
 ``--hostfile``) are refused, and so is ``--mpi`` (no MPI here). Exit codes as run_script.py: 0 every
 rank finished; 1 the run failed or was refused; 2 bad arguments.
 """
@@ -43,6 +43,8 @@ def translate(argv: Sequence[str]) -> list[str]:
     parser.add_argument("-p", "--ssh-port", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--min-np", "--max-np", "--host-discovery-script", dest="elastic", default=None,
                         help=argparse.SUPPRESS)
+    parser.add_argument("--no-tracking", dest="tracking", action="store_false",
+                        help="log nothing to MLflow (as run_script.py's --no-tracking)")
     parser.add_argument("--gloo", action="store_true", help="accepted (collectives always go through torch.distributed)")
     parser.add_argument("--verbose", action="store_true", help="accepted")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="python script.py [args...]")
@@ -78,6 +80,8 @@ def translate(argv: Sequence[str]) -> list[str]:
         out += ["--master", args.master]
     if args.start_timeout is not None:
         out += ["--start-timeout", str(args.start_timeout)]
+    if not args.tracking:
+        out.append("--no-tracking")
     return out + command
 
 

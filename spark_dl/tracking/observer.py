@@ -15,7 +15,7 @@ from typing import Any
 
 from ..errors import LaunchRefused
 from .mlflow_writer import MlflowWriter, TrackingWarning
-from .params import clean_name, cut_from, cut_warning, flatten, is_plain, param_value
+from .params import clean_name, cut_from, cut_warning, flatten, is_plain, param_value, redact
 from .progress import ProgressBar
 from .store_check import CheckedStore, check_store
 from .system import interval_s
@@ -140,7 +140,7 @@ class TrackingObserver:
         }
         positional = {f"arg{i}": v for i, v in enumerate(job.get("args", ()))}  # run(train, 1e-3, 64)
         user = flatten({k: v for k, v in {**positional, **job["kwargs"]}.items() if is_plain(v)})
-        user = {clean_name(k): v for k, v in user.items()}
+        user = {clean_name(k): v for k, v in redact(user).items()}  # the run's arguments: no credentials
         self._log_params({**params, **{f"kwargs.{k}" if k in OWN_PARAMS else k: v for k, v in user.items()}})
         self.writer.set_tags({"spark_dl.job_id": job["job_id"]})
         if self.options.rank_logs:

@@ -70,3 +70,64 @@ def cut_warning(key: str, length: int) -> str:
 def clean_name(name: str) -> str:
     """An MLflow-valid metric/param key: unsupported characters become ``_``."""
     return _BAD_NAME_CHARS.sub("_", str(name))[:MAX_KEY] or "_"
+
+
+REDACTED = "***"
+# a name's words (split at _ - . and camelCase) that mark its value as a credential; "key" only
+# after a word that says which (api_key, access_key, ...), so "sort_key" and "max_tokens" stay
+_SECRET_WORDS = frozenset({"password", "passwd", "pwd", "secret", "token", "credential", "credentials", "apikey",
+                           "auth", "passphrase", "sas", "dsn"})
+_KEY_KINDS = frozenset({"api", "access", "private", "secret", "account", "signing", "encryption", "ssh"})
+_WORDS = re.compile(r"[A-Z]?[a-z0-9]+|[A-Z]+(?![a-z])")
+
+
+def is_secret_name(name: str) -> bool:
+    """Whether an argument called ``name`` (``hf_token``, ``--db-password``, ``apiKey``) holds a credential."""
+    words = [w.lower() for w in _WORDS.findall(str(name))]
+    return any(w in _SECRET_WORDS or (w == "key" and i > 0 and words[i - 1] in _KEY_KINDS)
+               for i, w in enumerate(words))
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """A script's command line with the values of credential options (``--token X``,
+    ``--db-password=X``) as ``***``: an option's value is the next word unless that starts with ``-``."""
+    out: list[str] = []
+    hide_next = False
+    for arg in argv:
+        if hide_next and not arg.startswith("-"):
+            out.append(REDACTED)
+            hide_next = False
+            continue
+        hide_next = False
+        if arg.startswith("-") and len(arg) > 1:
+            flag, eq, _ = arg.partition("=")
+            if is_secret_name(flag):
+                if eq:
+                    arg = f"{flag}={REDACTED}"
+                else:
+                    hide_next = True
+        out.append(arg)
+    return out
+
+
+_URL_PASSWORD = re.compile(r"(\w[\w+.-]*://[^/:@\s]*:)[^/\s]+(@)")  # to the last @ of the authority
+
+
+def _no_url_password(value: Any) -> Any:
+    return _URL_PASSWORD.sub(rf"\g<1>{REDACTED}\g<2>", value) if isinstance(value, str) else value
+
+
+def redact(params: Mapping[str, Any]) -> dict[str, Any]:
+    """The run's arguments as tracking logs them: a credential's value (by its name, see
+    :func:`is_secret_name`) as ``***``, a script's ``argv`` through :func:`redact_argv`, and the
+    password of a URL (``postgresql://user:pw@host``) as ``***``."""
+    out: dict[str, Any] = {}
+    for key, value in params.items():
+        if value is not None and value != "" and is_secret_name(key.rsplit(".", 1)[-1]):
+            value = REDACTED
+        elif key == "argv" and isinstance(value, (list, tuple)) and all(isinstance(a, str) for a in value):
+            value = [_no_url_password(a) for a in redact_argv(list(value))]
+        elif isinstance(value, (list, tuple)):
+            value = type(value)(_no_url_password(v) for v in value)
+        out[key] = _no_url_password(value)
+    return out

@@ -23,9 +23,9 @@ print(f"rank {hvd.rank()} of {hvd.size()}: sum {total}, lr {a.lr}", flush=True)
 """
 
 
-def _run(*args: str, spark: bool = False) -> subprocess.CompletedProcess:
+def _run(*args: str, spark: bool = False, **extra_env: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable,
-           "SPARK_DL_TRACKING": "0"}
+           "SPARK_DL_TRACKING": "0", **extra_env}
     if not spark:
         env["SPARK_HOME"] = "/nonexistent/spark"  # any JVM start would fail
     return subprocess.run([sys.executable, RUNNER, *args], capture_output=True, text=True, env=env, cwd=ROOT,
@@ -39,6 +39,17 @@ def test_a_horovod_script_on_local_processes(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     for r in range(2):
         assert f"rank {r} of 2: sum 3.0, lr 0.1" in proc.stdout + proc.stderr
+
+
+def test_no_tracking_logs_nothing_where_tracking_is_on_by_default(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(HOROVOD_SCRIPT)
+    store = tmp_path / "mlflow.db"
+    proc = _run("-np", "-2", "--no-tracking", "python", str(script), "--lr", "0.3",
+                SPARK_DL_TRACKING="1", MLFLOW_TRACKING_URI=f"sqlite:///{store}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 1 of 2: sum 3.0, lr 0.3" in proc.stdout + proc.stderr
+    assert not store.exists()  # not even created
 
 
 def test_interpreter_flags_a_leading_double_dash_and_start_timeout_as_horovodrun_takes_them(tmp_path):

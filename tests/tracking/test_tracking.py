@@ -761,6 +761,25 @@ def test_kwargs_named_like_spark_dls_own_params_are_logged_as_kwargs_dot_name(tr
     assert p["kwargs.world.hosts"] == "mine" and p["lr"] == "0.1"  # the others keep their names
 
 
+def world_size_main(**_):
+    import spark_dl
+
+    return spark_dl.get_context().world_size
+
+
+def test_the_runs_arguments_are_logged_without_credentials(tracking_uri, tmp_path):
+    """Tracking is on by default, so what a run is given must not land in the store in clear."""
+    assert HorovodRunner(np=-2, progress=False).run(world_size_main, hf_token="hf_abc", max_tokens=512,
+                                                    db="postgresql://bob:pw@db/x") == 2
+    p = _only_run().data.params
+    assert p["hf_token"] == "***" and p["max_tokens"] == "512" and p["db"] == "postgresql://bob:***@db/x"
+    script = tmp_path / "train.py"
+    script.write_text("import spark_dl\nspark_dl.init()\n")
+    HorovodRunner(np=-1, progress=False).run_script(script, "--lr", "0.1", "--api-key", "k1", "--token=t1")
+    run = next(r for r in _runs() if "argv" in r.data.params)
+    assert run.data.params["argv"] == "['--lr', '0.1', '--api-key', '***', '--token=***']"
+
+
 def relogging_main():
     import spark_dl
 

@@ -10,7 +10,7 @@ import pytest
 from mlflow import MlflowClient
 
 from spark_dl.tracking.mlflow_writer import MlflowWriter, TrackingWarning
-from spark_dl.tracking.params import flatten
+from spark_dl.tracking.params import flatten, is_secret_name, redact
 from spark_dl.tracking.rank import _CommSampler
 
 
@@ -46,6 +46,24 @@ def test_nested_params_are_flattened():
     assert flatten({"opt": {"name": "sgd", "betas": {"b1": 0.9}}, "lr": 1}) == {
         "opt.name": "sgd", "opt.betas.b1": 0.9, "lr": 1,
     }
+
+
+def test_credentials_are_known_by_their_names_not_by_words_inside_them():
+    secret = ["hf_token", "HF_TOKEN", "db_password", "apiKey", "api_key", "aws_secret_access_key", "sas_token",
+              "--hf-token", "auth_header", "credentials", "storage_account_key"]
+    plain = ["max_tokens", "tokenizer", "sort_key", "key", "author", "lr", "num_tokens", "keyword"]
+    assert [n for n in secret if not is_secret_name(n)] == [] and [n for n in plain if is_secret_name(n)] == []
+
+
+def test_redact_hides_credentials_by_name_in_argv_and_in_url_passwords():
+    out = redact({"hf_token": "hf_abc", "cfg.api_key": "k1", "max_tokens": 512, "token": None,
+                  "db": "postgresql://bob:s3cr@t@db:5432/x", "urls": ["https://u:p@h/a", "https://h/a:b@c"],
+                  "argv": ["--lr", "0.1", "--hf-token", "abc", "--api-key=xyz", "--token", "--verbose",
+                           "--db", "mysql://u:pw@h/x"]})
+    assert out == {"hf_token": "***", "cfg.api_key": "***", "max_tokens": 512, "token": None,
+                   "db": "postgresql://bob:***@db:5432/x", "urls": ["https://u:***@h/a", "https://h/a:b@c"],
+                   "argv": ["--lr", "0.1", "--hf-token", "***", "--api-key=***", "--token", "--verbose",
+                            "--db", "mysql://u:***@h/x"]}
 
 
 def test_compression_stats_become_per_step_metrics():
