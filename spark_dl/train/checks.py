@@ -30,3 +30,10 @@ def _span(low: float | None, high: float | None, low_open: bool, high_open: bool
     if high is not None:
         return f" {'<' if high_open else '<='} {high:g}"
     return ""
+
+
+def flag(value: Any, name: str) -> bool:
+    """``value`` if it is a bool, else a TypeError naming ``name`` (``"no"`` would count as True)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value

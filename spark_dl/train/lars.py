@@ -5,7 +5,7 @@ from typing import Any, Iterable
 
 import torch
 
-from .checks import number
+from .checks import flag, number
 
 
 def lars_trust_ratio(weight: torch.Tensor, grad: torch.Tensor, trust_coefficient: float = 0.001,
@@ -41,14 +41,16 @@ class LARS(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[Any], lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
                  trust_coefficient: float = 0.001, eps: float = 1e-9, exclude_bias_and_norm: bool = True) -> None:
-        lr = number(lr, "lr", low=0)
-        momentum = number(momentum, "momentum", low=0, high=1, high_open=True)
-        weight_decay = number(weight_decay, "weight_decay", low=0)
-        trust_coefficient = number(trust_coefficient, "trust_coefficient", low=0, low_open=True)
-        eps = number(eps, "eps", low=0)
-        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, trust_coefficient=trust_coefficient,
-                        eps=eps, exclude_bias_and_norm=exclude_bias_and_norm)
+        defaults = _checked(dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
+                                 trust_coefficient=trust_coefficient, eps=eps,
+                                 exclude_bias_and_norm=exclude_bias_and_norm))
         super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As torch's, with the group's own hyperparameters checked like the constructor's."""
+        if isinstance(param_group, dict):
+            param_group.update(_checked({**self.defaults, **param_group}, f"param group {len(self.param_groups)}: "))
+        super().add_param_group(param_group)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -79,3 +81,15 @@ class LARS(torch.optim.Optimizer):
                     buf.mul_(m).add_(d)
                 p.sub_(buf, alpha=float(group["lr"]))
         return loss
+
+
+def _checked(group: dict[str, Any], where: str = "") -> dict[str, Any]:
+    """LARS's hyperparameters in ``group``, checked; ``where`` names the param group, if any."""
+    return dict(
+        lr=number(group["lr"], f"{where}lr", low=0),
+        momentum=number(group["momentum"], f"{where}momentum", low=0, high=1, high_open=True),
+        weight_decay=number(group["weight_decay"], f"{where}weight_decay", low=0),
+        trust_coefficient=number(group["trust_coefficient"], f"{where}trust_coefficient", low=0, low_open=True),
+        eps=number(group["eps"], f"{where}eps", low=0),
+        exclude_bias_and_norm=flag(group["exclude_bias_and_norm"], f"{where}exclude_bias_and_norm"),
+    )

@@ -23,7 +23,7 @@ from typing import Any, Iterable
 
 import torch
 
-from .checks import number
+from .checks import flag, number
 
 
 class VFormSGD(torch.optim.Optimizer):
@@ -42,12 +42,15 @@ class VFormSGD(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[Any], lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
                  momentum_correction: bool = True) -> None:
-        lr = number(lr, "lr", low=0)
-        momentum = number(momentum, "momentum", low=0, high=1, high_open=True)
-        weight_decay = number(weight_decay, "weight_decay", low=0)
-        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
-                        momentum_correction=momentum_correction)
+        defaults = _checked(dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
+                                 momentum_correction=momentum_correction))
         super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As torch's, with the group's own hyperparameters checked like the constructor's."""
+        if isinstance(param_group, dict):
+            param_group.update(_checked({**self.defaults, **param_group}, f"param group {len(self.param_groups)}: "))
+        super().add_param_group(param_group)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -73,3 +76,13 @@ class VFormSGD(torch.optim.Optimizer):
                 state["lr"] = lr
                 p.sub_(v)
         return loss
+
+
+def _checked(group: dict[str, Any], where: str = "") -> dict[str, Any]:
+    """VFormSGD's hyperparameters in ``group``, checked; ``where`` names the param group, if any."""
+    return dict(
+        lr=number(group["lr"], f"{where}lr", low=0),
+        momentum=number(group["momentum"], f"{where}momentum", low=0, high=1, high_open=True),
+        weight_decay=number(group["weight_decay"], f"{where}weight_decay", low=0),
+        momentum_correction=flag(group["momentum_correction"], f"{where}momentum_correction"),
+    )

@@ -59,6 +59,10 @@ class LargeBatchRecipe:
         if self.decay == "step" and self.milestones and self.milestones[0] < self.warmup_epochs:
             raise ValueError(f"milestone epoch {self.milestones[0]:g} falls inside the warmup ({self.warmup_epochs:g} "
                              "epochs): milestones are epochs from the start and must come after the warmup")
+        # a milestone past the last epoch never fires: most likely milestones given in steps
+        if self.decay == "step" and self.milestones and self.epochs is not None and max(self.milestones) > self.epochs:
+            raise ValueError(f"milestone epoch {max(self.milestones):g} comes after the last epoch ({self.epochs:g}): "
+                             "milestones are epochs, not steps, e.g. milestones=(30, 60, 80) with epochs=90")
         if self.decay == "cosine" and (self.epochs is None or self.epochs <= self.warmup_epochs):
             raise ValueError(f"decay='cosine' anneals until epochs, which must be > warmup_epochs="
                              f"{self.warmup_epochs:g}; got epochs={self.epochs}")

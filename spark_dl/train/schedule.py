@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
-from typing import Literal, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Literal, Sequence
 
 import torch
 from torch.optim.lr_scheduler import LRScheduler
@@ -45,8 +45,10 @@ def lr_at(
       ``T = total_steps`` and ``f = final_lr``, and ``lr = f`` from ``T`` on.
     """
     _check(peak_lr, warmup_steps, warmup_start_lr, decay, milestones, gamma, total_steps, final_lr)
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
+    if isinstance(step, torch.Tensor) and step.numel() == 1:
+        step = step.item()  # as optimizers keep it in their state
+    # NaN compares False with everything: unchecked, it would run at peak_lr (or gamma**k of it)
+    step = number(step, "step", low=0)
     if step < warmup_steps:
         start = warmup_start_lr if warmup_start_lr is not None else peak_lr
         return start + (peak_lr - start) * step / warmup_steps
@@ -98,6 +100,14 @@ def _check(peak_lr: float, warmup_steps: int, warmup_start_lr: float | None, dec
             raise ValueError(f"final_lr must be in [0, peak_lr], got {final_lr}")
 
 
+def _whole(value: object, name: str) -> int:
+    """A step count as an int: ``3000.0`` is fine, ``2.7`` is refused rather than truncated to 2."""
+    value = number(value, name, low=0)
+    if value != int(value):
+        raise ValueError(f"{name} must be a whole number of optimizer steps, got {value!r}")
+    return int(value)
+
+
 @dataclass(frozen=True)
 class LRSchedule:
     """The arguments of :func:`lr_at`, validated once; calling it gives ``lr_at(step, ...)``.
@@ -117,8 +127,7 @@ class LRSchedule:
     def __post_init__(self) -> None:
         if isinstance(self.milestones, (str, bytes)) or not isinstance(self.milestones, (list, tuple)):
             raise TypeError(f"milestones must be a tuple of steps, e.g. (3000, 6000), got {self.milestones!r}")
-        object.__setattr__(self, "milestones", tuple(int(number(m, "each milestone", low=0))
-                                                     for m in self.milestones))
+        object.__setattr__(self, "milestones", tuple(_whole(m, "each milestone") for m in self.milestones))
         _check(self.peak_lr, self.warmup_steps, self.warmup_start_lr, self.decay, self.milestones,
                self.gamma, self.total_steps, self.final_lr)
 
@@ -137,11 +146,18 @@ class WarmupScheduler(LRScheduler):
     ``group_initial_lr / schedule.peak_lr``, so build the optimizer with ``lr=schedule.peak_lr``
     (groups with another lr keep their ratio to it, as with ``LambdaLR``). Works with any
     ``torch.optim.Optimizer``, including one wrapped by ``spark_dl.horovod.DistributedOptimizer``.
+
+    ``state_dict()`` holds plain Python values (the schedule as a dict), so a checkpoint loads
+    with ``torch.load``'s default ``weights_only=True``; ``load_state_dict`` restores the step
+    count and the checkpoint's schedule, as torch's schedulers restore their own arguments.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, schedule: LRSchedule, last_epoch: int = -1) -> None:
         if not isinstance(schedule, LRSchedule):
             raise TypeError(f"schedule must be an LRSchedule, got {type(schedule).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}; "
+                            "pass the optimizer (e.g. torch.optim.SGD(model.parameters(), ...)), not the model")
         if schedule.peak_lr <= 0:
             raise ValueError("WarmupScheduler scales groups by lr / peak_lr, so peak_lr must be > 0")
         initial = [g.get("initial_lr", g["lr"]) for g in optimizer.param_groups]
@@ -154,6 +170,18 @@ class WarmupScheduler(LRScheduler):
             )
         self.schedule = schedule
         super().__init__(optimizer, last_epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["schedule"] = asdict(self.schedule)  # not the dataclass: weights_only loads refuse it
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = dict(state_dict)
+        schedule = state.pop("schedule", self.schedule)
+        schedule = schedule if isinstance(schedule, LRSchedule) else LRSchedule(**schedule)
+        super().load_state_dict(state)
+        self.schedule = schedule
 
     def get_lr(self) -> list[float]:
         factor = self.schedule(self.last_epoch) / self.schedule.peak_lr

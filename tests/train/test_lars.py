@@ -110,6 +110,39 @@ def test_hyperparameters_of_the_wrong_kind_are_named(kwargs, error, match):
             optimizer(p, **kwargs)
 
 
+@pytest.mark.parametrize("optimizer, group, error, match", [
+    ("LARS", {"lr": -1.0}, ValueError, r"param group 1: lr must be a finite number >= 0, got -1.0"),
+    ("VFormSGD", {"lr": -1.0}, ValueError, r"param group 1: lr must be a finite number >= 0, got -1.0"),
+    ("LARS", {"momentum": 2.0}, ValueError, r"param group 1: momentum must be a finite number in \[0, 1\), got 2.0"),
+    ("VFormSGD", {"weight_decay": "1e-4"}, TypeError, "param group 1: weight_decay must be a number >= 0"),
+    ("LARS", {"trust_coefficient": 0.0}, ValueError, "param group 1: trust_coefficient must be a finite number > 0"),
+    ("LARS", {"exclude_bias_and_norm": "no"}, TypeError, "param group 1: exclude_bias_and_norm must be True or False"),
+    ("VFormSGD", {"momentum_correction": None}, TypeError, "param group 1: momentum_correction must be True or False"),
+])
+def test_param_group_hyperparameters_are_checked_like_the_constructors(optimizer, group, error, match):
+    import spark_dl.train
+
+    optimizer = getattr(spark_dl.train, optimizer)
+    a, b = torch.nn.Parameter(torch.zeros(2, 2)), torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(error, match=match):
+        optimizer([{"params": [a]}, {"params": [b], **group}], lr=0.1)
+    # and through add_param_group, as when unfreezing layers; the refused group is not added
+    opt = optimizer([a], lr=0.1)
+    with pytest.raises(error, match=match):
+        opt.add_param_group({"params": [b], **group})
+    assert len(opt.param_groups) == 1
+
+
+def test_flags_must_be_bools():
+    from spark_dl.train import VFormSGD
+
+    p = [torch.nn.Parameter(torch.zeros(2, 2))]
+    with pytest.raises(TypeError, match="exclude_bias_and_norm must be True or False, got 'no'"):
+        LARS(p, lr=0.1, exclude_bias_and_norm="no")  # a non-empty str would count as True
+    with pytest.raises(TypeError, match="momentum_correction must be True or False, got None"):
+        VFormSGD(p, lr=0.1, momentum_correction=None)  # None would silently drop the correction
+
+
 def test_a_sparse_gradient_is_refused_with_the_reason():
     emb = torch.nn.Embedding(4, 2, sparse=True)
     opt = LARS(emb.parameters(), lr=0.1)

@@ -177,6 +177,66 @@ def test_recipe_pickles_and_scheduler_resumes_from_a_checkpoint():
     assert seen == pytest.approx([r.lr_at(t) for t in range(6, 20)], rel=1e-12)
 
 
+def test_scheduler_checkpoint_loads_with_torch_load_defaults():
+    # torch.load defaults to weights_only=True (torch >= 2.6): the state must be plain values.
+    import io
+
+    r = LargeBatchRecipe(0.1, 256, per_rank_batch=32, world_size=32, steps_per_epoch=4, warmup_epochs=2,
+                         milestones=(4,))
+    w = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([w], lr=r.peak_lr, momentum=0.9)
+    sched = r.scheduler(opt)
+    for _ in range(5):
+        w.grad = torch.ones(2)
+        opt.step()
+        sched.step()
+    buf = io.BytesIO()
+    torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, buf)
+    buf.seek(0)
+    checkpoint = torch.load(buf)
+
+    w2 = torch.nn.Parameter(torch.zeros(2))
+    opt2 = torch.optim.SGD([w2], lr=r.peak_lr, momentum=0.9)
+    sched2 = r.scheduler(opt2)
+    opt2.load_state_dict(checkpoint["optimizer"])
+    sched2.load_state_dict(checkpoint["scheduler"])
+    assert sched2.schedule == r.schedule and sched2.last_epoch == 5
+    seen = []
+    for _ in range(15):
+        seen.append(opt2.param_groups[0]["lr"])
+        w2.grad = torch.ones(2)
+        opt2.step()
+        sched2.step()
+    assert seen == pytest.approx([r.lr_at(t) for t in range(5, 20)], rel=1e-12)
+
+
+def test_scheduler_refuses_a_model_in_place_of_the_optimizer():
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(TypeError, match=r"optimizer must be a torch.optim.Optimizer, got Linear; pass the optimizer"):
+        WarmupScheduler(model, LRSchedule(peak_lr=0.1))
+
+
+def test_schedule_takes_whole_float_milestones_and_tensor_steps():
+    s = LRSchedule(peak_lr=1.0, warmup_steps=4, warmup_start_lr=0.0, decay="step", milestones=(3000.0,))
+    assert s.milestones == (3000,)
+    assert s(torch.tensor(2.0)) == s(2) == 0.5  # optimizers keep their step as a 0-d tensor
+
+
+def test_scheduler_is_followed_by_another_through_sequential_lr():
+    w = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([w], lr=0.8)
+    warmup = WarmupScheduler(opt, LRSchedule(peak_lr=0.8, warmup_steps=4, warmup_start_lr=0.1))
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4)
+    sched = torch.optim.lr_scheduler.SequentialLR(opt, [warmup, cosine], milestones=[4])
+    seen = []
+    for _ in range(9):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert seen == pytest.approx([0.1, 0.275, 0.45, 0.625, 0.8, 0.4 * (1 + math.cos(math.pi / 4)), 0.4,
+                                  0.4 * (1 - math.cos(math.pi / 4)), 0.0], abs=1e-12)
+
+
 RECIPE_ARGS = dict(base_lr=0.1, base_batch=256, per_rank_batch=32, world_size=8, steps_per_epoch=10)
 
 
@@ -191,6 +251,8 @@ RECIPE_ARGS = dict(base_lr=0.1, base_batch=256, per_rank_batch=32, world_size=8,
     ({"milestones": (2,)}, ValueError, r"milestone epoch 2 falls inside the warmup \(5 epochs\)"),
     ({"decay": "cosine"}, ValueError, "decay='cosine' anneals until epochs, which must be > warmup_epochs=5; got "
                                       "epochs=None"),
+    ({"milestones": (30, 4680), "epochs": 90}, ValueError,
+     r"milestone epoch 4680 comes after the last epoch \(90\): milestones are epochs, not steps"),
 ])
 def test_recipe_arguments_of_the_wrong_kind_are_named(change, error, match):
     with pytest.raises(error, match=match):
@@ -212,6 +274,10 @@ def test_recipe_takes_numpy_counts():
     (lambda: LRSchedule(peak_lr=1.0, decay="step", milestones=("a",)), TypeError, "each milestone must be a number"),
     (lambda: LRSchedule(peak_lr=1.0, warmup_steps=10, warmup_start_lr=float("nan")), ValueError,
      "warmup_start_lr must be a finite number >= 0"),
+    (lambda: lr_at(float("nan"), peak_lr=1.0), ValueError, "step must be a finite number >= 0, got nan"),
+    (lambda: lr_at(None, peak_lr=1.0), TypeError, "step must be a number >= 0, got None"),
+    (lambda: LRSchedule(peak_lr=1.0, decay="step", milestones=(2.7,)), ValueError,
+     "each milestone must be a whole number of optimizer steps, got 2.7"),
 ])
 def test_schedule_arguments_of_the_wrong_kind_are_named(call, error, match):
     with pytest.raises(error, match=match):
