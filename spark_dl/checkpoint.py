@@ -15,12 +15,13 @@ import operator
 import os
 import pickle
 import shutil
+import socket
 import struct
 import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 from . import rank as rank_api
 from .channel import send_reply
@@ -31,7 +32,8 @@ def save_checkpoint(state: Any, step: int | None = None) -> bool:
     """Make ``state`` this run's latest checkpoint; returns once the driver has stored it.
 
     Only rank 0's state is kept: on other ranks (and outside a rank process) this does nothing
-    and returns False, so every rank may call it. ``state`` is anything cloudpickle can pickle,
+    and returns False, so every rank may call it; in a process a rank started, it raises.
+    ``state`` is anything cloudpickle can pickle,
     typically ``{"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch}``;
     ``step`` is shown in the driver's restart message. Metrics logged before the call reach the
     driver before the checkpoint, so a restart loses none of them. It passes through the driver's memory:
@@ -42,7 +44,7 @@ def save_checkpoint(state: Any, step: int | None = None) -> bool:
             step = operator.index(step)  # ints, numpy ints; the driver stores it in a JSON header
         except TypeError:
             raise TypeError(f"save_checkpoint: step must be an int or None, got {step!r}") from None
-    if not rank_api.in_rank_process() or rank_api.get_context().rank != 0:
+    if not _in_rank_process("save_checkpoint") or rank_api.get_context().rank != 0:
         return False
     import cloudpickle
 
@@ -67,9 +69,9 @@ def load_checkpoint() -> Any | None:
 
     Every rank gets the same state. On a run's first attempt nothing has been saved yet, so
     this returns None, unless ``checkpoint_dir`` holds an earlier run's (outside a rank process,
-    always None).
+    always None; in a process a rank started, it raises).
     """
-    if not rank_api.in_rank_process():
+    if not _in_rank_process("load_checkpoint"):
         return None
     reply = rank_api.request("checkpoint/load", {})
     if "error" in reply:
@@ -79,6 +81,21 @@ def load_checkpoint() -> Any | None:
     import cloudpickle
 
     return cloudpickle.loads(reply["blob"])
+
+
+def _in_rank_process(name: str) -> bool:
+    """Whether this is a rank process; outside one the checkpoint functions do nothing. A process
+    a rank started (it inherits the rank's environment, not its link to the driver) raises: there,
+    doing nothing would lose the checkpoint without a word."""
+    if rank_api.in_rank_process():
+        return True
+    if os.environ.get("SPARK_DL_JOB_ID"):
+        raise RuntimeError(
+            f"{name} was called in a process started by a spark-dl rank (pid {os.getpid()}: a subprocess, or a "
+            "DataLoader worker of the 'spawn' start method), which has no link to the driver: call it in the rank's "
+            "own process (run a training script with HorovodRunner.run_script, not a subprocess)"
+        )
+    return False
 
 
 @dataclass(frozen=True)
@@ -95,6 +112,7 @@ class CheckpointInfo:
 _MAGIC = b"SPARKDL-CKPT-1\n"
 _HEADER = struct.Struct(">Q")
 FILE_NAME = "latest.ckpt"
+LOCK_NAME = ".lock"
 
 
 class CheckpointStore:
@@ -102,18 +120,22 @@ class CheckpointStore:
 
     Without a directory it lives in a private temporary one, removed by :meth:`close`. With
     ``directory`` (``HorovodRunner(checkpoint_dir=...)``) it is the file ``latest.ckpt`` there,
-    kept after the run, and a checkpoint already in it is what the first attempt resumes from.
-    Either way it is replaced atomically: a failed write leaves the previous one in place.
+    kept after the run, and a checkpoint already in it is what the first attempt resumes from; the
+    run holds the directory (a lock on ``.lock`` there) until :meth:`close`, so a second run cannot
+    overwrite its checkpoints. Either way it is replaced atomically: a failed write leaves the
+    previous one in place.
     File: magic line | u64 header length | JSON header (step, attempt, saved_at, nbytes, job_id) | blob.
     """
 
     def __init__(self, directory: str | os.PathLike | None = None, job_id: str = "") -> None:
         self._lock = threading.Lock()
         self._keep = directory is not None
-        self._dir: str | None = os.path.abspath(os.fspath(directory)) if directory is not None else None
+        self._dir: str | None = (os.path.abspath(os.path.expanduser(os.fspath(directory)))
+                                 if directory is not None else None)
         self.job_id = job_id
         self.info: CheckpointInfo | None = None
         self.attempt = 0
+        self._lock_file: BinaryIO | None = None
         if self._dir is not None:
             self._open_directory()
 
@@ -125,20 +147,50 @@ class CheckpointStore:
             fd, probe = tempfile.mkstemp(dir=self._dir, prefix=".spark-dl-probe-")
             os.close(fd)
             os.unlink(probe)
+            lock = open(os.path.join(self._dir, LOCK_NAME), "a+b")  # a file object: closed if the store is dropped
         except OSError as e:
             raise LaunchRefused(
                 f"{where} cannot hold checkpoints: {type(e).__name__}: {e}. Pass a directory the driver "
                 "can write (it is created if missing)."
             ) from e
+        self._hold(lock, where)
         path = self._path()
         if os.path.exists(path):
             try:
                 with open(path, "rb") as f:
                     self.info, _ = _read_header(f)
             except (OSError, ValueError) as e:
+                self.close()
                 raise LaunchRefused(
                     f"{path} is not a spark-dl checkpoint ({e}). Delete it to start over, or pass another checkpoint_dir."
                 ) from e
+
+    def _hold(self, lock: BinaryIO, where: str) -> None:
+        """Lock the directory (through its open ``lock`` file) for this run: two runs writing one
+        checkpoint (a job retried while its first driver still runs) would each overwrite the other's.
+        The OS drops the lock when the driver dies, so a run after a killed driver resumes at once."""
+        try:
+            import fcntl
+        except ImportError:  # not POSIX: unguarded
+            lock.close()
+            return
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read(1024).decode(errors="replace").strip() or "another run"
+            lock.close()
+            raise LaunchRefused(
+                f"{where} is in use by {holder}: two runs writing one checkpoint overwrite each other's. Wait for "
+                "that run to end (or stop it), or pass another checkpoint_dir."
+            ) from None
+        except OSError:  # a file system without locks (some FUSE mounts): unguarded
+            lock.close()
+            return
+        lock.truncate(0)
+        lock.write(f"run {self.job_id} (pid {os.getpid()} on {socket.gethostname()})".encode())
+        lock.flush()
+        self._lock_file = lock
 
     def _path(self) -> str:
         if self._dir is None:
@@ -151,13 +203,21 @@ class CheckpointStore:
             info = CheckpointInfo(step, self.attempt, len(blob), time.time(), self.job_id)
             header = json.dumps(dataclasses.asdict(info)).encode()
             tmp = path + ".tmp"
-            with open(tmp, "wb") as f:
-                f.write(_MAGIC + _HEADER.pack(len(header)) + header)
-                f.write(blob)
-                if self._keep:  # a driver that dies next must find the whole file
-                    f.flush()
-                    os.fsync(f.fileno())
-            os.replace(tmp, path)
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(_MAGIC + _HEADER.pack(len(header)) + header)
+                    f.write(blob)
+                    if self._keep:  # a driver that dies next must find the whole file
+                        f.flush()
+                        os.fsync(f.fileno())
+                os.replace(tmp, path)
+            except OSError as e:  # a full disk: the part written would hold its space until the next save
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+                raise OSError(f"writing {path} failed ({e.strerror or e}); the previous checkpoint is kept. Free "
+                              "space on that disk, or pass a checkpoint_dir on a disk with room for the state") from e
             self.info = info
 
     def load(self) -> bytes | None:
@@ -214,6 +274,9 @@ class CheckpointStore:
                 shutil.rmtree(self._dir, ignore_errors=True)
                 self._dir = None
                 self.info = None
+            if self._lock_file is not None:  # releases the directory to the next run
+                self._lock_file.close()
+                self._lock_file = None
 
 
 def _read_header(f) -> tuple[CheckpointInfo, int]:

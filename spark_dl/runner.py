@@ -211,24 +211,28 @@ class HorovodRunner:
         attempt = 0
         sizes = [launcher.world_size]
         store = CheckpointStore(self.checkpoint_dir, job_id)
-        if store.from_earlier_run():
-            sys.stderr.write(f"[spark-dl] resuming from {self.checkpoint_dir}: {store.describe()}\n")
-            sys.stderr.flush()
-        tracker = make_observer(self.tracking, self.progress)
-        observers = [*self.observers, *([tracker] if tracker is not None else [])]
-        job = {
-            "job_id": job_id,
-            "np": self.np,
-            "mode": "local" if self.np < 0 else "spark",
-            "world_size": launcher.world_size,
-            "num_tasks": launcher.num_tasks,
-            "ranks_per_task": launcher.ranks_per_task,
-            "main": getattr(main, "__qualname__", repr(main)),
-            "kwargs": dict(kwargs),
-            "args": tuple(args),
-        }
-        for o in observers:
-            o.on_start(job)
+        try:
+            if store.from_earlier_run():
+                sys.stderr.write(f"[spark-dl] resuming from {self.checkpoint_dir}: {store.describe()}\n")
+                sys.stderr.flush()
+            tracker = make_observer(self.tracking, self.progress)
+            observers = [*self.observers, *([tracker] if tracker is not None else [])]
+            job = {
+                "job_id": job_id,
+                "np": self.np,
+                "mode": "local" if self.np < 0 else "spark",
+                "world_size": launcher.world_size,
+                "num_tasks": launcher.num_tasks,
+                "ranks_per_task": launcher.ranks_per_task,
+                "main": getattr(main, "__qualname__", repr(main)),
+                "kwargs": dict(kwargs),
+                "args": tuple(args),
+            }
+            for o in observers:
+                o.on_start(job)
+        except BaseException:  # e.g. MLflow unreachable: the run that follows the fix needs checkpoint_dir free
+            store.close()
+            raise
         earlier: list[JobFailed] = []
         grows = 0
         outcome: BaseException | None = None

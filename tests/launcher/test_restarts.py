@@ -251,7 +251,7 @@ def test_checkpoint_dir_keeps_the_checkpoint_for_a_later_run(tmp_path, capfd):
     d = tmp_path / "ckpt"  # created on first use
     with pytest.raises(RankFailed):  # no restarts: the run fails, its checkpoint of step 9 stays
         HorovodRunner(np=-2, checkpoint_dir=d).run(resumable, steps=20)
-    assert os.listdir(d) == ["latest.ckpt"]
+    assert sorted(os.listdir(d)) == [".lock", "latest.ckpt"]  # and no half-written file
     capfd.readouterr()
     outs = HorovodRunner(np=-2, checkpoint_dir=str(d)).run_all(resumable, steps=20, fail_rank=-1)
     assert [(o["attempt"], o["loaded"], o["w"]) for o in outs] == [(0, 9, [40.0] * 3)] * 2
@@ -281,6 +281,127 @@ def test_a_truncated_checkpoint_fails_the_rank_that_loads_it(tmp_path):
     (d / "latest.ckpt").write_bytes(data[:-10])
     with pytest.raises(RankFailed, match=r"the driver could not read the checkpoint: ValueError: .*latest.ckpt is truncated"):
         HorovodRunner(np=-1, checkpoint_dir=d).run(resumable, steps=5, fail_rank=-1)
+
+
+# a driver of its own, so the test can kill it: rank 0 saves steps 0-4, says so, then trains on
+KILLED_DRIVER = """
+import os, sys, time
+import spark_dl
+
+def main(marker):
+    import torch
+
+    for step in range(5):
+        spark_dl.save_checkpoint({"step": step, "w": torch.full((3,), float(step + 1))}, step=step)
+    with open(marker, "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(120)
+
+spark_dl.HorovodRunner(np=-1, checkpoint_dir=sys.argv[1]).run(main, marker=sys.argv[2])
+"""
+
+
+def test_a_checkpoint_dir_in_use_is_refused_and_a_killed_drivers_run_resumes(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    d, marker = tmp_path / "ckpt", tmp_path / "rank.pid"
+    driver = subprocess.Popen([sys.executable, "-c", KILLED_DRIVER, str(d), str(marker)])
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists() and driver.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert marker.exists(), "the first driver's rank 0 never got to step 4"
+        t = time.monotonic()
+        # a second run (the job retried while its first driver still runs) would overwrite its checkpoints
+        with pytest.raises(LaunchRefused, match=rf"checkpoint_dir='{re.escape(str(d))}' is in use by run spark-dl-\w+ "
+                                                rf"\(pid {driver.pid} on .+\): two runs writing one checkpoint "
+                                                r"overwrite each other's. Wait for that run to end"):
+            HorovodRunner(np=-1, checkpoint_dir=d).run(resumable, steps=20, fail_rank=-1)
+        assert time.monotonic() - t < 5
+        driver.send_signal(signal.SIGKILL)  # the driver dies mid-run: the OS releases the directory
+        driver.wait(30)
+    finally:
+        driver.kill()
+    assert wait_all_dead([int(marker.read_text())], timeout=10) == []  # its rank went with it
+    out = HorovodRunner(np=-1, checkpoint_dir=d).run(resumable, steps=20, fail_rank=-1)
+    assert (out["attempt"], out["loaded"], out["start"], out["w"]) == (0, 4, 5, [20.0] * 3)
+
+
+class FailsToStart:
+    def on_start(self, job):
+        raise ConnectionError("the tracking server is down")
+
+
+def test_a_run_that_fails_to_start_releases_its_checkpoint_dir(tmp_path):
+    runner = HorovodRunner(np=-1, checkpoint_dir=tmp_path)
+    runner.observers.append(FailsToStart())
+    with pytest.raises(ConnectionError) as failed:  # kept, as a notebook keeps the last traceback (and its frames)
+        runner.run(resumable, steps=5, fail_rank=-1)
+    runner.observers.clear()
+    assert runner.run(resumable, steps=5, fail_rank=-1)["w"] == [5.0] * 3
+    assert "the tracking server is down" in str(failed.value)
+
+
+FULL_DISK_DRIVER = """
+import os, resource, signal, sys
+import spark_dl
+
+def main():
+    spark_dl.save_checkpoint({"step": 1}, step=1)
+    spark_dl.save_checkpoint({"step": 2, "w": os.urandom(4 << 20)}, step=2)
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, resource.RLIM_INFINITY))
+try:
+    spark_dl.HorovodRunner(np=-1, checkpoint_dir=sys.argv[1]).run(main)
+except spark_dl.RankFailed as e:
+    print(e.summary)
+"""
+
+
+def test_a_checkpoint_that_does_not_fit_on_the_disk_keeps_the_last_one_and_leaves_no_part(tmp_path):
+    import subprocess
+    import sys
+
+    from spark_dl.checkpoint import CheckpointStore
+
+    d = tmp_path / "ckpt"
+    out = subprocess.run([sys.executable, "-c", FULL_DISK_DRIVER, str(d)], capture_output=True, text=True, timeout=120)
+    assert (f"the driver could not store the checkpoint: OSError: writing {d / 'latest.ckpt'} failed (File too large); "
+            "the previous checkpoint is kept. Free space on that disk, or pass a checkpoint_dir on a disk with room "
+            "for the state") in out.stdout, out.stdout + out.stderr
+    assert sorted(os.listdir(d)) == [".lock", "latest.ckpt"]  # the 2 MB written before the failure are freed
+    assert CheckpointStore(d).info.step == 1
+
+
+def test_checkpoint_dir_expands_the_home_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    HorovodRunner(np=-1, checkpoint_dir="~/ckpt").run(resumable, steps=5, fail_rank=-1)
+    assert (tmp_path / "home" / "ckpt" / "latest.ckpt").exists() and os.listdir(tmp_path / "cwd") == []
+
+
+def test_checkpoints_in_a_process_the_rank_started_raise_instead_of_doing_nothing():
+    def main():
+        import subprocess
+        import sys
+
+        code = ("import spark_dl\n"
+                "for f in (lambda: spark_dl.save_checkpoint({'a': 1}), spark_dl.load_checkpoint):\n"
+                "    try:\n"
+                "        print(f())\n"
+                "    except RuntimeError as e:\n"
+                "        print(e)\n")
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout
+
+    out = HorovodRunner(np=-1).run(main).splitlines()
+    assert len(out) == 2, out
+    for line, name in zip(out, ("save_checkpoint", "load_checkpoint")):
+        assert line.startswith(f"{name} was called in a process started by a spark-dl rank (pid "), line
+        assert "which has no link to the driver: call it in the rank's own process" in line
 
 
 def hangs_on_first_attempt(pid_dir):
