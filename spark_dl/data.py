@@ -140,6 +140,7 @@ class DataFrameShards:
         self.empty_hint = ""  # what the refusal of an empty DataFrame adds: the fix, where the caller knows it
         # the fix for fewer rows than ranks, where the caller knows better ones (an estimator has no shards())
         self.few_rows_hint = "use shards(df, remainder='pad') (ranks wrap around), fewer ranks, or more rows"
+        self.few_rows_reason = "remainder='drop' leaves every rank empty"
 
     @functools.cached_property
     def schema(self):
@@ -160,8 +161,8 @@ class DataFrameShards:
             raise LaunchRefused(f"the DataFrame {which} is empty: there is nothing to shard{self.empty_hint}")
         if rows < np and self.spec.remainder == "drop":
             raise LaunchRefused(
-                f"the DataFrame {which} has {rows} row(s), fewer than the {np} ranks: remainder='drop' leaves "
-                f"every rank empty; {self.few_rows_hint}")
+                f"the DataFrame {which} has {rows} row(s), fewer than the {np} ranks: {self.few_rows_reason}; "
+                f"{self.few_rows_hint}")
 
 
 class ShardSet:

@@ -433,6 +433,7 @@ class TorchEstimator:
             columns = columns + [weights]
         train, held_out = self._split(df)
         data = shards(train, columns, shuffle=self.shuffle, seed=self.seed)
+        data.few_rows_reason = "each rank trains on rows of its own"
         data.few_rows_hint = (f"give it at least num_proc={self.num_proc} rows, or use a smaller num_proc"
                               + (" (or hold fewer rows out with validation=)" if self.validation is not None else ""))
         # every held-out row once per rank's share ("pad" repeats a few when they do not divide evenly;
@@ -896,7 +897,8 @@ class TorchModel:
 
         from .data import quoted
 
-        sample = df.select(*[quoted(c) for c in self.feature_cols]).limit(1).toArrow()
+        # a column the model takes twice is read twice from one copy (Arrow's lookup refuses a name held twice)
+        sample = df.select(*[quoted(c) for c in dict.fromkeys(self.feature_cols)]).limit(1).toArrow()
         if sample.num_rows == 0:
             raise LaunchRefused("the DataFrame is empty: nothing to predict")
         features = _features(sample, self.feature_cols, kinds, _float_dtype(self.model), self.input_shapes)

@@ -517,14 +517,20 @@ def test_transform_leaves_the_models_mode_as_it_was(spark):
     assert not model.training
 
 
+def test_a_model_taking_one_column_twice_transforms(spark):
+    predicted = TorchModel(TwoInputs(), ["a", "a"]).transform(_regression(spark).limit(3)).collect()
+    assert len(predicted) == 3 and all(isinstance(r["prediction"], float) for r in predicted)
+
+
 def test_refusals_name_what_a_torch_estimator_takes(spark):
     est = dict(model=TwoInputs(), optimizer=functools.partial(torch.optim.SGD, lr=0.1),
                loss=torch.nn.functional.mse_loss, feature_cols=["a", "b"], label_cols="y", verbose=0)
     df = _regression(spark)
-    with pytest.raises(LaunchRefused, match=r"has 1 row\(s\), fewer than the 2 ranks: .*give it at least num_proc=2 "
-                                            r"rows, or use a smaller num_proc") as caught:
+    with pytest.raises(LaunchRefused, match=r"has 1 row\(s\), fewer than the 2 ranks: each rank trains on rows of "
+                                            r"its own; give it at least num_proc=2 rows, or use a smaller num_proc") \
+            as caught:
         TorchEstimator(**est, num_proc=2).fit(df.limit(1))
-    assert "shards(" not in str(caught.value)
+    assert "shards(" not in str(caught.value) and "remainder" not in str(caught.value)
     with pytest.raises(LaunchRefused, match=r"num_proc=5 needs 5 task slots at once.*Use num_proc <= 4") as caught:
         TorchEstimator(**est, num_proc=5).fit(df)
     assert "np=" not in str(caught.value).replace("num_proc=", "")
