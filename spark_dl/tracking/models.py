@@ -54,6 +54,31 @@ def _signature_kwargs(model: Any, input_example: Any, name: str = "model") -> di
         return {}
 
 
+def pip_requirements(model: Any) -> list[str]:
+    """The pinned pip requirements of a pickled ``model``: MLflow's defaults for the pytorch flavor
+    (torch, cloudpickle) and the installed distributions whose packages define its modules'
+    classes or their bases (``torchvision``, ``timm``, ``lightning``, ...). MLflow infers them by loading the model in a
+    subprocess, which costs about 5 s per logged model; what loading imports is these classes'
+    packages (MLflow adds itself)."""
+    from importlib import metadata
+
+    import mlflow.pytorch
+
+    out = {r.split("==")[0]: r for r in mlflow.pytorch.get_default_pip_requirements()}
+    owners = metadata.packages_distributions()
+    # the classes' bases too: a LightningModule subclass defined in a notebook still imports lightning
+    classes = {c for m in model.modules() for c in type(m).__mro__}
+    for package in sorted({c.__module__.split(".")[0] for c in classes}):
+        for dist in owners.get(package, []):
+            if dist not in out:
+                try:
+                    # a local label (2.13.0+cpu) is not on PyPI: MLflow drops it the same way
+                    out[dist] = f"{dist}=={metadata.version(dist).split('+')[0]}"
+                except metadata.PackageNotFoundError:
+                    pass
+    return sorted(out.values())
+
+
 def log_torch_model(model: Any, name: str, input_example: Any, run_id: str, client: Any = None) -> None:
     """Log ``model`` (an ``nn.Module``, or a ``state_dict``) as ``runs:/<run_id>/<name>``."""
     import mlflow
@@ -69,6 +94,7 @@ def log_torch_model(model: Any, name: str, input_example: Any, run_id: str, clie
         return
     model.eval()
     kwargs = _signature_kwargs(model, input_example, name)
+    kwargs["pip_requirements"] = pip_requirements(model)
     takes = inspect.signature(mlflow.pytorch.log_model).parameters
     if "serialization_format" in takes:
         # MLflow 3's default ('pt2') traces forward() with torch.export: it refuses a model logged

@@ -1,6 +1,7 @@
 """MLflow tracking of HorovodRunner runs, against real MLflow stores (local SQLite and `mlflow server`)."""
 from __future__ import annotations
 
+import importlib.metadata
 import re
 import time
 import warnings
@@ -416,6 +417,26 @@ def test_log_model_from_rank0_is_loadable(tracking_uri):
     assert info.signature is not None and tuple(info.signature.inputs.to_dict()[0]["tensor-spec"]["shape"]) == (-1, 4)
     state = mlflow.pytorch.load_state_dict(f"runs:/{run.info.run_id}/weights")
     assert torch.allclose(state["0.weight"], expected[0].weight + 1.0)
+    # pinned, and without the +cpu label pip could not install
+    reqs = open(mlflow.artifacts.download_artifacts(f"runs:/{run.info.run_id}/model/requirements.txt")).read()
+    assert set(reqs.split()) == {f"mlflow=={mlflow.__version__}", f"torch=={torch.__version__.split('+')[0]}",
+                                 f"cloudpickle=={importlib.metadata.version('cloudpickle')}"}
+
+
+def test_a_models_requirements_name_the_packages_its_classes_and_their_bases_come_from():
+    import lightning
+    import torch
+
+    from spark_dl.tracking.models import pip_requirements
+
+    class Net(lightning.LightningModule):  # defined here: only its base names a package
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+    assert pip_requirements(Net()) == sorted([f"cloudpickle=={importlib.metadata.version('cloudpickle')}",
+                                              f"lightning=={lightning.__version__}",
+                                              f"torch=={torch.__version__.split('+')[0]}"])
 
 
 def test_a_run_short_enough_for_one_batch_still_has_its_speed(tracking_uri):
