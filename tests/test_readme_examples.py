@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 import pathlib
 import re
-import subprocess
 import sys
 
 import pytest
+
+from script_forks import ScriptForks
 
 README = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
 
@@ -41,13 +42,20 @@ def block(heading: str, index: int) -> str:
     return re.findall(r"```python\n(.*?)```", section, re.S)[index]
 
 
+@pytest.fixture(scope="module")
+def python():
+    """``python example.py``, minus the ~3 s of imports each fresh interpreter pays (tests/script_forks.py)."""
+    forks = ScriptForks({**os.environ, "PYSPARK_PYTHON": sys.executable})
+    yield forks
+    forks.close()
+
+
 @pytest.mark.parametrize("heading,index", EXAMPLES, ids=[f"{h[3:]}-{i}" for h, i in EXAMPLES])
-def test_readme_example_runs(heading, index, tmp_path):
+def test_readme_example_runs(heading, index, tmp_path, python):
     (tmp_path / "example.py").write_text(block(heading, index))
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "SPARK_DL_TRACKING": "1",
            "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
-    proc = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = python.run(str(tmp_path / "example.py"), str(tmp_path), env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # a "# ..." line right after a print(...) is what the README says it prints
     lines = block(heading, index).splitlines()
