@@ -57,9 +57,9 @@ def _signature_kwargs(model: Any, input_example: Any, name: str = "model") -> di
 def pip_requirements(model: Any) -> list[str]:
     """The pinned pip requirements of a pickled ``model``: MLflow's defaults for the pytorch flavor
     (torch, cloudpickle) and the installed distributions whose packages define its modules'
-    classes or their bases (``torchvision``, ``timm``, ``lightning``, ...). MLflow infers them by loading the model in a
-    subprocess, which costs about 5 s per logged model; what loading imports is these classes'
-    packages (MLflow adds itself)."""
+    classes or their bases (``torchvision``, ``timm``, ``lightning``, ...), which are what loading
+    it imports (MLflow adds itself). MLflow would infer them by loading the model in a subprocess,
+    about 5 s per logged model."""
     from importlib import metadata
 
     import mlflow.pytorch
@@ -68,7 +68,7 @@ def pip_requirements(model: Any) -> list[str]:
     owners = metadata.packages_distributions()
     # the classes' bases too: a LightningModule subclass defined in a notebook still imports lightning
     classes = {c for m in model.modules() for c in type(m).__mro__}
-    for package in sorted({c.__module__.split(".")[0] for c in classes}):
+    for package in sorted({(getattr(c, "__module__", None) or "").split(".")[0] for c in classes} - {""}):
         for dist in owners.get(package, []):
             if dist not in out:
                 try:

@@ -145,35 +145,33 @@ def test_scheduler_keeps_group_ratios_and_refuses_an_unscaled_optimizer():
         WarmupScheduler(built_with_base_lr, LRSchedule(peak_lr=3.2, warmup_steps=5, warmup_start_lr=0.1))
 
 
+def _trained(r, steps=0, checkpoint=None):
+    """A one-weight SGD under ``r``'s scheduler, restored from ``checkpoint`` (optimizer, scheduler
+    states) if given, then stepped ``steps`` times; returns it with the lr each step ran at."""
+    w = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([w], lr=r.peak_lr, momentum=0.9)
+    sched = r.scheduler(opt)
+    if checkpoint is not None:
+        opt.load_state_dict(checkpoint[0])
+        sched.load_state_dict(checkpoint[1])
+    seen = []
+    for _ in range(steps):
+        seen.append(opt.param_groups[0]["lr"])
+        w.grad = torch.ones(2)
+        opt.step()
+        sched.step()
+    return opt, sched, seen
+
+
 def test_recipe_pickles_and_scheduler_resumes_from_a_checkpoint():
     import pickle
 
     r = LargeBatchRecipe(0.1, 256, per_rank_batch=32, world_size=32, steps_per_epoch=4, warmup_epochs=2,
                          milestones=(4,))
     assert pickle.loads(pickle.dumps(r)) == r
-
-    def fresh():
-        w = torch.nn.Parameter(torch.zeros(2))
-        opt = torch.optim.SGD([w], lr=r.peak_lr, momentum=0.9)
-        return w, opt, r.scheduler(opt)
-
-    w, opt, sched = fresh()
-    for _ in range(6):
-        w.grad = torch.ones(2)
-        opt.step()
-        sched.step()
+    opt, sched, _ = _trained(r, steps=6)
     saved = pickle.dumps((opt.state_dict(), sched.state_dict()))
-
-    w2, opt2, sched2 = fresh()
-    opt_state, sched_state = pickle.loads(saved)
-    opt2.load_state_dict(opt_state)
-    sched2.load_state_dict(sched_state)
-    seen = []
-    for _ in range(14):
-        seen.append(opt2.param_groups[0]["lr"])
-        w2.grad = torch.ones(2)
-        opt2.step()
-        sched2.step()
+    _, _, seen = _trained(r, steps=14, checkpoint=pickle.loads(saved))
     assert seen == pytest.approx([r.lr_at(t) for t in range(6, 20)], rel=1e-12)
 
 
@@ -183,30 +181,14 @@ def test_scheduler_checkpoint_loads_with_torch_load_defaults():
 
     r = LargeBatchRecipe(0.1, 256, per_rank_batch=32, world_size=32, steps_per_epoch=4, warmup_epochs=2,
                          milestones=(4,))
-    w = torch.nn.Parameter(torch.zeros(2))
-    opt = torch.optim.SGD([w], lr=r.peak_lr, momentum=0.9)
-    sched = r.scheduler(opt)
-    for _ in range(5):
-        w.grad = torch.ones(2)
-        opt.step()
-        sched.step()
+    opt, sched, _ = _trained(r, steps=5)
     buf = io.BytesIO()
     torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, buf)
     buf.seek(0)
     checkpoint = torch.load(buf)
-
-    w2 = torch.nn.Parameter(torch.zeros(2))
-    opt2 = torch.optim.SGD([w2], lr=r.peak_lr, momentum=0.9)
-    sched2 = r.scheduler(opt2)
-    opt2.load_state_dict(checkpoint["optimizer"])
-    sched2.load_state_dict(checkpoint["scheduler"])
+    _, sched2, _ = _trained(r, checkpoint=(checkpoint["optimizer"], checkpoint["scheduler"]))
     assert sched2.schedule == r.schedule and sched2.last_epoch == 5
-    seen = []
-    for _ in range(15):
-        seen.append(opt2.param_groups[0]["lr"])
-        w2.grad = torch.ones(2)
-        opt2.step()
-        sched2.step()
+    _, _, seen = _trained(r, steps=15, checkpoint=(checkpoint["optimizer"], checkpoint["scheduler"]))
     assert seen == pytest.approx([r.lr_at(t) for t in range(5, 20)], rel=1e-12)
 
 
