@@ -80,7 +80,10 @@ class LargeBatchRecipe:
 
     @property
     def warmup_steps(self) -> int:
-        return round(self.warmup_epochs * self.steps_per_epoch)
+        """``warmup_epochs`` in optimizer steps; a warmup asked for lasts at least one step (0.01
+        epochs of 10 steps would round to none, silently)."""
+        steps = round(self.warmup_epochs * self.steps_per_epoch)
+        return max(steps, 1) if self.warmup_epochs > 0 else steps
 
     @property
     def total_steps(self) -> int | None:

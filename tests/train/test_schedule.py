@@ -51,6 +51,13 @@ def goyal_recipe(**kw) -> LargeBatchRecipe:
     return LargeBatchRecipe(0.1, 256, per_rank_batch=32, world_size=256, **args)
 
 
+def test_a_warmup_shorter_than_a_step_still_warms_up_for_one():
+    r = goyal_recipe(steps_per_epoch=10, warmup_epochs=0.01)  # 0.1 steps
+    assert r.warmup_steps == 1
+    assert r.lr_at(0) == pytest.approx(0.1) and r.lr_at(1) == pytest.approx(3.2)
+    assert goyal_recipe(steps_per_epoch=10, warmup_epochs=0).warmup_steps == 0  # none asked for
+
+
 def test_goyal_warmup_from_eta_to_k_eta_over_five_epochs():
     r = goyal_recipe()
     assert r.global_batch == 8192 and r.peak_lr == pytest.approx(3.2)
