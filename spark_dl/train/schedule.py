@@ -98,6 +98,9 @@ def _check(peak_lr: float, warmup_steps: int, warmup_start_lr: float | None, dec
             )
         if not 0 <= final_lr <= peak_lr:
             raise ValueError(f"final_lr must be in [0, peak_lr], got {final_lr}")
+    elif final_lr:  # it would be ignored: the step decay ends where gamma and the milestones take it
+        raise ValueError(f"final_lr={final_lr} is where decay='cosine' ends; decay={decay!r} does not use it "
+                         "(its lr is peak_lr * gamma ** milestones passed): drop it, or use decay='cosine'")
 
 
 def _whole(value: object, name: str) -> int:

@@ -267,6 +267,8 @@ def test_recipe_takes_numpy_counts():
     (lambda: lr_at(None, peak_lr=1.0), TypeError, "step must be a number >= 0, got None"),
     (lambda: LRSchedule(peak_lr=1.0, decay="step", milestones=(2.7,)), ValueError,
      "each milestone must be a whole number of optimizer steps, got 2.7"),
+    (lambda: LRSchedule(peak_lr=1.0, decay="step", milestones=(5,), final_lr=0.01), ValueError,
+     r"final_lr=0.01 is where decay='cosine' ends; decay='step' does not use it"),
 ])
 def test_schedule_arguments_of_the_wrong_kind_are_named(call, error, match):
     with pytest.raises(error, match=match):
