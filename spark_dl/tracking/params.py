@@ -76,7 +76,7 @@ REDACTED = "***"
 # a name's words (split at _ - . and camelCase) that mark its value as a credential; "key" only
 # after a word that says which (api_key, access_key, ...), so "sort_key" and "max_tokens" stay
 _SECRET_WORDS = frozenset({"password", "passwd", "pwd", "secret", "token", "credential", "credentials", "apikey",
-                           "auth", "passphrase", "sas", "dsn"})
+                           "auth", "authorization", "passphrase", "sas", "dsn"})
 _KEY_KINDS = frozenset({"api", "access", "private", "secret", "account", "signing", "encryption", "ssh"})
 _WORDS = re.compile(r"[A-Z]?[a-z0-9]+|[A-Z]+(?![a-z])")
 

@@ -50,7 +50,7 @@ def test_nested_params_are_flattened():
 
 def test_credentials_are_known_by_their_names_not_by_words_inside_them():
     secret = ["hf_token", "HF_TOKEN", "db_password", "apiKey", "api_key", "aws_secret_access_key", "sas_token",
-              "--hf-token", "auth_header", "credentials", "storage_account_key"]
+              "--hf-token", "auth_header", "credentials", "storage_account_key", "Authorization"]
     plain = ["max_tokens", "tokenizer", "sort_key", "key", "author", "lr", "num_tokens", "keyword"]
     assert [n for n in secret if not is_secret_name(n)] == [] and [n for n in plain if is_secret_name(n)] == []
 
