@@ -37,3 +37,26 @@ def flag(value: Any, name: str) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {value!r}")
     return value
+
+
+def momentum_sgd(group: dict[str, Any], where: str = "") -> dict[str, Any]:
+    """A momentum-SGD group's ``lr``, ``momentum`` and ``weight_decay``, checked; ``where`` names
+    the param group, if any."""
+    return dict(
+        lr=number(group["lr"], f"{where}lr", low=0),
+        momentum=number(group["momentum"], f"{where}momentum", low=0, high=1, high_open=True),
+        weight_decay=number(group["weight_decay"], f"{where}weight_decay", low=0),
+    )
+
+
+class CheckedGroups:
+    """Mixed into a ``torch.optim.Optimizer``: each param group (``add_param_group``'s too) gets its
+    hyperparameters checked by ``_check_group(group, where)`` like the constructor's defaults."""
+
+    _check_group: Any
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if isinstance(param_group, dict):
+            where = f"param group {len(self.param_groups)}: "  # type: ignore[attr-defined]
+            param_group.update(self._check_group({**self.defaults, **param_group}, where))  # type: ignore[attr-defined]
+        super().add_param_group(param_group)  # type: ignore[misc]

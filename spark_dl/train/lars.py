@@ -5,7 +5,7 @@ from typing import Any, Iterable
 
 import torch
 
-from .checks import flag, number
+from .checks import CheckedGroups, flag, momentum_sgd, number
 
 
 def lars_trust_ratio(weight: torch.Tensor, grad: torch.Tensor, trust_coefficient: float = 0.001,
@@ -22,7 +22,7 @@ def lars_trust_ratio(weight: torch.Tensor, grad: torch.Tensor, trust_coefficient
     return torch.where((w_norm > 0) & (g_norm > 0), ratio, torch.ones_like(ratio))
 
 
-class LARS(torch.optim.Optimizer):
+class LARS(CheckedGroups, torch.optim.Optimizer):
     """SGD with momentum whose per-layer step is scaled by the LARS trust ratio.
 
     For each parameter tensor ``w_l`` with gradient ``g_l`` (already averaged across ranks when
@@ -46,11 +46,9 @@ class LARS(torch.optim.Optimizer):
                                  exclude_bias_and_norm=exclude_bias_and_norm))
         super().__init__(params, defaults)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """As torch's, with the group's own hyperparameters checked like the constructor's."""
-        if isinstance(param_group, dict):
-            param_group.update(_checked({**self.defaults, **param_group}, f"param group {len(self.param_groups)}: "))
-        super().add_param_group(param_group)
+    @staticmethod
+    def _check_group(group: dict[str, Any], where: str = "") -> dict[str, Any]:
+        return _checked(group, where)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -86,9 +84,7 @@ class LARS(torch.optim.Optimizer):
 def _checked(group: dict[str, Any], where: str = "") -> dict[str, Any]:
     """LARS's hyperparameters in ``group``, checked; ``where`` names the param group, if any."""
     return dict(
-        lr=number(group["lr"], f"{where}lr", low=0),
-        momentum=number(group["momentum"], f"{where}momentum", low=0, high=1, high_open=True),
-        weight_decay=number(group["weight_decay"], f"{where}weight_decay", low=0),
+        **momentum_sgd(group, where),
         trust_coefficient=number(group["trust_coefficient"], f"{where}trust_coefficient", low=0, low_open=True),
         eps=number(group["eps"], f"{where}eps", low=0),
         exclude_bias_and_norm=flag(group["exclude_bias_and_norm"], f"{where}exclude_bias_and_norm"),

@@ -23,10 +23,10 @@ from typing import Any, Iterable
 
 import torch
 
-from .checks import flag, number
+from .checks import CheckedGroups, flag, momentum_sgd
 
 
-class VFormSGD(torch.optim.Optimizer):
+class VFormSGD(CheckedGroups, torch.optim.Optimizer):
     """Momentum SGD in velocity form, with Goyal et al.'s momentum correction.
 
     With ``d_t = g_t + weight_decay * w_t`` (decay added to the already averaged gradient)::
@@ -46,11 +46,9 @@ class VFormSGD(torch.optim.Optimizer):
                                  momentum_correction=momentum_correction))
         super().__init__(params, defaults)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """As torch's, with the group's own hyperparameters checked like the constructor's."""
-        if isinstance(param_group, dict):
-            param_group.update(_checked({**self.defaults, **param_group}, f"param group {len(self.param_groups)}: "))
-        super().add_param_group(param_group)
+    @staticmethod
+    def _check_group(group: dict[str, Any], where: str = "") -> dict[str, Any]:
+        return _checked(group, where)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -81,8 +79,6 @@ class VFormSGD(torch.optim.Optimizer):
 def _checked(group: dict[str, Any], where: str = "") -> dict[str, Any]:
     """VFormSGD's hyperparameters in ``group``, checked; ``where`` names the param group, if any."""
     return dict(
-        lr=number(group["lr"], f"{where}lr", low=0),
-        momentum=number(group["momentum"], f"{where}momentum", low=0, high=1, high_open=True),
-        weight_decay=number(group["weight_decay"], f"{where}weight_decay", low=0),
+        **momentum_sgd(group, where),
         momentum_correction=flag(group["momentum_correction"], f"{where}momentum_correction"),
     )
