@@ -64,13 +64,19 @@ def save_checkpoint(state: Any, step: int | None = None) -> bool:
     return True
 
 
-def load_checkpoint() -> Any | None:
+def load_checkpoint(map_location: Any = None) -> Any | None:
     """The latest state rank 0 saved with :func:`save_checkpoint` in this run, or None.
 
     Every rank gets the same state. On a run's first attempt nothing has been saved yet, so
     this returns None, unless ``checkpoint_dir`` holds an earlier run's (outside a rank process,
     always None; in a process a rank started, it raises).
+
+    Tensors saved on a GPU come back on this rank's own GPU (not on the device rank 0 saved them
+    from, which every rank would fill), or on the CPU where this rank has none; CPU tensors stay
+    on the CPU. ``map_location`` overrides that as ``torch.load``'s does (``"cpu"``, a device, a
+    ``{"cuda:0": "cuda:1"}`` dict or a ``(storage, location)`` function) for every tensor.
     """
+    _check_map_location(map_location)
     if not _in_rank_process("load_checkpoint"):
         return None
     reply = rank_api.request("checkpoint/load", {})
@@ -78,9 +84,60 @@ def load_checkpoint() -> Any | None:
         raise RuntimeError(f"the driver could not read the checkpoint: {reply['error']}")
     if reply["blob"] is None:
         return None
-    import cloudpickle
+    return _unpickle(reply["blob"], map_location)
 
-    return cloudpickle.loads(reply["blob"])
+
+def _unpickle(blob: bytes | memoryview, map_location: Any = None) -> Any:
+    """Unpickle a checkpoint, placing its tensors as :func:`load_checkpoint` documents."""
+    import io
+
+    return _Unpickler(io.BytesIO(blob), _rank_device if map_location is None else map_location).load()
+
+
+class _Unpickler(pickle.Unpickler):
+    """A pickled tensor's storage is rebuilt by ``torch.storage._load_from_bytes``, a ``torch.load``
+    with no map_location: a GPU-saved one fails without CUDA and lands on the saver's GPU with it.
+    This one loads it with ours."""
+
+    def __init__(self, file: BinaryIO, map_location: Any) -> None:
+        super().__init__(file)
+        self.map_location = map_location
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch.storage", "_load_from_bytes"):
+            return self._load_storage
+        return super().find_class(module, name)
+
+    def _load_storage(self, data: bytes) -> Any:
+        import io
+
+        import torch
+
+        return torch.load(io.BytesIO(data), weights_only=False, map_location=self.map_location)
+
+
+def _check_map_location(map_location: Any) -> None:
+    if map_location is None or callable(map_location) or isinstance(map_location, (str, dict)):
+        return
+    import torch
+
+    if isinstance(map_location, torch.device):
+        return
+    raise TypeError(
+        f"load_checkpoint: map_location must be None (each rank's own device), a device such as 'cpu', a dict "
+        f"such as {{'cuda:0': 'cpu'}} or a function (storage, location), as torch.load takes; got {map_location!r}"
+    )
+
+
+def _rank_device(storage: Any, location: str) -> Any:
+    """torch.load's map_location: a GPU-saved storage onto this rank's GPU, or the CPU without one."""
+    if not location.startswith("cuda"):
+        return None  # torch's own placement: CPU stays CPU
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        return storage.cuda(rank_api.cuda_index())
+    return storage  # torch hands us the storage on the CPU
 
 
 def _in_rank_process(name: str) -> bool:

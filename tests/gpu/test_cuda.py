@@ -266,3 +266,22 @@ def _prepared_on_gpu():
 def test_prepared_model_and_loader_live_on_the_ranks_gpu():
     out = HorovodRunner(np=-1).run(_prepared_on_gpu)
     assert out == {"model": "cuda:0", "batches": ["cuda:0"], "device": "cuda:0"}
+
+
+def _resumes_a_gpu_checkpoint():
+    import os
+
+    import spark_dl
+
+    spark_dl.init()
+    state = spark_dl.load_checkpoint()
+    if state is None:
+        spark_dl.save_checkpoint({"w": torch.arange(4.0, device="cuda")})
+        os._exit(9)  # restart: the next attempt loads it
+    on_cpu = spark_dl.load_checkpoint(map_location="cpu")
+    return str(state["w"].device), state["w"].tolist(), str(on_cpu["w"].device)
+
+
+def test_a_checkpoint_of_cuda_tensors_comes_back_on_the_ranks_gpu():
+    assert HorovodRunner(np=-1, max_restarts=1).run(_resumes_a_gpu_checkpoint) == (
+        "cuda:0", [0.0, 1.0, 2.0, 3.0], "cpu")

@@ -147,6 +147,42 @@ def test_large_checkpoint_survives_the_restart():
     assert HorovodRunner(np=-1, max_restarts=1).run(main) == (1, True)
 
 
+def test_a_gpu_saved_checkpoint_loads_on_a_rank_without_a_gpu():
+    """A checkpoint of CUDA tensors (rank 0 trained on a GPU) resumed where the rank has none: torch's
+    own unpickling raises 'Attempting to deserialize object on a CUDA device'; load_checkpoint puts
+    the tensors on the CPU. This machine has no GPU, so rank 0 tags its CPU storages 'cuda:0' as a
+    GPU's would be (torch.serialization's documented location taggers)."""
+
+    def main():
+        import pickle
+
+        import cloudpickle
+        import torch
+
+        state = spark_dl.load_checkpoint()
+        if state is None:
+            torch.serialization.register_package(0, lambda storage: "cuda:0", lambda storage, location: None)
+            state = {"w": torch.arange(4.0), "epoch": 2}
+            with pytest.raises(RuntimeError, match="Attempting to deserialize object on a CUDA device"):
+                pickle.loads(cloudpickle.dumps(state))  # what load_checkpoint did before
+            spark_dl.save_checkpoint(state)
+            os._exit(9)
+        seen = []
+        again = spark_dl.load_checkpoint(map_location=lambda storage, location: seen.append(location) or storage)
+        on_cpu = spark_dl.load_checkpoint(map_location="cpu")
+        return state["w"].device.type, state["w"].tolist(), state["epoch"], seen, again["w"].tolist(), on_cpu["epoch"]
+
+    assert HorovodRunner(np=-1, max_restarts=1).run(main) == ("cpu", [0.0, 1.0, 2.0, 3.0], 2, ["cuda:0"],
+                                                               [0.0, 1.0, 2.0, 3.0], 2)
+
+
+@pytest.mark.parametrize("bad", [5, ["cpu"]])
+def test_a_bad_map_location_is_refused_naming_what_it_takes(bad):
+    with pytest.raises(TypeError, match=r"map_location must be None \(each rank's own device\), a device such as "
+                                        r"'cpu', a dict .* or a function \(storage, location\), as torch.load takes; got"):
+        spark_dl.load_checkpoint(map_location=bad)
+
+
 def test_checkpoints_outside_a_rank_process_are_no_ops():
     import numpy as np
 
