@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from . import rank as rank_api
+from . import unpickle
 from .channel import send_reply
 from .errors import LaunchRefused
 
@@ -76,7 +77,7 @@ def load_checkpoint(map_location: Any = None) -> Any | None:
     on the CPU. ``map_location`` overrides that as ``torch.load``'s does (``"cpu"``, a device, a
     ``{"cuda:0": "cuda:1"}`` dict or a ``(storage, location)`` function) for every tensor.
     """
-    _check_map_location(map_location)
+    unpickle.check_map_location(map_location, "load_checkpoint")
     if not _in_rank_process("load_checkpoint"):
         return None
     reply = rank_api.request("checkpoint/load", {})
@@ -84,60 +85,7 @@ def load_checkpoint(map_location: Any = None) -> Any | None:
         raise RuntimeError(f"the driver could not read the checkpoint: {reply['error']}")
     if reply["blob"] is None:
         return None
-    return _unpickle(reply["blob"], map_location)
-
-
-def _unpickle(blob: bytes | memoryview, map_location: Any = None) -> Any:
-    """Unpickle a checkpoint, placing its tensors as :func:`load_checkpoint` documents."""
-    import io
-
-    return _Unpickler(io.BytesIO(blob), _rank_device if map_location is None else map_location).load()
-
-
-class _Unpickler(pickle.Unpickler):
-    """A pickled tensor's storage is rebuilt by ``torch.storage._load_from_bytes``, a ``torch.load``
-    with no map_location: a GPU-saved one fails without CUDA and lands on the saver's GPU with it.
-    This one loads it with ours."""
-
-    def __init__(self, file: BinaryIO, map_location: Any) -> None:
-        super().__init__(file)
-        self.map_location = map_location
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("torch.storage", "_load_from_bytes"):
-            return self._load_storage
-        return super().find_class(module, name)
-
-    def _load_storage(self, data: bytes) -> Any:
-        import io
-
-        import torch
-
-        return torch.load(io.BytesIO(data), weights_only=False, map_location=self.map_location)
-
-
-def _check_map_location(map_location: Any) -> None:
-    if map_location is None or callable(map_location) or isinstance(map_location, (str, dict)):
-        return
-    import torch
-
-    if isinstance(map_location, torch.device):
-        return
-    raise TypeError(
-        f"load_checkpoint: map_location must be None (each rank's own device), a device such as 'cpu', a dict "
-        f"such as {{'cuda:0': 'cpu'}} or a function (storage, location), as torch.load takes; got {map_location!r}"
-    )
-
-
-def _rank_device(storage: Any, location: str) -> Any:
-    """torch.load's map_location: a GPU-saved storage onto this rank's GPU, or the CPU without one."""
-    if not location.startswith("cuda"):
-        return None  # torch's own placement: CPU stays CPU
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-        return storage.cuda(rank_api.cuda_index())
-    return storage  # torch hands us the storage on the CPU
+    return unpickle.loads(reply["blob"], unpickle.rank_device if map_location is None else map_location)
 
 
 def _in_rank_process(name: str) -> bool:

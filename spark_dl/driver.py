@@ -16,6 +16,7 @@ from typing import Any, Callable, Protocol, TextIO
 
 import cloudpickle
 
+from . import unpickle
 from .channel import Connection, send_reply
 from .checkpoint import CheckpointStore
 from .errors import JobFailed, RankFailed
@@ -368,7 +369,7 @@ class JobMonitor:
             raise JobFailed(f"rank {rank} finished without sending its return value: its process ended with status 0 "
                             "before main returned (os._exit(0) in main or in a script?)")
         try:
-            return cloudpickle.loads(blob)
+            return unpickle.loads(blob, unpickle.driver_device)  # a GPU rank's tensors on a CPU driver: CPU
         except Exception as e:  # noqa: BLE001
             raise JobFailed(
                 f"rank {rank}'s return value could not be unpickled on the driver ({type(e).__name__}: {e}); "

@@ -320,6 +320,38 @@ def test_unpicklable_return_value_is_a_clear_error():
     assert isinstance(err.__cause__, TypeError)
 
 
+def test_a_gpu_ranks_tensors_come_back_on_a_cpu_driver():
+    """A rank on a GPU returning CUDA tensors (its state_dict) to a driver without CUDA gets them on
+    the CPU, not torch's "Attempting to deserialize object on a CUDA device". No GPU here: the rank
+    tags its storages 'cuda:0' as a GPU's would be (torch.serialization's location taggers)."""
+
+    def main():
+        import torch
+
+        torch.serialization.register_package(0, lambda storage: "cuda:0", lambda storage, location: None)
+        return {"w": torch.arange(3.0), "step": 7}
+
+    out = HorovodRunner(np=-1).run(main)
+    assert out["w"].device.type == "cpu" and out["w"].tolist() == [0.0, 1.0, 2.0] and out["step"] == 7
+
+
+def test_a_return_value_the_driver_cannot_import_is_a_clear_error(tmp_path):
+    (tmp_path / "rank_only.py").write_text("class Box:\n    pass\n")
+
+    def main(where):
+        import sys
+
+        sys.path.insert(0, where)
+        import rank_only
+
+        return rank_only.Box()
+
+    with pytest.raises(JobFailed, match=r"rank 0's return value could not be unpickled on the driver "
+                                        r"\(ModuleNotFoundError: No module named 'rank_only'\); return types the "
+                                        r"driver can import"):
+        HorovodRunner(np=-1).run(main, where=str(tmp_path))
+
+
 def test_keyboard_interrupt_stops_every_rank(tmp_path):
     interrupt_main_when_recorded(str(tmp_path))
     t = time.monotonic()
