@@ -355,13 +355,27 @@ class JobMonitor:
             tail = _without_traceback(tail, f.rank, info["traceback"])  # the rank printed what the report holds
         else:  # the rank printed one line, the summary's
             tail = [line for line in tail if line != f"[{f.rank}]<stderr>: {summary}"]
-        err = RankFailed(f.rank, host, summary, info["traceback"], tail, code, info["exc_type"])
+        err = RankFailed(f.rank, host, summary, info["traceback"], tail, code, info["exc_type"],
+                         self._left_early_hint(f.rank, summary))
         if info.get("pickled") is not None:
             try:
                 err.__cause__ = cloudpickle.loads(info["pickled"])
             except Exception:  # noqa: BLE001 - the text is already in the error
                 pass
         return err
+
+    def _left_early_hint(self, rank: int, summary: str) -> str:
+        """Why a peer was lost when it was not lost at all: it returned from main while this rank
+        was still in a collective."""
+        done = sorted(r for r, e in self.exits.items() if e.get("code") == 0 and r != rank)
+        if not done or not PEER_LOST.search(summary):
+            return ""
+        who = f"rank {done[0]}" if len(done) == 1 else "ranks " + ", ".join(map(str, done))
+        return (f"{who} had already returned from main (exit code 0) while rank {rank} was still in a collective: "
+                "the ranks did not issue the same collectives. One ran more steps than another (uneven data: "
+                "give every rank the same number of batches, or use hvd.join()), or their order or shapes differed; "
+                "rerun with HorovodRunner(env={'TORCH_DISTRIBUTED_DEBUG': 'DETAIL'}) and torch names the first "
+                "mismatched collective on every rank.")
 
     def result(self, rank: int) -> Any:
         blob = self.results.get(rank)

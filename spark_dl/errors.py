@@ -99,6 +99,7 @@ class RankFailed(JobFailed):
         last_lines: Sequence[str] = (),
         exit_code: int | None = None,
         exc_type: str | None = None,
+        hint: str = "",
     ) -> None:
         self.rank = rank
         self.host = host
@@ -107,10 +108,13 @@ class RankFailed(JobFailed):
         self.last_lines = list(last_lines)
         self.exit_code = exit_code
         self.exc_type = exc_type
+        self.hint = hint  # what the driver saw that explains the summary, and the fix
         super().__init__(self._format())
 
     def _format(self) -> str:
         parts = [f"rank {self.rank} on {self.host} failed: {self.summary}"]
+        if self.hint:
+            parts.append(self.hint)
         if self.remote_traceback:
             parts.append("Remote traceback (rank %d):\n%s" % (self.rank, self.remote_traceback.rstrip()))
         if self.last_lines:
@@ -123,7 +127,7 @@ class RankFailed(JobFailed):
         return (
             type(self),
             (self.rank, self.host, self.summary, self.remote_traceback, self.last_lines,
-             self.exit_code, self.exc_type),
+             self.exit_code, self.exc_type, self.hint),
         )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
+import zlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -311,13 +312,44 @@ def gather_rows(tensor: torch.Tensor, counts: list[int], group: Any) -> list[tor
     return [p[:n] for p, n in zip(parts, counts)]
 
 
+_LAYOUT_DIMS = 8  # the other dimensions sent as they are; a tensor with more sends their hash
+
+
+def _layout(tensor: torch.Tensor) -> list[int]:
+    """[rows, dtype, ndim, other dimensions...], a fixed length whatever the tensor."""
+    rest = list(tensor.shape[1:])
+    if len(rest) > _LAYOUT_DIMS:
+        rest = [zlib.crc32(repr(rest).encode())]
+    return [tensor.shape[0], zlib.crc32(str(tensor.dtype).encode()), tensor.dim()] + rest + [0] * (_LAYOUT_DIMS - len(rest))
+
+
+def _describe_layout(layout: list[int]) -> str:
+    names = {zlib.crc32(str(d).encode()): str(d).removeprefix("torch.")
+             for d in vars(torch).values() if isinstance(d, torch.dtype)}
+    ndim = layout[2]
+    rest = layout[3:3 + ndim - 1] if ndim - 1 <= _LAYOUT_DIMS else ["..."]
+    return f"{names.get(layout[1], 'dtype?')} [{', '.join(map(str, ['rows'] + rest))}]"
+
+
 def allgather_parts(tensor: torch.Tensor, ps: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Every rank's (of ``ps``) ``tensor`` (first dimensions may differ), in rank order, on the
     comm device."""
     if tensor.dim() == 0:
         raise ValueError("allgather needs a tensor with at least one dimension (it concatenates along dim 0)")
     group = group_of(ps)
-    return gather_rows(tensor, gather_counts(tensor.shape[0], group), group)
+    # The row counts travel with the rest of the layout, so a mismatch costs no extra collective:
+    # torch would gather mismatched tensors into garbage or break the connection (Horovod refuses).
+    mine = torch.tensor(_layout(tensor), dtype=torch.int64, device=comm_device())
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    layouts = [e.tolist() for e in every]
+    if any(lay[1:] != layouts[0][1:] for lay in layouts):
+        members = ps.ranks or range(len(layouts))
+        raise ValueError(
+            "allgather: every rank must pass the same dtype and the same sizes of every dimension but the first, "
+            "got " + ", ".join(f"rank {r}: {_describe_layout(lay)}" for r, lay in zip(members, layouts))
+        )
+    return gather_rows(tensor, [lay[0] for lay in layouts], group)
 
 
 def _allgather_sync(tensor: torch.Tensor, ps: ProcessSet = global_process_set) -> torch.Tensor:

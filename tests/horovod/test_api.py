@@ -83,6 +83,11 @@ def api_main():
     g = torch.full((r + 1, 2), 1.0, requires_grad=True)
     (hvd.allgather(g) * torch.arange(3.0).unsqueeze(1)).sum().backward()
     out["allgather_grad"] = g.grad.tolist()
+    for kind, t in (("dims", torch.ones(1, 2 + r)), ("dtype", torch.ones(2, 2, dtype=torch.int64 if r else torch.float32))):
+        try:
+            hvd.allgather(t)
+        except ValueError as e:  # both ranks see every layout, so both raise and stay in step
+            out[f"allgather_{kind}_mismatch"] = str(e)
 
     b = torch.tensor([float(r), float(r)])
     out["broadcast"] = hvd.broadcast(b, root_rank=1).tolist()
@@ -183,6 +188,14 @@ def test_allgather_with_different_first_dims(ranks):
     # Row weights 0, 1, 2 across the gathered rows, summed over both ranks' losses.
     assert ranks[0]["allgather_grad"] == [[0.0, 0.0]]
     assert ranks[1]["allgather_grad"] == [[2.0, 2.0], [4.0, 4.0]]
+
+
+def test_allgather_of_tensors_that_differ_beyond_the_first_dimension_is_refused_on_every_rank(ranks):
+    for o in ranks:
+        assert o["allgather_dims_mismatch"] == (
+            "allgather: every rank must pass the same dtype and the same sizes of every dimension but the first, "
+            "got rank 0: float32 [rows, 2], rank 1: float32 [rows, 3]")
+        assert o["allgather_dtype_mismatch"].endswith("got rank 0: float32 [rows, 2], rank 1: int64 [rows, 2]")
 
 
 def test_broadcast(ranks):

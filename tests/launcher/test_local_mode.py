@@ -320,6 +320,42 @@ def test_unpicklable_return_value_is_a_clear_error():
     assert isinstance(err.__cause__, TypeError)
 
 
+def uneven_steps():
+    import torch
+    import torch.distributed as dist
+
+    spark_dl.init()
+    for _ in range(3 + dist.get_rank()):  # rank 1 has one batch more than rank 0
+        dist.all_reduce(torch.ones(2))
+    return "done"
+
+
+def test_a_rank_left_in_a_collective_by_a_finished_one_is_told_why():
+    with pytest.raises(RankFailed) as e:
+        HorovodRunner(np=-2).run(uneven_steps)
+    assert e.value.rank == 1 and "Connection closed by peer" in e.value.summary
+    assert e.value.hint.startswith("rank 0 had already returned from main (exit code 0) while rank 1 was still in a "
+                                   "collective: the ranks did not issue the same collectives. One ran more steps")
+    assert "HorovodRunner(env={'TORCH_DISTRIBUTED_DEBUG': 'DETAIL'})" in e.value.hint
+    assert str(e.value).split("\n\n")[1] == e.value.hint
+
+
+def test_torch_names_the_mismatched_collective_under_its_debug_setting():
+    """The fix the hint above gives, as it works: torch checks every collective's shape first."""
+
+    def main():
+        import torch
+        import torch.distributed as dist
+
+        spark_dl.init()
+        dist.all_reduce(torch.ones(3 + dist.get_rank()))
+
+    with pytest.raises(RankFailed, match=r"Detected mismatch between collectives on ranks\. Rank \d is running "
+                                         r"collective: CollectiveFingerPrint\(SequenceNumber=0, OpType=ALLREDUCE, "
+                                         r"TensorShape=\[[34]\]"):
+        HorovodRunner(np=-2, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}).run(main)
+
+
 def test_a_gpu_ranks_tensors_come_back_on_a_cpu_driver():
     """A rank on a GPU returning CUDA tensors (its state_dict) to a driver without CUDA gets them on
     the CPU, not torch's "Attempting to deserialize object on a CUDA device". No GPU here: the rank
