@@ -141,6 +141,10 @@ class CheckpointStore:
         self.info: CheckpointInfo | None = None
         self.attempt = 0
         self._lock_file: BinaryIO | None = None
+        # the bytes the ranks of a restart are being sent: one copy, however many load at once
+        self._share_lock = threading.Lock()  # taken before _lock, never inside it
+        self._shared: bytes | None = None
+        self._senders = 0
         if self._dir is not None:
             self._open_directory()
 
@@ -224,6 +228,8 @@ class CheckpointStore:
                 raise OSError(f"writing {path} failed ({e.strerror or e}); the previous checkpoint is kept. Free "
                               "space on that disk, or pass a checkpoint_dir on a disk with room for the state") from e
             self.info = info
+        with self._share_lock:  # the senders still going keep the bytes they hold
+            self._shared = None
 
     def load(self) -> bytes | None:
         with self._lock:
@@ -246,14 +252,33 @@ class CheckpointStore:
                     raise ValueError(f"rank {rank} sent a checkpoint; only rank 0's are kept")
                 self.save(data["blob"], data.get("step"))
             elif kind == "checkpoint/load":
-                blob = self.load()
+                blob = self.start_sending()
                 reply["blob"] = None if blob is None else pickle.PickleBuffer(blob)  # sent out of band
             else:
                 raise ValueError(f"unknown request {kind!r}")
         except Exception as e:  # noqa: BLE001 - the rank raises it, with this text
             reply["error"] = f"{type(e).__name__}: {e}"
-        send_reply(conn, reply)
+        try:
+            send_reply(conn, reply)
+        finally:
+            if "blob" in reply:
+                self.done_sending()
         return "error" not in reply
+
+    def start_sending(self) -> bytes | None:
+        """:meth:`load` for a rank's request: ranks loading at the same time (every rank of a
+        restart) are sent one shared copy, not one each; call :meth:`done_sending` after."""
+        with self._share_lock:
+            if self._shared is None:
+                self._shared = self.load()
+            self._senders += 1
+            return self._shared
+
+    def done_sending(self) -> None:
+        with self._share_lock:
+            self._senders -= 1
+            if not self._senders:
+                self._shared = None
 
     def describe(self) -> str:
         """For the driver's messages: which checkpoint the next attempt will find."""

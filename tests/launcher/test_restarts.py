@@ -281,6 +281,32 @@ def test_the_driver_keeps_only_rank_0s_checkpoint_and_a_failed_write_keeps_the_l
     assert not os.path.exists(path) and store.load() is None
 
 
+def test_ranks_loading_at_once_are_sent_one_copy_of_the_checkpoint():
+    """The driver read the file once per rank's load, so a restart of np ranks held np copies of
+    the state at once; now the loads in flight share one, dropped when the last is sent."""
+    from spark_dl.checkpoint import CheckpointStore
+
+    store = CheckpointStore()
+    try:
+        store.save(b"state-1" * 1000, step=1)
+        first = store.start_sending()
+        second = store.start_sending()  # rank 1 asks while rank 0's copy is still being sent
+        assert second is first and second == b"state-1" * 1000
+        store.done_sending()
+        assert store.start_sending() is first
+        store.done_sending()
+        store.done_sending()  # the last send ended: the driver holds no copy
+        assert store._shared is None
+        again = store.start_sending()
+        assert again == first and again is not first  # read afresh
+        store.save(b"state-2", step=2)  # a new checkpoint while a send is in flight
+        assert store.start_sending() == b"state-2"
+        store.done_sending()
+        store.done_sending()
+    finally:
+        store.close()
+
+
 def test_checkpoint_dir_keeps_the_checkpoint_for_a_later_run(tmp_path, capfd):
     from spark_dl.checkpoint import CheckpointStore
 
