@@ -1,0 +1,99 @@
+"""TorchEstimator and TorchModel as Spark ML stages: in a ``Pipeline`` after a Spark stage, and saved
+and loaded (alone and in a ``PipelineModel``) through Spark ML's writers, predictions unchanged."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from spark_dl.estimator import TorchEstimator, TorchModel
+
+
+def _digits(spark):
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    rows = [([float(v) for v in x], int(y)) for x, y in zip(d.data[:600], d.target[:600])]
+    return spark.createDataFrame(rows, "pixels array<float>, label long")
+
+
+def _estimator(**options):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+    return TorchEstimator(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=0.01),
+                          loss=torch.nn.functional.cross_entropy, feature_cols="scaled", label_cols="label",
+                          batch_size=32, epochs=4, num_proc=2, log_model=False, **options)
+
+
+def _predictions(df):
+    return np.array([r.prediction for r in df.orderBy("id").select("prediction").collect()])
+
+
+def test_a_pipeline_fits_a_spark_stage_then_the_estimator_and_saves_and_loads_as_one(spark, tmp_path):
+    from pyspark.ml import Estimator, Model, Pipeline, PipelineModel
+    from pyspark.ml.feature import SQLTransformer
+    from pyspark.sql import functions as F
+
+    df = _digits(spark).withColumn("id", F.monotonically_increasing_id())
+    scale = SQLTransformer(statement="SELECT *, transform(pixels, v -> v / 16) AS scaled FROM __THIS__")
+    est = _estimator()
+    assert isinstance(est, Estimator) and est.uid.startswith("TorchEstimator_")
+    fitted = Pipeline(stages=[scale, est]).fit(df)
+    torch_stage = fitted.stages[1]
+    assert isinstance(torch_stage, TorchModel) and isinstance(torch_stage, Model)
+    assert len(torch_stage.history) == 4 and torch_stage.history[-1] < torch_stage.history[0] / 2
+    predicted = fitted.transform(df)
+    rows = predicted.select("label", "prediction").collect()
+    assert np.mean([int(np.argmax(r.prediction)) == r.label for r in rows]) > 0.9
+    before = _predictions(predicted)
+
+    fitted.save(str(tmp_path / "pipeline"))
+    loaded = PipelineModel.load(str(tmp_path / "pipeline"))
+    again = loaded.stages[1]
+    assert isinstance(again, TorchModel) and again.uid == torch_stage.uid
+    assert again.feature_cols == ["scaled"] and again.history == torch_stage.history
+    np.testing.assert_array_equal(_predictions(loaded.transform(df)), before)
+
+    # a param map for another stage passes through the estimator (Spark ML's copy of every stage)
+    other = SQLTransformer(statement="SELECT *, transform(pixels, v -> v / 8) AS scaled FROM __THIS__")
+    refit = Pipeline(stages=[other, _estimator()]).fit(df, {other.statement: scale.getStatement()})
+    assert refit.stages[1].history == pytest.approx(torch_stage.history, rel=1e-5)
+
+
+def test_a_torch_model_saves_and_loads_with_its_histories_and_shapes(spark, tmp_path):
+    from pyspark.sql import functions as F
+
+    df = (_digits(spark).withColumn("scaled", F.transform("pixels", lambda v: v / 16))
+          .withColumn("id", F.monotonically_increasing_id()))
+    model = _estimator(validation=0.2, metrics={"acc": lambda out, y: (out.argmax(1) == y).float().mean()}).fit(df)
+    path = str(tmp_path / "m")
+    model.save(path)
+    assert sorted(os.listdir(path)) == ["metadata", "model"]
+    loaded = TorchModel.load(path)
+    assert loaded.getHistory() == model.getHistory() and set(loaded.getHistory()) == {"loss", "val_loss", "acc",
+                                                                                       "val_acc"}
+    assert (loaded.feature_cols, loaded.prediction_col, loaded.input_shapes, loaded.label_cols) == (
+        ["scaled"], "prediction", None, ["label"])
+    np.testing.assert_array_equal(_predictions(loaded.transform(df)), _predictions(model.transform(df)))
+
+    with pytest.raises(Exception, match="already exists"):
+        model.save(path)  # Spark ML's rule: overwrite() to replace
+    model.write().overwrite().save(path)
+    assert TorchModel.load(path).uid == model.uid
+
+    shaped = TorchModel(torch.nn.Flatten(), ["pixels"], input_shapes=[(-1, 8, 8)])
+    shaped.write().save(str(tmp_path / "shaped"))
+    assert TorchModel.load(str(tmp_path / "shaped")).input_shapes == [(-1, 8, 8)]
+
+
+def test_loading_something_else_as_a_torch_model_is_refused_naming_it(spark, tmp_path):
+    from pyspark.ml.feature import SQLTransformer
+
+    SQLTransformer(statement="SELECT * FROM __THIS__").save(str(tmp_path / "sql"))
+    with pytest.raises(ValueError, match=r"holds a org\.apache\.spark\.ml\.feature\.SQLTransformer, not a spark-dl "
+                                         r"TorchModel: load it with that class"):
+        TorchModel.load(str(tmp_path / "sql"))
+    with pytest.raises(TypeError, match="TorchModel.load takes a path"):
+        TorchModel.load(tmp_path / "sql")
