@@ -68,16 +68,8 @@ def _check_type(name: str, dtype: Any) -> str:
         return "scalar"
     if isinstance(dtype, T.ArrayType) and isinstance(dtype.elementType, numeric):
         return "array"
-    try:
-        from pyspark.ml.linalg import VectorUDT
-
-        if isinstance(dtype, VectorUDT):
-            raise LaunchRefused(
-                f"column {name!r} is an ML Vector; convert it first: "
-                f"df.withColumn({name!r}, pyspark.ml.functions.vector_to_array({name!r}))"
-            )
-    except ImportError:
-        pass
+    if type(dtype).__name__ == "VectorUDT" and type(dtype).__module__.startswith("pyspark.ml"):
+        return "vector"  # Spark ML's (VectorAssembler's, StandardScaler's): read through as_array
     col = f"F.col({name!r})"
     if isinstance(dtype, T.DecimalType):
         fix = f"cast it first: df.withColumn({name!r}, {col}.cast('double'))"
@@ -95,8 +87,15 @@ def _check_type(name: str, dtype: Any) -> str:
     raise LaunchRefused(f"column {name!r} has type {dtype.simpleString()}, which spark-dl cannot turn into a tensor: {fix}")
 
 
+def as_array(column: str) -> Any:
+    """A Vector column (kind "vector") as ``array<double>`` (dense, whatever its storage)."""
+    from pyspark.ml.functions import vector_to_array
+
+    return vector_to_array(quoted(column))
+
+
 def column_kinds(df: Any, columns: list[str]) -> dict[str, str]:
-    """``{column: "scalar" | "array"}``: how each column becomes a tensor; a refusal naming the fix
+    """``{column: "scalar" | "array" | "vector"}``: how each column becomes a tensor; a refusal naming the fix
     for a column that is missing, named twice in the DataFrame, or that cannot be one."""
     names = list(df.columns)
     missing = [c for c in columns if c not in names]
@@ -135,7 +134,8 @@ class DataFrameShards:
         columns = list(dict.fromkeys(column_names(columns, "shards(df, columns)") if columns is not None
                                      else df.columns))
         kinds = column_kinds(df, columns)
-        self.df = df.select(*[quoted(c) for c in columns])
+        self.df = df.select(*[as_array(c).alias(c) if kinds[c] == "vector" else quoted(c) for c in columns])
+        kinds = {c: "array" if k == "vector" else k for c, k in kinds.items()}
         self.spec = Shards(columns=columns, kinds=kinds, shuffle=shuffle, seed=as_int(seed), remainder=remainder)
         self.empty_hint = ""  # what the refusal of an empty DataFrame adds: the fix, where the caller knows it
         # the fix for fewer rows than ranks, where the caller knows better ones (an estimator has no shards())

@@ -462,11 +462,17 @@ class TorchModel(Model, MLWritable, MLReadable):
         import cloudpickle
         from pyspark.sql import types as T
 
-        from .data import check_dataframe, column_kinds, quoted
+        from .data import as_array, check_dataframe, column_kinds, quoted
 
         check_dataframe(df, "TorchModel.transform(df)")
         kinds = column_kinds(df, self.feature_cols)
-        widths, several = self._output_widths(df, kinds)
+        # Spark ML Vector columns are read as arrays, from columns of their own dropped at the end
+        vectors = {c: f"_spark_dl_vector_{i}" for i, c in enumerate(c for c, k in kinds.items() if k == "vector")}
+        if vectors:
+            df = df.withColumns({hidden: as_array(c) for c, hidden in vectors.items()})
+            kinds = {c: "array" if k == "vector" else k for c, k in kinds.items()}
+        source = [vectors.get(c, c) for c in self.feature_cols]  # the columns the features are read from
+        widths, several = self._output_widths(df, kinds, source)
         names = self._prediction_names(widths, several)
         taken = [n for n in names if n in df.columns]
         if taken:
@@ -485,7 +491,7 @@ class TorchModel(Model, MLWritable, MLReadable):
             for name, width in zip(out_names, widths)])
         blob = cloudpickle.dumps(self.model)
         shapes = self.input_shapes
-        cols = self.feature_cols if plain else [f"_spark_dl_{real.index(c)}" for c in self.feature_cols]
+        cols = source if plain else [f"_spark_dl_{real.index(c)}" for c in source]
         named = dict(zip(cols, self.feature_cols))  # the real names, for the errors
 
         def predict(batches):
@@ -516,7 +522,8 @@ class TorchModel(Model, MLWritable, MLReadable):
                                                  names=list(batch.schema.names) + out_names)
 
         out = df.mapInArrow(predict, schema)
-        return out if plain else out.toDF(*real)
+        out = out if plain else out.toDF(*real)
+        return out.drop(*vectors.values()) if vectors else out
 
     def _prediction_names(self, widths: list[int], several: bool) -> list[str]:
         """The prediction columns' names: one for a single output, one per output of a tuple."""
@@ -533,7 +540,7 @@ class TorchModel(Model, MLWritable, MLReadable):
             return [f"{col}_{label}" for label in self.label_cols]
         return [f"{col}_{i}" for i in range(len(widths))]
 
-    def _output_widths(self, df, kinds) -> tuple[list[int], bool]:
+    def _output_widths(self, df, kinds, source: list[str]) -> tuple[list[int], bool]:
         """How many numbers each of the model's outputs gives per row, from one row run through it
         on the driver; and whether it returns several (a tuple)."""
         import torch
@@ -541,10 +548,11 @@ class TorchModel(Model, MLWritable, MLReadable):
         from .data import quoted
 
         # a column the model takes twice is read twice from one copy (Arrow's lookup refuses a name held twice)
-        sample = df.select(*[quoted(c) for c in dict.fromkeys(self.feature_cols)]).limit(1).toArrow()
+        sample = df.select(*[quoted(c) for c in dict.fromkeys(source)]).limit(1).toArrow()
         if sample.num_rows == 0:
             raise LaunchRefused("the DataFrame is empty: nothing to predict")
-        features = _features(sample, self.feature_cols, kinds, _float_dtype(self.model), self.input_shapes)
+        features = _features(sample, source, kinds, _float_dtype(self.model), self.input_shapes,
+                             dict(zip(source, self.feature_cols)))
         training = self.model.training
         try:
             with torch.no_grad():

@@ -97,3 +97,34 @@ def test_loading_something_else_as_a_torch_model_is_refused_naming_it(spark, tmp
         TorchModel.load(str(tmp_path / "sql"))
     with pytest.raises(TypeError, match="TorchModel.load takes a path"):
         TorchModel.load(tmp_path / "sql")
+
+
+def test_spark_ml_vector_columns_train_and_predict_as_arrays(spark):
+    """A VectorAssembler's (sparse where rows are mostly zeros) and a StandardScaler's outputs feed
+    the estimator as they are; transform keeps the input columns, types included."""
+    from pyspark.ml import Pipeline
+    from pyspark.ml.feature import StandardScaler, VectorAssembler
+    from pyspark.sql import functions as F
+
+    df = spark.range(400).select((F.rand(1) * 4).alias("a"), F.when(F.rand(2) > 0.7, F.rand(3) * 2).otherwise(0.0)
+                                 .alias("b"), *[F.lit(0.0).alias(f"z{i}") for i in range(4)])
+    df = df.withColumn("y", 3 * F.col("a") - 2 * F.col("b") + 0.5)
+    assembler = VectorAssembler(inputCols=["a", "b", "z0", "z1", "z2", "z3"], outputCol="raw")
+    assert any(r.raw.__class__.__name__ == "SparseVector" for r in assembler.transform(df).collect())
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 1), torch.nn.Flatten(0))
+    est = TorchEstimator(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=0.05),
+                         loss=torch.nn.functional.mse_loss, feature_cols="features", label_cols="y",
+                         batch_size=16, epochs=40, num_proc=2, log_model=False)
+    fitted = Pipeline(stages=[assembler, StandardScaler(inputCol="raw", outputCol="features"), est]).fit(df)
+    out = fitted.transform(df)
+    assert out.columns == ["a", "b", "z0", "z1", "z2", "z3", "y", "raw", "features", "prediction"]
+    assert out.schema["features"].dataType.typeName() == "vectorudt"
+    rows = out.collect()
+    assert np.mean([abs(r.prediction - r.y) for r in rows]) < 0.1
+    module = fitted.stages[2].getModel()
+    for column in ("features", "raw"):  # dense (StandardScaler's) and partly sparse (VectorAssembler's)
+        predicted = TorchModel(module, [column], prediction_col="p").transform(out).collect()
+        with torch.no_grad():  # the executors read each vector as its dense array
+            expected = module(torch.tensor(np.array([r[column].toArray() for r in predicted]), dtype=torch.float32))
+        torch.testing.assert_close(torch.tensor([r.p for r in predicted]), expected)
