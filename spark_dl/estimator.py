@@ -18,7 +18,8 @@ from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReadable
 
 from .callbacks import EarlyStopping, Trainer
 from .errors import LaunchRefused, as_int
-from .estimator_rank import _features, _FitOptions, _fit, _float_dtype, _Losses
+from .estimator_rank import _features, _FitOptions, _float_dtype, _Losses
+from .estimator_rank import _fit as _train_on_each_rank  # the name _fit is Spark ML's method
 from .runner import HorovodRunner, RunInfo
 
 
@@ -362,7 +363,8 @@ class TorchEstimator(Estimator):
                 "rows with a column (validation='is_val'), or leave validation=None" if isinstance(v, float) else
                 f": no row of column {v!r} is true (or 1); mark some rows, or pass a fraction such as validation=0.1")
         try:
-            out = self._runner.run(_fit, data=data, validation=val, model=self.model, optimizer=self.optimizer,
+            out = self._runner.run(_train_on_each_rank, data=data, validation=val, model=self.model,
+                                   optimizer=self.optimizer,
                                    loss=self._losses, feature_cols=self.feature_cols, label_cols=self.label_cols,
                                    batch_size=self.batch_size, epochs=self.epochs, metrics=self.metrics,
                                    weight_col=weights, input_shapes=self.input_shapes,

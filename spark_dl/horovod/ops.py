@@ -320,7 +320,8 @@ def _layout(tensor: torch.Tensor) -> list[int]:
     rest = list(tensor.shape[1:])
     if len(rest) > _LAYOUT_DIMS:
         rest = [zlib.crc32(repr(rest).encode())]
-    return [tensor.shape[0], zlib.crc32(str(tensor.dtype).encode()), tensor.dim()] + rest + [0] * (_LAYOUT_DIMS - len(rest))
+    padding = [0] * (_LAYOUT_DIMS - len(rest))
+    return [tensor.shape[0], zlib.crc32(str(tensor.dtype).encode()), tensor.dim()] + rest + padding
 
 
 def _describe_layout(layout: list[int]) -> str:
