@@ -1,6 +1,6 @@
-"""Spark ML-style training: ``TorchEstimator(...).fit(df)`` trains on a DataFrame across ranks and
-returns a ``TorchModel`` whose ``transform(df)`` adds a prediction column, in the manner of
-Horovod's ``horovod.spark.torch.TorchEstimator``.
+"""Spark ML training: ``TorchEstimator(...).fit(df)`` trains on a DataFrame across ranks and returns
+a ``TorchModel`` whose ``transform(df)`` adds a prediction column, in the manner of Horovod's
+``horovod.spark.torch.TorchEstimator``; both are Spark ML stages (``Pipeline``, ``save``/``load``).
 
 ``fit`` is one :class:`spark_dl.HorovodRunner` run on :func:`spark_dl.data.shards` (a global shuffle
 per epoch, no detour through the driver); ``transform`` is a ``mapInArrow`` over the DataFrame with
@@ -9,7 +9,10 @@ the trained model shipped to the executors.
 from __future__ import annotations
 
 import copy
+import os
 import re
+import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -112,15 +115,11 @@ _READER_OPTIONS = ("shuffle_buffer_size", "partitions_per_process", "train_reade
 
 def _runner_options(options: dict[str, Any]) -> dict[str, Any]:
     """The constructor's other keyword arguments as :class:`HorovodRunner` options; Horovod's
-    ``store``/``run_id``/``backend`` are refused with what to use, its reader settings ignored."""
+    ``backend`` is refused with what to use, its reader settings ignored."""
     import inspect
     import warnings
 
     options = dict(options)
-    if "store" in options or "run_id" in options:
-        raise LaunchRefused("store= and run_id= are Horovod's Store, which this estimator does not use: pass "
-                            "checkpoint_dir='/dbfs/...' (one directory per estimator and data) for its checkpoints and "
-                            "resuming; the trained model is the returned TorchModel's (and the MLflow run's)")
     if "backend" in options:
         raise LaunchRefused("backend= is Horovod's SparkBackend: here the ranks are one barrier stage of num_proc "
                             "tasks; pass num_proc and HorovodRunner's options (max_restarts, env, start_timeout, ...)")
@@ -135,6 +134,25 @@ def _runner_options(options: dict[str, Any]) -> dict[str, Any]:
         raise LaunchRefused(f"TorchEstimator got unknown options {unknown}{hint}: they are neither its own nor "
                             f"HorovodRunner's ({', '.join(known)})")
     return options
+
+
+def _store(store: Any, run_id: Any, runner_options: dict[str, Any]) -> tuple[Any, str | None]:
+    """Horovod's ``store`` (a :class:`spark_dl.horovod.store.Store`, or a path for one) and ``run_id``, checked."""
+    from .horovod.store import Store, _run_id
+
+    if store is None:
+        if run_id is not None:
+            raise LaunchRefused(f"run_id={run_id!r} names a run in a Store: pass store=Store.create('/dbfs/...') too "
+                                "(or checkpoint_dir= alone)")
+        return None, None
+    if "checkpoint_dir" in runner_options:
+        raise LaunchRefused("pass store= (its runs/<run_id>/checkpoint keeps the checkpoints) or checkpoint_dir=, not both")
+    if not isinstance(store, Store):
+        if not isinstance(store, (str, os.PathLike)):
+            raise LaunchRefused(f"store must be a Store (horovod.spark.common.store.Store.create(path)) or a path, "
+                                f"got {type(store).__name__}")
+        store = Store.create(store)
+    return store, None if run_id is None else _run_id(run_id)
 
 
 def _names(value: str | Sequence[str], what: str) -> list[str]:
@@ -193,6 +211,9 @@ class TorchEstimator(Estimator):
             ``on_train_end`` hooks run on every rank (:mod:`spark_dl.callbacks`, ``EarlyStopping``).
         train_steps_per_epoch, validation_steps_per_epoch: at most this many batches per rank per
             epoch (default: all of the rank's share).
+        store, run_id: Horovod's: a :class:`spark_dl.horovod.store.Store` (or a path) whose
+            ``runs/<run_id>/checkpoint`` keeps the fit's checkpoints; a fit with an earlier fit's
+            ``run_id`` resumes it, one without starts a new run (``last_run_id``).
         runner_options: more :class:`spark_dl.HorovodRunner` options (``max_restarts``, ``tracking``,
             ``checkpoint_dir``, ``min_np``, ``grow_interval``, ...). Every epoch ends with a
             checkpoint, so a restarted or grown fit goes on from the last finished epoch.
@@ -213,7 +234,7 @@ class TorchEstimator(Estimator):
                  train_minibatch_fn: Callable[[], Callable[..., Any]] | None = None,
                  callbacks: Sequence[Any] | None = None, label_shapes: Sequence[Sequence[int]] | None = None,
                  log_model: bool = True, verbose: int = 1, random_seed: int | None = None, use_gpu: bool = True,
-                 **runner_options: Any) -> None:
+                 store: Any = None, run_id: str | None = None, **runner_options: Any) -> None:
         super().__init__()  # Spark ML's Params: a uid, empty param maps
         import torch
 
@@ -309,10 +330,12 @@ class TorchEstimator(Estimator):
             raise LaunchRefused(f"use_gpu must be True or False, got {use_gpu!r}")
         self.verbose, self.random_seed, self.use_gpu = verbose, random_seed, use_gpu
         runner_options = _runner_options(runner_options)
+        self.store, self.run_id = _store(store, run_id, runner_options)
         if not use_gpu:  # the ranks see no GPU, so they train on the CPU
             runner_options["env"] = {**(runner_options.get("env") or {}), "CUDA_VISIBLE_DEVICES": ""}
         self.runner_options = runner_options
         self._runner = HorovodRunner(np=num_proc, **runner_options)  # bad options are refused now, not at fit()
+        self.last_run_id: str | None = None  # with a store: the latest fit's run_id
 
     def _check_monitors(self) -> None:
         """An ``EarlyStopping`` that watches a history key this fit will not have is refused now,
@@ -340,6 +363,11 @@ class TorchEstimator(Estimator):
         from .data import check_dataframe, shards
 
         check_dataframe(df, "TorchEstimator.fit(df)")
+        if self.store is not None:  # Horovod's rule: a fit resumes its run_id's checkpoint; no run_id, a new run
+            run_id = self.run_id or f"run_{time.strftime('%Y%m%d_%H%M%S')}_{uuid.uuid4().hex[:6]}"
+            self._runner = HorovodRunner(np=self.num_proc, **{**self.runner_options,
+                                                              "checkpoint_dir": self.store.get_checkpoint_path(run_id)})
+            self.last_run_id = run_id
 
         columns = self.feature_cols + self.label_cols
         weights = self.sample_weight_col
@@ -448,6 +476,18 @@ class TorchModel(Model, MLWritable, MLReadable):
             out["val_loss"] = list(self.val_history)
         out.update({name: list(values) for name, values in self.metric_history.items()})
         return out
+
+    def setOutputCols(self, value: str | list[str]) -> "TorchModel":  # noqa: N802 - Horovod's TorchModel name
+        """Horovod's name for setting ``prediction_col``: the column(s) ``transform`` adds; returns self."""
+        cols = [value] if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else []
+        if not cols or not all(isinstance(c, str) and c for c in cols):
+            raise ValueError(f"setOutputCols takes a column name or a list of them (one per model output), got {value!r}")
+        self.prediction_col = cols[0] if len(cols) == 1 else cols
+        return self
+
+    def getOutputCols(self) -> list[str]:  # noqa: N802 - Horovod's TorchModel name
+        """``prediction_col`` as a list (a model with several outputs names one column each)."""
+        return [self.prediction_col] if isinstance(self.prediction_col, str) else list(self.prediction_col)
 
     def getModel(self):  # noqa: N802 - Horovod's TorchModel name
         """The trained ``torch.nn.Module`` (on the CPU)."""

@@ -27,8 +27,11 @@ ALIASES: dict[str, str | None] = {
     "horovod.torch.optimizer": "spark_dl.horovod.optimizer",
     "horovod.torch.sync_batch_norm": "spark_dl.horovod.sync_batch_norm",
     "horovod.spark": "spark_dl.horovod.spark",
+    "horovod.spark.torch": "spark_dl.estimator",
+    "horovod.spark.common": None,
+    "horovod.spark.common.store": "spark_dl.horovod.store",
 }
-_PACKAGES = {"horovod", "horovod.torch", "horovod.spark"}
+_PACKAGES = {"horovod", "horovod.torch", "horovod.spark", "horovod.spark.common"}
 _NOTE = ("[spark-dl] `import {name}` gives {target} (Horovod's API on torch.distributed), not the installed "
          "horovod, which cannot join spark-dl's ranks; set SPARK_DL_HOROVOD_IMPORTS=0 to import it instead\n")
 

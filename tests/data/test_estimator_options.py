@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import sys
 
 import pytest
 import torch
@@ -309,8 +310,11 @@ def test_bad_loss_and_option_combinations_are_refused(spark):
         with pytest.raises(LaunchRefused, match=match):
             TorchEstimator(**{**good, **change})
     for change, match in [
-        ({"store": "/tmp/store"}, "store= and run_id= are Horovod's Store, .* pass checkpoint_dir="),
-        ({"run_id": "r1"}, "store= and run_id= are Horovod's Store"),
+        ({"run_id": "r1"}, r"run_id='r1' names a run in a Store: pass store=Store.create\('/dbfs/...'\) too"),
+        ({"store": "/tmp/store", "checkpoint_dir": "/tmp/c"}, "pass store= .* or checkpoint_dir=, not both"),
+        ({"store": 5}, r"store must be a Store \(horovod.spark.common.store.Store.create\(path\)\) or a path, got int"),
+        ({"store": "hdfs://nn/x"}, "keeps its checkpoints in the driver's files; use a path on the driver's disk"),
+        ({"store": "/tmp/store", "run_id": "a/b"}, "run_id must be a non-empty name without '/'"),
         ({"backend": object()}, "backend= is Horovod's SparkBackend"),
         ({"np": 2}, r"unknown options \['np'\] \(the ranks are num_proc\)"),
         ({"epochz": 2}, r"unknown options \['epochz'\]: they are neither its own nor HorovodRunner's \(driver_log_verbosity"),
@@ -330,3 +334,53 @@ def test_bad_loss_and_option_combinations_are_refused(spark):
         with pytest.raises(ValueError, match=match):
             EarlyStopping(**args)
     assert EarlyStopping("val_accuracy").mode == "max" and EarlyStopping().mode == "min"
+
+
+def test_horovods_estimator_code_with_a_store_resumes_its_run_id(spark, tmp_path):
+    """Horovod's imports and arguments as they are: store= and run_id= keep each run's checkpoint in
+    <store>/runs/<run_id>/checkpoint, so a fit of the same run_id goes on where the last stopped, a
+    fit without one starts a new run; setOutputCols names the prediction column."""
+    from spark_dl import horovod_imports
+
+    horovod_imports.install()
+    try:
+        _store_run_ids(spark, tmp_path)
+    finally:
+        sys.meta_path.remove(horovod_imports._finder)
+        for name in [m for m in sys.modules if m == "horovod" or m.startswith("horovod.")]:
+            del sys.modules[name]
+
+
+def _store_run_ids(spark, tmp_path):
+    import os
+
+    import horovod.spark.torch as hvd
+    from horovod.spark.common.store import HDFSStore, Store
+
+    store = Store.create(f"file://{tmp_path}/store")
+    assert type(store).__name__ == "LocalStore" and store.prefix_path == f"{tmp_path}/store"
+    df = _two_targets(spark, rows=200)
+
+    def estimator(epochs, run_id=None):
+        torch.manual_seed(0)
+        return hvd.TorchEstimator(num_proc=2, store=store, run_id=run_id, model=OneInput(),
+                                  optimizer=functools.partial(torch.optim.SGD, lr=0.1), loss=torch.nn.functional.mse_loss,
+                                  feature_cols=["a"], label_cols=["y1"], batch_size=20, epochs=epochs, verbose=0,
+                                  log_model=False)
+
+    first = estimator(2, run_id="r1").fit(df)
+    assert sorted(os.listdir(store.get_checkpoint_path("r1"))) == [".lock", "latest.ckpt"]
+    assert store.get_checkpoint_path("r1") == f"{tmp_path}/store/runs/r1/checkpoint"
+    more = estimator(4, run_id="r1").fit(df)  # the same run: epochs 3 and 4 only
+    assert len(more.history) == 4 and more.history[:2] == first.history
+    fresh = estimator(2)
+    fresh.fit(df)
+    one = fresh.last_run_id
+    fresh.fit(df)
+    assert one.startswith("run_") and fresh.last_run_id != one
+    assert sorted(os.listdir(f"{tmp_path}/store/runs")) == sorted(["r1", one, fresh.last_run_id])
+    out = first.setOutputCols(["y_hat"]).transform(df)
+    assert "y_hat" in out.columns and first.getOutputCols() == ["y_hat"]
+    with pytest.raises(LaunchRefused, match="HDFSStore\\('hdfs://nn/x'\\): spark-dl's estimator keeps its checkpoints"):
+        HDFSStore("hdfs://nn/x")
+
