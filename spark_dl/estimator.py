@@ -138,7 +138,7 @@ def _runner_options(options: dict[str, Any]) -> dict[str, Any]:
 
 def _store(store: Any, run_id: Any, runner_options: dict[str, Any]) -> tuple[Any, str | None]:
     """Horovod's ``store`` (a :class:`spark_dl.horovod.store.Store`, or a path for one) and ``run_id``, checked."""
-    from .horovod.store import Store, _run_id
+    from .horovod.store import Store, check_run_id
 
     if store is None:
         if run_id is not None:
@@ -152,7 +152,7 @@ def _store(store: Any, run_id: Any, runner_options: dict[str, Any]) -> tuple[Any
             raise LaunchRefused(f"store must be a Store (horovod.spark.common.store.Store.create(path)) or a path, "
                                 f"got {type(store).__name__}")
         store = Store.create(store)
-    return store, None if run_id is None else _run_id(run_id)
+    return store, None if run_id is None else check_run_id(run_id)
 
 
 def _names(value: str | Sequence[str], what: str) -> list[str]:
@@ -479,9 +479,7 @@ class TorchModel(Model, MLWritable, MLReadable):
 
     def setOutputCols(self, value: str | list[str]) -> "TorchModel":  # noqa: N802 - Horovod's TorchModel name
         """Horovod's name for setting ``prediction_col``: the column(s) ``transform`` adds; returns self."""
-        cols = [value] if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else []
-        if not cols or not all(isinstance(c, str) and c for c in cols):
-            raise ValueError(f"setOutputCols takes a column name or a list of them (one per model output), got {value!r}")
+        cols = _names(value, "setOutputCols(value)")
         self.prediction_col = cols[0] if len(cols) == 1 else cols
         return self
 
@@ -626,8 +624,6 @@ class _TorchModelWriter(MLWriter):
         self.instance = instance
 
     def saveImpl(self, path: str) -> None:  # noqa: N802 - Spark ML's name
-        import os
-
         import cloudpickle
         import torch
 
@@ -646,8 +642,6 @@ class _TorchModelWriter(MLWriter):
 
 class _TorchModelReader(MLReader):
     def load(self, path: str) -> TorchModel:
-        import os
-
         from . import unpickle
 
         if not isinstance(path, str):

@@ -291,12 +291,17 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
 
 # ---- allgather / broadcast with gradients -------------------------------------------------------
 
+def gather_ints(values: list[int], group: Any) -> list[list[int]]:
+    """Every member of ``group``'s ``values`` (as many on each), in rank order."""
+    mine = torch.tensor(values, dtype=torch.int64, device=comm_device())
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    return [e.tolist() for e in every]
+
+
 def gather_counts(n: int, group: Any) -> list[int]:
     """Every member of ``group``'s ``n``, in rank order."""
-    mine = torch.tensor([n], dtype=torch.int64, device=comm_device())
-    counts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(counts, mine, group=group)
-    return [int(c.item()) for c in counts]
+    return [v[0] for v in gather_ints([n], group)]
 
 
 def gather_rows(tensor: torch.Tensor, counts: list[int], group: Any) -> list[torch.Tensor]:
@@ -340,10 +345,7 @@ def allgather_parts(tensor: torch.Tensor, ps: ProcessSet = global_process_set) -
     group = group_of(ps)
     # The row counts travel with the rest of the layout, so a mismatch costs no extra collective:
     # torch would gather mismatched tensors into garbage or break the connection (Horovod refuses).
-    mine = torch.tensor(_layout(tensor), dtype=torch.int64, device=comm_device())
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(every, mine, group=group)
-    layouts = [e.tolist() for e in every]
+    layouts = gather_ints(_layout(tensor), group)
     if any(lay[1:] != layouts[0][1:] for lay in layouts):
         members = ps.ranks or range(len(layouts))
         raise ValueError(

@@ -35,7 +35,7 @@ class Store:
         return LocalStore(path)
 
     def get_run_path(self, run_id: str) -> str:
-        return os.path.join(self.prefix_path, "runs", _run_id(run_id))
+        return os.path.join(self.prefix_path, "runs", check_run_id(run_id))
 
     def get_checkpoint_path(self, run_id: str) -> str:
         """The directory holding ``run_id``'s latest checkpoint (``latest.ckpt``)."""
@@ -81,7 +81,8 @@ def _local_path(prefix_path: str | os.PathLike) -> str:
     return os.path.abspath(os.path.expanduser(path))
 
 
-def _run_id(run_id: str) -> str:
+def check_run_id(run_id: str) -> str:
+    """``run_id``, or a refusal: it names a folder under the Store's ``runs/``."""
     if not isinstance(run_id, str) or not run_id or os.sep in run_id or run_id in (".", ".."):
         raise LaunchRefused(f"run_id must be a non-empty name without {os.sep!r} (a folder under the Store's runs/), "
                             f"got {run_id!r}")

@@ -381,6 +381,11 @@ def _store_run_ids(spark, tmp_path):
     assert sorted(os.listdir(f"{tmp_path}/store/runs")) == sorted(["r1", one, fresh.last_run_id])
     out = first.setOutputCols(["y_hat"]).transform(df)
     assert "y_hat" in out.columns and first.getOutputCols() == ["y_hat"]
+    for bad in ([], "", [1], None):
+        with pytest.raises(LaunchRefused, match=r"setOutputCols\(value\) must be a column name or a non-empty list "
+                                                r"of them, got"):
+            first.setOutputCols(bad)
+    assert first.getOutputCols() == ["y_hat"]
     with pytest.raises(LaunchRefused, match="HDFSStore\\('hdfs://nn/x'\\): spark-dl's estimator keeps its checkpoints"):
         HDFSStore("hdfs://nn/x")
 
