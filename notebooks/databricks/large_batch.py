@@ -31,6 +31,8 @@ print(spark.version, spark.sparkContext.master)
 # MAGIC - **linear+warmup**: the same peak lr, reached by a linear ramp from `base_lr` over the first 2
 # MAGIC   epochs (`LargeBatchRecipe(..., warmup_epochs=2)`, Goyal et al. §2.2).
 # MAGIC
+# MAGIC None of them decays the lr (`decay="none"`): each method runs at its peak lr to the end.
+# MAGIC
 # MAGIC Each (method, batch) runs with 2 seeds (initialization and data order). All 18 runs happen inside
 # MAGIC **one** `HorovodRunner` call: the training function loops over the configurations, so Spark and the
 # MAGIC process group are set up once. Each rank takes half of every global batch; `DistributedOptimizer`
@@ -62,7 +64,7 @@ def sweep(configs, base_lr, base_batch, epochs, warmup_epochs):
         steps_per_epoch = (len(train) // size) // per_rank   # fewer steps for larger batches
         recipe = LargeBatchRecipe(
             base_lr, base_batch, per_rank_batch=per_rank, world_size=size,
-            steps_per_epoch=steps_per_epoch, milestones=(),
+            steps_per_epoch=steps_per_epoch, decay="none",   # after any warmup, peak_lr to the end
             rule="none" if method == "no-scaling" else "linear",
             warmup_epochs=warmup_epochs if method == "linear+warmup" else 0,
         )

@@ -10,6 +10,22 @@ from .checks import number
 from .scaling import Rule, scale_lr
 from .schedule import Decay, LRSchedule, WarmupScheduler
 
+# Goyal et al.'s ImageNet schedule: the lr divided by 10 at epochs 30, 60 and 80 of 90.
+GOYAL_MILESTONES: tuple[int, ...] = (30, 60, 80)
+GOYAL_EPOCHS = 90
+
+
+def _goyal_milestones(epochs: float, warmup_epochs: float) -> tuple[float, ...]:
+    """Goyal et al.'s milestones scaled to ``epochs``: ``epochs * (30, 60, 80) / 90``, the first after the warmup."""
+    milestones = tuple(epochs * m / GOYAL_EPOCHS for m in GOYAL_MILESTONES)
+    if milestones[0] <= warmup_epochs:
+        raise ValueError(
+            f"decay='step' without milestones divides the lr at Goyal et al.'s proportions of epochs={epochs:g} "
+            f"(epochs {', '.join(f'{m:g}' for m in milestones)}), but the first does not come after the warmup "
+            f"({warmup_epochs:g} epochs): pass milestones=(...) in epochs after the warmup, or fewer warmup_epochs"
+        )
+    return milestones
+
 
 @dataclass(frozen=True)
 class LargeBatchRecipe:
@@ -22,12 +38,18 @@ class LargeBatchRecipe:
     ``"step"`` multiplies by ``gamma`` at each epoch in ``milestones``; ``"cosine"`` anneals to
     ``final_lr`` at ``epochs``; ``"none"`` stays at ``peak_lr``.
 
+    ``decay="step"`` (the default) without ``milestones`` takes Goyal et al.'s proportions of
+    ``epochs``: ``epochs * (30, 60, 80) / 90``, kept in ``milestones`` (``(30.0, 60.0, 80.0)`` for
+    ``epochs=90``); the first must come after the warmup. With neither ``milestones`` nor ``epochs``
+    it is a ValueError, since the lr would never decay: pass one, or ``decay="none"``.
+
     ``steps_per_epoch`` counts optimizer steps in one epoch at the global batch (``len(loader)``
     of one rank's sharded loader, divided by ``backward_passes_per_step``). Milestones and the
     warmup length are epochs; they are rounded to whole steps.
 
     Goyal's ResNet-50: ``LargeBatchRecipe(0.1, 256, per_rank_batch=32, world_size=256,
-    warmup_epochs=5, steps_per_epoch=156, milestones=(30, 60, 80))`` gives ``peak_lr == 3.2``.
+    warmup_epochs=5, steps_per_epoch=156, epochs=90)`` gives ``peak_lr == 3.2`` and
+    ``milestones == (30.0, 60.0, 80.0)``.
     """
 
     base_lr: float
@@ -55,6 +77,15 @@ class LargeBatchRecipe:
         if isinstance(self.milestones, (str, bytes)) or not isinstance(self.milestones, (list, tuple)):
             raise TypeError(f"milestones must be a tuple of epochs, e.g. (30, 60, 80), got {self.milestones!r}")
         object.__setattr__(self, "milestones", tuple(number(m, "each milestone", low=0) for m in self.milestones))
+        if self.decay == "step" and not self.milestones:  # no milestones would never decay: Goyal's, or refuse
+            if self.epochs is None:
+                raise ValueError(
+                    "decay='step' needs milestones, or epochs to place them: pass milestones=(30, 60, 80) "
+                    "(epochs from the start), or epochs= to divide the lr at Goyal et al.'s proportions "
+                    "(epochs 30, 60, 80 of 90), or decay='none' to stay at peak_lr after the warmup, "
+                    "or decay='cosine' (with epochs=)"
+                )
+            object.__setattr__(self, "milestones", _goyal_milestones(self.epochs, self.warmup_epochs))
         # the schedule's own checks speak in steps: say the same things in epochs, as given here
         if self.decay == "step" and self.milestones and self.milestones[0] < self.warmup_epochs:
             raise ValueError(f"milestone epoch {self.milestones[0]:g} falls inside the warmup ({self.warmup_epochs:g} "

@@ -40,7 +40,8 @@ def lr_at(
       Goyal et al. take ``s`` = the single-worker lr ``eta`` and ``p = k * eta``.
     - then ``decay="none"``: ``lr = p``;
       ``decay="step"``: ``lr = p * gamma ** #{m in milestones : m <= t}`` (divide by 10 at each
-      milestone with the default ``gamma``; milestones are absolute steps, as in "epochs 30, 60, 80");
+      milestone with the default ``gamma``; milestones are absolute steps, as in "epochs 30, 60, 80",
+      and there must be at least one: without them, ``decay="none"`` says what is meant);
       ``decay="cosine"``: ``lr = f + (p - f) * (1 + cos(pi * (t - W) / (T - W))) / 2`` with
       ``T = total_steps`` and ``f = final_lr``, and ``lr = f`` from ``T`` on.
     """
@@ -79,9 +80,15 @@ def _check(peak_lr: float, warmup_steps: int, warmup_start_lr: float | None, dec
     if decay not in DECAYS:
         raise ValueError(f"decay must be one of {DECAYS}, got {decay!r}")
     if decay == "step":
+        if not milestones:  # it would warm up, then stay at peak_lr forever
+            raise ValueError(
+                "decay='step' needs milestones, the absolute optimizer steps at which the lr is multiplied "
+                "by gamma: pass milestones=(...) in steps, e.g. milestones=(3000, 6000), or decay='none' "
+                "to stay at peak_lr after the warmup"
+            )
         if list(milestones) != sorted(milestones):
             raise ValueError(f"milestones must be increasing, got {list(milestones)}")
-        if milestones and milestones[0] < warmup_steps:
+        if milestones[0] < warmup_steps:
             raise ValueError(
                 f"milestone {milestones[0]} falls inside the warmup ({warmup_steps} steps); "
                 "milestones are absolute steps and must come after the warmup"

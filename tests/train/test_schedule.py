@@ -81,6 +81,63 @@ def test_step_decay_divides_by_ten_at_each_milestone():
     assert r.lr_at(90 * epoch) == pytest.approx(0.0032)
 
 
+def test_step_decay_without_milestones_takes_goyal_proportions_of_epochs():
+    r = goyal_recipe(steps_per_epoch=10, milestones=())  # decay="step" by default, epochs=90
+    assert r.decay == "step" and r.milestones == (30, 60, 80) and r.schedule.milestones == (300, 600, 800)
+    assert r == goyal_recipe(steps_per_epoch=10)  # the same recipe as Goyal's milestones given
+    assert r.lr_at(50) == pytest.approx(3.2)
+    assert r.lr_at(299) == pytest.approx(3.2)
+    assert r.lr_at(300) == pytest.approx(3.2 * 0.1)
+    assert r.lr_at(600) == pytest.approx(3.2 * 0.01)
+    assert r.lr_at(800) == pytest.approx(3.2 * 0.001)
+    assert r.lr_at(900) == pytest.approx(3.2 * 0.001)
+    # 45 epochs: /10 at epochs 15, 30 and 40
+    half = goyal_recipe(steps_per_epoch=10, milestones=(), epochs=45)
+    assert half.milestones == (15, 30, 40) and half.schedule.milestones == (150, 300, 400)
+    assert [half.lr_at(t) for t in (149, 150, 300, 400)] == pytest.approx([3.2, 0.32, 0.032, 0.0032])
+
+
+def test_step_decay_without_milestones_refuses_proportions_inside_the_warmup():
+    # epochs=12: Goyal's proportions put the first milestone at epoch 4, inside a 5-epoch warmup
+    with pytest.raises(ValueError, match=(
+            r"decay='step' without milestones divides the lr at Goyal et al.'s proportions of epochs=12 "
+            r"\(epochs 4, 8, 10.6667\), but the first does not come after the warmup \(5 epochs\): "
+            r"pass milestones=\(...\) in epochs after the warmup")):
+        goyal_recipe(milestones=(), epochs=12)
+    assert goyal_recipe(milestones=(6, 10), epochs=12).schedule.milestones == (6 * 156, 10 * 156)
+
+
+def test_step_decay_without_milestones_or_epochs_is_refused_with_the_fixes():
+    with pytest.raises(ValueError) as refused:
+        LargeBatchRecipe(0.1, 256, per_rank_batch=32, world_size=256, steps_per_epoch=156)
+    message = str(refused.value)
+    assert message.startswith("decay='step' needs milestones, or epochs to place them")
+    for fix in ("milestones=(30, 60, 80) (epochs from the start)", "epochs= to divide the lr at Goyal et al.'s",
+                "decay='none' to stay at peak_lr after the warmup", "decay='cosine'"):
+        assert fix in message
+    # each fix works
+    kw = dict(per_rank_batch=32, world_size=256, steps_per_epoch=156)
+    assert LargeBatchRecipe(0.1, 256, **kw, milestones=(30, 60, 80)).lr_at(30 * 156) == pytest.approx(0.32)
+    assert LargeBatchRecipe(0.1, 256, **kw, epochs=90).lr_at(30 * 156) == pytest.approx(0.32)
+    assert LargeBatchRecipe(0.1, 256, **kw, decay="none").lr_at(90 * 156) == pytest.approx(3.2)
+    assert LargeBatchRecipe(0.1, 256, **kw, decay="cosine", epochs=90).lr_at(90 * 156) == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize("call", [
+    lambda: LRSchedule(peak_lr=3.2, warmup_steps=10, warmup_start_lr=0.1, decay="step"),
+    lambda: LRSchedule(peak_lr=3.2, decay="step", milestones=()),
+    lambda: lr_at(100, peak_lr=3.2, decay="step"),
+    lambda: lr_at(100, peak_lr=3.2, decay="step", milestones=[]),
+])
+def test_schedule_refuses_step_decay_without_milestones(call):
+    with pytest.raises(ValueError, match=(
+            r"decay='step' needs milestones, the absolute optimizer steps at which the lr is multiplied by gamma: "
+            r"pass milestones=\(...\) in steps, e.g. milestones=\(3000, 6000\), or decay='none' to stay at peak_lr "
+            r"after the warmup")):
+        call()
+    assert lr_at(100, peak_lr=3.2, decay="none") == 3.2  # what it used to do, asked for
+
+
 def test_cosine_decay_after_warmup():
     r = goyal_recipe(decay="cosine", milestones=(), final_lr=0.0)
     w, t = 780, 90 * 156
@@ -109,7 +166,8 @@ def test_lr_at_without_warmup_and_validation():
 
 
 def test_recipe_below_base_batch_does_not_ramp_down():
-    r = LargeBatchRecipe(0.1, 256, per_rank_batch=32, world_size=2, steps_per_epoch=10, warmup_epochs=1)
+    r = LargeBatchRecipe(0.1, 256, per_rank_batch=32, world_size=2, steps_per_epoch=10, warmup_epochs=1,
+                         decay="none")
     assert r.peak_lr == pytest.approx(0.025)
     assert [r.lr_at(t) for t in (0, 5, 10)] == pytest.approx([0.025] * 3)
 
@@ -251,8 +309,10 @@ def test_recipe_arguments_of_the_wrong_kind_are_named(change, error, match):
 def test_recipe_takes_numpy_counts():
     import numpy
 
-    r = LargeBatchRecipe(**{**RECIPE_ARGS, "world_size": numpy.int64(8), "base_lr": numpy.float32(0.1)})
+    r = LargeBatchRecipe(**{**RECIPE_ARGS, "world_size": numpy.int64(8), "base_lr": numpy.float32(0.1),
+                            "epochs": numpy.int64(90)})
     assert type(r.world_size) is int and r.peak_lr == pytest.approx(0.1)
+    assert r.milestones == (30, 60, 80) and all(type(m) is float for m in r.milestones)
 
 
 @pytest.mark.parametrize("call, error, match", [
