@@ -7,11 +7,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
-from spark_dl import HorovodRunner
+from spark_dl import HorovodRunner, RankFailed
 
 
 def api_main():
@@ -223,6 +224,100 @@ def test_broadcast_optimizer_state(ranks):
         assert o["opt_lr"] == 0.01
     assert ranks[0]["opt_state"] == ranks[1]["opt_state"]
     assert ranks[0]["opt_state"][0]["step"] == 1.0
+
+
+def mismatched_model_main(kind):
+    import torch
+
+    import spark_dl.horovod as hvd
+
+    hvd.init()
+    r = hvd.rank()
+    if kind == "shape":  # a vocabulary counted on each rank's own shard
+        model = torch.nn.Sequential(torch.nn.Embedding(100 + 20 * r, 16), torch.nn.Linear(16, 3))
+    elif kind == "count":
+        model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(1 + r)])
+    else:
+        model = torch.nn.Linear(4, 4).to(torch.float64 if r else torch.float32)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+
+
+@pytest.mark.parametrize("kind, difference", [
+    ("shape", "rank 1's '0.weight' is float32 [120, 16] but rank 0's is float32 [100, 16]"),
+    ("count", "rank 1 has 4 tensors but rank 0 has 2, and rank 1's '1.bias' (float32 [4]) is not among rank 0's"),
+    ("dtype", "rank 1's 'bias' is float64 [4] but rank 0's is float32 [4]"),
+], ids=["shape", "count", "dtype"])
+def test_broadcast_parameters_of_models_that_differ_between_ranks_fails_fast_naming_the_difference(kind, difference):
+    # Unchecked, Gloo keeps a prefix of rank 0's bytes (shape, count: silently), fills float64
+    # from float32 bytes (garbage), aborts a rank whose buffer is too short, or hangs.
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as failed:
+        HorovodRunner(np=-2, run_timeout=60).run(mismatched_model_main, kind)
+    assert time.monotonic() - start < 30
+    assert (f"broadcast_parameters: {difference}: every rank must build the same model (a size such as a "
+            "vocabulary or a number of classes, if computed from each rank's own data, differs between ranks: "
+            "compute it on one rank and hvd.broadcast_object it to the others)") in str(failed.value)
+
+
+def layout_checks_main():
+    import torch
+
+    import spark_dl.horovod as hvd
+
+    hvd.init()
+    r = hvd.rank()
+    out = {}
+
+    def refused(label, call):
+        try:
+            call()
+        except ValueError as e:  # every rank sees every rank's fingerprint: all raise, and stay in step
+            out[label] = str(e)
+
+    counted = [torch.ones(4, 4) * r for _ in range(1 + r)]
+    refused("parameters", lambda: hvd.broadcast_parameters(counted, root_rank=0))
+    out["untouched"] = all(torch.equal(t, torch.ones(4, 4) * r) for t in counted)
+    layers = {"a": torch.nn.Linear(2, 2), "b": torch.nn.Linear(2, 3)}
+    built = torch.nn.ModuleDict({k: layers[k] for k in (("a", "b") if r == 0 else ("b", "a"))})
+    refused("order", lambda: hvd.broadcast_parameters(built.named_parameters(), root_rank=0))
+    hvd.broadcast_parameters(built.state_dict(), root_rank=0)  # sorted by name: the order does not matter
+    classes = torch.nn.Linear(4, 3 + r)
+    refused("optimizer", lambda: hvd.broadcast_optimizer_state(torch.optim.SGD(classes.parameters(), lr=0.1), 0))
+    pair = hvd.add_process_set([1, 2])
+    if r in pair.ranks:
+        head = torch.nn.Linear(4, 2 + r, bias=False)
+        refused("process_set", lambda: hvd.broadcast_parameters(head.state_dict(), root_rank=2, process_set=pair))
+        same = torch.nn.Linear(4, 2).to(torch.float64)
+        hvd.broadcast_parameters(same.state_dict(), root_rank=2, process_set=pair)
+        out["set_after"] = {k: v.tolist() for k, v in same.state_dict().items()}
+
+    torch.manual_seed(100 + r)  # the same model, different initial weights per rank
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 2), torch.nn.BatchNorm1d(2))
+    out["before"] = {k: v.tolist() for k, v in model.state_dict().items()}
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    out["after"] = {k: v.tolist() for k, v in model.state_dict().items()}
+    return out
+
+
+def test_layouts_that_differ_are_refused_on_every_rank_and_equal_ones_still_broadcast():
+    ranks = HorovodRunner(np=-3, run_timeout=60).run_all(layout_checks_main)
+    for o in ranks:
+        assert o["parameters"].startswith(
+            "broadcast_parameters: rank 1 has 2 tensors but rank 0 has 1, and rank 1's tensor #1 (float32 [4, 4]) "
+            "is not among rank 0's: every rank must build the same model")
+        assert o["untouched"] is True  # refused before any tensor was overwritten
+        assert o["order"].startswith("broadcast_parameters: rank 1 passes 'b.weight' where rank 0 passes "
+                                     "'a.weight' (the same names in another order): ")
+        assert o["optimizer"].startswith("broadcast_optimizer_state: rank 1's param_groups[0]['params'][0] is "
+                                         "float32 [4, 4] but rank 0's is float32 [3, 4]: ")
+    for o in ranks[1:]:  # ranks are global in the message: the set's root is rank 2
+        assert o["process_set"].startswith(
+            "broadcast_parameters: rank 1's 'weight' is float32 [3, 4] but rank 2's is float32 [4, 4]: ")
+    assert "process_set" not in ranks[0]
+    assert ranks[1]["set_after"] == ranks[2]["set_after"]
+    assert ranks[0]["before"] != ranks[1]["before"]
+    for o in ranks:
+        assert o["after"] == ranks[0]["before"]
 
 
 def run_plain_script(code: str) -> subprocess.CompletedProcess:
