@@ -14,9 +14,11 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Callable, Mapping, Sequence
 
 from pyspark.ml import Estimator, Model
+from pyspark.ml.param import Param, Params
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReadable, MLReader, MLWritable, MLWriter
 
 from .callbacks import EarlyStopping, Trainer
@@ -162,9 +164,147 @@ def _names(value: str | Sequence[str], what: str) -> list[str]:
     return names
 
 
+# TorchEstimator's settings, Spark ML Params named as Horovod's: name -> (default, doc); _REQUIRED has none
+_REQUIRED = object()
+_SETTINGS: dict[str, tuple[Any, str]] = {
+    "model": (_REQUIRED, "the torch.nn.Module to train"),
+    "optimizer": (_REQUIRED, "an optimizer over model.parameters(), or a function params -> optimizer"),
+    "loss": (None, "loss(output, *labels) -> tensor, or a list of them (one per model output)"),
+    "feature_cols": (_REQUIRED, "feature column names"),
+    "label_cols": (_REQUIRED, "label column names"),
+    "batch_size": (32, "rows per rank per step"),
+    "epochs": (1, "passes over the data"),
+    "num_proc": (2, "ranks, in one Spark barrier stage"),
+    "prediction_col": ("prediction", "the column(s) TorchModel.transform adds"),
+    "shuffle": (True, "a new global shuffle of the rows every epoch"),
+    "seed": (0, "the shuffle's and the validation split's seed"),
+    "validation": (None, "a fraction of the rows held out, or a column marking them"),
+    "sample_weight_col": (None, "a column of per-row loss weights"),
+    "input_shapes": (None, "each feature column's batch shape, -1 for the batch"),
+    "metrics": (None, "{name: fn(output, *labels) -> number}, averaged each epoch"),
+    "gradient_compression": (None, "a compressor from spark_dl.compression for the gradients' all-reduce"),
+    "backward_passes_per_step": (1, "batches accumulated per optimizer step"),
+    "val_batch_size": (None, "rows per rank per held-out batch (default batch_size)"),
+    "train_steps_per_epoch": (None, "at most this many batches per rank per epoch"),
+    "validation_steps_per_epoch": (None, "at most this many held-out batches per rank per epoch"),
+    "loss_constructors": (None, "functions that build the loss(es) on each rank, in place of loss"),
+    "loss_weights": (None, "one weight per label column for per-output losses"),
+    "transformation_fn": (None, "fn(batch) -> batch on each rank, before the model sees it"),
+    "train_minibatch_fn": (None, "Horovod's custom step: returns train_minibatch(model, optimizer, ...)"),
+    "callbacks": (None, "hooks run on every rank (spark_dl.callbacks)"),
+    "label_shapes": (None, "each label column's batch shape, -1 for the batch"),
+    "log_model": (True, "log the trained model to the MLflow run"),
+    "verbose": (1, "0 silent, 1 a line per epoch, 2 a line per step"),
+    "random_seed": (None, "torch's seed on every rank"),
+    "use_gpu": (True, "train on the ranks' GPUs where they have them"),
+    "store": (None, "a Store whose runs/<run_id>/checkpoint keeps the fit's checkpoints"),
+    "run_id": (None, "the Store's run to resume, or None for a new one"),
+}
+
+
+def _checked(v: Mapping[str, Any], runner_options: dict[str, Any]) -> SimpleNamespace:
+    """The settings ``v`` checked and normalised (counts as ints, column names as lists, metrics
+    as a dict, a store path as a Store): the first bad one is refused with what to pass instead.
+    Also ``losses`` (as the ranks use them) and ``runner_kwargs`` (HorovodRunner's options but ``np``)."""
+    import torch
+
+    from . import callbacks as _callbacks
+    from .compression import Compressor
+
+    s = SimpleNamespace(**v)
+    model, optimizer = s.model, s.optimizer
+    if not isinstance(model, torch.nn.Module):
+        raise LaunchRefused(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not (isinstance(optimizer, torch.optim.Optimizer) or callable(optimizer)):
+        raise LaunchRefused(
+            "optimizer must be a torch.optim.Optimizer over model.parameters() or a function params -> "
+            f"optimizer, got {type(optimizer).__name__}"
+        )
+    if isinstance(optimizer, torch.optim.Optimizer):
+        own = {id(p) for p in model.parameters()}
+        if not all(id(p) in own for g in optimizer.param_groups for p in g["params"]):
+            raise LaunchRefused("optimizer was built over parameters that are not model's: build it "
+                                "with model.parameters(), or pass a function params -> optimizer")
+    validation = s.validation
+    if validation is not None and not (isinstance(validation, str) and validation) and not (
+            isinstance(validation, float) and 0 < validation < 1):
+        raise LaunchRefused(f"validation must be a fraction of the rows in (0, 1) or a column name, got {validation!r}")
+    for name in ("batch_size", "epochs", "num_proc", "backward_passes_per_step", "val_batch_size",
+                 "train_steps_per_epoch", "validation_steps_per_epoch"):
+        value = getattr(s, name)
+        if value is None and name in _OPTIONAL_SIZES:
+            continue
+        if as_int(value) is None or value < 1:
+            raise LaunchRefused(f"{name} must be an int >= 1, got {value!r}")
+        setattr(s, name, as_int(value))
+    if s.gradient_compression is not None and not isinstance(s.gradient_compression, Compressor):
+        raise LaunchRefused(f"gradient_compression must be a compressor from spark_dl.compression (FP16(), QSGD(), "
+                            f"PowerSGD(), ...) or None, got {type(s.gradient_compression).__name__}")
+    s.feature_cols = _names(s.feature_cols, "feature_cols")
+    s.label_cols = _names(s.label_cols, "label_cols")
+    s.losses = _losses(s.loss, s.loss_constructors, s.loss_weights, s.label_cols)
+    for name in ("transformation_fn", "train_minibatch_fn"):
+        fn = getattr(s, name)
+        if fn is not None and not callable(fn):
+            raise LaunchRefused(f"{name} must be a function, got {type(fn).__name__}")
+    if s.train_minibatch_fn is not None and s.backward_passes_per_step != 1:
+        raise LaunchRefused("train_minibatch_fn runs each batch's optimizer step itself, so "
+                            f"backward_passes_per_step={s.backward_passes_per_step} cannot apply: accumulate "
+                            "gradients inside it, or leave backward_passes_per_step at 1")
+    try:
+        s.callbacks = _callbacks.check(s.callbacks)
+    except TypeError as e:
+        raise LaunchRefused(str(e)) from None
+    if s.sample_weight_col is not None and not (isinstance(s.sample_weight_col, str) and s.sample_weight_col):
+        raise LaunchRefused(f"sample_weight_col must be a column name, got {s.sample_weight_col!r}")
+    s.input_shapes = _input_shapes(s.input_shapes, s.feature_cols)
+    s.label_shapes = _input_shapes(s.label_shapes, s.label_cols, "label_shapes", "label")
+    if not isinstance(s.log_model, bool):
+        raise LaunchRefused(f"log_model must be True or False, got {s.log_model!r}")
+    s.metrics = _metrics(s.metrics)
+    _check_monitors(s.callbacks, s.metrics, validation)
+    if s.verbose not in (0, 1, 2) or isinstance(s.verbose, bool):
+        raise LaunchRefused(f"verbose must be 0, 1 or 2, got {s.verbose!r}")
+    if s.random_seed is not None and as_int(s.random_seed) is None:
+        raise LaunchRefused(f"random_seed must be an int or None, got {s.random_seed!r}")
+    s.random_seed = None if s.random_seed is None else as_int(s.random_seed)
+    if as_int(s.seed) is None:
+        raise LaunchRefused(f"seed must be an int (the shuffle's and the validation split's), got {s.seed!r}")
+    s.seed = as_int(s.seed)
+    if not isinstance(s.shuffle, bool):
+        raise LaunchRefused(f"shuffle must be True or False, got {s.shuffle!r}")
+    col = s.prediction_col
+    if not (isinstance(col, str) and col) and not (
+            isinstance(col, (list, tuple)) and col and all(isinstance(c, str) and c for c in col)):
+        raise LaunchRefused(f"prediction_col must be a column name or a list of them (one per model output), "
+                            f"got {col!r}")
+    if not isinstance(s.use_gpu, bool):
+        raise LaunchRefused(f"use_gpu must be True or False, got {s.use_gpu!r}")
+    s.store, s.run_id = _store(s.store, s.run_id, runner_options)
+    s.runner_kwargs = dict(runner_options)
+    if not s.use_gpu:  # the ranks see no GPU, so they train on the CPU
+        s.runner_kwargs["env"] = {**(runner_options.get("env") or {}), "CUDA_VISIBLE_DEVICES": ""}
+    return s
+
+
+def _check_monitors(callbacks: list[Any], metrics: dict[str, Any], validation: Any) -> None:
+    """An ``EarlyStopping`` that watches a history key this fit will not have is refused now,
+    not after its first epoch."""
+    keys = ["loss"] + list(metrics)
+    if validation is not None:
+        keys += ["val_" + k for k in keys]
+    for cb in callbacks:
+        if isinstance(cb, EarlyStopping) and cb.monitor not in keys:
+            hint = " (the val_ keys need validation=)" if cb.monitor.startswith("val_") else ""
+            raise LaunchRefused(f"EarlyStopping monitors {cb.monitor!r}, which this fit will not log{hint}; "
+                                f"it logs {keys}")
+
+
 class TorchEstimator(Estimator):
     """Train ``model`` on a DataFrame's ``feature_cols`` against its ``label_cols``: a Spark ML
-    ``Estimator``, so it is also a ``pyspark.ml.Pipeline`` stage.
+    ``Estimator``, so it is also a ``pyspark.ml.Pipeline`` stage. Every setting below but
+    ``runner_options`` is a Spark ML ``Param`` too (``est.epochs``; Horovod's ``getEpochs()`` /
+    ``setEpochs(n)``), so a param map, ``ParamGridBuilder`` and ``CrossValidator`` can set it.
 
     Args:
         model: the ``torch.nn.Module`` to train; called as ``model(*features)``, one tensor per
@@ -235,119 +375,29 @@ class TorchEstimator(Estimator):
                  callbacks: Sequence[Any] | None = None, label_shapes: Sequence[Sequence[int]] | None = None,
                  log_model: bool = True, verbose: int = 1, random_seed: int | None = None, use_gpu: bool = True,
                  store: Any = None, run_id: str | None = None, **runner_options: Any) -> None:
-        super().__init__()  # Spark ML's Params: a uid, empty param maps
-        import torch
-
-        from . import callbacks as _callbacks
-        from .compression import Compressor
-
-        if not isinstance(model, torch.nn.Module):
-            raise LaunchRefused(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not (isinstance(optimizer, torch.optim.Optimizer) or callable(optimizer)):
-            raise LaunchRefused(
-                "optimizer must be a torch.optim.Optimizer over model.parameters() or a function params -> "
-                f"optimizer, got {type(optimizer).__name__}"
-            )
-        if isinstance(optimizer, torch.optim.Optimizer):
-            own = {id(p) for p in model.parameters()}
-            if not all(id(p) in own for g in optimizer.param_groups for p in g["params"]):
-                raise LaunchRefused("optimizer was built over parameters that are not model's: build it "
-                                    "with model.parameters(), or pass a function params -> optimizer")
-        if validation is not None and not (isinstance(validation, str) and validation) and not (
-                isinstance(validation, float) and 0 < validation < 1):
-            raise LaunchRefused(f"validation must be a fraction of the rows in (0, 1) or a column name, got {validation!r}")
-        for name, value in (("batch_size", batch_size), ("epochs", epochs), ("num_proc", num_proc),
-                            ("backward_passes_per_step", backward_passes_per_step), ("val_batch_size", val_batch_size),
-                            ("train_steps_per_epoch", train_steps_per_epoch),
-                            ("validation_steps_per_epoch", validation_steps_per_epoch)):
-            if value is None and name in _OPTIONAL_SIZES:
-                continue
-            if as_int(value) is None or value < 1:
-                raise LaunchRefused(f"{name} must be an int >= 1, got {value!r}")
-        batch_size, epochs, num_proc, backward_passes_per_step = (
-            as_int(batch_size), as_int(epochs), as_int(num_proc), as_int(backward_passes_per_step))
-        val_batch_size, train_steps_per_epoch, validation_steps_per_epoch = (
-            None if v is None else as_int(v) for v in (val_batch_size, train_steps_per_epoch, validation_steps_per_epoch))
-        if gradient_compression is not None and not isinstance(gradient_compression, Compressor):
-            raise LaunchRefused(f"gradient_compression must be a compressor from spark_dl.compression (FP16(), QSGD(), "
-                                f"PowerSGD(), ...) or None, got {type(gradient_compression).__name__}")
-        self.model = model
-        self.optimizer = optimizer
-        self.feature_cols = _names(feature_cols, "feature_cols")
-        self.label_cols = _names(label_cols, "label_cols")
-        self.loss, self.loss_constructors, self.loss_weights = loss, loss_constructors, loss_weights
-        self._losses = _losses(loss, loss_constructors, loss_weights, self.label_cols)
-        for name, fn in (("transformation_fn", transformation_fn), ("train_minibatch_fn", train_minibatch_fn)):
-            if fn is not None and not callable(fn):
-                raise LaunchRefused(f"{name} must be a function, got {type(fn).__name__}")
-        if train_minibatch_fn is not None and backward_passes_per_step != 1:
-            raise LaunchRefused("train_minibatch_fn runs each batch's optimizer step itself, so "
-                                f"backward_passes_per_step={backward_passes_per_step} cannot apply: accumulate "
-                                "gradients inside it, or leave backward_passes_per_step at 1")
-        self.transformation_fn = transformation_fn
-        self.train_minibatch_fn = train_minibatch_fn
-        try:
-            self.callbacks = _callbacks.check(callbacks)
-        except TypeError as e:
-            raise LaunchRefused(str(e)) from None
-        self.batch_size = batch_size
-        self.epochs = epochs
-        self.num_proc = num_proc
-        self.prediction_col = prediction_col
-        self.shuffle = shuffle
-        self.validation = validation
-        if sample_weight_col is not None and not (isinstance(sample_weight_col, str) and sample_weight_col):
-            raise LaunchRefused(f"sample_weight_col must be a column name, got {sample_weight_col!r}")
-        self.sample_weight_col = sample_weight_col
-        self.input_shapes = _input_shapes(input_shapes, self.feature_cols)
-        self.label_shapes = _input_shapes(label_shapes, self.label_cols, "label_shapes", "label")
-        if not isinstance(log_model, bool):
-            raise LaunchRefused(f"log_model must be True or False, got {log_model!r}")
-        self.log_model = log_model
-        self.metrics = _metrics(metrics)
-        self._check_monitors()
-        self.gradient_compression = gradient_compression
-        self.backward_passes_per_step = backward_passes_per_step
-        self.val_batch_size = val_batch_size
-        self.train_steps_per_epoch = train_steps_per_epoch
-        self.validation_steps_per_epoch = validation_steps_per_epoch
-        if verbose not in (0, 1, 2) or isinstance(verbose, bool):
-            raise LaunchRefused(f"verbose must be 0, 1 or 2, got {verbose!r}")
-        if random_seed is not None and as_int(random_seed) is None:
-            raise LaunchRefused(f"random_seed must be an int or None, got {random_seed!r}")
-        random_seed = None if random_seed is None else as_int(random_seed)
-        if as_int(seed) is None:
-            raise LaunchRefused(f"seed must be an int (the shuffle's and the validation split's), got {seed!r}")
-        self.seed = as_int(seed)
-        if not isinstance(shuffle, bool):
-            raise LaunchRefused(f"shuffle must be True or False, got {shuffle!r}")
-        if not (isinstance(prediction_col, str) and prediction_col) and not (
-                isinstance(prediction_col, (list, tuple)) and prediction_col
-                and all(isinstance(c, str) and c for c in prediction_col)):
-            raise LaunchRefused(f"prediction_col must be a column name or a list of them (one per model output), "
-                                f"got {prediction_col!r}")
-        if not isinstance(use_gpu, bool):
-            raise LaunchRefused(f"use_gpu must be True or False, got {use_gpu!r}")
-        self.verbose, self.random_seed, self.use_gpu = verbose, random_seed, use_gpu
-        runner_options = _runner_options(runner_options)
-        self.store, self.run_id = _store(store, run_id, runner_options)
-        if not use_gpu:  # the ranks see no GPU, so they train on the CPU
-            runner_options["env"] = {**(runner_options.get("env") or {}), "CUDA_VISIBLE_DEVICES": ""}
-        self.runner_options = runner_options
-        self._runner = HorovodRunner(np=num_proc, **runner_options)  # bad options are refused now, not at fit()
+        super().__init__()  # Spark ML's Params: a uid, this instance's copies of the class's Params
+        args = dict(locals())
+        self._setDefault(**{name: d for name, (d, _) in _SETTINGS.items() if d is not _REQUIRED})
+        self.runner_options = _runner_options(runner_options)
+        given = {name: args[name] for name in _SETTINGS}
+        s = _checked(given, self.runner_options)
+        # what was given (normalised), so explainParams() tells it from the defaults
+        self._set(**{name: getattr(s, name) for name, value in given.items() if not _is_default(name, value)})
+        self._runner = HorovodRunner(np=s.num_proc, **s.runner_kwargs)  # bad options are refused now, not at fit()
         self.last_run_id: str | None = None  # with a store: the latest fit's run_id
 
-    def _check_monitors(self) -> None:
-        """An ``EarlyStopping`` that watches a history key this fit will not have is refused now,
-        not after its first epoch."""
-        keys = ["loss"] + list(self.metrics)
-        if self.validation is not None:
-            keys += ["val_" + k for k in keys]
-        for cb in self.callbacks:
-            if isinstance(cb, EarlyStopping) and cb.monitor not in keys:
-                hint = " (the val_ keys need validation=)" if cb.monitor.startswith("val_") else ""
-                raise LaunchRefused(f"EarlyStopping monitors {cb.monitor!r}, which this fit will not log{hint}; "
-                                    f"it logs {keys}")
+    def _values(self) -> dict[str, Any]:
+        return {name: self.getOrDefault(name) for name in _SETTINGS}
+
+    def setParams(self, **values: Any) -> "TorchEstimator":  # noqa: N802 - Spark ML's name
+        """Set several settings at once (``est.setParams(epochs=4, batch_size=64)``); checked together,
+        as the constructor checks them. Returns self."""
+        unknown = [name for name in values if name not in _SETTINGS]
+        if unknown:
+            raise LaunchRefused(f"TorchEstimator has no setting {unknown[0]!r}; its settings are {', '.join(_SETTINGS)} "
+                                "(HorovodRunner's options are constructor arguments)")
+        s = _checked({**self._values(), **values}, self.runner_options)
+        return self._set(**{name: getattr(s, name) for name in values})
 
     @property
     def last_run(self) -> RunInfo | None:
@@ -356,77 +406,115 @@ class TorchEstimator(Estimator):
 
     def fit(self, dataset, params=None) -> "TorchModel":
         """Train across ``num_proc`` ranks; return the trained model as a :class:`TorchModel`.
-        ``params``: Spark ML's param map (in a ``Pipeline``, other stages' params pass through)."""
+        ``params``: Spark ML's param map: this estimator's (``{est.epochs: 4}``) apply to this fit
+        only, other stages' pass through; a list of maps fits once per map (a list of models)."""
+        if isinstance(params, dict) and params:
+            that = self.copy(params)  # Spark ML's way; this fit's run is then reported here too
+            model = that._fit(dataset)
+            self._runner, self.last_run_id = that._runner, that.last_run_id
+            return model
         return super().fit(dataset, params)
 
     def _fit(self, df) -> "TorchModel":
         from .data import check_dataframe, shards
 
+        s = _checked(self._values(), self.runner_options)  # a param map's values are checked here
         check_dataframe(df, "TorchEstimator.fit(df)")
-        if self.store is not None:  # Horovod's rule: a fit resumes its run_id's checkpoint; no run_id, a new run
-            run_id = self.run_id or f"run_{time.strftime('%Y%m%d_%H%M%S')}_{uuid.uuid4().hex[:6]}"
-            self._runner = HorovodRunner(np=self.num_proc, **{**self.runner_options,
-                                                              "checkpoint_dir": self.store.get_checkpoint_path(run_id)})
+        options = s.runner_kwargs
+        if s.store is not None:  # Horovod's rule: a fit resumes its run_id's checkpoint; no run_id, a new run
+            run_id = s.run_id or f"run_{time.strftime('%Y%m%d_%H%M%S')}_{uuid.uuid4().hex[:6]}"
+            options = {**options, "checkpoint_dir": s.store.get_checkpoint_path(run_id)}
             self.last_run_id = run_id
+        self._runner = HorovodRunner(np=s.num_proc, **options)
 
-        columns = self.feature_cols + self.label_cols
-        weights = self.sample_weight_col
+        columns = s.feature_cols + s.label_cols
+        weights = s.sample_weight_col
         if weights is not None:
             if weights not in df.columns:
                 raise LaunchRefused(f"sample_weight_col={weights!r} is not a column of the DataFrame (it has "
                                     f"{list(df.columns)})")
             columns = columns + [weights]
-        train, held_out = self._split(df)
-        data = shards(train, columns, shuffle=self.shuffle, seed=self.seed)
+        train, held_out = _split(df, s.validation, s.seed)
+        data = shards(train, columns, shuffle=s.shuffle, seed=s.seed)
         data.few_rows_reason = "each rank trains on rows of its own"
-        data.few_rows_hint = (f"give it at least num_proc={self.num_proc} rows, or use a smaller num_proc"
-                              + (" (or hold fewer rows out with validation=)" if self.validation is not None else ""))
+        data.few_rows_hint = (f"give it at least num_proc={s.num_proc} rows, or use a smaller num_proc"
+                              + (" (or hold fewer rows out with validation=)" if s.validation is not None else ""))
         # every held-out row once per rank's share ("pad" repeats a few when they do not divide evenly;
         # _held_out leaves the repeats out)
         val = shards(held_out, columns, shuffle=False, remainder="pad") if held_out is not None else None
         if val is not None:
-            v = self.validation
+            v = s.validation
             val.empty_hint = (
                 f": validation={v!r} held out no rows; hold out a larger fraction (validation=0.2), mark the held-out "
                 "rows with a column (validation='is_val'), or leave validation=None" if isinstance(v, float) else
                 f": no row of column {v!r} is true (or 1); mark some rows, or pass a fraction such as validation=0.1")
         try:
-            out = self._runner.run(_train_on_each_rank, data=data, validation=val, model=self.model,
-                                   optimizer=self.optimizer,
-                                   loss=self._losses, feature_cols=self.feature_cols, label_cols=self.label_cols,
-                                   batch_size=self.batch_size, epochs=self.epochs, metrics=self.metrics,
-                                   weight_col=weights, input_shapes=self.input_shapes,
-                                   options=_FitOptions(self.gradient_compression, self.backward_passes_per_step,
-                                                       self.val_batch_size or self.batch_size, self.train_steps_per_epoch,
-                                                       self.validation_steps_per_epoch, self.transformation_fn,
-                                                       self.train_minibatch_fn, tuple(self.callbacks),
-                                                       self.label_shapes, self.log_model, self.verbose,
-                                                       self.random_seed))
+            out = self._runner.run(_train_on_each_rank, data=data, validation=val, model=s.model,
+                                   optimizer=s.optimizer,
+                                   loss=s.losses, feature_cols=s.feature_cols, label_cols=s.label_cols,
+                                   batch_size=s.batch_size, epochs=s.epochs, metrics=s.metrics,
+                                   weight_col=weights, input_shapes=s.input_shapes,
+                                   options=_FitOptions(s.gradient_compression, s.backward_passes_per_step,
+                                                       s.val_batch_size or s.batch_size, s.train_steps_per_epoch,
+                                                       s.validation_steps_per_epoch, s.transformation_fn,
+                                                       s.train_minibatch_fn, tuple(s.callbacks),
+                                                       s.label_shapes, s.log_model, s.verbose,
+                                                       s.random_seed))
         except LaunchRefused as e:
             raise _in_estimator_terms(e) from e.__cause__
-        trained = copy.deepcopy(self.model).cpu()
+        trained = copy.deepcopy(s.model).cpu()
         trained.load_state_dict(out["state"])
-        return TorchModel(trained, self.feature_cols, self.prediction_col, history=out["history"],
+        return TorchModel(trained, s.feature_cols, s.prediction_col, history=out["history"],
                           val_history=out["val_history"], metric_history=out["metric_history"],
-                          input_shapes=self.input_shapes, label_cols=list(self.label_cols))
+                          input_shapes=s.input_shapes, label_cols=list(s.label_cols))
 
-    def _split(self, df):
-        """(training rows, held-out rows or None), as ``validation`` says."""
-        v = self.validation
-        if v is None:
-            return df, None
-        if isinstance(v, float):
-            train, held_out = df.randomSplit([1 - v, v], seed=self.seed)
-            return train, held_out
-        from pyspark.sql import functions as F
 
-        from .data import quoted
+def _split(df, validation: float | str | None, seed: int):
+    """(training rows, held-out rows or None), as ``validation`` says."""
+    if validation is None:
+        return df, None
+    if isinstance(validation, float):
+        train, held_out = df.randomSplit([1 - validation, validation], seed=seed)
+        return train, held_out
+    from pyspark.sql import functions as F
 
-        if v not in df.columns:
-            raise LaunchRefused(f"validation={v!r} is not a column of the DataFrame (it has {list(df.columns)}); "
-                                "pass a column of booleans or 0/1, or a fraction such as 0.1")
-        held = F.coalesce(quoted(v).cast("boolean"), F.lit(False))
-        return df.filter(~held), df.filter(held)
+    from .data import quoted
+
+    if validation not in df.columns:
+        raise LaunchRefused(f"validation={validation!r} is not a column of the DataFrame (it has {list(df.columns)}); "
+                            "pass a column of booleans or 0/1, or a fraction such as 0.1")
+    held = F.coalesce(quoted(validation).cast("boolean"), F.lit(False))
+    return df.filter(~held), df.filter(held)
+
+
+def _is_default(name: str, value: Any) -> bool:
+    default = _SETTINGS[name][0]
+    return value is default or (type(value) is type(default) and value == default)
+
+
+def _getter(name: str) -> Callable[[TorchEstimator], Any]:
+    def get(self: TorchEstimator) -> Any:
+        return self.getOrDefault(name)
+
+    get.__doc__ = f"The ``{name}`` setting: {_SETTINGS[name][1]}."
+    return get
+
+
+def _setter(name: str) -> Callable[[TorchEstimator, Any], TorchEstimator]:
+    def set_(self: TorchEstimator, value: Any) -> TorchEstimator:
+        return self.setParams(**{name: value})
+
+    set_.__doc__ = f"Set ``{name}`` ({_SETTINGS[name][1]}), checked as the constructor checks it; returns self."
+    return set_
+
+
+# Spark ML Params with Horovod's names and accessors (num_proc: getNumProc/setNumProc), so param maps,
+# ParamGridBuilder, CrossValidator and TrainValidationSplit can set them
+for _name, (_default, _doc) in _SETTINGS.items():
+    _camel = "".join(part.capitalize() for part in _name.split("_"))
+    setattr(TorchEstimator, _name, Param(Params._dummy(), _name, _doc))
+    setattr(TorchEstimator, "get" + _camel, _getter(_name))
+    setattr(TorchEstimator, "set" + _camel, _setter(_name))
 
 
 def _in_estimator_terms(e: LaunchRefused) -> LaunchRefused:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from spark_dl import LaunchRefused, RankFailed
-from spark_dl.estimator import TorchEstimator, TorchModel
+from spark_dl.estimator import TorchEstimator, TorchModel, _split
 
 
 @pytest.fixture
@@ -123,7 +123,7 @@ def test_metrics_on_training_and_held_out_rows(digits):
     assert 16 < m["rows_seen"][0] <= 32
     # the held-out accuracy is the trained model's on exactly those rows (averaged over rows; the
     # few rows repeated to even out the ranks' shares move it by less than a point)
-    _, held_out = est._split(train)
+    _, held_out = _split(train, est.getValidation(), est.getSeed())
     rows = held_out.collect()
     with torch.no_grad():
         out = fitted.getModel()(torch.tensor([r.pixels for r in rows]))
@@ -264,7 +264,7 @@ def test_bad_estimators_and_inputs_are_refused(spark, digits):
         TorchModel(Dict(), ["pixels"]).transform(train)
     # counts computed with numpy are taken as ints
     est = TorchEstimator(**{**good, "batch_size": np.int64(16), "num_proc": np.int32(2), "random_seed": np.int64(3)})
-    assert (type(est.batch_size), est.num_proc, est.random_seed) == (int, 2, 3)
+    assert (type(est.getBatchSize()), est.getNumProc(), est.getRandomSeed()) == (int, 2, 3)
 
 
 def test_an_optimizer_function_that_returns_no_optimizer_is_named(digits):
