@@ -113,3 +113,11 @@ def test_join_control_benchmark_prints_both_variants():
     row = next(line for line in done.stdout.splitlines() if line.startswith("MLP 8-8-1"))
     assert row.split()[2] == "81" and row.count("ms") == 2  # 8*8+8 + 8+1 parameters
     assert "the agreement's all-reduce alone" in done.stdout
+
+
+def test_hvd_checks_benchmark_prints_a_ratio_per_size():
+    done = _run("benchmarks/hvd_checks.py", "--calls", "10", "--rounds", "1", "--sizes", "1,1000")
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines() if line.split()[:1] in (["1"], ["1,000"])]
+    assert len(rows) == 2 and all(len(row) == 6 and row[2] == row[4] == "ms" for row in rows)
+    assert "the check alone" in done.stdout

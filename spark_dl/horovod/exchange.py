@@ -15,11 +15,12 @@ from spark_dl.compression import FP16
 
 from . import compression as _compression
 from .basics import Adasum, Average, ReduceOp, Sum, _check
+from .checks import check_same
 from .compression import Compression
 from .process_sets import ProcessSet, global_process_set, group_of
 from .process_sets import resolve as resolve_set
-from .ops import (_on_comm_device, _reduce_into, _register, allgather, allgather_parts, allreduce, fused_inplace,
-                  gather_counts, gather_rows, resolve_op)
+from .ops import (_Allreduce, _layout, _on_comm_device, _reduce_into, _register, allgather, allgather_parts,
+                  check_layouts, fused_inplace, gather_counts, gather_rows, reduce_fields, resolve_op)
 
 
 def _splits_list(splits: Any, rows: int, world: int) -> list[int]:
@@ -40,13 +41,18 @@ def _splits_list(splits: Any, rows: int, world: int) -> list[int]:
 
 
 def _alltoall(tensor: torch.Tensor, splits: list[int], ps: ProcessSet) -> tuple[torch.Tensor, list[int]]:
-    """Exchange the row counts, then the rows; returns (received rows, rows from each rank)."""
+    """Exchange the row counts, then the rows; returns (received rows, rows from each rank).
+    Each count travels with the sender's layout, so every rank checks every rank's at no extra
+    cost: Gloo aborts a rank whose rows are longer than another's, or mixes dtypes into garbage."""
     x = _on_comm_device(tensor.detach()).contiguous()
-    sent = torch.tensor(splits, dtype=torch.int64, device=x.device)
+    rest = _layout(x)[1:]
+    sent = torch.tensor([[n] + rest for n in splits], dtype=torch.int64, device=x.device)
     got = torch.empty_like(sent)
     group = group_of(ps)
     dist.all_to_all_single(got, sent, group=group)
-    received = [int(v) for v in got.tolist()]
+    layouts = got.tolist()
+    check_layouts("alltoall", layouts, ps)
+    received = [lay[0] for lay in layouts]
     out = x.new_empty((sum(received),) + tuple(x.shape[1:]))
     dist.all_to_all_single(out, x, output_split_sizes=received, input_split_sizes=splits, group=group)
     return out.to(tensor.device), received
@@ -143,15 +149,23 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: An
     _check()
     op = resolve_op(op)
     ps = resolve_set(process_set)
+    compressor = _compression.resolve(compression, per_call=True)
+    half = _half(tensor, op, compressor)
+    check_same("reducescatter", ps, reduce_fields(tensor, op, compressor))
+    return _Reducescatter.apply(tensor, op, half, prescale_factor, postscale_factor, ps)
+
+
+def _half(tensor: torch.Tensor, op: ReduceOp, compressor: Any) -> bool:
+    """Refuse what reducescatter cannot do; whether ``tensor``'s slices travel as float16."""
     if op == Adasum:
         raise ValueError("reducescatter does not take op=hvd.Adasum (nor does Horovod's): use Average or Sum")
     if tensor.dim() == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension (it slices dimension 0)")
-    compressor = _compression.for_tensor(_compression.resolve(compression, per_call=True), tensor)
+    compressor = _compression.for_tensor(compressor, tensor)
     half = not _compression.is_none(compressor)
     if half and not isinstance(compressor, FP16):
         raise ValueError("reducescatter takes compression=hvd.Compression.none or hvd.Compression.fp16")
-    return _Reducescatter.apply(tensor, op, half, prescale_factor, postscale_factor, ps)
+    return half
 
 
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
@@ -160,18 +174,23 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """:func:`~spark_dl.horovod.allreduce` of every tensor in ``tensors`` as one operation:
     tensors of one dtype and device travel fused in a single collective. Returns new tensors;
-    differentiable (then each tensor is reduced on its own, as the autograd graph needs)."""
+    differentiable (then each tensor is reduced on its own, as the autograd graph needs, so every
+    rank's tensors must require grad, or none's)."""
     _check()
     op = resolve_op(op, average)
+    ps = resolve_set(process_set)
+    compressor = _compression.resolve(compression, per_call=True)
     tensors = list(tensors)
-    if any(t.requires_grad for t in tensors):
-        return [allreduce(t, name=None if name is None else f"{name}.{i}", compression=compression, op=op,
-                          prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                          process_set=process_set)
+    _check_items(tensors, "grouped_allreduce")
+    differentiable = any(t.requires_grad for t in tensors)
+    check_same("grouped_allreduce", ps,
+               {**reduce_fields(tensors, op, compressor), "requires_grad": str(differentiable)})
+    if differentiable:
+        return [_Allreduce.apply(t, op, None if name is None else f"{name}.{i}", compressor, prescale_factor,
+                                 postscale_factor, ps)
                 for i, t in enumerate(tensors)]
     outs = [t.detach().clone() for t in tensors]
-    grouped_allreduce_(outs, name=name, compression=compression, op=op, prescale_factor=prescale_factor,
-                       postscale_factor=postscale_factor, process_set=process_set)
+    _fused_reduce(outs, op, name, compressor, prescale_factor, postscale_factor, ps)
     return outs
 
 
@@ -185,14 +204,20 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
     op = resolve_op(op, average)
     ps = resolve_set(process_set)
     compressor = _compression.resolve(compression, per_call=True)
+    tensors = list(tensors)
     _check_items(tensors, "grouped_allreduce")
+    check_same("grouped_allreduce", ps, {**reduce_fields(tensors, op, compressor), "requires_grad": "False"})
+    _fused_reduce(tensors, op, name, compressor, prescale_factor, postscale_factor, ps)
+    return tensors
 
+
+def _fused_reduce(tensors: list[torch.Tensor], op: ReduceOp, name: str | None, compressor: Any,
+                  prescale_factor: float, postscale_factor: float, ps: ProcessSet) -> None:
     def reduce(j: int, flat: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         key = None if name is None else f"{name}.group{j}"
         return _reduce_into(flat, op, key, compressor, prescale_factor, postscale_factor, sizes, ps)
 
-    fused_inplace(list(tensors), reduce)
-    return list(tensors)
+    fused_inplace(tensors, reduce)
 
 
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
@@ -212,8 +237,13 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
     of each. Differentiable for Average and Sum."""
     _check()
     tensors = _tensor_list(tensors, "grouped_reducescatter")
-    return [reducescatter(t, None if name is None else f"{name}.{i}", compression, op, prescale_factor,
-                          postscale_factor, process_set) for i, t in enumerate(tensors)]
+    op = resolve_op(op)
+    ps = resolve_set(process_set)
+    compressor = _compression.resolve(compression, per_call=True)
+    halves = [_half(t, op, compressor) for t in tensors]
+    check_same("grouped_reducescatter", ps, reduce_fields(tensors, op, compressor))
+    return [_Reducescatter.apply(t, op, half, prescale_factor, postscale_factor, ps)
+            for t, half in zip(tensors, halves)]
 
 
 def sparse_sum(tensor: torch.Tensor, group: Any, average: bool) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Horovod's tensor collectives (``allreduce``, ``allgather``, ``broadcast`` and their variants).
 
-Each maps onto one or two ``torch.distributed`` calls on the default group. Unlike Horovod,
+Each maps onto one or two ``torch.distributed`` calls on the default group, after a check that
+every rank passes the same shapes, dtypes and arguments (:mod:`.checks`). Unlike Horovod,
 collectives are matched across ranks by call order, not by ``name``: every rank must issue the
 same collectives in the same order (``name`` still keys compressor state such as error feedback).
 The out-of-place forms are differentiable, as in Horovod.
@@ -20,6 +21,7 @@ from . import adasum as _adasum
 from . import compression as _compression
 from ..tensors import comm_device
 from .basics import Adasum, Average, ReduceOp, Sum, _check, rank
+from .checks import ALL_SHAPES, SHAPES, check_same, describe
 from .compression import Compression
 from .process_sets import ProcessSet, check_root, global_process_set, group_of
 from .process_sets import resolve as resolve_set
@@ -128,7 +130,21 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     op = resolve_op(op, average)
     ps = resolve_set(process_set)
     compressor = _compression.resolve(compression, per_call=True)
+    check_same("allreduce", ps, reduce_fields(tensor, op, compressor))
     return _Allreduce.apply(tensor, op, name, compressor, prescale_factor, postscale_factor, ps)
+
+
+def reduce_fields(tensors: torch.Tensor | list[torch.Tensor], op: ReduceOp, compressor: Any) -> dict[str, str]:
+    """What every rank's reduction of ``tensors`` (one, or a group) must agree on, for
+    :func:`~.checks.check_same`."""
+    return {SHAPES if torch.is_tensor(tensors) else ALL_SHAPES: describe(tensors), "op": op.name,
+            "compression": type(compressor).__name__}
+
+
+def sum_unchecked(tensor: torch.Tensor) -> torch.Tensor:
+    """Differentiable sum of ``tensor`` over all ranks without :func:`~.checks.check_same`: for
+    per-step reductions whose layout is the model's (``SyncBatchNorm``'s statistics)."""
+    return _Allreduce.apply(tensor, Sum, None, Compression.none, 1.0, 1.0, resolve_set(global_process_set))
 
 
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -208,6 +224,7 @@ def _async_reduce(tensor: torch.Tensor, output: torch.Tensor, op: ReduceOp, name
                   prescale_factor: float, postscale_factor: float, process_set: ProcessSet) -> int:
     _check()
     ps = resolve_set(process_set)
+    check_same("allreduce", ps, reduce_fields(tensor, op, Compression.none))
     if op == Adasum:
         # point-to-point rounds, each depending on the last: done before the handle is returned
         result = _allreduce_copy(tensor, op, name, Compression.none, prescale_factor, postscale_factor, ps)
@@ -218,11 +235,16 @@ def _async_reduce(tensor: torch.Tensor, output: torch.Tensor, op: ReduceOp, name
     work_t = tensor if inplace_ok else _on_comm_device(tensor.detach()).clone()
     if prescale_factor != 1.0:
         work_t.mul_(prescale_factor)
+    # floating point averages divide before the sum, as allreduce() does: the same numbers travel,
+    # so a rank calling one form meets a rank calling the other
+    divide_first = op == Average and (work_t.is_floating_point() or work_t.is_complex())
+    if divide_first:
+        work_t.div_(ps.size())
     torch_op = dist.ReduceOp.SUM if op in (Average, Sum) else _TORCH_OPS[op]
     work = dist.all_reduce(work_t, op=torch_op, async_op=True, group=group_of(ps))
 
     def finish() -> torch.Tensor:
-        scale = postscale_factor / ps.size() if op == Average else postscale_factor
+        scale = postscale_factor / ps.size() if op == Average and not divide_first else postscale_factor
         if scale != 1.0:
             if work_t.is_floating_point() or work_t.is_complex():
                 work_t.mul_(scale)
@@ -256,6 +278,7 @@ def _async_broadcast(tensor: torch.Tensor, output: torch.Tensor, root_rank: int,
     _check()
     ps = resolve_set(process_set)
     check_root(ps, root_rank)
+    check_same("broadcast", ps, {SHAPES: describe(tensor), "root_rank": str(root_rank)})
     inplace_ok = output is tensor and tensor.device == comm_device() and tensor.is_contiguous()
     work_t = tensor if inplace_ok else _on_comm_device(tensor.detach()).clone()
     work = dist.broadcast(work_t, src=root_rank, async_op=True, group=group_of(ps))
@@ -346,13 +369,19 @@ def allgather_parts(tensor: torch.Tensor, ps: ProcessSet = global_process_set) -
     # The row counts travel with the rest of the layout, so a mismatch costs no extra collective:
     # torch would gather mismatched tensors into garbage or break the connection (Horovod refuses).
     layouts = gather_ints(_layout(tensor), group)
+    check_layouts("allgather", layouts, ps)
+    return gather_rows(tensor, [lay[0] for lay in layouts], group)
+
+
+def check_layouts(who: str, layouts: list[list[int]], ps: ProcessSet) -> None:
+    """Raise unless every member's layout (``_layout``'s, one per member of ``ps`` in rank
+    order) is the same but for the rows."""
     if any(lay[1:] != layouts[0][1:] for lay in layouts):
         members = ps.ranks or range(len(layouts))
         raise ValueError(
-            "allgather: every rank must pass the same dtype and the same sizes of every dimension but the first, "
+            f"{who}: every rank must pass the same dtype and the same sizes of every dimension but the first, "
             "got " + ", ".join(f"rank {r}: {_describe_layout(lay)}" for r, lay in zip(members, layouts))
         )
-    return gather_rows(tensor, [lay[0] for lay in layouts], group)
 
 
 def _allgather_sync(tensor: torch.Tensor, ps: ProcessSet = global_process_set) -> torch.Tensor:
