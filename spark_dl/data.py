@@ -8,8 +8,9 @@ the DataFrame.
 Rank: ``for batch in data.batches(batch_size, epoch)`` yields ``{column: torch.Tensor}``. Every
 epoch is ONE global shuffle of all rows with a seed every rank shares, then cut into equal
 shards (Goyal et al.: per-worker shuffles sample differently from the large-batch SGD they
-stand for). The rows a rank needs are fetched from the ranks that hold them with one
-``all_to_all`` per batch, so a rank holds its own file (memory-mapped) plus one batch.
+stand for). Every rank computes every rank's order, so the rows a rank needs are fetched from
+the ranks that hold them with one exchange per batch (byte counts, then rows), in a background
+thread one batch ahead; a rank holds its own file (memory-mapped) plus a batch or two.
 Shards are equal on every rank (``"drop"`` the remainder or ``"pad"`` by wrapping around):
 uneven inputs would hang collectives at the end of an epoch.
 """
@@ -246,8 +247,8 @@ class Shards:
         counts = torch.zeros(dist.get_world_size(), dtype=torch.int64)
         counts[dist.get_rank()] = table.num_rows
         dist.all_reduce(counts, group=group)
-        self._state.update(table=table, group=group, counts=counts.tolist(), rank=dist.get_rank(),
-                           world=dist.get_world_size())
+        self._state.update(table=table, chunks=table.to_batches(), group=group, counts=counts.tolist(),
+                           rank=dist.get_rank(), world=dist.get_world_size())
         return self._state
 
     @property
@@ -261,8 +262,10 @@ class Shards:
         n, w = sum(s["counts"]), s["world"]
         return -(-n // w) if self.remainder == "pad" else n // w
 
-    def _order(self, epoch: int) -> list[int]:
-        """This rank's global row indices for ``epoch``: one shared shuffle, then its slice."""
+    def _orders(self, epoch: int):
+        """Every rank's global row indices for ``epoch``, one row of a ``[world, len(self)]``
+        tensor: one shared shuffle, cut into equal slices. Each rank computes all of them, so
+        no rank has to be told which rows another wants."""
         import torch
 
         s = self._open()
@@ -277,16 +280,18 @@ class Shards:
             perm = torch.roll(torch.arange(n), -(epoch * (n - per * w)) % max(n, 1))
         if per * w > n:  # pad: wrap around to the start of the same permutation
             perm = torch.cat([perm, perm[: per * w - n]])
-        return perm[s["rank"] * per:(s["rank"] + 1) * per].tolist()
+        return perm[: per * w].reshape(w, per)
 
     # -- batches -------------------------------------------------------------------------------
     def batches(self, batch_size: int, epoch: int = 0, drop_last: bool = False,
-                padding: str | None = None) -> Iterator[dict]:
+                padding: str | None = None, prefetch: bool = True) -> Iterator[dict]:
         """This rank's rows for ``epoch`` as ``{column: tensor}`` batches. Every rank must
         iterate the same number of batches (it does: shards are equal), since each batch is
         fetched with a collective. ``padding="is_pad"`` adds a bool tensor under that key, true
         for the rows ``remainder="pad"`` repeats (wrapped around): leave them out of a mean over
-        the rows, and each row counts once."""
+        the rows, and each row counts once. ``prefetch``: the next batch is fetched in a
+        background thread while the caller works on this one (alone among this object's
+        iterators: with two open at once, both fetch in turn)."""
         import torch
 
         if as_int(batch_size) is None or batch_size < 1:
@@ -295,21 +300,64 @@ class Shards:
             raise ValueError(f"epoch must be an int (it picks the epoch's shuffle), got {epoch!r}")
         if padding is not None and (not isinstance(padding, str) or padding in self.columns):
             raise ValueError(f"padding must name a key other than the columns {self.columns}, got {padding!r}")
+        if not isinstance(prefetch, bool):
+            raise ValueError(f"prefetch must be True or False, got {prefetch!r}")
         batch_size, epoch = as_int(batch_size), as_int(epoch)
-        mine = self._order(epoch)
-        stop = len(mine) - len(mine) % batch_size if drop_last else len(mine)
+        orders = self._orders(epoch)
+        s = self._state
+        per = orders.shape[1]
+        stop = per - per % batch_size if drop_last else per
+        starts = range(0, stop, batch_size)
         # position in the epoch's (wrapped) order: from n on, a row read a second time
-        first = self._state["rank"] * len(mine)
+        first = s["rank"] * per
         n = self.total_rows
-        for start in range(0, stop, batch_size):
-            batch = self._fetch(mine[start:start + batch_size])
-            if padding is not None:
-                rows = len(mine[start:start + batch_size])
-                batch[padding] = torch.arange(first + start, first + start + rows) >= n
-            yield batch
 
-    def _fetch(self, wanted: list[int]) -> dict:
-        """Exchange rows so this rank gets ``wanted`` (global indices), in that order."""
+        def fetch(start: int) -> dict:
+            batch = self._fetch(orders[:, start:start + batch_size])
+            if padding is not None:
+                rows = min(batch_size, stop - start)
+                batch[padding] = torch.arange(first + start, first + start + rows) >= n
+            return batch
+
+        s["open"] = s.get("open", 0) + 1
+        ahead = None  # the next batch, fetched in the background
+        try:
+            for i, start in enumerate(starts):
+                if ahead is not None:
+                    batch, ahead = ahead.result(), None
+                else:
+                    self._settle()
+                    batch = fetch(start)
+                # the same decision on every rank (the same program order), so the fetches every
+                # rank issues on the group stay in one order
+                if prefetch and s["open"] == 1 and i + 1 < len(starts):
+                    ahead = self._ahead(fetch, starts[i + 1])
+                yield batch
+        finally:
+            s["open"] -= 1
+            if ahead is not None:  # every rank fetches it: let it finish, so the group's next call is the next one
+                self._settle()
+
+    def _ahead(self, fetch: Any, start: int):
+        """Run ``fetch(start)`` on this object's fetch thread; it is the group's next collective."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        s = self._state
+        if "pool" not in s:
+            s["pool"] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spark-dl-shards")
+        s["inflight"] = s["pool"].submit(fetch, start)
+        return s["inflight"]
+
+    def _settle(self) -> None:
+        """Wait for a fetch in flight on the group (a closed iterator's): the next must follow it.
+        Its error, if any, belongs to the iterator that asked for it."""
+        inflight = self._state.pop("inflight", None)
+        if inflight is not None:
+            inflight.exception()
+
+    def _fetch(self, wanted) -> dict:
+        """Exchange rows so this rank gets ``wanted[rank]`` (global indices), in that order;
+        ``wanted[d]`` is what rank ``d`` gets from the same call."""
         import pyarrow as pa
         import torch
         import torch.distributed as dist
@@ -317,21 +365,12 @@ class Shards:
         s = self._open()
         w, rank, counts = s["world"], s["rank"], s["counts"]
         offsets = [sum(counts[:i]) for i in range(w)]
-        # every rank learns every rank's wanted indices (small: one batch of int64 each)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(w)]
-        dist.all_gather(sizes, torch.tensor([len(wanted)]), group=s["group"])
-        longest = max(int(x) for x in sizes)
-        mine = torch.full((longest,), -1, dtype=torch.int64)
-        mine[: len(wanted)] = torch.tensor(wanted, dtype=torch.int64)
-        everyone = [torch.empty(longest, dtype=torch.int64) for _ in range(w)]
-        dist.all_gather(everyone, mine, group=s["group"])
-
         lo, hi = offsets[rank], offsets[rank] + counts[rank]
         payloads = []
         for d in range(w):
-            want = everyone[d][: int(sizes[d])]
+            want = wanted[d]
             local = want[(want >= lo) & (want < hi)] - lo
-            payloads.append(_ipc_bytes(s["table"].take(pa.array(local.numpy()))))
+            payloads.append(_ipc_bytes(_take(s["table"].schema, s["chunks"], local.numpy())))
         send = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8) if any(payloads) \
             else torch.zeros(0, dtype=torch.uint8)
         in_splits = [len(p) for p in payloads]
@@ -347,10 +386,10 @@ class Shards:
             pieces.append((src, pa.ipc.open_stream(raw[pos:pos + size]).read_all()))
             pos += size
         # rows arrived grouped by source rank, each group in `wanted` order: restore that order
-        want = torch.tensor(wanted, dtype=torch.int64)
+        want = wanted[rank]
         src_of = torch.bucketize(want, torch.tensor(offsets[1:], dtype=torch.int64), right=True)
-        table = pa.concat_tables([t for _, t in pieces])
-        position = torch.empty(len(wanted), dtype=torch.int64)
+        table = pa.concat_tables([t for _, t in pieces]).combine_chunks()  # a batch: one take, below
+        position = torch.empty(len(want), dtype=torch.int64)
         start = 0
         for src, t in pieces:
             idx = (src_of == src).nonzero().flatten()
@@ -358,6 +397,26 @@ class Shards:
             start += t.num_rows
         table = table.take(pa.array(position.numpy()))
         return {c: _to_tensor(table.column(c), self.kinds[c], c) for c in self.columns}
+
+
+def _take(schema, chunks: list, rows):
+    """``rows`` (a numpy array of row numbers) of the table held as record batches ``chunks``, in
+    that order. pyarrow's ``take`` on a table of several chunks concatenates them all first, a copy
+    of the whole shard per batch (40x slower than this for 5 chunks of 10,000 rows); here each
+    chunk that holds some of the rows gives them with a take of its own."""
+    import numpy as np
+    import pyarrow as pa
+
+    if len(chunks) == 1:
+        return pa.Table.from_batches([chunks[0].take(pa.array(rows))])
+    starts = np.cumsum([0] + [c.num_rows for c in chunks])
+    which = np.searchsorted(starts, rows, side="right") - 1
+    order = np.argsort(which, kind="stable")  # the rows grouped by chunk, each group in the given order
+    parts = [chunks[c].take(pa.array(rows[which == c] - starts[c])) for c in np.unique(which)]
+    grouped = pa.Table.from_batches(parts, schema=schema).combine_chunks()
+    back = np.empty_like(order)
+    back[order] = np.arange(len(order))
+    return grouped.take(pa.array(back))
 
 
 def _ipc_bytes(table) -> bytes:

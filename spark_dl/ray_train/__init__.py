@@ -581,8 +581,8 @@ class DataShard:
         (``"auto"``: the worker's), cast to ``dtypes`` (one dtype or ``{column: dtype}``), or
         whatever ``collate_fn`` makes of ``{column: numpy array}``; ``batch_size=None``: all of this
         worker's rows in one batch. Each pass is the next epoch (a new shuffle of the whole
-        DataFrame unless ``shards(df, shuffle=False)`` was passed). ``prefetch_batches`` is
-        accepted and has no effect (each batch is fetched with a collective, in step)."""
+        DataFrame unless ``shards(df, shuffle=False)`` was passed). ``prefetch_batches``: 0 fetches
+        each batch when it is asked for; more fetch the next one in the background (one ahead)."""
         import torch
 
         if collate_fn is not None and dtypes is not None:
@@ -596,11 +596,14 @@ class DataShard:
                                        or batch_size < 1):
             raise ValueError(f"iter_torch_batches: batch_size must be an int >= 1 or None (all rows in one batch), "
                              f"got {batch_size!r}")
+        if isinstance(prefetch_batches, bool) or not isinstance(prefetch_batches, int) or prefetch_batches < 0:
+            raise ValueError(f"iter_torch_batches: prefetch_batches must be an int >= 0, got {prefetch_batches!r}")
         cast = _dtype_caster(dtypes)
         epoch, self._epoch = self._epoch, self._epoch + 1
         target = get_device() if device == "auto" else device
         size = batch_size if batch_size is not None else max(1, len(self._data))
-        for batch in self._data.batches(size, epoch=epoch, drop_last=drop_last and batch_size is not None):
+        for batch in self._data.batches(size, epoch=epoch, drop_last=drop_last and batch_size is not None,
+                                        prefetch=prefetch_batches > 0):
             out = collate_fn({k: v.numpy() for k, v in batch.items()}) if collate_fn is not None else cast(batch)
             if pin_memory and torch.cuda.is_available():
                 out = _to_device(out, None, pin=True)
@@ -613,7 +616,8 @@ class DataShard:
         "numpy"``, the default) or pandas DataFrames (``"pandas"``); each pass is the next epoch."""
         if batch_format not in ("numpy", "default", "pandas"):
             raise ValueError(f"iter_batches(batch_format={batch_format!r}): 'numpy' or 'pandas'")
-        for batch in self.iter_torch_batches(batch_size=batch_size, drop_last=drop_last, device=None):
+        for batch in self.iter_torch_batches(batch_size=batch_size, drop_last=drop_last, device=None,
+                                             prefetch_batches=prefetch_batches):
             arrays = {k: v.numpy() for k, v in batch.items()}
             if batch_format == "pandas":
                 import pandas as pd

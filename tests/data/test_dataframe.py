@@ -275,3 +275,37 @@ def test_padding_marks_the_rows_pad_repeats(spark):
     assert len(rows) == 9 and sorted(i for i, pad in rows if not pad) == list(range(7))
     assert [i for i, pad in rows if pad] == [i for i, _ in rows[:2]]  # wrapped around to the start
     assert [pad for _, pad in rows] == [False] * 7 + [True] * 2
+
+
+def read_in_every_pattern(data, batch_size):
+    import itertools
+
+    spark_dl.init()
+
+    def ids(batches):
+        return [b["id"].tolist() for b in batches]
+
+    out = {p: [ids(data.batches(batch_size, epoch=e, prefetch=p)) for e in range(2)] for p in (False, True)}
+    # two iterators open at once: they fetch in turn, in one order on every rank
+    out["zipped"] = [(a["id"].tolist(), b["id"].tolist())
+                     for a, b in zip(data.batches(batch_size, epoch=0), data.batches(batch_size, epoch=1))]
+    # an epoch cut short (as train_steps_per_epoch does), then the next
+    out["short"] = ids(itertools.islice(data.batches(batch_size, epoch=0), 2))
+    # one cut short and still open while the next epoch is read: its fetch in flight comes first
+    cut = data.batches(batch_size, epoch=1)
+    out["cut"] = ids([next(cut), next(cut)])
+    out["while_open"] = ids(data.batches(batch_size, epoch=0))
+    del cut
+    out["after"] = ids(data.batches(batch_size, epoch=1))
+    return out
+
+
+def test_the_next_batch_is_fetched_in_the_background_and_every_pattern_reads_the_same_rows(df):
+    ranks = HorovodRunner(np=2).run_all(read_in_every_pattern, data=shards(df, ["id"], seed=3), batch_size=8)
+    for r in ranks:
+        plain = r[False]
+        assert r[True] == plain and len(plain[0]) == 7  # 51 rows: 6 batches of 8 and one of 3
+        assert r["zipped"] == list(zip(plain[0], plain[1]))
+        assert r["short"] == plain[0][:2] and r["cut"] == plain[1][:2]
+        assert r["while_open"] == plain[0] and r["after"] == plain[1]
+    assert not set(sum(ranks[0][False][0], [])) & set(sum(ranks[1][False][0], []))
