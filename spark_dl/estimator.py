@@ -26,6 +26,7 @@ from .errors import LaunchRefused, as_int
 from .estimator_rank import _features, _FitOptions, _float_dtype, _Losses
 from .estimator_rank import _fit as _train_on_each_rank  # the name _fit is Spark ML's method
 from .runner import HorovodRunner, RunInfo
+from .serialize import dumps  # cloudpickle's, keeping the model's code's file names
 
 
 def _metrics(metrics: Any) -> dict[str, Callable[..., Any]]:
@@ -587,7 +588,6 @@ class TorchModel(Model, MLWritable, MLReadable):
         return super().transform(dataset, params)
 
     def _transform(self, df):
-        import cloudpickle
         from pyspark.sql import types as T
 
         from .data import as_array, check_dataframe, column_kinds, quoted
@@ -617,7 +617,7 @@ class TorchModel(Model, MLWritable, MLReadable):
         schema = T.StructType(fields + [
             T.StructField(name, T.FloatType() if width == 1 else T.ArrayType(T.FloatType()))
             for name, width in zip(out_names, widths)])
-        blob = cloudpickle.dumps(self.model)
+        blob = dumps(self.model)
         shapes = self.input_shapes
         cols = source if plain else [f"_spark_dl_{real.index(c)}" for c in source]
         named = dict(zip(cols, self.feature_cols))  # the real names, for the errors
@@ -712,7 +712,6 @@ class _TorchModelWriter(MLWriter):
         self.instance = instance
 
     def saveImpl(self, path: str) -> None:  # noqa: N802 - Spark ML's name
-        import cloudpickle
         import torch
 
         m = self.instance
@@ -722,7 +721,7 @@ class _TorchModelWriter(MLWriter):
                  "input_shapes": None if m.input_shapes is None else [list(s) for s in m.input_shapes],
                  "label_cols": list(m.label_cols), "torch_version": torch.__version__}
         DefaultParamsWriter.saveMetadata(m, path, self.sparkSession, extraMetadata=extra)
-        blob = cloudpickle.dumps(m.model)
+        blob = dumps(m.model)
         parts = [(i, blob[at:at + _MODEL_PART]) for i, at in enumerate(range(0, max(len(blob), 1), _MODEL_PART))]
         self.sparkSession.createDataFrame(parts, "part int, data binary").coalesce(1).write.parquet(
             os.path.join(path, "model"))

@@ -6,12 +6,34 @@ and globals) to the innermost part that does not pickle, and name its path.
 """
 from __future__ import annotations
 
+import io
 import types
+from collections import ChainMap
 from typing import Any, Callable
 
 import cloudpickle
 
 from .errors import LaunchRefused
+
+
+def _code_reduce(code: types.CodeType) -> tuple:
+    """cloudpickle's reduction of a code object, with its file name kept: cloudpickle >= 3.1.2
+    writes ``<dynamic-code>`` (for reproducible payloads), which would leave the user's own
+    frames of a rank's traceback without their file, and linecache without their lines."""
+    constructor, args = cloudpickle.cloudpickle._code_reduce(code)
+    return constructor, tuple(code.co_filename if a == "<dynamic-code>" else a for a in args)
+
+
+class _Pickler(cloudpickle.Pickler):
+    if hasattr(cloudpickle.cloudpickle, "_code_reduce"):  # its private reducer; else cloudpickle's own way
+        dispatch_table = ChainMap({types.CodeType: _code_reduce}, cloudpickle.Pickler.dispatch_table)
+
+
+def dumps(obj: Any) -> bytes:
+    """``cloudpickle.dumps(obj)``, keeping the file names of functions pickled by value."""
+    buffer = io.BytesIO()
+    _Pickler(buffer, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(obj)
+    return buffer.getvalue()
 
 _MAX_DEPTH = 12
 _DRIVER_ONLY = {
@@ -115,7 +137,7 @@ def serialize_job(main: Callable[..., Any], kwargs: dict[str, Any], args: tuple[
             "Pass the function itself: run(main, lr=0.1), not run(main(), lr=0.1)."
         )
     try:
-        return cloudpickle.dumps((main, tuple(args), kwargs))
+        return dumps((main, tuple(args), kwargs))
     except Exception:  # noqa: BLE001 - find out which part, below
         pass
     for i, value in enumerate(args):
