@@ -7,6 +7,7 @@ session and switches masters at most once: tests are ordered so that everything 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 
 import pytest
@@ -91,3 +92,26 @@ def pytest_collection_modifyitems(session, config, items):
         path = getattr(module, "__file__", None) or ""
         if path.startswith(tests_dir + os.sep) and not name.endswith("conftest"):
             cloudpickle.register_pickle_by_value(module)
+
+
+@pytest.fixture(scope="session")
+def _template_db(tmp_path_factory):
+    """An initialised SQLite MLflow store, copied per test: creating the schema takes over a second,
+    copying it none."""
+    import mlflow
+
+    path = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
+    here = os.getcwd()
+    os.chdir(path.parent)  # experiment 0's artifact root is ./mlruns of where it is made: not the checkout
+    try:
+        mlflow.MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
+    finally:
+        os.chdir(here)
+    return path
+
+
+@pytest.fixture
+def sqlite_uri(tmp_path, _template_db) -> str:
+    """A new local MLflow store of this test's own at ``tmp_path / "mlflow.db"`` (MLflow 3's default kind)."""
+    shutil.copy(_template_db, tmp_path / "mlflow.db")
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -51,10 +51,10 @@ def python():
 
 
 @pytest.mark.parametrize("heading,index", EXAMPLES, ids=[f"{h[3:]}-{i}" for h, i in EXAMPLES])
-def test_readme_example_runs(heading, index, tmp_path, python):
+def test_readme_example_runs(heading, index, tmp_path, python, sqlite_uri):
     (tmp_path / "example.py").write_text(block(heading, index))
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "SPARK_DL_TRACKING": "1",
-           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+           "MLFLOW_TRACKING_URI": sqlite_uri}
     proc = python.run(str(tmp_path / "example.py"), str(tmp_path), env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # a "# ..." line right after a print(...) is what the README says it prints

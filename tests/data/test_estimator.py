@@ -336,7 +336,7 @@ def _rows(output, y):
     return len(y)  # a metric whose row-weighted mean is the batch size
 
 
-def test_compression_accumulation_and_step_limits(spark, tmp_path, monkeypatch):
+def test_compression_accumulation_and_step_limits(spark, tmp_path, monkeypatch, sqlite_uri):
     import mlflow
 
     from spark_dl.checkpoint import CheckpointStore
@@ -388,7 +388,7 @@ class _TrainsButFailsInEval(torch.nn.Module):
 
 
 def test_a_model_that_cannot_run_on_its_example_is_still_logged_without_a_signature(spark, tmp_path, monkeypatch,
-                                                                                     capfd):
+                                                                                     sqlite_uri, capfd):
     import mlflow
 
     monkeypatch.setenv("SPARK_DL_TRACKING", "1")

@@ -106,7 +106,7 @@ class ColumnOutput(OneInput):
         return self.w(x.unsqueeze(1))  # (batch, 1): the label is given that shape by label_shapes
 
 
-def test_label_shapes_give_the_labels_the_outputs_shape(spark, tmp_path, monkeypatch):
+def test_label_shapes_give_the_labels_the_outputs_shape(spark, tmp_path, monkeypatch, sqlite_uri):
     import mlflow
 
     monkeypatch.setenv("SPARK_DL_TRACKING", "1")

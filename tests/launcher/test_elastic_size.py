@@ -54,7 +54,7 @@ def test_a_restart_runs_on_the_free_slots_down_to_min_np(spark, tmp_path, capfd)
     assert "[spark-dl] restarting 2 of np=4 ranks (the free task slots; min_np=2)" in capfd.readouterr().err
 
 
-def test_a_run_starts_on_the_free_slots_and_a_restart_grows_back_to_np(spark, tmp_path, capfd, monkeypatch):
+def test_a_run_starts_on_the_free_slots_and_a_restart_grows_back_to_np(spark, tmp_path, capfd, monkeypatch, sqlite_uri):
     import mlflow
 
     monkeypatch.setenv("SPARK_DL_TRACKING", "1")

@@ -38,7 +38,7 @@ def steps_with_checkpoints(flags, release_at=3, checkpoints=True, steps=STEPS):
     return {"world": dist.get_world_size(), "attempt": ctx.attempt, "worlds": worlds, "resumed_at": state["step"]}
 
 
-def test_a_run_grows_at_its_next_checkpoint_when_slots_free_up(spark, tmp_path, capfd, monkeypatch):
+def test_a_run_grows_at_its_next_checkpoint_when_slots_free_up(spark, tmp_path, capfd, monkeypatch, sqlite_uri):
     import mlflow
 
     monkeypatch.setenv("SPARK_DL_TRACKING", "1")

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -26,28 +25,12 @@ def _tracking_on(monkeypatch):
     monkeypatch.setenv("SPARK_DL_TRACKING", "1")
 
 
-@pytest.fixture(scope="session")
-def _template_db(tmp_path_factory):
-    """An initialised SQLite store, copied per test: creating the schema takes seconds, copying it none."""
-    import mlflow
-
-    path = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
-    here = os.getcwd()
-    os.chdir(path.parent)  # experiment 0's artifact root is ./mlruns of where it is made: not the checkout
-    try:
-        mlflow.MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
-    finally:
-        os.chdir(here)
-    return path
-
-
 @pytest.fixture
-def tracking_uri(tmp_path, monkeypatch, _template_db):
+def tracking_uri(tmp_path, monkeypatch, sqlite_uri):
     """This test's own local store (the default kind in MLflow 3: SQLite), active through the env."""
     import mlflow
 
-    shutil.copy(_template_db, tmp_path / "mlflow.db")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_uri
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.setenv("SPARK_DL_SYSTEM_METRICS_INTERVAL", "0.5")
