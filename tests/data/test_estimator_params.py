@@ -46,6 +46,14 @@ def test_settings_are_params_read_and_set_with_horovods_accessors():
     assert {"model", "optimizer", "loss", "epochs", "batch_size", "num_proc", "feature_cols", "label_cols",
             "validation", "store", "run_id", "gradient_compression", "callbacks"} <= names
     assert est.epochs.name == "epochs" and est.epochs.parent == est.uid
+    # every Param's default is the constructor's
+    import inspect
+
+    from spark_dl.estimator import _REQUIRED, _SETTINGS
+
+    signature = inspect.signature(TorchEstimator.__init__).parameters
+    assert {n: p.default for n, p in signature.items() if n in _SETTINGS} == {
+        n: inspect.Parameter.empty if d is _REQUIRED else d for n, (d, _) in _SETTINGS.items()}
     # the getters give the checked, normalised values; unset ones their defaults
     assert (est.getEpochs(), est.getBatchSize(), est.getNumProc()) == (4, 16, 2)
     assert est.getLabelCols() == ["y"] and est.getValidation() == 0.25 and est.getShuffle() is True
