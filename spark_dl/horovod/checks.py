@@ -51,18 +51,22 @@ def check_same(collective: str, ps: ProcessSet, fields: dict[str, str]) -> None:
     and ``fields`` (what must agree -> this rank's value, ``SHAPES`` or ``ALL_SHAPES`` first, from
     :func:`describe`; the others are named ``name=value`` in the error). One all-reduce of
     two int64 on ``ps``'s group."""
-    if ps.size() == 1 or not enabled():
-        return
-    digest = hashlib.blake2b(repr((collective, fields)).encode(), digest_size=8).digest()
-    h = int.from_bytes(digest, "big") >> 1  # within int64, and so is -h
-    extremes = torch.tensor([h, -h], dtype=torch.int64, device=comm_device())
-    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group_of(ps))
-    highest, minus_lowest = extremes.tolist()
-    if highest == -minus_lowest:
+    if ps.size() == 1 or not enabled() or agree((collective, fields), ps):
         return
     every: list = [None] * ps.size()
     dist.all_gather_object(every, (collective, fields), group=group_of(ps))
     raise ValueError(_message(collective, every, ps.ranks))
+
+
+def agree(value: object, ps: ProcessSet) -> bool:
+    """Whether every member of ``ps`` passed a ``value`` of the same ``repr``: one all-reduce (MAX)
+    of ``[h, -h]`` for a hash ``h`` of it, the same size on every rank whatever they pass."""
+    digest = hashlib.blake2b(repr(value).encode(), digest_size=8).digest()
+    h = int.from_bytes(digest, "big") >> 1  # within int64, and so is -h
+    extremes = torch.tensor([h, -h], dtype=torch.int64, device=comm_device())
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group_of(ps))
+    highest, minus_lowest = extremes.tolist()
+    return highest == -minus_lowest
 
 
 def _message(collective: str, every: list[tuple[str, dict[str, str]]], ranks: list[int]) -> str:

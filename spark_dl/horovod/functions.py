@@ -1,7 +1,6 @@
 """Whole-model helpers: broadcast parameters, optimizer state and arbitrary Python objects."""
 from __future__ import annotations
 
-import zlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -11,7 +10,8 @@ import torch.distributed as dist
 
 from ..tensors import comm_device, map_tensors
 from .basics import _check, rank
-from .ops import allgather_parts, fused_inplace, gather_ints
+from .checks import agree
+from .ops import allgather_parts, fused_inplace
 from .process_sets import ProcessSet, check_root, global_process_set, group_of
 from .process_sets import resolve as resolve_set
 
@@ -87,16 +87,14 @@ def _check_same_tensors(who: str, noun: str, named: list[tuple[str, torch.Tensor
     """Raise on every member of ``ps`` unless all pass ``root_rank``'s labels, shapes and dtypes,
     in order. Mismatched broadcasts fail badly on Gloo: a shorter receiver aborts the job, a longer
     one silently keeps a prefix of the root's bytes, another dtype gets garbage, one more dtype
-    (one more fused broadcast) hangs. Costs one gather of two ints per rank; the layouts
-    themselves are gathered only to word the error."""
+    (one more fused broadcast) hangs. Costs one all-reduce of two int64 (:func:`.checks.agree`);
+    the layouts themselves are gathered only to word the error."""
     layout = [(label, list(t.shape), str(t.dtype).removeprefix("torch.")) for label, t in named]
-    fingerprints = gather_ints([len(layout), zlib.crc32(repr(layout).encode())], group_of(ps))
-    root = ps.ranks.index(root_rank)
-    differing = [i for i, f in enumerate(fingerprints) if f != fingerprints[root]]
-    if not differing:
+    if agree(layout, ps):
         return
     layouts = allgather_object(layout, process_set=ps)
-    r = differing[0]
+    root = ps.ranks.index(root_rank)
+    r = next(i for i, lay in enumerate(layouts) if lay != layouts[root])
     where = _first_difference(layouts[r], ps.ranks[r], layouts[root], root_rank)
     if len(layouts[r]) != len(layouts[root]):
         where = (f"rank {ps.ranks[r]} has {len(layouts[r])} {noun} but rank {root_rank} has "
