@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import KW_ONLY, dataclass, field
 
 import torch
 
@@ -15,9 +15,13 @@ GOYAL_MILESTONES: tuple[int, ...] = (30, 60, 80)
 GOYAL_EPOCHS = 90
 
 
+def _goyal_proportions(epochs: float) -> tuple[float, ...]:
+    return tuple(epochs * m / GOYAL_EPOCHS for m in GOYAL_MILESTONES)
+
+
 def _goyal_milestones(epochs: float, warmup_epochs: float) -> tuple[float, ...]:
     """Goyal et al.'s milestones scaled to ``epochs``: ``epochs * (30, 60, 80) / 90``, the first after the warmup."""
-    milestones = tuple(epochs * m / GOYAL_EPOCHS for m in GOYAL_MILESTONES)
+    milestones = _goyal_proportions(epochs)
     if milestones[0] <= warmup_epochs:
         raise ValueError(
             f"decay='step' without milestones divides the lr at Goyal et al.'s proportions of epochs={epochs:g} "
@@ -41,7 +45,9 @@ class LargeBatchRecipe:
     ``decay="step"`` (the default) without ``milestones`` takes Goyal et al.'s proportions of
     ``epochs``: ``epochs * (30, 60, 80) / 90``, kept in ``milestones`` (``(30.0, 60.0, 80.0)`` for
     ``epochs=90``); the first must come after the warmup. With neither ``milestones`` nor ``epochs``
-    it is a ValueError, since the lr would never decay: pass one, or ``decay="none"``.
+    it is a ValueError, since the lr would never decay: pass one, or ``decay="none"``. Milestones
+    derived this way follow ``epochs`` through ``dataclasses.replace(recipe, epochs=180)``
+    (``(60.0, 120.0, 160.0)``); milestones given stay as given.
 
     ``steps_per_epoch`` counts optimizer steps in one epoch at the global batch (``len(loader)``
     of one rank's sharded loader, divided by ``backward_passes_per_step``). Milestones and the
@@ -66,6 +72,9 @@ class LargeBatchRecipe:
     gamma: float = 0.1
     final_lr: float = 0.0
     backward_passes_per_step: int = 1
+    # the epochs Goyal's milestones were derived from: dataclasses.replace passes every field on,
+    # so derived milestones would otherwise stick to the old epochs (epochs=180 keeping 30/60/80)
+    _milestones_of_epochs: float | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("per_rank_batch", "world_size", "steps_per_epoch", "backward_passes_per_step", "base_batch"):
@@ -77,6 +86,10 @@ class LargeBatchRecipe:
         if isinstance(self.milestones, (str, bytes)) or not isinstance(self.milestones, (list, tuple)):
             raise TypeError(f"milestones must be a tuple of epochs, e.g. (30, 60, 80), got {self.milestones!r}")
         object.__setattr__(self, "milestones", tuple(number(m, "each milestone", low=0) for m in self.milestones))
+        derived_from = self._milestones_of_epochs
+        object.__setattr__(self, "_milestones_of_epochs", None)
+        if derived_from is not None and self.milestones == _goyal_proportions(derived_from):
+            object.__setattr__(self, "milestones", ())  # derived, not given: derive them again for these epochs
         if self.decay == "step" and not self.milestones:  # no milestones would never decay: Goyal's, or refuse
             if self.epochs is None:
                 raise ValueError(
@@ -86,6 +99,7 @@ class LargeBatchRecipe:
                     "or decay='cosine' (with epochs=)"
                 )
             object.__setattr__(self, "milestones", _goyal_milestones(self.epochs, self.warmup_epochs))
+            object.__setattr__(self, "_milestones_of_epochs", self.epochs)
         # the schedule's own checks speak in steps: say the same things in epochs, as given here
         if self.decay == "step" and self.milestones and self.milestones[0] < self.warmup_epochs:
             raise ValueError(f"milestone epoch {self.milestones[0]:g} falls inside the warmup ({self.warmup_epochs:g} "

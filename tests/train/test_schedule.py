@@ -97,6 +97,22 @@ def test_step_decay_without_milestones_takes_goyal_proportions_of_epochs():
     assert [half.lr_at(t) for t in (149, 150, 300, 400)] == pytest.approx([3.2, 0.32, 0.032, 0.0032])
 
 
+def test_derived_milestones_follow_epochs_through_dataclasses_replace_given_ones_stay():
+    import dataclasses
+
+    r = goyal_recipe(steps_per_epoch=10, milestones=())
+    longer = dataclasses.replace(r, epochs=180)
+    assert longer.milestones == (60, 120, 160) and longer.schedule.milestones == (600, 1200, 1600)
+    assert dataclasses.replace(r, epochs=45).milestones == (15, 30, 40)  # not "80 comes after the last epoch"
+    assert dataclasses.replace(longer, epochs=90) == r
+    given = goyal_recipe(steps_per_epoch=10, milestones=(20, 40), epochs=50)
+    assert dataclasses.replace(given, epochs=60).milestones == (20, 40)
+    assert dataclasses.replace(r, milestones=(10, 20)).milestones == (10, 20)
+    with pytest.raises(ValueError, match="falls inside the warmup"):
+        dataclasses.replace(r, milestones=(2, 20))
+    assert "_milestones_of_epochs" not in repr(r)
+
+
 def test_step_decay_without_milestones_refuses_proportions_inside_the_warmup():
     # epochs=12: Goyal's proportions put the first milestone at epoch 4, inside a 5-epoch warmup
     with pytest.raises(ValueError, match=(
