@@ -1,5 +1,6 @@
 """End-to-end launch time of a trivial 2-rank job: spark-dl (HorovodRunner and its TorchDistributor)
-vs PySpark's TorchDistributor.
+vs PySpark's TorchDistributor, and spark-dl with its ranks forked from a warm interpreter (the
+default) vs started fresh (``SPARK_DL_ZYGOTE=0``).
 
     python benchmarks/launch.py [--runs 5] [--master 'local-cluster[2,1,1024]']
 
@@ -50,16 +51,20 @@ def main() -> None:
     def ours() -> None:
         assert HorovodRunner(np=2).run(trivial) == 0
 
+    def ours_fresh() -> None:  # every rank a fresh interpreter that imports torch
+        assert HorovodRunner(np=2, env={"SPARK_DL_ZYGOTE": "0"}).run(trivial) == 0
+
     def ours_distributor() -> None:  # the same API as theirs, on spark-dl's launcher
         assert spark_dl.TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(trivial) == 0
 
     def theirs() -> None:
         TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(trivial)
 
-    contestants = {"spark-dl HorovodRunner": ours, "spark-dl TorchDistributor": ours_distributor,
-                   "PySpark TorchDistributor": theirs}
-    for warm in contestants.values():  # executors, Python workers and page cache warm for all
+    contestants = {"spark-dl HorovodRunner": ours, "spark-dl HorovodRunner fresh": ours_fresh,
+                   "spark-dl TorchDistributor": ours_distributor, "PySpark TorchDistributor": theirs}
+    for warm in contestants.values():  # executors, Python workers (and their zygotes), page cache warm for all
         warm()
+    time.sleep(5)  # the zygotes started after the warm-up runs finish importing torch
     times: dict[str, list[float]] = {name: [] for name in contestants}
     for _ in range(args.runs):
         for name, fn in contestants.items():
@@ -73,8 +78,11 @@ def main() -> None:
     for k, v in times.items():
         print(f"{k:<26} {med[k]:>9.2f} {min(v):>7.2f} {max(v):>7.2f}")
     base = med["PySpark TorchDistributor"]
-    for k in ("spark-dl HorovodRunner", "spark-dl TorchDistributor"):
+    for k in ("spark-dl HorovodRunner", "spark-dl HorovodRunner fresh", "spark-dl TorchDistributor"):
         print(f"ratio {k} / PySpark TorchDistributor: {med[k] / base:.3f} ({base / med[k]:.1f}x faster)")
+    fresh = med["spark-dl HorovodRunner fresh"]
+    print(f"ratio spark-dl HorovodRunner forked / fresh: {med['spark-dl HorovodRunner'] / fresh:.3f} "
+          f"({fresh / med['spark-dl HorovodRunner']:.1f}x faster)")
     spark.stop()
 
 

@@ -12,6 +12,7 @@ import atexit
 import ctypes
 import os
 import pickle
+import select
 import signal
 import sys
 import threading
@@ -28,11 +29,12 @@ def _kill_own_group(*_: object) -> None:
         os._exit(137)
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def _die_with_parent(parent_pid: int, task_pid: int | None = None) -> None:
     """End this rank and everything it started (its process group) when the task that started
     it dies, e.g. when Spark kills the task. SIGKILL as the death signal would kill only this
     process and orphan its children, so the death signal is SIGTERM, handled by killing the
     group, and a watchdog thread polls the parent in case user code replaced the handler.
+    A rank forked by the zygote (``task_pid`` given) also polls the task, which is not its parent.
     """
     signal.signal(signal.SIGTERM, _kill_own_group)
     if sys.platform.startswith("linux"):
@@ -40,15 +42,26 @@ def _die_with_parent(parent_pid: int) -> None:
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
         except (OSError, AttributeError):
             pass
+    task = None
+    if task_pid is not None:
+        try:
+            task = os.pidfd_open(task_pid)
+        except ProcessLookupError:
+            _kill_own_group()
+
+    def gone() -> bool:
+        if os.getppid() != parent_pid:
+            return True
+        return task is not None and bool(select.select([task], [], [], 0)[0])  # a pidfd reads when it exits
+
+    if gone():  # the parent died before prctl took effect
+        _kill_own_group()
 
     def poll_parent() -> None:
-        while True:
-            if os.getppid() != parent_pid:
-                _kill_own_group()
+        while not gone():
             time.sleep(0.2)
-
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
         _kill_own_group()
+
     threading.Thread(target=poll_parent, name="spark-dl-parent-watch", daemon=True).start()
 
 
@@ -209,8 +222,8 @@ def _exit_fork() -> None:
     os._exit(code)
 
 
-def main() -> int:
-    _die_with_parent(int(sys.argv[2]))
+def main(task_pid: int | None = None) -> int:
+    _die_with_parent(int(sys.argv[2]), task_pid)
     try:  # prewarm while the rendezvous runs; main() almost always imports it
         import torch.distributed  # noqa: F401
     except ImportError:
@@ -293,13 +306,21 @@ def main() -> int:
     return code
 
 
-if __name__ == "__main__":
-    exit_code = main()
-    # Skip the interpreter's teardown: it costs seconds with torch loaded. What of it user code
-    # counts on still happens: main's threads were waited for (bounded, so a thread that never
-    # ends cannot keep the job alive for ever), exit handlers run, open files are flushed.
+def _exit(code: int) -> None:
+    """Skip the interpreter's teardown: it costs seconds with torch loaded. What of it user code
+    counts on still happens: main's threads were waited for (bounded, so a thread that never
+    ends cannot keep the job alive for ever), exit handlers run, open files are flushed."""
     atexit._run_exitfuncs()
     _flush_open_files()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(exit_code)
+    os._exit(code)
+
+
+def run_forked(task_pid: int) -> None:
+    """The rank's life in a process forked by the zygote (``spark_dl.launch.zygote``)."""
+    _exit(main(task_pid))
+
+
+if __name__ == "__main__":
+    _exit(main())

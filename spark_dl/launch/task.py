@@ -26,6 +26,8 @@ from .. import channel
 from ..rank import SCRATCH_ENV
 from ..tracking.system import start_sampler
 from .layout import RankSpec, TaskInfo, compute_layout, omp_threads
+from . import zygote
+from .zygote import TASK_PID_ENV, ForkedRank
 
 KILL_GRACE_S = 2.0
 _MAX_LINE = 64 * 1024
@@ -80,7 +82,8 @@ def _spawn_env(rank_env: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def _start_rank_process(job_id: str, spawn_env: dict[str, str] | None = None) -> subprocess.Popen:
+def _rank_process_env(spawn_env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a rank process starts with (its place in the world comes later, over stdin)."""
     env = dict(os.environ)
     # the Spark worker's sys.path carries pyspark and files added with addPyFile / --py-files
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
@@ -90,6 +93,14 @@ def _start_rank_process(job_id: str, spawn_env: dict[str, str] | None = None) ->
     # once by torch, at its first large allocation, so it must be in the environment at spawn.
     env.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     env.update(spawn_env or {})
+    return env
+
+
+def _start_rank_process(job_id: str, spawn_env: dict[str, str] | None = None) -> subprocess.Popen | ForkedRank:
+    env = _rank_process_env(spawn_env)
+    forked = zygote.fork_rank(env, job_id)  # from this process's warm interpreter, if one is ready
+    if forked is not None:
+        return forked
     return subprocess.Popen(
         [sys.executable, "-m", "spark_dl.launch.rank_main", job_id, str(os.getpid())],
         stdin=subprocess.PIPE,
@@ -100,14 +111,14 @@ def _start_rank_process(job_id: str, spawn_env: dict[str, str] | None = None) ->
     )
 
 
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+def _signal_group(proc: subprocess.Popen | ForkedRank, sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
 
 
-def _terminate(procs: list[subprocess.Popen], grace: float = KILL_GRACE_S) -> None:
+def _terminate(procs: list[subprocess.Popen | ForkedRank], grace: float = KILL_GRACE_S) -> None:
     """SIGTERM every rank's process group, then SIGKILL whatever is left after ``grace``."""
     for p in procs:
         _signal_group(p, signal.SIGTERM)
@@ -225,6 +236,7 @@ def run_task(spec: JobSpec, partition: int, host: str, rendezvous: Callable[[], 
             env["SPARK_DL_JOB_ID"] = spec.job_id
             env[SCRATCH_ENV] = scratch
             env["SPARK_DL_ATTEMPT"] = str(spec.attempt)
+            env[TASK_PID_ENV] = str(os.getpid())
             env["TORCHELASTIC_RUN_ID"] = spec.job_id
             env["TORCHELASTIC_RESTART_COUNT"] = str(spec.attempt)
             env["TORCHELASTIC_MAX_RESTARTS"] = str(spec.max_restarts)
@@ -271,6 +283,8 @@ def run_task(spec: JobSpec, partition: int, host: str, rendezvous: Callable[[], 
         shutil.rmtree(scratch, ignore_errors=True)
     if sampler is not None:
         sampler.stop()
+    if not aborted.is_set():
+        zygote.prepare(_rank_process_env(spawn_env))  # warm for this process's next run
     all_done.set()
     sender.stop()
     conn.close()

@@ -29,7 +29,7 @@ def world(tag, *, y=0):
     dist.all_reduce(t)
     print(f"hello from rank {dist.get_rank()}", flush=True)
     return {"tag": tag, "y": y, "sum": t.item(), "rank": os.environ["RANK"], "pid": os.getpid(),
-            "ppid": os.getppid(), "host": socket.gethostname()}
+            "task_pid": int(os.environ["SPARK_DL_TASK_PID"]), "host": socket.gethostname()}
 
 
 def fail_on_rank_1(pid_dir):

@@ -36,7 +36,7 @@ def gpu_env():
 
     keys = ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "CUDA_VISIBLE_DEVICES", "SPARK_DL_CUDA_DEVICE",
             "OMP_NUM_THREADS")
-    return {**{k: os.environ.get(k) for k in keys}, "task_pid": os.getppid()}
+    return {**{k: os.environ.get(k) for k in keys}, "task_pid": int(os.environ["SPARK_DL_TASK_PID"])}
 
 
 def make_train_ddp():

@@ -23,7 +23,7 @@ def world_main(tag):
     dist.all_reduce(t)
     keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "CROSS_RANK", "CROSS_SIZE", "MASTER_ADDR", "OMP_NUM_THREADS",
             "THP_MEM_ALLOC_ENABLE")
-    return {"tag": tag, "sum": t.item(), "pid": os.getpid(), "ppid": os.getppid(),
+    return {"tag": tag, "sum": t.item(), "pid": os.getpid(), "task_pid": int(os.environ["SPARK_DL_TASK_PID"]),
             "env": {k: os.environ.get(k) for k in keys}, "host": socket.gethostname()}
 
 
@@ -47,7 +47,7 @@ def test_barrier_stage_runs_np_ranks_with_one_process_group(spark):
     assert {o["env"]["OMP_NUM_THREADS"] for o in outs} == {str(max(1, len(os.sched_getaffinity(0)) // 4))}
     assert {o["env"]["THP_MEM_ALLOC_ENABLE"] for o in outs} == {"1"}  # huge pages for big CPU tensors
     assert len({o["pid"] for o in outs}) == 4
-    assert os.getpid() not in {o["ppid"] for o in outs}, "ranks must run under Spark tasks, not the driver"
+    assert os.getpid() not in {o["task_pid"] for o in outs}, "ranks must run under Spark tasks, not the driver"
 
 
 def test_run_returns_rank0_value(spark):
@@ -124,7 +124,7 @@ def test_lost_task_is_reported_and_its_rank_does_not_survive(spark, tmp_path):
 
         record_self_and_child(pid_dir)
         if spark_dl.get_context().rank == 1:
-            os.kill(os.getppid(), signal.SIGKILL)  # the Spark task's Python worker dies
+            os.kill(int(os.environ["SPARK_DL_TASK_PID"]), signal.SIGKILL)  # the Spark task's Python worker dies
         time.sleep(120)
 
     t = time.monotonic()
@@ -157,7 +157,7 @@ def test_local_cluster_ranks_in_separate_executors(spark_cluster):
     # both executors run on this machine: one host, so local ranks 0 and 1
     assert sorted(o["env"]["LOCAL_RANK"] for o in outs) == ["0", "1"]
     assert {o["env"]["LOCAL_WORLD_SIZE"] for o in outs} == {"2"}
-    assert outs[0]["ppid"] != outs[1]["ppid"], "each rank should be started by its own executor's task"
+    assert outs[0]["task_pid"] != outs[1]["task_pid"], "each rank should be started by its own executor's task"
 
 
 def test_local_cluster_failure_leaves_no_process(spark_cluster, tmp_path):

@@ -74,7 +74,7 @@ def test_horovod_runner_through_spark_connect(connect_url, tmp_path):
     ranks = out["ranks"]
     assert [r["rank"] for r in ranks] == ["0", "1"]
     assert all(r["sum"] == 3.0 and r["tag"] == "a" and r["y"] == 4 for r in ranks)  # one Gloo group, args sent
-    assert ranks[0]["ppid"] != ranks[1]["ppid"], "each rank runs under its own barrier task"
+    assert ranks[0]["task_pid"] != ranks[1]["task_pid"], "each rank runs under its own barrier task"
     assert "[1]<stdout>: hello from rank 1" in text  # the ranks' output reaches the client
 
     failure = out["failure"]  # the failing rank's error, at once; the other rank is stopped

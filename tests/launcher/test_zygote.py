@@ -1,0 +1,176 @@
+"""Ranks forked from a warm interpreter (spark_dl/launch/zygote.py): they see what a rank started
+fresh would see, a run whose startup variables differ starts fresh, and no failure leaves a rank
+behind. Real rank processes, real Gloo groups, a real Spark session for the barrier case."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from procs import recorded_pids, wait_all_dead
+
+from spark_dl import HorovodRunner, JobFailed
+from spark_dl.launch import zygote
+
+
+def rank_facts(module_name: str | None = None) -> dict:
+    import os
+    import sys
+
+    import numpy
+
+    with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+        parent = f.read().replace(b"\0", b" ").decode()
+    out = {"forked": "spark_dl.launch.zygote" in parent, "pid": os.getpid(), "ppid": os.getppid(),
+           "task_pid": int(os.environ["SPARK_DL_TASK_PID"]), "cwd": os.getcwd(), "argv0": sys.argv[0],
+           "draw": float(numpy.random.rand()), "var": os.environ.get("ZYGOTE_TEST_VAR"),
+           "hashseed": os.environ.get("PYTHONHASHSEED"), "hash": hash("spark-dl"),
+           "stdout_unbuffered": sys.stdout.write_through}
+    if module_name is not None:
+        out["module"] = __import__(module_name).VALUE
+    return out
+
+
+def _warm(**runner) -> None:
+    """One run, so this process (the driver: local mode) has a zygote; then wait until it is ready."""
+    HorovodRunner(np=-2, **runner).run(rank_facts)
+    assert zygote.wait_ready(60), "the zygote started after a run should be ready within a minute"
+
+
+def test_a_warm_run_forks_its_ranks_and_they_see_what_a_fresh_rank_would(tmp_path, monkeypatch):
+    _warm()
+    # what changed on the driver since the zygote started reaches the forked ranks
+    monkeypatch.setenv("ZYGOTE_TEST_VAR", "set after the zygote started")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "zygote_test_module.py").write_text("VALUE = 7\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    outs = HorovodRunner(np=-2).run_all(rank_facts, module_name="zygote_test_module")
+    again = HorovodRunner(np=-2).run_all(rank_facts)
+    for o in outs:
+        assert o["forked"], "a run after the zygote is ready should fork its ranks"
+        assert o["task_pid"] == os.getpid() and o["ppid"] != os.getpid()
+        assert o["cwd"] == str(tmp_path)
+        assert o["var"] == "set after the zygote started"
+        assert o["module"] == 7
+        assert o["argv0"].endswith(os.path.join("spark_dl", "launch", "rank_main.py"))
+        assert o["stdout_unbuffered"]
+    draws = [o["draw"] for o in outs + again]
+    assert len(set(draws)) == 4, "numpy's global generator must be reseeded in every forked rank"
+
+
+def test_startup_variables_start_the_ranks_fresh_and_the_zygote_follows_them():
+    _warm()
+    seeded = HorovodRunner(np=-2, env={"PYTHONHASHSEED": "0"}).run_all(rank_facts)
+    assert not any(o["forked"] for o in seeded), "PYTHONHASHSEED is read at start: the zygote's differs"
+    assert {o["hashseed"] for o in seeded} == {"0"} and seeded[0]["hash"] == seeded[1]["hash"]
+    # the zygote is now started with PYTHONHASHSEED=0: the next such run forks, with that seed
+    assert zygote.wait_ready(60)
+    forked = HorovodRunner(np=-2, env={"PYTHONHASHSEED": "0"}).run_all(rank_facts)
+    assert all(o["forked"] for o in forked)
+    assert [o["hash"] for o in forked] == [o["hash"] for o in seeded]
+    plain = HorovodRunner(np=-2).run_all(rank_facts)
+    assert not any(o["forked"] for o in plain) and plain[0]["hashseed"] is None
+
+
+def test_spark_dl_zygote_0_starts_every_rank_fresh():
+    _warm()
+    outs = HorovodRunner(np=-2, env={"SPARK_DL_ZYGOTE": "0"}).run_all(rank_facts)
+    assert not any(o["forked"] for o in outs)
+    assert all(o["ppid"] == os.getpid() for o in outs)
+
+
+def test_a_zygote_killed_between_runs_means_fresh_ranks_then_a_new_zygote():
+    _warm()
+    z = zygote._zygote
+    os.kill(z._proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while z.alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+    outs = HorovodRunner(np=-2).run_all(rank_facts)
+    assert not any(o["forked"] for o in outs)
+    assert zygote.wait_ready(60) and zygote._zygote is not z
+    assert all(o["forked"] for o in HorovodRunner(np=-2).run_all(rank_facts))
+
+
+def test_a_zygote_killed_during_a_run_fails_it_clearly_and_leaves_nothing(tmp_path):
+    def main(pid_dir):
+        import os
+        import signal
+        import time
+
+        from procs import record_self_and_child
+
+        import spark_dl
+
+        record_self_and_child(pid_dir)
+        if spark_dl.get_context().rank == 1:
+            os.kill(os.getppid(), signal.SIGKILL)  # the zygote that forked this rank
+        time.sleep(120)
+
+    _warm()
+    t = time.monotonic()
+    with pytest.raises(JobFailed, match=r"rank [01] on localhost failed: .*killed by SIG"):
+        HorovodRunner(np=-2).run(main, pid_dir=str(tmp_path))
+    assert time.monotonic() - t < 30
+    assert wait_all_dead(recorded_pids(str(tmp_path)), timeout=5) == []
+
+
+DRIVER = textwrap.dedent("""
+    import os, sys, time
+    sys.path.insert(0, {tests!r})
+    from procs import record_self_and_child
+    from spark_dl import HorovodRunner
+    from spark_dl.launch import zygote
+
+    def main(pid_dir):
+        import os, time
+        from procs import record_self_and_child
+        with open(f"/proc/{{os.getppid()}}/cmdline", "rb") as f:
+            assert b"spark_dl.launch.zygote" in f.read(), "this run's ranks should be forked"
+        record_self_and_child(pid_dir)
+        print("recorded", flush=True)
+        time.sleep(120)
+
+    HorovodRunner(np=-2).run(lambda: 0)
+    assert zygote.wait_ready(60)
+    print("zygote", zygote._zygote._proc.pid, flush=True)
+    HorovodRunner(np=-2).run(main, pid_dir={pid_dir!r})
+""")
+
+
+def test_forked_ranks_die_with_a_killed_driver(tmp_path):
+    """Local mode: the driver is the task. Killed outright, it cannot stop its ranks itself."""
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER.format(tests=os.path.dirname(__file__), pid_dir=str(pid_dir)))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "SPARK_HOME": "/nonexistent/spark"})
+    try:
+        deadline = time.monotonic() + 120
+        while len(recorded_pids(str(pid_dir))) < 4:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        zygote_pid = next(int(line.split()[1]) for line in proc.stdout if line.startswith("zygote "))
+        proc.kill()
+        proc.wait(10)
+    finally:
+        proc.kill()
+    assert wait_all_dead(recorded_pids(str(pid_dir)) + [zygote_pid], timeout=5) == []
+
+
+def test_barrier_tasks_fork_ranks_from_their_python_workers_zygote(spark):
+    tries = []
+    for _ in range(4):  # a Python worker has a zygote after its first run: which worker runs a task is Spark's choice
+        outs = HorovodRunner(np=2).run_all(rank_facts)
+        tries.append([o["forked"] for o in outs])
+        if all(tries[-1]):
+            break
+        time.sleep(3)  # the zygotes import torch
+    assert all(tries[-1]), f"ranks forked per try: {tries}"
+    assert os.getpid() not in {o["task_pid"] for o in outs}, "the tasks are Spark's Python workers"
+    assert all(o["ppid"] != o["task_pid"] for o in outs)
