@@ -100,7 +100,8 @@ class Zygote:
         # which lives as long as the zygote does
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-c", "from spark_dl.launch.zygote import main; main()", str(theirs.fileno())],
+                [sys.executable, "-c", "from spark_dl.launch.zygote import main; main()", str(theirs.fileno()),
+                 str(os.getpid())],
                 pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 start_new_session=True,  # a notebook's Ctrl-C (SIGINT to its process group) is not for it
             )
@@ -306,6 +307,7 @@ def _fork(request: dict, fds: list[int], inherited: list) -> int:
 
 
 def _run_rank(request: dict, fds: list[int]) -> None:
+    import importlib
     import io
 
     conn_fd, stdin_fd, stdout_fd, stderr_fd = fds
@@ -331,6 +333,7 @@ def _run_rank(request: dict, fds: list[int]) -> None:
     path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     rest = [p for p in _BASE_PATH if p not in path]
     sys.path[:] = [os.getcwd(), *path, *rest]
+    importlib.invalidate_caches()  # files written since the zygote looked at a directory are found
     if "numpy" in sys.modules:  # its global generator is not reseeded by a fork (Python's random is)
         sys.modules["numpy"].random.seed()
     from spark_dl.launch import rank_main
@@ -342,22 +345,14 @@ def _run_rank(request: dict, fds: list[int]) -> None:
 _BASE_PATH: list[str] = []
 
 
-def main() -> None:
-    import ctypes
-
-    master = socket.socket(fileno=int(sys.argv[1]))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is for the task, which stops its ranks
-    parent = os.getppid()
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
-    if os.getppid() != parent:
-        os._exit(0)
-    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    _BASE_PATH[:] = [p for p in sys.path[1:] if p not in path]  # [0]: python -c's working directory
-    try:  # what a rank imports first; none of them starts a thread (pyarrow's allocator would)
+def _import_rank_side() -> None:
+    """What a rank imports first. The one thread these start, numpy's OpenBLAS pool, stops itself
+    around a fork (pthread_atfork); no other thread may run in the zygote (pyarrow's allocator would)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (OSError, AttributeError):
+        pass
+    try:
         import numpy  # noqa: F401
         import torch  # noqa: F401
         import torch.distributed  # noqa: F401
@@ -371,6 +366,29 @@ def main() -> None:
     import spark_dl.rank  # noqa: F401
     import spark_dl.script  # noqa: F401
     import spark_dl.tracking.rank  # noqa: F401
+
+
+def main() -> None:
+    import ctypes
+
+    master = socket.socket(fileno=int(sys.argv[1]))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is for the task, which stops its ranks
+    parent = int(sys.argv[2])
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:  # the task process died before prctl took effect
+        os._exit(0)
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    _BASE_PATH[:] = [p for p in sys.path[1:] if p not in path]  # [0]: python -c's working directory
+    # at the lowest priority: the imports use only CPU time nothing else wants (the driver's or the
+    # next run's work comes first), and a thread's nice value is its own, so the zygote and the
+    # ranks it forks run at the task's priority
+    importer = threading.Thread(target=_import_rank_side, name="spark-dl-zygote-import")
+    importer.start()
+    importer.join()
 
     try:
         master.send(b"ready")
