@@ -301,11 +301,14 @@ def _check_monitors(callbacks: list[Any], metrics: dict[str, Any], validation: A
                                 f"it logs {keys}")
 
 
-class TorchEstimator(Estimator):
+class TorchEstimator(Estimator, MLWritable, MLReadable):
     """Train ``model`` on a DataFrame's ``feature_cols`` against its ``label_cols``: a Spark ML
     ``Estimator``, so it is also a ``pyspark.ml.Pipeline`` stage. Every setting below but
     ``runner_options`` is a Spark ML ``Param`` too (``est.epochs``; Horovod's ``getEpochs()`` /
     ``setEpochs(n)``), so a param map, ``ParamGridBuilder`` and ``CrossValidator`` can set it.
+    Saved with ``save(path)`` (alone, in a ``Pipeline`` or a tuned ``CrossValidatorModel``) and read
+    back with ``TorchEstimator.load(path)``: every setting, the model's weights at that moment and
+    the optimizer's state included.
 
     Args:
         model: the ``torch.nn.Module`` to train; called as ``model(*features)``, one tensor per
@@ -399,6 +402,16 @@ class TorchEstimator(Estimator):
                                 "(HorovodRunner's options are constructor arguments)")
         s = _checked({**self._values(), **values}, self.runner_options)
         return self._set(**{name: getattr(s, name) for name in values})
+
+    def write(self) -> "_TorchEstimatorWriter":
+        """Spark ML's writer: ``est.write().overwrite().save(path)``; ``est.save(path)`` refuses a
+        path that exists."""
+        return _TorchEstimatorWriter(self)
+
+    @classmethod
+    def read(cls) -> "_TorchEstimatorReader":
+        """Spark ML's reader: ``TorchEstimator.read().load(path)``, or ``TorchEstimator.load(path)``."""
+        return _TorchEstimatorReader()
 
     @property
     def last_run(self) -> RunInfo | None:
@@ -702,6 +715,88 @@ class TorchModel(Model, MLWritable, MLReadable):
 _MODEL_PART = 64 << 20  # the pickled module is saved in rows of at most this many bytes (Spark's 2 GB row limit)
 
 
+def _save_blob(spark, blob: bytes, path: str) -> None:
+    """``blob`` as Parquet rows of at most ``_MODEL_PART`` bytes, written by Spark (so DBFS, S3,
+    HDFS... work as for any stage)."""
+    parts = [(i, blob[at:at + _MODEL_PART]) for i, at in enumerate(range(0, max(len(blob), 1), _MODEL_PART))]
+    spark.createDataFrame(parts, "part int, data binary").coalesce(1).write.parquet(path)
+
+
+def _load_blob(spark, path: str) -> bytes:
+    return b"".join(bytes(r["data"]) for r in spark.read.parquet(path).orderBy("part").collect())
+
+
+def _load_metadata(spark, path: Any, cls: type) -> dict[str, Any]:
+    """The Spark ML metadata at ``path``, refused unless it was saved from ``cls``."""
+    if not isinstance(path, str):
+        raise TypeError(f"{cls.__name__}.load takes a path (str), got {type(path).__name__}")
+    meta = DefaultParamsReader.loadMetadata(path, spark)
+    if meta["class"] != f"{cls.__module__}.{cls.__name__}":
+        raise ValueError(f"{path} holds a {meta['class']}, not a spark-dl {cls.__name__}: load it with that class "
+                         "(or pyspark.ml.PipelineModel.load / Pipeline.load for a whole pipeline)")
+    return meta
+
+
+def _json_value(value: Any) -> bool:
+    import json
+
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+class _TorchEstimatorWriter(MLWriter):
+    """``path/metadata``: Spark ML's JSON metadata (class, uid, the settings that are plain values,
+    for people and tools reading it); ``path/settings``: every setting given and the runner
+    options, cloudpickled in one piece (so the optimizer still steps the model's parameters and a
+    class or function defined in a notebook loads), as Parquet rows written by Spark."""
+
+    def __init__(self, instance: TorchEstimator) -> None:
+        super().__init__()
+        self.instance = instance
+
+    def saveImpl(self, path: str) -> None:  # noqa: N802 - Spark ML's name
+        import torch
+
+        est = self.instance
+        given = {p.name: v for p, v in est._paramMap.items()}
+        state = {"settings": given, "runner_options": est.runner_options, "last_run_id": est.last_run_id}
+        try:
+            blob = dumps(state)
+        except Exception as e:  # noqa: BLE001 - which setting, and what to do, instead of pickle's frames
+            culprit = next((name for name, v in {**given, **est.runner_options}.items() if not _picklable(v)), None)
+            what = f"its setting {culprit!r}" if culprit else "its settings"
+            raise TypeError(f"TorchEstimator cannot be saved: {what} cannot be pickled ({type(e).__name__}: {e}). "
+                            "Pass a value cloudpickle can copy (e.g. a function or functools.partial in place of "
+                            "an object holding a lock, a file or a connection)") from None
+        plain = {name: v for name, v in given.items() if _json_value(v)}
+        DefaultParamsWriter.saveMetadata(est, path, self.sparkSession, paramMap=plain,
+                                         extraMetadata={"torch_version": torch.__version__})
+        _save_blob(self.sparkSession, blob, os.path.join(path, "settings"))
+
+
+def _picklable(value: Any) -> bool:
+    try:
+        dumps(value)
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
+class _TorchEstimatorReader(MLReader):
+    def load(self, path: str) -> TorchEstimator:
+        from . import unpickle
+
+        meta = _load_metadata(self.sparkSession, path, TorchEstimator)
+        state = unpickle.loads(_load_blob(self.sparkSession, os.path.join(path, "settings")), unpickle.driver_device)
+        est = TorchEstimator(**state["settings"], **state["runner_options"])
+        est.last_run_id = state["last_run_id"]
+        est._resetUid(meta["uid"])
+        return est
+
+
 class _TorchModelWriter(MLWriter):
     """``path/metadata``: Spark ML's JSON metadata (class, uid, the columns, the histories);
     ``path/model``: the pickled module (cloudpickle, so a class defined in a notebook loads),
@@ -721,24 +816,15 @@ class _TorchModelWriter(MLWriter):
                  "input_shapes": None if m.input_shapes is None else [list(s) for s in m.input_shapes],
                  "label_cols": list(m.label_cols), "torch_version": torch.__version__}
         DefaultParamsWriter.saveMetadata(m, path, self.sparkSession, extraMetadata=extra)
-        blob = dumps(m.model)
-        parts = [(i, blob[at:at + _MODEL_PART]) for i, at in enumerate(range(0, max(len(blob), 1), _MODEL_PART))]
-        self.sparkSession.createDataFrame(parts, "part int, data binary").coalesce(1).write.parquet(
-            os.path.join(path, "model"))
+        _save_blob(self.sparkSession, dumps(m.model), os.path.join(path, "model"))
 
 
 class _TorchModelReader(MLReader):
     def load(self, path: str) -> TorchModel:
         from . import unpickle
 
-        if not isinstance(path, str):
-            raise TypeError(f"TorchModel.load takes a path (str), got {type(path).__name__}")
-        meta = DefaultParamsReader.loadMetadata(path, self.sparkSession)
-        if meta["class"] != f"{TorchModel.__module__}.TorchModel":
-            raise ValueError(f"{path} holds a {meta['class']}, not a spark-dl TorchModel: load it with that class "
-                             "(or pyspark.ml.PipelineModel.load for a whole pipeline)")
-        rows = self.sparkSession.read.parquet(os.path.join(path, "model")).orderBy("part").collect()
-        module = unpickle.loads(b"".join(bytes(r["data"]) for r in rows), unpickle.driver_device)
+        meta = _load_metadata(self.sparkSession, path, TorchModel)
+        module = unpickle.loads(_load_blob(self.sparkSession, os.path.join(path, "model")), unpickle.driver_device)
         shapes = meta["input_shapes"]
         model = TorchModel(module, meta["feature_cols"], meta["prediction_col"], history=meta["history"],
                            val_history=meta["val_history"], metric_history=meta["metric_history"],
