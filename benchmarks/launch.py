@@ -3,6 +3,7 @@ vs PySpark's TorchDistributor, and spark-dl with its ranks forked from a warm in
 default) vs started fresh (``SPARK_DL_ZYGOTE=0``).
 
     python benchmarks/launch.py [--runs 5] [--master 'local-cluster[2,1,1024]']
+    python benchmarks/launch.py --local [--runs 5]   # np=-2 on this machine, forked vs fresh ranks
 
 All run on the same warm SparkSession, interleaved, so machine noise hits them alike. The job:
 init a Gloo process group, one barrier, return. Prints the medians and their ratio.
@@ -28,11 +29,44 @@ def trivial() -> int:
     return rank
 
 
+def _table(title: str, times: dict[str, list[float]]) -> dict[str, float]:
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"\n{title}")
+    print(f"{'launcher':<26} {'median s':>9} {'min s':>7} {'max s':>7}")
+    for k, v in times.items():
+        print(f"{k:<26} {med[k]:>9.2f} {min(v):>7.2f} {max(v):>7.2f}")
+    return med
+
+
+def local(runs: int) -> None:
+    """np=-2 on the driver (tracking off): ranks forked from the driver's zygote vs started fresh."""
+    os.environ["SPARK_DL_TRACKING"] = "0"
+    from spark_dl import HorovodRunner
+    from spark_dl.launch import zygote
+
+    assert HorovodRunner(np=-2).run(trivial) == 0
+    assert zygote.wait_ready(60), "no zygote within a minute"
+    envs = {"spark-dl np=-2 forked": None, "spark-dl np=-2 fresh": {"SPARK_DL_ZYGOTE": "0"}}
+    times: dict[str, list[float]] = {name: [] for name in envs}
+    for _ in range(runs):
+        for name, env in envs.items():
+            t = time.perf_counter()
+            assert HorovodRunner(np=-2, env=env).run(trivial) == 0
+            times[name].append(time.perf_counter() - t)
+    med = _table(f"{runs} interleaved runs each in local mode, trivial 2-rank job (init, barrier, return)", times)
+    forked, fresh = med["spark-dl np=-2 forked"], med["spark-dl np=-2 fresh"]
+    print(f"ratio forked / fresh: {forked / fresh:.3f} ({fresh / forked:.1f}x faster)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--master", default="local-cluster[2,1,1024]")
+    parser.add_argument("--local", action="store_true", help="local mode (np=-2, no Spark): forked vs fresh ranks")
     args = parser.parse_args()
+    if args.local:
+        local(args.runs)
+        return
 
     from pyspark.ml.torch.distributor import TorchDistributor
     from pyspark.sql import SparkSession
@@ -72,11 +106,8 @@ def main() -> None:
             fn()
             times[name].append(time.perf_counter() - t)
 
-    med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"\n{args.runs} interleaved runs each on {args.master}, trivial 2-rank job (init, barrier, return)")
-    print(f"{'launcher':<26} {'median s':>9} {'min s':>7} {'max s':>7}")
-    for k, v in times.items():
-        print(f"{k:<26} {med[k]:>9.2f} {min(v):>7.2f} {max(v):>7.2f}")
+    med = _table(f"{args.runs} interleaved runs each on {args.master}, trivial 2-rank job (init, barrier, return)",
+                 times)
     base = med["PySpark TorchDistributor"]
     for k in ("spark-dl HorovodRunner", "spark-dl HorovodRunner fresh", "spark-dl TorchDistributor"):
         print(f"ratio {k} / PySpark TorchDistributor: {med[k] / base:.3f} ({base / med[k]:.1f}x faster)")

@@ -21,6 +21,7 @@ socket closes, and the rank watches the task's pid itself, see ``rank_main``).
 """
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import selectors
@@ -389,6 +390,9 @@ def main() -> None:
     importer = threading.Thread(target=_import_rank_side, name="spark-dl-zygote-import")
     importer.start()
     importer.join()
+    # what is imported now lives as long as the zygote: out of the collector's sight, so a rank's
+    # collections do not write to (and so copy) the pages the zygote shares with every rank
+    gc.freeze()
 
     try:
         master.send(b"ready")

@@ -11,23 +11,9 @@ import torch
 from pyspark.errors import AnalysisException
 from pyspark.ml.util import DefaultParamsReader
 
+from test_estimator_params import _Line, _lines
+
 from spark_dl.estimator import TorchEstimator, TorchModel
-
-
-class _Line(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.w = torch.nn.Linear(2, 1)
-
-    def forward(self, a, b):
-        return self.w(torch.stack([a, b], 1)).squeeze(1)
-
-
-def _lines(spark, n: int = 200):
-    from pyspark.sql import functions as F
-
-    df = spark.range(n).select(F.rand(1).cast("float").alias("a"), F.rand(2).cast("float").alias("b"))
-    return df.withColumn("y", (3 * F.col("a") - 2 * F.col("b")).cast("float"))
 
 
 def _estimator(**options) -> TorchEstimator:
