@@ -712,7 +712,7 @@ class TorchModel(Model, MLWritable, MLReadable):
         return [int(o.reshape(1, -1).shape[1]) for o in outs], isinstance(out, (list, tuple))
 
 
-_MODEL_PART = 64 << 20  # the pickled module is saved in rows of at most this many bytes (Spark's 2 GB row limit)
+_MODEL_PART = 64 << 20  # a pickled module or settings is saved in rows of at most this many bytes (Spark's 2 GB row limit)
 
 
 def _save_blob(spark, blob: bytes, path: str) -> None:
