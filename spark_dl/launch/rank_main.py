@@ -29,6 +29,16 @@ def _kill_own_group(*_: object) -> None:
         os._exit(137)
 
 
+def set_death_signal(sig: int) -> None:
+    """Have the kernel send ``sig`` to this process when the thread that started it ends (Linux;
+    elsewhere nothing: the callers also poll their parent)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+        except (OSError, AttributeError):
+            pass
+
+
 def _die_with_parent(parent_pid: int, task_pid: int | None = None) -> None:
     """End this rank and everything it started (its process group) when the task that started
     it dies, e.g. when Spark kills the task. SIGKILL as the death signal would kill only this
@@ -37,11 +47,7 @@ def _die_with_parent(parent_pid: int, task_pid: int | None = None) -> None:
     A rank forked by the zygote (``task_pid`` given) also polls the task, which is not its parent.
     """
     signal.signal(signal.SIGTERM, _kill_own_group)
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        except (OSError, AttributeError):
-            pass
+    set_death_signal(signal.SIGTERM)
     task = None
     if task_pid is not None:
         try:

@@ -48,7 +48,8 @@ def startup_env(env: dict[str, str]) -> dict[str, str]:
 
 
 def enabled(env: dict[str, str]) -> bool:
-    return env.get(ENV_SWITCH, os.environ.get(ENV_SWITCH, "1")).strip().lower() not in ("0", "false", "no", "off")
+    """Whether ranks started with ``env`` (the task's environment, ``env=`` applied) may be forked."""
+    return env.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 class ForkedRank:
@@ -331,7 +332,7 @@ def _run_rank(request: dict, fds: list[int]) -> None:
     except OSError:
         pass
     # what a fresh ``python -m`` would have: the working directory, then PYTHONPATH, then the rest
-    path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    path = _pythonpath(env)
     rest = [p for p in _BASE_PATH if p not in path]
     sys.path[:] = [os.getcwd(), *path, *rest]
     importlib.invalidate_caches()  # files written since the zygote looked at a directory are found
@@ -343,7 +344,11 @@ def _run_rank(request: dict, fds: list[int]) -> None:
     rank_main.run_forked(request["task_pid"])
 
 
-_BASE_PATH: list[str] = []
+_BASE_PATH: list[str] = []  # the zygote's sys.path less its PYTHONPATH and working directory
+
+
+def _pythonpath(env) -> list[str]:
+    return [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
 
 
 def _import_rank_side() -> None:
@@ -370,19 +375,15 @@ def _import_rank_side() -> None:
 
 
 def main() -> None:
-    import ctypes
+    from spark_dl.launch.rank_main import set_death_signal
 
     master = socket.socket(fileno=int(sys.argv[1]))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is for the task, which stops its ranks
     parent = int(sys.argv[2])
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
+    set_death_signal(signal.SIGKILL)
     if os.getppid() != parent:  # the task process died before prctl took effect
         os._exit(0)
-    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    path = _pythonpath(os.environ)
     _BASE_PATH[:] = [p for p in sys.path[1:] if p not in path]  # [0]: python -c's working directory
     # at the lowest priority: the imports use only CPU time nothing else wants (the driver's or the
     # next run's work comes first), and a thread's nice value is its own, so the zygote and the
