@@ -9,7 +9,8 @@ of the root's values (one expecting fewer aborts), the same bytes in another dty
 different ops mix their results and different roots hang.
 
 So a checked call first all-reduces (MAX) ``[h, -h]`` on the op's group, ``h`` a hash of what
-must agree: the collective, the tensors' shapes and dtypes, and the op, compression or root.
+must agree: the collective, the tensors' shapes and dtypes, and the op, compressor (with its
+settings), scale factors or root.
 It has the same size on every rank, so it completes whatever the ranks pass, and every rank
 passed the same ``h`` iff ``max(h) == -max(-h)``. Only on a mismatch are the descriptions
 gathered, to name each rank's in the ``ValueError`` every rank then raises.
@@ -22,6 +23,7 @@ not checked (the same parameters and layers on every rank, which ``broadcast_par
 from __future__ import annotations
 
 import hashlib
+import numbers
 import os
 from typing import Sequence
 
@@ -44,6 +46,17 @@ def describe(tensors: torch.Tensor | Sequence[torch.Tensor]) -> str:
     if torch.is_tensor(tensors):
         return f"{str(tensors.dtype).removeprefix('torch.')} [{', '.join(map(str, tensors.shape))}]"
     return f"[{', '.join(describe(t) for t in tensors)}]"
+
+
+def setting(value: object) -> str:
+    """How an argument that must agree is compared and named: numbers by value (``0.5``,
+    ``np.float64(0.5)`` and ``torch.tensor(0.5)`` agree), objects by their ``repr`` (a
+    compressor's names its settings), except a default ``repr`` holding an address, which differs
+    on every rank: its class then."""
+    if isinstance(value, numbers.Real) or (torch.is_tensor(value) and value.numel() == 1):
+        return repr(float(value))
+    text = repr(value)
+    return type(value).__qualname__ if " at 0x" in text else text
 
 
 def check_same(collective: str, ps: ProcessSet, fields: dict[str, str]) -> None:

@@ -15,7 +15,7 @@ from spark_dl.compression import FP16
 
 from . import compression as _compression
 from .basics import Adasum, Average, ReduceOp, Sum, _check
-from .checks import check_same
+from .checks import SHAPES, check_same, describe
 from .compression import Compression
 from .process_sets import ProcessSet, global_process_set, group_of
 from .process_sets import resolve as resolve_set
@@ -151,7 +151,7 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: An
     ps = resolve_set(process_set)
     compressor = _compression.resolve(compression, per_call=True)
     half = _half(tensor, op, compressor)
-    check_same("reducescatter", ps, reduce_fields(tensor, op, compressor))
+    check_same("reducescatter", ps, reduce_fields(tensor, op, compressor, prescale_factor, postscale_factor))
     return _Reducescatter.apply(tensor, op, half, prescale_factor, postscale_factor, ps)
 
 
@@ -183,8 +183,8 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
     tensors = list(tensors)
     _check_items(tensors, "grouped_allreduce")
     differentiable = any(t.requires_grad for t in tensors)
-    check_same("grouped_allreduce", ps,
-               {**reduce_fields(tensors, op, compressor), "requires_grad": str(differentiable)})
+    check_same("grouped_allreduce", ps, {**reduce_fields(tensors, op, compressor, prescale_factor, postscale_factor),
+                                         "requires_grad": str(differentiable)})
     if differentiable:
         return [_Allreduce.apply(t, op, None if name is None else f"{name}.{i}", compressor, prescale_factor,
                                  postscale_factor, ps)
@@ -206,7 +206,8 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
     compressor = _compression.resolve(compression, per_call=True)
     tensors = list(tensors)
     _check_items(tensors, "grouped_allreduce")
-    check_same("grouped_allreduce", ps, {**reduce_fields(tensors, op, compressor), "requires_grad": "False"})
+    check_same("grouped_allreduce", ps, {**reduce_fields(tensors, op, compressor, prescale_factor, postscale_factor),
+                                         "requires_grad": "False"})
     _fused_reduce(tensors, op, name, compressor, prescale_factor, postscale_factor, ps)
     return tensors
 
@@ -241,7 +242,7 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
     ps = resolve_set(process_set)
     compressor = _compression.resolve(compression, per_call=True)
     halves = [_half(t, op, compressor) for t in tensors]
-    check_same("grouped_reducescatter", ps, reduce_fields(tensors, op, compressor))
+    check_same("grouped_reducescatter", ps, reduce_fields(tensors, op, compressor, prescale_factor, postscale_factor))
     return [_Reducescatter.apply(t, op, half, prescale_factor, postscale_factor, ps)
             for t, half in zip(tensors, halves)]
 
@@ -262,15 +263,6 @@ def sparse_sum(tensor: torch.Tensor, group: Any, average: bool) -> torch.Tensor:
     return out
 
 
-def _sparse_allreduce(tensor: torch.Tensor, op: ReduceOp, ps: ProcessSet) -> torch.Tensor:
-    if not tensor.is_sparse:
-        raise ValueError("sparse_allreduce_async takes a sparse COO tensor (tensor.is_sparse); use allreduce "
-                         "for dense tensors")
-    if op not in (Average, Sum):
-        raise ValueError(f"sparse_allreduce_async supports op=Average or Sum, got {op.name}")
-    return sparse_sum(tensor, group_of(ps), average=op == Average)
-
-
 def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: Any = Average,
                            process_set: ProcessSet = global_process_set) -> int:
     """Start an all-reduce of a sparse COO tensor (``nn.Embedding(sparse=True)``'s gradient, say):
@@ -278,7 +270,16 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: An
     rank's tensor. Only the entries travel (an allgather of indices and values), as in Horovod."""
     _check()
     ps = resolve_set(process_set)
-    result = _sparse_allreduce(tensor.detach(), resolve_op(op), ps)
+    op = resolve_op(op)
+    if not tensor.is_sparse:
+        raise ValueError("sparse_allreduce_async takes a sparse COO tensor (tensor.is_sparse); use allreduce "
+                         "for dense tensors")
+    if op not in (Average, Sum):
+        raise ValueError(f"sparse_allreduce_async supports op=Average or Sum, got {op.name}")
+    # the entries' counts travel anyway, but not the dense size, the dtype nor the op: unchecked,
+    # another dtype's values are garbage and another op mixes sums with averages
+    check_same("sparse_allreduce_async", ps, {SHAPES: describe(tensor), "op": op.name})
+    result = sparse_sum(tensor.detach(), group_of(ps), average=op == Average)
     return _register(None, lambda: result)
 
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from ..tensors import comm_device, map_tensors
 from .basics import _check, rank
-from .checks import agree
+from .checks import agree, check_same
 from .ops import allgather_parts, fused_inplace
 from .process_sets import ProcessSet, check_root, global_process_set, group_of
 from .process_sets import resolve as resolve_set
@@ -53,6 +53,8 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     _check()
     ps = resolve_set(process_set)
     check_root(ps, root_rank)
+    # unchecked, ranks naming different roots hang in the length's broadcast
+    check_same("broadcast_object", ps, {"root_rank": str(root_rank)})
     group = group_of(ps)
     dev = comm_device()
     is_root = rank() == root_rank

@@ -21,7 +21,7 @@ from . import adasum as _adasum
 from . import compression as _compression
 from ..tensors import comm_device
 from .basics import Adasum, Average, ReduceOp, Sum, _check, rank
-from .checks import ALL_SHAPES, SHAPES, check_same, describe
+from .checks import ALL_SHAPES, SHAPES, check_same, describe, setting
 from .compression import Compression
 from .process_sets import ProcessSet, check_root, global_process_set, group_of
 from .process_sets import resolve as resolve_set
@@ -130,15 +130,18 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     op = resolve_op(op, average)
     ps = resolve_set(process_set)
     compressor = _compression.resolve(compression, per_call=True)
-    check_same("allreduce", ps, reduce_fields(tensor, op, compressor))
+    check_same("allreduce", ps, reduce_fields(tensor, op, compressor, prescale_factor, postscale_factor))
     return _Allreduce.apply(tensor, op, name, compressor, prescale_factor, postscale_factor, ps)
 
 
-def reduce_fields(tensors: torch.Tensor | list[torch.Tensor], op: ReduceOp, compressor: Any) -> dict[str, str]:
+def reduce_fields(tensors: torch.Tensor | list[torch.Tensor], op: ReduceOp, compressor: Any,
+                  prescale_factor: Any = 1.0, postscale_factor: Any = 1.0) -> dict[str, str]:
     """What every rank's reduction of ``tensors`` (one, or a group) must agree on, for
-    :func:`~.checks.check_same`."""
+    :func:`~.checks.check_same`: the compressor with its settings (``QSGD(levels=7, ...)``), and
+    the scale factors (ranks scaling differently would sum numbers of different meanings)."""
     return {SHAPES if torch.is_tensor(tensors) else ALL_SHAPES: describe(tensors), "op": op.name,
-            "compression": type(compressor).__name__}
+            "compression": setting(compressor), "prescale_factor": setting(prescale_factor),
+            "postscale_factor": setting(postscale_factor)}
 
 
 def sum_unchecked(tensor: torch.Tensor) -> torch.Tensor:
@@ -224,7 +227,7 @@ def _async_reduce(tensor: torch.Tensor, output: torch.Tensor, op: ReduceOp, name
                   prescale_factor: float, postscale_factor: float, process_set: ProcessSet) -> int:
     _check()
     ps = resolve_set(process_set)
-    check_same("allreduce", ps, reduce_fields(tensor, op, Compression.none))
+    check_same("allreduce", ps, reduce_fields(tensor, op, Compression.none, prescale_factor, postscale_factor))
     if op == Adasum:
         # point-to-point rounds, each depending on the last: done before the handle is returned
         result = _allreduce_copy(tensor, op, name, Compression.none, prescale_factor, postscale_factor, ps)

@@ -88,6 +88,15 @@ def checks_main():
     refused("reducescatter_op", lambda: hvd.reducescatter(torch.ones(3), op=hvd.Max if odd else hvd.Sum))
     refused("grouped_count", lambda: hvd.grouped_allreduce_([torch.ones(4)] * (1 + odd)))
     refused("requires_grad", lambda: hvd.grouped_allreduce([torch.ones(2, requires_grad=odd)]))
+    refused("prescale", lambda: hvd.allreduce(x, prescale_factor=0.5 if odd else 1.0))
+    refused("qsgd_levels", lambda: hvd.allreduce(torch.ones(1000), compression=QSGD(levels=3 if odd else 7), name="l"))
+    refused("object_root", lambda: hvd.broadcast_object({"from": r}, root_rank=r))  # unchecked: a hang
+
+    def sparse(n):  # entries at 0 and 2 of a vector of n
+        return torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.tensor([1.0, 2.0]), (n,))
+
+    refused("sparse_op", lambda: hvd.sparse_allreduce_async(sparse(4), op=hvd.Sum if odd else hvd.Average))
+    refused("sparse_shape", lambda: hvd.sparse_allreduce_async(sparse(4 + 2 * odd)))
     pair = hvd.add_process_set([1, 2])
     if r in pair.ranks:
         refused("process_set", lambda: hvd.allreduce(torch.ones(2 + r), process_set=pair))
@@ -96,6 +105,13 @@ def checks_main():
     # the same calls, matching: checked, and correct
     out["allreduce"] = hvd.allreduce(x).tolist()
     out["fp16"] = hvd.allreduce(x, op=hvd.Sum, compression=fp16).tolist()
+    # the same factor as a float, a numpy float and a tensor: one value, so it agrees
+    import numpy as np
+
+    half = [0.5, np.float64(0.5), torch.tensor(0.5)][r]
+    out["prescaled"] = hvd.allreduce(x, op=hvd.Sum, prescale_factor=half, postscale_factor=2.0).tolist()
+    out["object"] = hvd.broadcast_object({"from": r}, root_rank=1)
+    out["sparse"] = hvd.synchronize(hvd.sparse_allreduce_async(sparse(4), op=hvd.Sum)).to_dense().tolist()
     # allreduce and allreduce_async send the same numbers: one rank may call either
     out["mixed_forms"] = (hvd.synchronize(hvd.allreduce_async(x)) if odd else hvd.allreduce(x)).tolist()
     out["broadcast"] = hvd.broadcast(x, root_rank=2).tolist()
@@ -121,7 +137,17 @@ def test_collectives_that_differ_are_refused_on_every_rank_and_equal_ones_still_
             "float64 [4]", "int64 [4]", "float64 [4]")
         assert o["op"] == "allreduce: every rank must pass the same op, " + got("op=Sum", "op=Max", "op=Sum")
         assert o["compression"] == "allreduce: every rank must pass the same compression, " + got(
-            "compression=NoneCompressor", "compression=FP16", "compression=NoneCompressor")
+            "compression=NoneCompressor()", "compression=FP16()", "compression=NoneCompressor()")
+        assert o["qsgd_levels"] == "allreduce: every rank must pass the same compression, " + got(
+            *(f"compression=QSGD(levels={s}, bucket_size=512)" for s in (7, 3, 7)))
+        assert o["prescale"] == "allreduce: every rank must pass the same prescale_factor, " + got(
+            "prescale_factor=1.0", "prescale_factor=0.5", "prescale_factor=1.0")
+        assert o["object_root"] == "broadcast_object: every rank must pass the same root_rank, " + got(
+            "root_rank=0", "root_rank=1", "root_rank=2")
+        assert o["sparse_op"] == "sparse_allreduce_async: every rank must pass the same op, " + got(
+            "op=Average", "op=Sum", "op=Average")
+        assert o["sparse_shape"] == "sparse_allreduce_async: every rank must pass the same shape and dtype, " + got(
+            "float32 [4]", "float32 [6]", "float32 [4]")
         assert o["qsgd"] == "allreduce: every rank must pass the same shape and dtype, " + got(
             "float32 [1000]", "float32 [1500]", "float32 [1000]")
         assert o["async"] == "allreduce: every rank must pass the same shape and dtype, " + got(
@@ -146,6 +172,9 @@ def test_collectives_that_differ_are_refused_on_every_rank_and_equal_ones_still_
         assert o["broadcast"] == [2.0, 3.0, 4.0, 5.0]
         assert o["grouped"] == [[3.0, 6.0, 9.0, 12.0], [3]]
         assert o["unchecked"] == 18.0
+        assert o["prescaled"] == [3.0, 6.0, 9.0, 12.0]  # 2 * sum(0.5 * x)
+        assert o["object"] == {"from": 1}
+        assert o["sparse"] == [3.0, 0.0, 6.0, 0.0]
     assert ranks[1]["collective"] == ("broadcast: every rank must call the same collectives in the same order, "
                                       + got("allreduce", "broadcast", "allreduce"))
     assert ranks[0]["collective"].startswith("allreduce: every rank must call the same collectives")
