@@ -34,7 +34,7 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log, remember a fai
     >"$log/host.txt" 2>&1
 cat "$log/host.txt"
 step build 300 "$py" setup.py build_ext --inplace -q
-step tests-gpu 300 "$py" -m pytest -q tests/gpu
+step tests-gpu 300 "$py" -m pytest -q -n 0 tests/gpu
 step compression-cuda 420 "$py" benchmarks/compression.py --device cuda
 step kernels 240 "$py" benchmarks/kernels.py
 exit $status

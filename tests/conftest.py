@@ -44,7 +44,20 @@ class SparkPool:
         )
         self.session.sparkContext.setLogLevel("ERROR")
         self.master = master
+        if master == CLUSTER:
+            self._wait_for_executors(2)
         return self.session
+
+    def _wait_for_executors(self, n: int, timeout_s: float = 120.0) -> None:
+        """A local cluster's executor JVMs register seconds after the session starts (more on a
+        loaded machine): wait here, so the tests that time a refusal time the refusal only."""
+        import time
+
+        status = self.session.sparkContext._jsc.sc().getExecutorMemoryStatus()  # the driver's entry too
+        deadline = time.monotonic() + timeout_s
+        while status.size() < n + 1 and time.monotonic() < deadline:
+            time.sleep(0.25)
+            status = self.session.sparkContext._jsc.sc().getExecutorMemoryStatus()
 
     def stop(self) -> None:
         if self.session is not None:
@@ -92,6 +105,23 @@ def pytest_collection_modifyitems(session, config, items):
         path = getattr(module, "__file__", None) or ""
         if path.startswith(tests_dir + os.sep) and not name.endswith("conftest"):
             cloudpickle.register_pickle_by_value(module)
+
+
+@pytest.fixture(autouse=True)
+def _mlflow_state_stays_in_its_test():
+    """``mlflow.set_experiment`` sets ``MLFLOW_EXPERIMENT_ID`` in ``os.environ`` and MLflow's active
+    experiment for the rest of the process; a test that calls it would otherwise choose the
+    experiment of whichever tests its process runs next (another store's id: a refused launch)."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith("MLFLOW_")}
+    fluent = sys.modules.get("mlflow.tracking.fluent")
+    active = getattr(fluent, "_active_experiment_id", None)
+    yield
+    for k in [k for k in os.environ if k.startswith("MLFLOW_") and k not in saved]:
+        del os.environ[k]
+    os.environ.update(saved)
+    fluent = sys.modules.get("mlflow.tracking.fluent")
+    if fluent is not None:
+        fluent._active_experiment_id = active
 
 
 @pytest.fixture(scope="session")

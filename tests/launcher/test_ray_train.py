@@ -149,7 +149,9 @@ def test_resume_from_checkpoint_is_read_in_place_where_seen_else_fetched_from_th
     assert len(cloudpickle.dumps(resume.Resume.of(checkpoint.path, storage))) < 1000
     trainer = TorchTrainer(read_resumed, scaling_config=ScalingConfig(num_workers=2), local_mode=True,
                            resume_from_checkpoint=checkpoint, run_config=RunConfig(storage_path=str(tmp_path)))
-    before = set(os.listdir(tempfile.gettempdir()))
+    driver_tmp = tmp_path / "driver-tmp"  # the driver's temporary files, apart from other processes'
+    driver_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(driver_tmp))
     result = trainer.fit()
     sha = hashlib.sha256((tmp_path / "ckpt" / "nested" / "weights.bin").read_bytes()).hexdigest()
     assert result.metrics["step"] == 41 and result.metrics["sha"] == sha
@@ -157,8 +159,7 @@ def test_resume_from_checkpoint_is_read_in_place_where_seen_else_fetched_from_th
         assert result.metrics["path"] == checkpoint.path
     else:  # a copy of its own, removed when the loop ends
         assert result.metrics["path"] != checkpoint.path and not os.path.exists(result.metrics["path"])
-    left = set(os.listdir(tempfile.gettempdir())) - before
-    assert not [f for f in left if f.startswith("spark-dl-resume-")]  # the driver's packed copy is removed
+    assert not [f for f in os.listdir(driver_tmp) if f.startswith("spark-dl-resume-")]  # the packed copy is removed
 
 
 def test_a_resumed_folder_that_differs_on_a_worker_is_fetched(tmp_path):
