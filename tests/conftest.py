@@ -15,6 +15,9 @@ import pytest
 LOCAL = "local[4]"
 CLUSTER = "local-cluster[2,1,1024]"
 
+# JVM options for every Spark JVM the suite starts, its subprocesses' included (see the file);
+# a SPARK_CONF_DIR of the caller's own is kept
+os.environ.setdefault("SPARK_CONF_DIR", os.path.join(os.path.dirname(os.path.abspath(__file__)), "spark-conf"))
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 # MLflow tracking is on by default; only tests/tracking (which turns it back on, against stores of
