@@ -44,7 +44,8 @@ class Observer(Protocol):
     An observer may also define ``on_restart(restart, error)``, called on the driver's thread
     before a failed attempt is launched again as restart number ``restart``
     (``HorovodRunner(max_restarts=...)``),
-    ``on_checkpoint(blob, step)``, called once rank 0's checkpoint (the pickled state) is stored,
+    ``on_checkpoint(blob, step)``, called once rank 0's checkpoint (the pickled state) is stored
+    (not for sharded ones: no one blob holds their state),
     ``on_grow(attempt, world_size)``, called before a healthy attempt stopped at a checkpoint is
     launched again on more ranks (``HorovodRunner(grow_interval=...)``), and
     ``on_resize(world_size)``, called before any relaunch that runs another number of ranks
@@ -254,7 +255,9 @@ class JobMonitor:
             self.fail(Failure(rank, f"{data['exc_type']}: {data['message']}", data))
         elif kind.startswith("checkpoint/") and self.checkpoints is not None:
             if self.checkpoints.handle(conn, rank, kind, data) and kind == "checkpoint/save":
-                notify(self.observers, "on_checkpoint", data["blob"], data.get("step"))
+                # a checkpoint just became the latest (a sharded save's: with its last shard)
+                if not data.get("sharded"):
+                    notify(self.observers, "on_checkpoint", data["blob"], data.get("step"))
                 grow_to = self.grow_to
                 # the relaunch resumes from the state just stored, so little is redone; never while
                 # a rank's error waits for its cause (that failure must count against max_restarts)

@@ -313,7 +313,7 @@ class HorovodRunner:
         relayed, relay_observers = None, ()
         if launcher.relay:
             if store.info is not None:  # the relay serves load_checkpoint() from it
-                relayed = (store.load(), store.info.step)
+                relayed = (store.load(), store.info.step, store.info.shards)
             # and answers the ranks' requests as these observers would on the driver
             relay_observers = tuple(o.for_relay() for o in observers if hasattr(o, "for_relay"))
         spec = JobSpec(

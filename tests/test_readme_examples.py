@@ -19,7 +19,8 @@ EXAMPLES = [
     ("## The launcher: `HorovodRunner`", 1),  # Ray Train's TorchTrainer
     ("## The launcher: `HorovodRunner`", 2),  # ... with Lightning
     ("## The launcher: `HorovodRunner`", 4),  # restarts and checkpoints
-    ("## The launcher: `HorovodRunner`", 5),  # Spark Connect
+    ("## The launcher: `HorovodRunner`", 5),  # sharded checkpoints
+    ("## The launcher: `HorovodRunner`", 6),  # Spark Connect
     ("## PySpark's `TorchDistributor`, on this launcher", 0),
     ("## Training on a Spark DataFrame", 0),
     ("## Training on a Spark DataFrame", 1),

@@ -59,7 +59,7 @@ class Relay:
     """The control server of one attempt, in barrier task 0; the spool of what it received."""
 
     def __init__(self, secret: bytes, job_id: str, world_size: int, num_tasks: int, host: str,
-                 checkpoint: tuple[bytes, int | None] | None = None, run_timeout: float | None = None,
+                 checkpoint: tuple[bytes, int | None, tuple[int, ...] | None] | None = None, run_timeout: float | None = None,
                  observers: tuple = ()) -> None:
         self._lock = threading.Lock()
         self._ids: dict[int, int] = {}

@@ -53,7 +53,8 @@ class JobSpec:
     rank_env: dict[str, str] = field(default_factory=dict)  # HorovodRunner(env=...), set last
     task_nodes: bool = False  # each task is a "node" (TorchDistributor), not each host (Horovod)
     relay: bool = False  # barrier task 0 stands in for the driver (a client the executors cannot reach)
-    relay_checkpoint: tuple[bytes, int | None] | None = None  # the driver's latest, for the relay to serve
+    # the driver's latest (blob, step, shard sizes), for the relay to serve
+    relay_checkpoint: tuple[bytes, int | None, tuple[int, ...] | None] | None = None
     relay_observers: tuple = ()  # observers' stand-ins that answer the ranks' requests in the relay (for_relay())
     run_timeout: float | None = None  # enforced by the relay (the driver cannot see the ranks' output)
 

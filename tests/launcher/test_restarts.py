@@ -291,7 +291,7 @@ def test_ranks_loading_at_once_are_sent_one_copy_of_the_checkpoint():
         store.save(b"state-1" * 1000, step=1)
         first = store.start_sending()
         second = store.start_sending()  # rank 1 asks while rank 0's copy is still being sent
-        assert second is first and second == b"state-1" * 1000
+        assert second is first and second[1] == b"state-1" * 1000 and second[0].step == 1
         store.done_sending()
         assert store.start_sending() is first
         store.done_sending()
@@ -300,7 +300,7 @@ def test_ranks_loading_at_once_are_sent_one_copy_of_the_checkpoint():
         again = store.start_sending()
         assert again == first and again is not first  # read afresh
         store.save(b"state-2", step=2)  # a new checkpoint while a send is in flight
-        assert store.start_sending() == b"state-2"
+        assert store.start_sending()[1] == b"state-2"
         store.done_sending()
         store.done_sending()
     finally:
