@@ -56,6 +56,76 @@ def test_a_save_some_rank_never_finished_leaves_the_previous_checkpoint():
     assert [out["seen"]["rank"] for out in ranks] == [0, 1, 2]
 
 
+def fsdp_main(crash):
+    """FSDP2 (fully_shard) on CPU ranks over Gloo: each rank saves the local shards of its
+    parameters and Adam state, and puts them back into the fresh model's DTensors on a restart."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    import spark_dl
+
+    spark_dl.init()
+    rank, attempt = dist.get_rank(), spark_dl.get_context().attempt
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    fully_shard(model)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+
+    def to_local(tree):
+        if isinstance(tree, DTensor):
+            return tree.to_local().clone()
+        if isinstance(tree, dict):
+            return {k: to_local(v) for k, v in tree.items()}
+        if isinstance(tree, list):
+            return [to_local(v) for v in tree]
+        return tree
+
+    def from_local(template, saved):
+        if isinstance(template, DTensor):
+            return DTensor.from_local(saved, template.device_mesh, template.placements, run_check=False,
+                                      shape=template.shape, stride=template.stride())
+        if isinstance(template, dict):
+            return {k: from_local(template[k], saved[k]) for k in template}
+        if isinstance(template, list):
+            return [from_local(t, s) for t, s in zip(template, saved)]
+        return saved
+
+    start = 0
+    shard = spark_dl.load_checkpoint()
+    if shard is not None:
+        msd, osd = get_state_dict(model, opt)
+        set_state_dict(model, opt, model_state_dict=from_local(msd, shard["model"]),
+                       optim_state_dict=from_local(osd, shard["optim"]))
+        start = shard["step"] + 1
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)) for _ in range(8)]
+    for step in range(start, 8):
+        x, y = data[step]
+        loss = (model(x[rank::2]) - y[rank::2]).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        msd, osd = get_state_dict(model, opt)
+        spark_dl.save_checkpoint({"model": to_local(msd), "optim": to_local(osd), "step": step}, step=step,
+                                 sharded=True)
+        dist.barrier()
+        if crash and attempt == 0 and step == 4 and rank == 1:
+            os._exit(1)
+    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    return attempt, {k: v.tolist() for k, v in full.items()}
+
+
+def test_an_fsdp_model_restarted_from_its_shards_ends_as_an_uninterrupted_run_does(capfd):
+    attempt, resumed = HorovodRunner(np=-2, max_restarts=1).run(fsdp_main, crash=True)
+    assert attempt == 1 and "returns the one saved at step 4" in capfd.readouterr().err
+    assert HorovodRunner(np=-2).run(fsdp_main, crash=False) == (0, resumed)  # bit for bit
+
+
 def saves(sharded):
     import spark_dl
 
