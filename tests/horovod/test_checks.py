@@ -132,40 +132,35 @@ def checks_main():
 def test_collectives_that_differ_are_refused_on_every_rank_and_equal_ones_still_reduce():
     ranks = HorovodRunner(np=-3, run_timeout=90).run_all(checks_main)
     got = "got rank 0: {}, rank 1: {}, rank 2: {}".format
+    shapes = "shape and dtype"
+    # label -> the collective, what must agree, and what ranks 0, 1 and 2 passed
+    refused = {
+        "dtype": ("allreduce", shapes, ["float64 [4]", "int64 [4]", "float64 [4]"]),
+        "op": ("allreduce", "op", ["op=Sum", "op=Max", "op=Sum"]),
+        "compression": ("allreduce", "compression", [f"compression={c}()" for c in ("NoneCompressor", "FP16",
+                                                                                   "NoneCompressor")]),
+        "qsgd_levels": ("allreduce", "compression",
+                        [f"compression=QSGD(levels={s}, bucket_size=512)" for s in (7, 3, 7)]),
+        "prescale": ("allreduce", "prescale_factor", [f"prescale_factor={f}" for f in (1.0, 0.5, 1.0)]),
+        "qsgd": ("allreduce", shapes, ["float32 [1000]", "float32 [1500]", "float32 [1000]"]),
+        "async": ("allreduce", shapes, ["float32 [4]", "float32 [6]", "float32 [4]"]),
+        "root": ("broadcast", "root_rank", ["root_rank=0", "root_rank=1", "root_rank=2"]),
+        "object_root": ("broadcast_object", "root_rank", ["root_rank=0", "root_rank=1", "root_rank=2"]),
+        "broadcast_dtype": ("broadcast", shapes, ["float32 [4]", "int32 [4]", "float32 [4]"]),
+        "sparse_op": ("sparse_allreduce_async", "op", ["op=Average", "op=Sum", "op=Average"]),
+        "sparse_shape": ("sparse_allreduce_async", shapes, ["float32 [4]", "float32 [6]", "float32 [4]"]),
+        "alltoall_dtype": ("alltoall", "dtype and the same sizes of every dimension but the first",
+                           ["float32 [rows, 2]", "int32 [rows, 2]", "float32 [rows, 2]"]),
+        "reducescatter_op": ("reducescatter", "op", ["op=Sum", "op=Max", "op=Sum"]),
+        "grouped_count": ("grouped_allreduce", "shapes and dtypes",
+                          ["[float32 [4]]", "[float32 [4], float32 [4]]", "[float32 [4]]"]),
+        "requires_grad": ("grouped_allreduce", "requires_grad",
+                          ["requires_grad=False", "requires_grad=True", "requires_grad=False"]),
+    }
     for o in ranks:
-        assert o["dtype"] == "allreduce: every rank must pass the same shape and dtype, " + got(
-            "float64 [4]", "int64 [4]", "float64 [4]")
-        assert o["op"] == "allreduce: every rank must pass the same op, " + got("op=Sum", "op=Max", "op=Sum")
-        assert o["compression"] == "allreduce: every rank must pass the same compression, " + got(
-            "compression=NoneCompressor()", "compression=FP16()", "compression=NoneCompressor()")
-        assert o["qsgd_levels"] == "allreduce: every rank must pass the same compression, " + got(
-            *(f"compression=QSGD(levels={s}, bucket_size=512)" for s in (7, 3, 7)))
-        assert o["prescale"] == "allreduce: every rank must pass the same prescale_factor, " + got(
-            "prescale_factor=1.0", "prescale_factor=0.5", "prescale_factor=1.0")
-        assert o["object_root"] == "broadcast_object: every rank must pass the same root_rank, " + got(
-            "root_rank=0", "root_rank=1", "root_rank=2")
-        assert o["sparse_op"] == "sparse_allreduce_async: every rank must pass the same op, " + got(
-            "op=Average", "op=Sum", "op=Average")
-        assert o["sparse_shape"] == "sparse_allreduce_async: every rank must pass the same shape and dtype, " + got(
-            "float32 [4]", "float32 [6]", "float32 [4]")
-        assert o["qsgd"] == "allreduce: every rank must pass the same shape and dtype, " + got(
-            "float32 [1000]", "float32 [1500]", "float32 [1000]")
-        assert o["async"] == "allreduce: every rank must pass the same shape and dtype, " + got(
-            "float32 [4]", "float32 [6]", "float32 [4]")
+        for label, (collective, what, passed) in refused.items():
+            assert o[label] == f"{collective}: every rank must pass the same {what}, " + got(*passed), label
         assert o["no_handle_left"] is True
-        assert o["root"] == "broadcast: every rank must pass the same root_rank, " + got(
-            "root_rank=0", "root_rank=1", "root_rank=2")
-        assert o["broadcast_dtype"] == "broadcast: every rank must pass the same shape and dtype, " + got(
-            "float32 [4]", "int32 [4]", "float32 [4]")
-        assert o["alltoall_dtype"] == ("alltoall: every rank must pass the same dtype and the same sizes of every "
-                                       "dimension but the first, " + got("float32 [rows, 2]", "int32 [rows, 2]",
-                                                                         "float32 [rows, 2]"))
-        assert o["reducescatter_op"] == "reducescatter: every rank must pass the same op, " + got(
-            "op=Sum", "op=Max", "op=Sum")
-        assert o["grouped_count"] == "grouped_allreduce: every rank must pass the same shapes and dtypes, " + got(
-            "[float32 [4]]", "[float32 [4], float32 [4]]", "[float32 [4]]")
-        assert o["requires_grad"] == "grouped_allreduce: every rank must pass the same requires_grad, " + got(
-            "requires_grad=False", "requires_grad=True", "requires_grad=False")
         assert o["allreduce"] == [1.0, 2.0, 3.0, 4.0]
         assert o["fp16"] == [3.0, 6.0, 9.0, 12.0]
         assert o["mixed_forms"] == [1.0, 2.0, 3.0, 4.0]

@@ -9,8 +9,7 @@ import pickle
 
 import pytest
 
-from spark_dl import HorovodRunner, RankFailed, load_checkpoint, save_checkpoint
-from spark_dl import channel
+from spark_dl import HorovodRunner, channel, load_checkpoint, save_checkpoint
 from spark_dl.checkpoint import CheckpointStore
 from spark_dl.driver import JobMonitor
 from spark_dl.launch.relay import Relay, replay
@@ -42,7 +41,8 @@ def resumes_own_shard(crash_rank, crash_before_epoch_saved):
 
 
 def test_each_rank_resumes_from_its_own_shard(capfd):
-    ranks = HorovodRunner(np=-3, max_restarts=1).run_all(resumes_own_shard, crash_rank=1, crash_before_epoch_saved=False)
+    ranks = HorovodRunner(np=-3, max_restarts=1).run_all(resumes_own_shard, crash_rank=1,
+                                                         crash_before_epoch_saved=False)
     for r, out in enumerate(ranks):
         assert out["attempt"] == 1
         assert out["seen"] == {"rank": r, "epoch": 2, "w": [10.0 * r + 2] * 2}  # its own shard of the last save
@@ -188,7 +188,8 @@ def test_the_driver_assembles_a_save_from_every_ranks_shard_and_drops_unfinished
         assert store.info is None and os.listdir(tmp_path / "ckpt") != [".lock"]  # the part waits in a file
         assert store.save_shard(0, 2, b"zero!", step=4) is True
         assert store.info.shards == (5, 3) and store.load() == b"zero!one"
-        with pytest.raises(ValueError, match="rank 0 saved a shard of 3 ranks, but the others' of the same save were of 2"):
+        with pytest.raises(ValueError, match="rank 0 saved a shard of 3 ranks, but the others' of the same save "
+                                             "were of 2"):
             store.save_shard(1, 2, b"x", step=5) or store.save_shard(0, 3, b"y", step=5)
         store.attempt = 1  # a restart: the unfinished save's parts are gone
         assert sorted(os.listdir(tmp_path / "ckpt")) == [".lock", "latest.ckpt"]
