@@ -370,9 +370,9 @@ def test_artifact_paths_outside_the_run_are_refused_at_the_call(tracking_uri):
 def exits_early_main():
     import os
 
-    import spark_dl
-
     import torch.distributed as dist
+
+    import spark_dl
 
     spark_dl.init()
     spark_dl.log_metrics({"loss": 1.0}, step=0)
