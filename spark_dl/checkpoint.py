@@ -287,8 +287,7 @@ class CheckpointStore:
                 with open(part, "wb") as f:
                     f.write(blob)
             except OSError as e:
-                raise OSError(f"writing {part} failed ({e.strerror or e}); the previous checkpoint is kept. Free "
-                              "space on that disk, or pass a checkpoint_dir on a disk with room for the state") from e
+                raise _write_failed(part, e) from e
             parts[rank] = (part, len(blob), step)
             if len(parts) < want:
                 return False
@@ -333,8 +332,7 @@ class CheckpointStore:
                 os.unlink(tmp)
             except OSError:
                 pass
-            raise OSError(f"writing {path} failed ({e.strerror or e}); the previous checkpoint is kept. Free "
-                          "space on that disk, or pass a checkpoint_dir on a disk with room for the state") from e
+            raise _write_failed(path, e) from e
         self.info = info
 
     def load(self) -> bytes | None:
@@ -450,6 +448,11 @@ def _read_header(f) -> tuple[CheckpointInfo, int]:
     except (TypeError, ValueError) as e:
         raise ValueError(f"corrupt header: {e}") from e
     return info, len(_MAGIC) + _HEADER.size + n
+
+
+def _write_failed(path: str, e: OSError) -> OSError:
+    return OSError(f"writing {path} failed ({e.strerror or e}); the previous checkpoint is kept. Free space on "
+                   "that disk, or pass a checkpoint_dir on a disk with room for the state")
 
 
 def _select(info: CheckpointInfo | None, blob: bytes | None, rank: int | None, shard: int | str | None,
