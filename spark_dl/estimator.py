@@ -430,10 +430,68 @@ class TorchEstimator(Estimator, MLWritable, MLReadable):
         return super().fit(dataset, params)
 
     def _fit(self, df) -> "TorchModel":
-        from .data import check_dataframe, shards
+        from .data import check_dataframe
 
         s = _checked(self._values(), self.runner_options)  # a param map's values are checked here
         check_dataframe(df, "TorchEstimator.fit(df)")
+        v = s.validation
+        empty_hint = (
+            f": validation={v!r} held out no rows; hold out a larger fraction (validation=0.2), mark the held-out "
+            "rows with a column (validation='is_val'), or leave validation=None" if isinstance(v, float) else
+            f": no row of column {v!r} is true (or 1); mark some rows, or pass a fraction such as validation=0.1")
+        train, held_out = _split(df, v, s.seed)
+        return self._train(s, train, held_out, empty_hint)
+
+    def fit_on_parquet(self, params=None, dataset_idx: int | None = None) -> "TorchModel":
+        """Horovod's: train on the Parquet data that ``prepare_data`` staged in this estimator's
+        ``store`` (``store.get_train_data_path(dataset_idx)``; the held-out rows, where staged, from
+        ``store.get_val_data_path(dataset_idx)``), without recomputing the DataFrame."""
+        if params:
+            if not isinstance(params, dict):
+                raise LaunchRefused(f"fit_on_parquet(params=) takes one param map (a dict such as "
+                                    f"{{est.epochs: 4}}), got {type(params).__name__}")
+            that = self.copy(params)
+            model = that._fit_on_parquet(dataset_idx)
+            self._runner, self.last_run_id = that._runner, that.last_run_id
+            return model
+        return self._fit_on_parquet(dataset_idx)
+
+    def _fit_on_parquet(self, dataset_idx: Any) -> "TorchModel":
+        from . import cluster
+        from .horovod.staging import spark_path
+
+        s = _checked(self._values(), self.runner_options)
+        if s.store is None:
+            raise LaunchRefused("fit_on_parquet reads the Parquet data prepare_data staged in a Store: build the "
+                                "estimator with store=Store.create('/dbfs/...'), the store given to prepare_data")
+        if dataset_idx is not None and (as_int(dataset_idx) is None or dataset_idx < 0):
+            raise LaunchRefused(f"dataset_idx must be the int prepare_data yields (or None), got {dataset_idx!r}")
+        train_path, val_path = s.store.get_train_data_path(dataset_idx), s.store.get_val_data_path(dataset_idx)
+        if not s.store.exists(train_path):
+            raise LaunchRefused(f"fit_on_parquet(dataset_idx={dataset_idx!r}): no staged training data at {train_path}; "
+                                "stage it first: with prepare_data(num_proc, store, df, label_columns=..., "
+                                "feature_columns=...) as idx: est.fit_on_parquet(dataset_idx=idx)")
+        staged_val = s.store.exists(val_path)
+        if s.validation is not None and not staged_val:
+            raise LaunchRefused(f"validation={s.validation!r}, but data set {dataset_idx!r} has no held-out rows (no "
+                                f"{val_path}): stage them with prepare_data(..., validation={s.validation!r}), or "
+                                "leave the estimator's validation=None")
+        session = cluster.active_session(s.num_proc)
+        train = session.read.parquet(spark_path(train_path))
+        held_out = session.read.parquet(spark_path(val_path)) if staged_val else None
+        wanted = s.feature_cols + s.label_cols + ([s.sample_weight_col] if s.sample_weight_col else [])
+        missing = [c for c in wanted if c not in train.columns]
+        if missing:
+            raise LaunchRefused(f"fit_on_parquet: columns {missing} are not in the staged data at {train_path} (it has "
+                                f"{list(train.columns)}); stage them with prepare_data(..., feature_columns=..., "
+                                "label_columns=..., sample_weight_col=...)")
+        return self._train(s, train, held_out, f": the staged held-out data at {val_path} has no rows; stage again "
+                                               "with prepare_data(..., validation=0.1)")
+
+    def _train(self, s: SimpleNamespace, train, held_out, empty_hint: str) -> "TorchModel":
+        """Train on ``train`` (and evaluate each epoch on ``held_out``, or not when None)."""
+        from .data import shards
+
         options = s.runner_kwargs
         if s.store is not None:  # Horovod's rule: a fit resumes its run_id's checkpoint; no run_id, a new run
             run_id = s.run_id or f"run_{time.strftime('%Y%m%d_%H%M%S')}_{uuid.uuid4().hex[:6]}"
@@ -444,11 +502,10 @@ class TorchEstimator(Estimator, MLWritable, MLReadable):
         columns = s.feature_cols + s.label_cols
         weights = s.sample_weight_col
         if weights is not None:
-            if weights not in df.columns:
+            if weights not in train.columns:
                 raise LaunchRefused(f"sample_weight_col={weights!r} is not a column of the DataFrame (it has "
-                                    f"{list(df.columns)})")
+                                    f"{list(train.columns)})")
             columns = columns + [weights]
-        train, held_out = _split(df, s.validation, s.seed)
         data = shards(train, columns, shuffle=s.shuffle, seed=s.seed)
         data.few_rows_reason = "each rank trains on rows of its own"
         data.few_rows_hint = (f"give it at least num_proc={s.num_proc} rows, or use a smaller num_proc"
@@ -457,11 +514,7 @@ class TorchEstimator(Estimator, MLWritable, MLReadable):
         # _held_out leaves the repeats out)
         val = shards(held_out, columns, shuffle=False, remainder="pad") if held_out is not None else None
         if val is not None:
-            v = s.validation
-            val.empty_hint = (
-                f": validation={v!r} held out no rows; hold out a larger fraction (validation=0.2), mark the held-out "
-                "rows with a column (validation='is_val'), or leave validation=None" if isinstance(v, float) else
-                f": no row of column {v!r} is true (or 1); mark some rows, or pass a fraction such as validation=0.1")
+            val.empty_hint = empty_hint
         try:
             out = self._runner.run(_train_on_each_rank, data=data, validation=val, model=s.model,
                                    optimizer=s.optimizer,

@@ -30,6 +30,7 @@ ALIASES: dict[str, str | None] = {
     "horovod.spark.torch": "spark_dl.estimator",
     "horovod.spark.common": None,
     "horovod.spark.common.store": "spark_dl.horovod.store",
+    "horovod.spark.common.util": "spark_dl.horovod.staging",
 }
 _PACKAGES = {"horovod", "horovod.torch", "horovod.spark", "horovod.spark.common"}
 _NOTE = ("[spark-dl] `import {name}` gives {target} (Horovod's API on torch.distributed), not the installed "

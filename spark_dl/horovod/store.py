@@ -1,9 +1,10 @@
 """Horovod's ``Store`` (``horovod.spark.common.store``) for ``TorchEstimator(store=..., run_id=...)``.
 
-In Horovod a Store holds an estimator's intermediate Parquet data, checkpoints and logs under
-``prefix_path``. spark-dl's estimator reads DataFrame shards directly, so a Store here holds only
-what resuming needs: each run's checkpoint, in ``<prefix_path>/runs/<run_id>/checkpoint``, written
-by the driver (so the path need only exist on the driver: a local disk, or ``/dbfs/...``).
+As in Horovod, a Store holds an estimator's runs and its staged Parquet data under ``prefix_path``:
+each run's checkpoint in ``<prefix_path>/runs/<run_id>/checkpoint``, written by the driver (for
+``fit(df)`` the path need only exist on the driver: a local disk, or ``/dbfs/...``), and what
+``prepare_data`` stages in ``<prefix_path>/intermediate_train_data.<idx>`` (and ``_val_``), which
+Spark's executors write and read (see :mod:`spark_dl.horovod.staging`).
 """
 from __future__ import annotations
 
@@ -17,25 +18,54 @@ _DBFS_PREFIXES = ("dbfs:/", "file:///dbfs/")
 class Store:
     """Where an estimator keeps its runs' checkpoints. Build one with :meth:`create`."""
 
-    def __init__(self, prefix_path: str | os.PathLike) -> None:
+    def __init__(self, prefix_path: str | os.PathLike, train_path: str | os.PathLike | None = None,
+                 val_path: str | os.PathLike | None = None, test_path: str | os.PathLike | None = None,
+                 runs_path: str | os.PathLike | None = None) -> None:
         self.prefix_path = _local_path(prefix_path)
+
+        def path(given: str | os.PathLike | None, default: str) -> str:
+            return os.path.join(self.prefix_path, default) if given is None else _local_path(given)
+
+        self._train_path = path(train_path, "intermediate_train_data")
+        self._val_path = path(val_path, "intermediate_val_data")
+        self._test_path = path(test_path, "intermediate_test_data")
+        self._runs_path = path(runs_path, "runs")
 
     @staticmethod
     def create(prefix_path: str | os.PathLike, *args, **kwargs) -> "Store":
         """Horovod's factory: a :class:`DBFSLocalStore` for ``/dbfs/...``, ``dbfs:/...`` and
         ``file:///dbfs/...``, a :class:`LocalStore` for other local paths (``file://`` too).
-        HDFS and object-store URLs are refused: name a path on the driver's disk or its DBFS mount."""
-        if args or kwargs:
-            raise LaunchRefused(f"Store.create takes only prefix_path here (its train/val/test paths and storage "
-                                f"options are for Horovod's Parquet data, which spark-dl does not write); got "
-                                f"{list(kwargs) or len(args)} more")
-        path = os.fspath(prefix_path)
-        if path.startswith(_DBFS_PREFIXES) or path == "/dbfs" or path.startswith("/dbfs/"):
-            return DBFSLocalStore(path)
-        return LocalStore(path)
+        HDFS and object-store URLs are refused: name a path on the driver's disk or its DBFS mount.
+        Horovod's ``train_path``, ``val_path``, ``test_path`` and ``runs_path`` move those folders."""
+        unknown = [k for k in kwargs if k not in _PATHS]
+        if args or unknown:
+            raise LaunchRefused(f"Store.create takes prefix_path and the keywords {', '.join(_PATHS)} here; got "
+                                f"{unknown or f'{len(args)} positional arguments'} more (storage options and "
+                                "save_runs have no counterpart: the store is a local or /dbfs path)")
+        path = os.fspath(prefix_path) if isinstance(prefix_path, (str, os.PathLike)) else prefix_path
+        if isinstance(path, str) and (path.startswith(_DBFS_PREFIXES) or path == "/dbfs" or path.startswith("/dbfs/")):
+            return DBFSLocalStore(path, **kwargs)
+        return LocalStore(path, **kwargs)
+
+    def get_train_data_path(self, idx: int | None = None) -> str:
+        """Where ``prepare_data`` stages the training rows of its data set ``idx``."""
+        return _indexed(self._train_path, idx)
+
+    def get_val_data_path(self, idx: int | None = None) -> str:
+        """Where ``prepare_data`` stages the held-out rows of its data set ``idx``."""
+        return _indexed(self._val_path, idx)
+
+    def get_test_data_path(self, idx: int | None = None) -> str:
+        return _indexed(self._test_path, idx)
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(_local_path(path))
+
+    def get_runs_path(self) -> str:
+        return self._runs_path
 
     def get_run_path(self, run_id: str) -> str:
-        return os.path.join(self.prefix_path, "runs", check_run_id(run_id))
+        return os.path.join(self._runs_path, check_run_id(run_id))
 
     def get_checkpoint_path(self, run_id: str) -> str:
         """The directory holding ``run_id``'s latest checkpoint (``latest.ckpt``)."""
@@ -59,10 +89,17 @@ class DBFSLocalStore(Store):
 class HDFSStore(Store):
     """Horovod's HDFS Store: refused here, since the checkpoints are the driver's files."""
 
-    def __init__(self, prefix_path: str | os.PathLike, *args, **kwargs) -> None:
+    def __init__(self, prefix_path: str | os.PathLike, *args, **kwargs) -> None:  # noqa: ARG002 - Horovod's signature
         raise LaunchRefused(f"HDFSStore({os.fspath(prefix_path)!r}): spark-dl's estimator keeps its checkpoints in "
                             "the driver's files, not on HDFS; use Store.create with a path on the driver's disk or "
                             "its /dbfs mount")
+
+
+_PATHS = ("train_path", "val_path", "test_path", "runs_path")
+
+
+def _indexed(path: str, idx: int | None) -> str:
+    return path if idx is None else f"{path}.{idx}"
 
 
 def _local_path(prefix_path: str | os.PathLike) -> str:
