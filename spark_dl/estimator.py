@@ -768,11 +768,41 @@ class TorchModel(Model, MLWritable, MLReadable):
 _MODEL_PART = 64 << 20  # a pickled module or settings is saved in rows of at most this many bytes (Spark's 2 GB row limit)
 
 
-def _save_blob(spark, blob: bytes, path: str) -> None:
+def _save_blob(spark, blob: bytes, path: str, mode: str | None = None) -> None:
     """``blob`` as Parquet rows of at most ``_MODEL_PART`` bytes, written by Spark (so DBFS, S3,
     HDFS... work as for any stage)."""
     parts = [(i, blob[at:at + _MODEL_PART]) for i, at in enumerate(range(0, max(len(blob), 1), _MODEL_PART))]
-    spark.createDataFrame(parts, "part int, data binary").coalesce(1).write.parquet(path)
+    writer = spark.createDataFrame(parts, "part int, data binary").coalesce(1).write
+    (writer.mode(mode) if mode else writer).parquet(path)  # no mode: Spark's default, an error if it exists
+
+
+class _Writer(MLWriter):
+    """Spark ML's writer whose ``overwrite()`` works through Spark Connect too: pyspark's own
+    deletes the path through the JVM, which a Connect client has not, so there each part
+    (``metadata`` and the pickled blob) is written in Spark's overwrite mode instead."""
+
+    def __init__(self, instance: Any) -> None:
+        super().__init__()
+        self.instance = instance
+        self._mode: str | None = None
+
+    def save(self, path: str) -> None:
+        from . import cluster
+
+        self._mode = None
+        if self.shouldOverwrite:
+            if cluster.is_connect(self.sparkSession):
+                self._mode = "overwrite"
+            else:
+                self._handleOverwrite(path)
+        self.saveImpl(path)
+
+    def _save(self, path: str, blob_name: str, blob: bytes, **metadata: Any) -> None:
+        """Spark ML's ``path/metadata`` (as ``DefaultParamsWriter.saveMetadata`` writes it), then the blob."""
+        text = DefaultParamsWriter._get_metadata_to_save(self.instance, self.sparkSession, **metadata)
+        writer = self.sparkSession.createDataFrame([(text,)], schema=["value"]).coalesce(1).write
+        (writer.mode(self._mode) if self._mode else writer).text(os.path.join(path, "metadata"))
+        _save_blob(self.sparkSession, blob, os.path.join(path, blob_name), self._mode)
 
 
 def _load_blob(spark, path: str) -> bytes:
@@ -800,15 +830,11 @@ def _json_value(value: Any) -> bool:
     return True
 
 
-class _TorchEstimatorWriter(MLWriter):
+class _TorchEstimatorWriter(_Writer):
     """``path/metadata``: Spark ML's JSON metadata (class, uid, the settings that are plain values,
     for people and tools reading it); ``path/settings``: every setting given and the runner
     options, cloudpickled in one piece (so the optimizer still steps the model's parameters and a
     class or function defined in a notebook loads), as Parquet rows written by Spark."""
-
-    def __init__(self, instance: TorchEstimator) -> None:
-        super().__init__()
-        self.instance = instance
 
     def saveImpl(self, path: str) -> None:  # noqa: N802 - Spark ML's name
         import torch
@@ -825,9 +851,7 @@ class _TorchEstimatorWriter(MLWriter):
                             "Pass a value cloudpickle can copy (e.g. a function or functools.partial in place of "
                             "an object holding a lock, a file or a connection)") from None
         plain = {name: v for name, v in given.items() if _json_value(v)}
-        DefaultParamsWriter.saveMetadata(est, path, self.sparkSession, paramMap=plain,
-                                         extraMetadata={"torch_version": torch.__version__})
-        _save_blob(self.sparkSession, blob, os.path.join(path, "settings"))
+        self._save(path, "settings", blob, paramMap=plain, extraMetadata={"torch_version": torch.__version__})
 
 
 def _picklable(value: Any) -> bool:
@@ -850,14 +874,10 @@ class _TorchEstimatorReader(MLReader):
         return est
 
 
-class _TorchModelWriter(MLWriter):
+class _TorchModelWriter(_Writer):
     """``path/metadata``: Spark ML's JSON metadata (class, uid, the columns, the histories);
     ``path/model``: the pickled module (cloudpickle, so a class defined in a notebook loads),
     as Parquet rows, written by Spark (so DBFS, S3, HDFS... work as for any stage)."""
-
-    def __init__(self, instance: TorchModel) -> None:
-        super().__init__()
-        self.instance = instance
 
     def saveImpl(self, path: str) -> None:  # noqa: N802 - Spark ML's name
         import torch
@@ -868,8 +888,7 @@ class _TorchModelWriter(MLWriter):
                  "metric_history": {k: list(v) for k, v in m.metric_history.items()},
                  "input_shapes": None if m.input_shapes is None else [list(s) for s in m.input_shapes],
                  "label_cols": list(m.label_cols), "torch_version": torch.__version__}
-        DefaultParamsWriter.saveMetadata(m, path, self.sparkSession, extraMetadata=extra)
-        _save_blob(self.sparkSession, dumps(m.model), os.path.join(path, "model"))
+        self._save(path, "model", dumps(m.model), extraMetadata=extra)
 
 
 class _TorchModelReader(MLReader):

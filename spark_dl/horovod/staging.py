@@ -138,8 +138,8 @@ def _write(df, store, idx: int, columns: list[str], validation, seed: int, parti
         for part, path in zip([train, held_out], paths):
             if verbose:
                 print(f"prepare_data: writing {path} ({partitions} partitions)")
-            part.select(*[quoted(c) for c in columns]).repartition(partitions).write.mode("errorifexists") \
-                .parquet(spark_path(path))
+            # Spark's default mode: an error if the folder exists (Spark Connect takes no "errorifexists")
+            part.select(*[quoted(c) for c in columns]).repartition(partitions).write.parquet(spark_path(path))
             counts.append(df.sparkSession.read.parquet(spark_path(path)).count())
         if counts[0] == 0:
             why = ("the DataFrame has no rows" if sum(counts) == 0 else

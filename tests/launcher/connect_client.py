@@ -139,7 +139,57 @@ def data_mode(spark) -> dict:
     out["estimator"] = {"weight": model.model.lin.weight.item(), "bias": model.model.lin.bias.item(),
                         "max_error": max(abs(r["prediction"] - r["y"]) for r in predicted), "rows": len(predicted),
                         "val_history": model.val_history}
+    out["saved"] = _save_and_load(est, model, scaled)
+    out["staged"] = _staged(est, scaled)
     return out
+
+
+def _save_and_load(est, model, df) -> dict:
+    """Spark ML's save, overwrite() (whose JVM delete a Connect client has not) and load."""
+    import tempfile
+
+    from spark_dl.estimator import TorchEstimator, TorchModel
+
+    where = tempfile.mkdtemp(dir=os.getcwd())
+    model.save(f"{where}/model")
+    first = errors_any(model.save, f"{where}/model")  # there already: Spark's error, not a silent overwrite
+    est.save(f"{where}/est")
+    est.setEpochs(7)
+    est.write().overwrite().save(f"{where}/est")
+    model.write().overwrite().save(f"{where}/model")
+    loaded = TorchModel.load(f"{where}/model")
+    again = {r["x"]: r["prediction"] for r in loaded.transform(df).collect()}
+    mine = {r["x"]: r["prediction"] for r in model.transform(df).collect()}
+    return {"exists_error": first, "predictions_equal": again == mine,
+            "history_equal": loaded.history == model.history,
+            "estimator_epochs": TorchEstimator.load(f"{where}/est").getEpochs()}
+
+
+def errors_any(fn, *args, **kwargs) -> str | None:
+    try:
+        fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - Spark Connect's own error classes
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _staged(est, df) -> dict:
+    """Horovod's Parquet staging through Connect: the server's executors write and read the files."""
+    import tempfile
+
+    import torch
+
+    from spark_dl.horovod import staging
+    from spark_dl.horovod.store import Store
+
+    store = Store.create(tempfile.mkdtemp(dir=os.getcwd()))
+    with staging.prepare_data(2, store, df, label_columns="y", feature_columns="x", validation=0.25) as idx:
+        props = staging.get_dataset_properties(idx)
+        torch.manual_seed(0)
+        fitted = est.copy({est.epochs: 60, est.store: store}).fit_on_parquet(dataset_idx=idx)
+    staging.clear_training_cache(remove_data=True)
+    return {"rows": [props["train_rows"], props["val_rows"]], "weight": fitted.model.lin.weight.item(),
+            "val_history": fitted.val_history, "left": sorted(os.listdir(store.prefix_path))}
 
 
 def timeout_mode(spark) -> dict:

@@ -109,6 +109,12 @@ def test_data_and_compatibility_layers_through_spark_connect(connect_url, tmp_pa
     assert est["rows"] == 40
     assert abs(est["weight"] - 3.0) < 0.05 and abs(est["bias"] + 0.05) < 0.05 and est["max_error"] < 0.05
     assert len(est["val_history"]) == 60 and est["val_history"][-1] < 1e-3  # held-out rows, a second DataFrame
+    saved = out["saved"]  # Spark ML's save / overwrite() / load from a Connect client
+    assert "already exists" in saved["exists_error"]
+    assert saved["predictions_equal"] and saved["history_equal"] and saved["estimator_epochs"] == 7
+    staged = out["staged"]  # prepare_data + fit_on_parquet: the server's executors write and read the Parquet
+    assert sum(staged["rows"]) == 40 and staged["rows"][1] > 0
+    assert abs(staged["weight"] - 3.0) < 0.05 and staged["val_history"][-1] < 1e-3 and staged["left"] == ["runs"]
 
 
 def test_start_timeout_and_stopped_session_through_spark_connect(connect_url, tmp_path):
