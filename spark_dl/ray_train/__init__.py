@@ -294,6 +294,56 @@ class TrainContext:
         """The run's id: made by a fit that starts a run, kept by ``TorchTrainer.restore`` fits."""
         return self.trial_id
 
+    def get_storage(self) -> "StorageContext":
+        """Ray's storage context (a developer API there): the run's folder and the file system it
+        is on, for files a worker writes beside its checkpoints."""
+        w = _current()
+        return StorageContext(os.path.dirname(self.trial_dir), os.path.basename(self.trial_dir),
+                              shared=w.storage is not None)
+
+    def get_trial_resources(self) -> Any:
+        raise NotImplementedError(
+            "get_trial_resources() returns a Ray placement group (deprecated in Ray Train V2); spark-dl's workers "
+            "are Spark tasks: their CPUs are spark.task.cpus (os.sched_getaffinity(0) on Linux), their GPUs "
+            "torch.cuda.device_count() (the task's, as CUDA_VISIBLE_DEVICES shows them)")
+
+
+@dataclass(frozen=True)
+class StorageContext:
+    """``get_context().get_storage()``: where the run's files go. Runs are on file system paths
+    (``storage_path`` as the driver names it), so the file system is pyarrow's local one, and the
+    folder is the same on a worker only where ``storage_path`` is mounted on every executor:
+    ``shared`` says whether the workers found it so when the fit started (where they did, they
+    write their checkpoints there themselves)."""
+
+    storage_path: str
+    experiment_dir_name: str
+    shared: bool = False
+    trial_dir_name: str = ""  # a run is one trial here: its folder is the experiment's
+
+    @property
+    def storage_filesystem(self) -> Any:
+        import pyarrow.fs
+
+        return pyarrow.fs.LocalFileSystem()
+
+    @property
+    def storage_fs_path(self) -> str:
+        return self.storage_path
+
+    @property
+    def experiment_fs_path(self) -> str:
+        return os.path.join(self.storage_path, self.experiment_dir_name)
+
+    @property
+    def trial_fs_path(self) -> str:
+        return os.path.join(self.experiment_fs_path, self.trial_dir_name) if self.trial_dir_name \
+            else self.experiment_fs_path
+
+    def build_checkpoint_path_from_name(self, checkpoint_dir_name: str) -> str:
+        """Where a checkpoint reported with ``checkpoint_dir_name`` is kept (Ray Train V2's)."""
+        return os.path.join(self.experiment_fs_path, checkpoint_dir_name)
+
 
 @dataclass
 class _Worker:
@@ -1236,6 +1286,7 @@ from . import collective  # noqa: E402 - ray.train.collective; it needs _current
 importlib.import_module(f"{__name__}.torch")
 
 __all__ = ["Checkpoint", "CheckpointConfig", "DataShard", "FailureConfig", "REPORT_STALL_S", "Result", "RunConfig",
-           "ScalingConfig", "SyncConfig", "TorchTrainer", "TrainContext", "TrainingFailedError", "collective",
+           "ScalingConfig", "StorageContext", "SyncConfig", "TorchTrainer", "TrainContext", "TrainingFailedError",
+           "collective",
            "get_checkpoint", "get_context", "get_dataset_shard", "get_device", "prepare_data_loader", "prepare_model",
            "report"]

@@ -72,6 +72,44 @@ def test_a_restarted_run_resumes_from_its_last_reported_checkpoint(tmp_path, mon
     assert torch.load(os.path.join(result.checkpoint.path, "model.pt"))["epoch"] == 4
 
 
+def writes_beside_its_checkpoints(config):
+    """Ray's get_storage() idiom: a worker writes a file of its own into the run's folder with the
+    storage's file system, then reports a checkpoint under a name it built the path of."""
+    storage = train.get_context().get_storage()
+    rank = train.get_context().get_world_rank()
+    if storage.shared:
+        with storage.storage_filesystem.open_output_stream(f"{storage.experiment_fs_path}/rank{rank}.txt") as f:
+            f.write(b"written by rank %d" % rank)
+    try:
+        train.get_context().get_trial_resources()
+        refusal = None
+    except NotImplementedError as e:
+        refusal = str(e)
+    with tempfile.TemporaryDirectory() as d:
+        open(os.path.join(d, "state"), "w").write("1")
+        train.report({"storage": [storage.storage_path, storage.experiment_dir_name, storage.trial_fs_path,
+                                  storage.shared, type(storage.storage_filesystem).__name__,
+                                  storage.build_checkpoint_path_from_name("first")], "resources": refusal},
+                     checkpoint=Checkpoint.from_directory(d) if rank == 0 else None, checkpoint_dir_name="first")
+
+
+@pytest.mark.parametrize("storage", ["auto", "driver"])
+def test_get_storage_names_the_run_folder_and_says_whether_the_workers_share_it(tmp_path, monkeypatch, storage):
+    monkeypatch.setenv("SPARK_DL_RAY_STORAGE", storage)
+    result = TorchTrainer(writes_beside_its_checkpoints, scaling_config=ScalingConfig(num_workers=2), local_mode=True,
+                          run_config=RunConfig(name="art", storage_path=str(tmp_path))).fit()
+    shared = storage == "auto"  # one machine: every worker sees storage_path unless told to send through the driver
+    assert result.metrics["storage"] == [str(tmp_path), "art", str(tmp_path / "art"), shared, "LocalFileSystem",
+                                         str(tmp_path / "art" / "first")]
+    assert result.checkpoint.path == str(tmp_path / "art" / "first")
+    assert "get_trial_resources() returns a Ray placement group (deprecated in Ray Train V2); spark-dl's workers " \
+           "are Spark tasks: their CPUs are spark.task.cpus" in result.metrics["resources"]
+    written = sorted(f for f in os.listdir(tmp_path / "art") if f.startswith("rank"))
+    assert written == (["rank0.txt", "rank1.txt"] if shared else [])
+    if shared:
+        assert (tmp_path / "art" / "rank1.txt").read_text() == "written by rank 1"
+
+
 def fails_right_after_a_report(config):
     """Rank 1 fails as soon as the report of epoch 1 returns, in the first attempt."""
     ctx = train.get_context()
