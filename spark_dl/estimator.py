@@ -23,6 +23,7 @@ from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReadable
 
 from .callbacks import EarlyStopping, Trainer
 from .errors import LaunchRefused, as_int
+from .estimator_lightning import _fit_lightning, lightning_package
 from .estimator_rank import _features, _FitOptions, _float_dtype, _Losses
 from .estimator_rank import _fit as _train_on_each_rank  # the name _fit is Spark ML's method
 from .runner import HorovodRunner, RunInfo
@@ -113,7 +114,18 @@ def _losses(loss: Any, constructors: Any, weights: Any, label_cols: list[str]) -
 
 # Horovod's Petastorm reader settings: this estimator reads DataFrame shards, so they have no use
 _READER_OPTIONS = ("shuffle_buffer_size", "partitions_per_process", "train_reader_num_workers",
-                   "val_reader_num_workers", "reader_pool_type", "inmemory_cache_all", "mp_start_method")
+                   "val_reader_num_workers", "reader_pool_type", "inmemory_cache_all", "mp_start_method",
+                   "transformation_edit_fields", "transformation_removed_fields", "loader_num_epochs",
+                   "debug_data_loader", "train_async_data_loader_queue_size", "val_async_data_loader_queue_size")
+# Horovod's Lightning estimator's Trainer settings: here they go in trainer_args
+_TRAINER_OPTIONS = {
+    "logger": "trainer_args={'logger': ...} (default: the run's MLflow run)",
+    "log_every_n_steps": "trainer_args={'log_every_n_steps': ...}",
+    "profiler": "trainer_args={'profiler': ...}",
+    "num_gpus": "use_gpu (each rank trains on its task's GPU when it has one)",
+    "terminate_on_nan": "trainer_args={'detect_anomaly': True}, or raise in training_step (Lightning 2 dropped it)",
+    "data_module": "nothing: the estimator feeds the DataFrame's shards to the Trainer",
+}
 
 
 def _runner_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -126,7 +138,11 @@ def _runner_options(options: dict[str, Any]) -> dict[str, Any]:
     if "backend" in options:
         raise LaunchRefused("backend= is Horovod's SparkBackend: here the ranks are one barrier stage of num_proc "
                             "tasks; pass num_proc and HorovodRunner's options (max_restarts, env, start_timeout, ...)")
-    ignored = [name for name in _READER_OPTIONS if options.pop(name, None) is not None]
+    moved = [name for name in _TRAINER_OPTIONS if name in options]
+    if moved:
+        raise LaunchRefused(f"TorchEstimator takes Horovod's Lightning option {moved[0]}= as "
+                            f"{_TRAINER_OPTIONS[moved[0]]}")
+    ignored = [name for name in _READER_OPTIONS if options.pop(name, None) not in (None, False)]
     if ignored:
         warnings.warn(f"TorchEstimator: {', '.join(ignored)} tune Horovod's Petastorm reader, which this estimator "
                       "does not use (each rank reads its DataFrame shard): ignored", stacklevel=3)
@@ -169,7 +185,8 @@ def _names(value: str | Sequence[str], what: str) -> list[str]:
 _REQUIRED = object()
 _SETTINGS: dict[str, tuple[Any, str]] = {
     "model": (_REQUIRED, "the torch.nn.Module to train"),
-    "optimizer": (_REQUIRED, "an optimizer over model.parameters(), or a function params -> optimizer"),
+    "optimizer": (None, "an optimizer over model.parameters(), or a function params -> optimizer "
+                        "(None for a LightningModule: its configure_optimizers)"),
     "loss": (None, "loss(output, *labels) -> tensor, or a list of them (one per model output)"),
     "feature_cols": (_REQUIRED, "feature column names"),
     "label_cols": (_REQUIRED, "label column names"),
@@ -198,6 +215,7 @@ _SETTINGS: dict[str, tuple[Any, str]] = {
     "verbose": (1, "0 silent, 1 a line per epoch, 2 a line per step"),
     "random_seed": (None, "torch's seed on every rank"),
     "use_gpu": (True, "train on the ranks' GPUs where they have them"),
+    "trainer_args": (None, "a LightningModule's Trainer arguments (Horovod's trainer_args)"),
     "store": (None, "a Store whose runs/<run_id>/checkpoint keeps the fit's checkpoints"),
     "run_id": (None, "the Store's run to resume, or None for a new one"),
 }
@@ -216,7 +234,17 @@ def _checked(v: Mapping[str, Any], runner_options: dict[str, Any]) -> SimpleName
     model, optimizer = s.model, s.optimizer
     if not isinstance(model, torch.nn.Module):
         raise LaunchRefused(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not (isinstance(optimizer, torch.optim.Optimizer) or callable(optimizer)):
+    s.lightning = lightning_package(model) is not None
+    if s.lightning:
+        _check_lightning(s)
+    elif s.trainer_args is not None:
+        raise LaunchRefused(f"trainer_args are a LightningModule's Trainer arguments; {type(model).__name__} is a "
+                            "plain torch.nn.Module: pass optimizer= and loss= instead, or a LightningModule")
+    elif optimizer is None:
+        raise LaunchRefused(f"{type(model).__name__} is a plain torch.nn.Module: pass optimizer= (an optimizer over "
+                            "model.parameters(), or functools.partial(torch.optim.SGD, lr=0.1)); a LightningModule "
+                            "brings its own (configure_optimizers)")
+    elif not (isinstance(optimizer, torch.optim.Optimizer) or callable(optimizer)):
         raise LaunchRefused(
             "optimizer must be a torch.optim.Optimizer over model.parameters() or a function params -> "
             f"optimizer, got {type(optimizer).__name__}"
@@ -243,7 +271,7 @@ def _checked(v: Mapping[str, Any], runner_options: dict[str, Any]) -> SimpleName
                             f"PowerSGD(), ...) or None, got {type(s.gradient_compression).__name__}")
     s.feature_cols = _names(s.feature_cols, "feature_cols")
     s.label_cols = _names(s.label_cols, "label_cols")
-    s.losses = _losses(s.loss, s.loss_constructors, s.loss_weights, s.label_cols)
+    s.losses = None if s.lightning else _losses(s.loss, s.loss_constructors, s.loss_weights, s.label_cols)
     for name in ("transformation_fn", "train_minibatch_fn"):
         fn = getattr(s, name)
         if fn is not None and not callable(fn):
@@ -252,10 +280,13 @@ def _checked(v: Mapping[str, Any], runner_options: dict[str, Any]) -> SimpleName
         raise LaunchRefused("train_minibatch_fn runs each batch's optimizer step itself, so "
                             f"backward_passes_per_step={s.backward_passes_per_step} cannot apply: accumulate "
                             "gradients inside it, or leave backward_passes_per_step at 1")
-    try:
-        s.callbacks = _callbacks.check(s.callbacks)
-    except TypeError as e:
-        raise LaunchRefused(str(e)) from None
+    if s.lightning:
+        s.callbacks = list(s.callbacks or [])
+    else:
+        try:
+            s.callbacks = _callbacks.check(s.callbacks)
+        except TypeError as e:
+            raise LaunchRefused(str(e)) from None
     if s.sample_weight_col is not None and not (isinstance(s.sample_weight_col, str) and s.sample_weight_col):
         raise LaunchRefused(f"sample_weight_col must be a column name, got {s.sample_weight_col!r}")
     s.input_shapes = _input_shapes(s.input_shapes, s.feature_cols)
@@ -263,7 +294,8 @@ def _checked(v: Mapping[str, Any], runner_options: dict[str, Any]) -> SimpleName
     if not isinstance(s.log_model, bool):
         raise LaunchRefused(f"log_model must be True or False, got {s.log_model!r}")
     s.metrics = _metrics(s.metrics)
-    _check_monitors(s.callbacks, s.metrics, validation)
+    if not s.lightning:
+        _check_monitors(s.callbacks, s.metrics, validation)
     if s.verbose not in (0, 1, 2) or isinstance(s.verbose, bool):
         raise LaunchRefused(f"verbose must be 0, 1 or 2, got {s.verbose!r}")
     if s.random_seed is not None and as_int(s.random_seed) is None:
@@ -286,6 +318,38 @@ def _checked(v: Mapping[str, Any], runner_options: dict[str, Any]) -> SimpleName
     if not s.use_gpu:  # the ranks see no GPU, so they train on the CPU
         s.runner_kwargs["env"] = {**(runner_options.get("env") or {}), "CUDA_VISIBLE_DEVICES": ""}
     return s
+
+
+def _check_lightning(s: SimpleNamespace) -> None:
+    """A ``LightningModule`` brings its optimizers (``configure_optimizers``), loss and logged
+    metrics (``training_step``/``validation_step``); the settings that would say them otherwise,
+    and Trainer arguments the estimator sets itself, are refused with what to do instead."""
+    from .estimator_lightning import FIXED_TRAINER_ARGS, lightning_package
+
+    name = type(s.model).__name__
+    for setting, instead in (("optimizer", "its configure_optimizers()"), ("loss", "its training_step"),
+                             ("loss_constructors", "its training_step"), ("loss_weights", "its training_step"),
+                             ("metrics", "self.log(...) in its training_step / validation_step"),
+                             ("train_minibatch_fn", "its training_step (manual optimization for a custom step)")):
+        if getattr(s, setting) is not None:
+            raise LaunchRefused(f"{name} is a LightningModule: {setting}= has no use (it comes from {instead}); "
+                                f"leave {setting}=None")
+    args = s.trainer_args
+    if args is not None:
+        if not isinstance(args, Mapping) or not all(isinstance(k, str) for k in args):
+            raise LaunchRefused(f"trainer_args must be a dict of Trainer arguments, got {type(args).__name__}")
+        fixed = [k for k in args if k in FIXED_TRAINER_ARGS]
+        if fixed:
+            raise LaunchRefused(f"trainer_args={{{fixed[0]!r}: ...}}: the estimator sets the Trainer's {fixed[0]} "
+                                f"({FIXED_TRAINER_ARGS[fixed[0]]}); leave it out")
+        s.trainer_args = dict(args)
+    package = "lightning.pytorch" if lightning_package(s.model) == "lightning" else "pytorch_lightning"
+    for cb in list(s.callbacks or []) + list((args or {}).get("callbacks") or []):
+        if not any(c.__name__ == "Callback" and c.__module__.startswith(package) for c in type(cb).__mro__):
+            hint = (f" (spark-dl's EarlyStopping is for plain modules: use {package}.callbacks.EarlyStopping)"
+                    if isinstance(cb, EarlyStopping) else "")
+            raise LaunchRefused(f"callbacks of a {name} fit are {package} Callbacks (the module's package), got "
+                                f"{type(cb).__name__}{hint}")
 
 
 def _check_monitors(callbacks: list[Any], metrics: dict[str, Any], validation: Any) -> None:
@@ -312,9 +376,15 @@ class TorchEstimator(Estimator, MLWritable, MLReadable):
 
     Args:
         model: the ``torch.nn.Module`` to train; called as ``model(*features)``, one tensor per
-            feature column (numeric columns: 1-D, arrays of numbers: 2-D).
+            feature column (numeric columns: 1-D, arrays of numbers: 2-D). Or a Lightning
+            ``LightningModule`` (Horovod's ``horovod.spark.lightning.TorchEstimator``): trained by a
+            Lightning ``Trainer`` with DDP over the ranks, its ``training_step(batch, batch_idx)``
+            given ``{column: tensor}`` batches; its optimizers, loss and metrics are its own.
         optimizer: an optimizer over ``model.parameters()`` (Horovod's style) or a function
-            ``params -> optimizer`` (``functools.partial(torch.optim.SGD, lr=0.1)``).
+            ``params -> optimizer`` (``functools.partial(torch.optim.SGD, lr=0.1)``); None for a
+            ``LightningModule``.
+        trainer_args: a ``LightningModule``'s further ``Trainer`` arguments (Horovod's), e.g.
+            ``{"gradient_clip_val": 1.0, "logger": ...}``.
         loss: ``loss(output, *labels) -> tensor`` (``torch.nn.functional.cross_entropy``); or, for
             a model with one output per label column, a list of losses, one per output (Horovod's),
             whose weighted sum (``loss_weights``) is the batch's loss.
@@ -363,7 +433,7 @@ class TorchEstimator(Estimator, MLWritable, MLReadable):
             checkpoint, so a restarted or grown fit goes on from the last finished epoch.
     """
 
-    def __init__(self, *, model, optimizer, loss: Callable[..., Any] | Sequence[Callable[..., Any]] | None = None,
+    def __init__(self, *, model, optimizer=None, loss: Callable[..., Any] | Sequence[Callable[..., Any]] | None = None,
                  feature_cols: str | Sequence[str],
                  label_cols: str | Sequence[str], batch_size: int = 32, epochs: int = 1, num_proc: int = 2,
                  prediction_col: str = "prediction", shuffle: bool = True, seed: int = 0,
@@ -378,6 +448,7 @@ class TorchEstimator(Estimator, MLWritable, MLReadable):
                  train_minibatch_fn: Callable[[], Callable[..., Any]] | None = None,
                  callbacks: Sequence[Any] | None = None, label_shapes: Sequence[Sequence[int]] | None = None,
                  log_model: bool = True, verbose: int = 1, random_seed: int | None = None, use_gpu: bool = True,
+                 trainer_args: Mapping[str, Any] | None = None,
                  store: Any = None, run_id: str | None = None, **runner_options: Any) -> None:
         super().__init__()  # Spark ML's Params: a uid, this instance's copies of the class's Params
         args = dict(locals())
@@ -516,21 +587,26 @@ class TorchEstimator(Estimator, MLWritable, MLReadable):
         if val is not None:
             val.empty_hint = empty_hint
         try:
-            out = self._runner.run(_train_on_each_rank, data=data, validation=val, model=s.model,
-                                   optimizer=s.optimizer,
-                                   loss=s.losses, feature_cols=s.feature_cols, label_cols=s.label_cols,
-                                   batch_size=s.batch_size, epochs=s.epochs, metrics=s.metrics,
-                                   weight_col=weights, input_shapes=s.input_shapes,
-                                   options=_FitOptions(s.gradient_compression, s.backward_passes_per_step,
-                                                       s.val_batch_size or s.batch_size, s.train_steps_per_epoch,
-                                                       s.validation_steps_per_epoch, s.transformation_fn,
-                                                       s.train_minibatch_fn, tuple(s.callbacks),
-                                                       s.label_shapes, s.log_model, s.verbose,
-                                                       s.random_seed))
+            options = _FitOptions(s.gradient_compression, s.backward_passes_per_step,
+                                  s.val_batch_size or s.batch_size, s.train_steps_per_epoch,
+                                  s.validation_steps_per_epoch, s.transformation_fn, s.train_minibatch_fn,
+                                  tuple(s.callbacks), s.label_shapes, s.log_model, s.verbose, s.random_seed)
+            common = dict(data=data, validation=val, model=s.model, feature_cols=s.feature_cols,
+                          label_cols=s.label_cols, batch_size=s.batch_size, epochs=s.epochs, weight_col=weights,
+                          input_shapes=s.input_shapes, options=options)
+            if s.lightning:
+                out = self._runner.run(_fit_lightning, trainer_args=s.trainer_args, **common)
+            else:
+                out = self._runner.run(_train_on_each_rank, optimizer=s.optimizer, loss=s.losses, metrics=s.metrics,
+                                       **common)
         except LaunchRefused as e:
             raise _in_estimator_terms(e) from e.__cause__
         trained = copy.deepcopy(s.model).cpu()
         trained.load_state_dict(out["state"])
+        if s.lightning:  # every metric the module logged, per epoch; its (train_)loss and val_loss as the histories
+            logged = out["history"]
+            history = logged.get("train_loss", logged.get("loss", []))
+            out = {"history": history, "val_history": logged.get("val_loss", []), "metric_history": logged}
         return TorchModel(trained, s.feature_cols, s.prediction_col, history=out["history"],
                           val_history=out["val_history"], metric_history=out["metric_history"],
                           input_shapes=s.input_shapes, label_cols=list(s.label_cols))

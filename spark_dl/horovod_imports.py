@@ -28,6 +28,7 @@ ALIASES: dict[str, str | None] = {
     "horovod.torch.sync_batch_norm": "spark_dl.horovod.sync_batch_norm",
     "horovod.spark": "spark_dl.horovod.spark",
     "horovod.spark.torch": "spark_dl.estimator",
+    "horovod.spark.lightning": "spark_dl.estimator",
     "horovod.spark.common": None,
     "horovod.spark.common.store": "spark_dl.horovod.store",
     "horovod.spark.common.util": "spark_dl.horovod.staging",

@@ -24,7 +24,8 @@ EXAMPLES = [
     ("## PySpark's `TorchDistributor`, on this launcher", 0),
     ("## Training on a Spark DataFrame", 0),
     ("## Training on a Spark DataFrame", 1),
-    ("## Training on a Spark DataFrame", 4),  # staged Parquet data
+    ("## Training on a Spark DataFrame", 4),  # a LightningModule
+    ("## Training on a Spark DataFrame", 5),  # staged Parquet data
     ("## Horovod-compatible API", 0),
     ("## Horovod-compatible API", 1),  # Horovod's own imports
     ("## Horovod-compatible API", 3),  # Adasum
