@@ -27,6 +27,7 @@ FIXED_TRAINER_ARGS = {
     "limit_val_batches": "validation_steps_per_epoch",
     "accumulate_grad_batches": "backward_passes_per_step",
     "use_distributed_sampler": "each rank reads its own shard",
+    "enable_checkpointing": "every epoch's checkpoint, which restarts resume from",
 }
 
 
