@@ -65,9 +65,10 @@ def prepare_data(num_processes: int, store: Any, df: Any, label_columns: Sequenc
                             "both be ints > 0")
     if as_int(seed) is None:
         raise LaunchRefused(f"seed must be an int (the validation split's), got {seed!r}")
-    if compress_sparse:
-        raise LaunchRefused("compress_sparse=True: spark-dl's estimator reads array columns, not Spark ML "
-                            "SparseVectors; turn them into arrays first (pyspark.ml.functions.vector_to_array)")
+    if not isinstance(compress_sparse, bool):
+        raise LaunchRefused(f"compress_sparse must be True or False, got {compress_sparse!r}")
+    # compress_sparse: Spark's Parquet already keeps a SparseVector's indices and values only (the ranks read
+    # Vector columns dense), so either value stages the same files
     if not label_columns:
         raise LaunchRefused("prepare_data needs label_columns (a column name or a list of them)")
     labels = _names(label_columns, "label_columns")
