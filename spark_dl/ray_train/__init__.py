@@ -73,6 +73,40 @@ class ScalingConfig:
 
 
 @dataclass
+class TorchConfig:
+    """Ray's ``ray.train.torch.TorchConfig``: the process group's ``backend`` (None: NCCL on GPUs,
+    Gloo otherwise; ``"gloo"`` keeps GPU workers on Gloo) and ``timeout_s``, how long a collective
+    waits for the other workers before it fails. ``init_method`` (``"env"`` or ``"tcp"``) is how
+    Ray's workers meet; here the launcher's rendezvous serves both."""
+
+    backend: str | None = None
+    init_method: str = "env"
+    timeout_s: float = 1800
+
+
+def _check_torch_config(config: Any, use_gpu: bool) -> TorchConfig | None:
+    from ..errors import in_range
+
+    if config is None:
+        return None
+    if not isinstance(config, TorchConfig):
+        raise LaunchRefused(f"torch_config must be a TorchConfig (spark_dl.ray_train.torch.TorchConfig), got "
+                            f"{type(config).__name__}")
+    if config.backend not in (None, "nccl", "gloo"):
+        raise LaunchRefused(f"TorchConfig(backend={config.backend!r}): the backend is 'nccl', 'gloo' or None (NCCL on "
+                            "GPUs, Gloo otherwise)")
+    if config.backend == "nccl" and not use_gpu:
+        raise LaunchRefused("TorchConfig(backend='nccl') needs a GPU per worker: pass ScalingConfig(use_gpu=True), or "
+                            "leave backend=None (Gloo on CPU workers)")
+    if config.init_method not in ("env", "tcp"):
+        raise LaunchRefused(f"TorchConfig(init_method={config.init_method!r}): 'env' or 'tcp' (either way the workers "
+                            "meet through the launcher's rendezvous)")
+    if not in_range(config.timeout_s, low=0, low_open=True):
+        raise LaunchRefused(f"TorchConfig(timeout_s={config.timeout_s!r}) must be a number of seconds > 0")
+    return config
+
+
+@dataclass
 class FailureConfig:
     """``max_failures``: restarts of the whole run (``HorovodRunner(max_restarts=...)``)."""
 
@@ -800,15 +834,18 @@ class _Loop:
 
     def __init__(self, fn: Callable, name: str, resume: Resume | None, storage: Storage | None = None,
                  metadata: dict | None = None, path: str = "", trial_id: str = "",
-                 taken: frozenset = frozenset()) -> None:
+                 taken: frozenset = frozenset(), torch_config: TorchConfig | None = None) -> None:
         self.fn, self.name, self.resume, self.storage = fn, name, resume, storage
         self.metadata = metadata or {}
         self.path, self.trial_id, self.taken = path, trial_id, taken
+        self.torch_config = torch_config
         self.__qualname__ = getattr(fn, "__qualname__", "train_loop_per_worker")  # the MLflow run's "main"
 
     def __call__(self, train_loop_config: dict | None = None, **datasets: Any) -> dict | None:
         global _worker
-        init()  # Ray's workers start with the process group up (NCCL on GPUs, Gloo otherwise)
+        # Ray's workers start with the process group up (NCCL on GPUs, Gloo otherwise, or as TorchConfig says)
+        config = self.torch_config or TorchConfig(timeout_s=None)
+        init(config.backend, config.timeout_s)
         saved = load_checkpoint()  # set when this is a restart and rank 0 had reported a checkpoint
         group = _report_group()
         shared = _storage.agree(self.storage, group)
@@ -1076,9 +1113,7 @@ class TorchTrainer:
                                 f"but {getattr(train_loop_per_worker, '__name__', 'it')} requires {required}")
         if train_loop_config is not None and not isinstance(train_loop_config, Mapping):
             raise LaunchRefused(f"train_loop_config must be a dict, got {type(train_loop_config).__name__}")
-        if torch_config is not None:
-            raise LaunchRefused("torch_config is not supported: the backend is NCCL on GPUs and Gloo on CPUs "
-                                "(spark_dl.init picks it); drop torch_config")
+        self.torch_config = _check_torch_config(torch_config, (scaling_config or ScalingConfig()).use_gpu)
         if resume_from_checkpoint is not None and not isinstance(resume_from_checkpoint, Checkpoint):
             raise LaunchRefused("resume_from_checkpoint must be a Checkpoint: Checkpoint.from_directory(path)")
         self.metadata = _json_metadata(metadata)
@@ -1191,7 +1226,8 @@ class TorchTrainer:
         storage = Storage.prepare(self.path, keeper.offset)
         # checkpoint_dir_name must not take a name the folder holds: an earlier fit's checkpoint may be a live Result's
         taken = frozenset(os.listdir(self.path))
-        loop = _Loop(self.train_loop_per_worker, self.name, resume, storage, self.metadata, self.path, trial_id, taken)
+        loop = _Loop(self.train_loop_per_worker, self.name, resume, storage, self.metadata, self.path, trial_id, taken,
+                     self.torch_config)
         try:
             out = distributor.run(loop, **config, **self.datasets)  # the config's values become MLflow params
         except JobFailed as e:
@@ -1237,7 +1273,7 @@ class TorchTrainer:
 
         os.makedirs(self.path, exist_ok=True)
         state = {"train_loop_per_worker": self.train_loop_per_worker, "train_loop_config": self.train_loop_config,
-                 "metadata": self.metadata,
+                 "metadata": self.metadata, "torch_config": self.torch_config,
                  "scaling_config": self.scaling, "run_config": self.run_config, "local_mode": self.local_mode}
         try:
             blob = cloudpickle.dumps(state)
@@ -1275,7 +1311,8 @@ class TorchTrainer:
         trainer = cls(train_loop_per_worker or state["train_loop_per_worker"], train_loop_config=train_loop_config,
                       scaling_config=scaling_config or state["scaling_config"], run_config=run_config, datasets=datasets,
                       resume_from_checkpoint=Checkpoint(latest) if latest is not None else None,
-                      local_mode=state["local_mode"], metadata=state.get("metadata"))
+                      local_mode=state["local_mode"], metadata=state.get("metadata"),
+                      torch_config=state.get("torch_config"))
         trainer._restored = True
         return trainer
 
@@ -1286,7 +1323,8 @@ from . import collective  # noqa: E402 - ray.train.collective; it needs _current
 importlib.import_module(f"{__name__}.torch")
 
 __all__ = ["Checkpoint", "CheckpointConfig", "DataShard", "FailureConfig", "REPORT_STALL_S", "Result", "RunConfig",
-           "ScalingConfig", "StorageContext", "SyncConfig", "TorchTrainer", "TrainContext", "TrainingFailedError",
+           "ScalingConfig", "StorageContext", "SyncConfig", "TorchConfig", "TorchTrainer", "TrainContext",
+           "TrainingFailedError",
            "collective",
            "get_checkpoint", "get_context", "get_dataset_shard", "get_device", "prepare_data_loader", "prepare_model",
            "report"]

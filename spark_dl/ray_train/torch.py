@@ -3,7 +3,7 @@ prepare_model`` where Ray's code has ``from ray.train.torch import ...``."""
 from __future__ import annotations
 
 from ..prepare import enable_reproducibility, get_device, get_devices, prepare_data_loader, prepare_model
-from . import TorchTrainer
+from . import TorchConfig, TorchTrainer
 
-__all__ = ["TorchTrainer", "enable_reproducibility", "get_device", "get_devices", "prepare_data_loader",
+__all__ = ["TorchConfig", "TorchTrainer", "enable_reproducibility", "get_device", "get_devices", "prepare_data_loader",
            "prepare_model"]

@@ -15,6 +15,7 @@ import spark_dl.ray_train as train
 from spark_dl import LaunchRefused, RankFailed
 from spark_dl.ray_train import (Checkpoint, CheckpointConfig, FailureConfig, Result, RunConfig, ScalingConfig,
                                 SyncConfig, TorchTrainer)
+from spark_dl.ray_train.torch import TorchConfig
 
 
 def train_func(config):
@@ -108,6 +109,30 @@ def test_get_storage_names_the_run_folder_and_says_whether_the_workers_share_it(
     assert written == (["rank0.txt", "rank1.txt"] if shared else [])
     if shared:
         assert (tmp_path / "art" / "rank1.txt").read_text() == "written by rank 1"
+
+
+def waits_for_a_missing_worker():
+    """Rank 1 never joins rank 0's all-reduce: TorchConfig's timeout ends it, not a hang."""
+    import torch.distributed as dist
+
+    assert dist.get_backend() == "gloo"
+    if train.get_context().get_world_rank() == 0:
+        dist.all_reduce(torch.ones(1))
+    else:
+        time.sleep(60)
+
+
+def test_torch_config_sets_the_backend_and_the_collectives_timeout(tmp_path):
+    started = time.monotonic()
+    trainer = TorchTrainer(waits_for_a_missing_worker, scaling_config=ScalingConfig(num_workers=2), local_mode=True,
+                           torch_config=TorchConfig(backend="gloo", init_method="tcp", timeout_s=3),
+                           run_config=RunConfig(storage_path=str(tmp_path)))
+    with pytest.raises(RankFailed) as failed:
+        trainer.fit()
+    assert failed.value.rank == 0 and "Timed out" in str(failed.value), str(failed.value)[-2000:]
+    assert time.monotonic() - started < 40  # the 3 s timeout, not rank 1's 60 s sleep (nor torch's 30 min)
+    assert TorchTrainer.restore(trainer.path).torch_config == TorchConfig(backend="gloo", init_method="tcp",
+                                                                         timeout_s=3)
 
 
 def fails_right_after_a_report(config):
@@ -714,7 +739,13 @@ class PrintingCallback:
      r"elastic_resize_monitor_interval_s=0\): give the seconds between looks for free task slots"),
     ({"datasets": {"train": [1, 2, 3]}}, "spark-dl shards Spark DataFrames"),
     ({"datasets": [("train", None)]}, "datasets must be a dict"),
-    ({"torch_config": object()}, "torch_config is not supported"),
+    ({"torch_config": object()}, r"torch_config must be a TorchConfig \(spark_dl.ray_train.torch.TorchConfig\), got "
+     r"object"),
+    ({"torch_config": TorchConfig(backend="mpi")}, r"TorchConfig\(backend='mpi'\): the backend is 'nccl', 'gloo'"),
+    ({"torch_config": TorchConfig(backend="nccl")}, r"TorchConfig\(backend='nccl'\) needs a GPU per worker: pass "
+     r"ScalingConfig\(use_gpu=True\)"),
+    ({"torch_config": TorchConfig(init_method="file")}, r"TorchConfig\(init_method='file'\): 'env' or 'tcp'"),
+    ({"torch_config": TorchConfig(timeout_s=0)}, r"TorchConfig\(timeout_s=0\) must be a number of seconds > 0"),
     ({"train_loop_config": [0.1]}, "train_loop_config must be a dict"),
     ({"resume_from_checkpoint": "/tmp/ckpt"}, "Checkpoint.from_directory"),
     ({"run_config": RunConfig(checkpoint_config=CheckpointConfig(num_to_keep=0))}, "num_to_keep=0"),
