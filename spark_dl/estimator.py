@@ -23,7 +23,7 @@ from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReadable
 
 from .callbacks import EarlyStopping, Trainer
 from .errors import LaunchRefused, as_int
-from .estimator_lightning import _fit_lightning, lightning_package
+from .estimator_lightning import FIXED_TRAINER_ARGS, _fit_lightning, lightning_package
 from .estimator_rank import _features, _FitOptions, _float_dtype, _Losses
 from .estimator_rank import _fit as _train_on_each_rank  # the name _fit is Spark ML's method
 from .runner import HorovodRunner, RunInfo
@@ -117,14 +117,15 @@ _READER_OPTIONS = ("shuffle_buffer_size", "partitions_per_process", "train_reade
                    "val_reader_num_workers", "reader_pool_type", "inmemory_cache_all", "mp_start_method",
                    "transformation_edit_fields", "transformation_removed_fields", "loader_num_epochs",
                    "debug_data_loader", "train_async_data_loader_queue_size", "val_async_data_loader_queue_size")
-# Horovod's Lightning estimator's Trainer settings: here they go in trainer_args
+# Horovod's Lightning estimator's Trainer settings: (Horovod's default, what to pass here instead)
 _TRAINER_OPTIONS = {
-    "logger": "trainer_args={'logger': ...} (default: the run's MLflow run)",
-    "log_every_n_steps": "trainer_args={'log_every_n_steps': ...}",
-    "profiler": "trainer_args={'profiler': ...}",
-    "num_gpus": "use_gpu (each rank trains on its task's GPU when it has one)",
-    "terminate_on_nan": "trainer_args={'detect_anomaly': True}, or raise in training_step (Lightning 2 dropped it)",
-    "data_module": "nothing: the estimator feeds the DataFrame's shards to the Trainer",
+    "logger": (None, "trainer_args={'logger': ...} (default: the run's MLflow run)"),
+    "log_every_n_steps": (50, "trainer_args={'log_every_n_steps': ...}"),
+    "profiler": (None, "trainer_args={'profiler': ...}"),
+    "num_gpus": (None, "use_gpu (each rank trains on its task's GPU when it has one)"),
+    "terminate_on_nan": (False, "trainer_args={'detect_anomaly': True}, or raise in training_step (Lightning 2 "
+                                "dropped it)"),
+    "data_module": (None, "nothing: the estimator feeds the DataFrame's shards to the Trainer"),
 }
 
 
@@ -138,10 +139,11 @@ def _runner_options(options: dict[str, Any]) -> dict[str, Any]:
     if "backend" in options:
         raise LaunchRefused("backend= is Horovod's SparkBackend: here the ranks are one barrier stage of num_proc "
                             "tasks; pass num_proc and HorovodRunner's options (max_restarts, env, start_timeout, ...)")
-    moved = [name for name in _TRAINER_OPTIONS if name in options]
-    if moved:
-        raise LaunchRefused(f"TorchEstimator takes Horovod's Lightning option {moved[0]}= as "
-                            f"{_TRAINER_OPTIONS[moved[0]]}")
+    for name, (default, instead) in _TRAINER_OPTIONS.items():
+        if name in options:  # Horovod's default passed as is asks for nothing: dropped
+            value = options.pop(name)
+            if value is not default and value != default:
+                raise LaunchRefused(f"TorchEstimator takes Horovod's Lightning option {name}={value!r} as {instead}")
     ignored = [name for name in _READER_OPTIONS if options.pop(name, None) not in (None, False)]
     if ignored:
         warnings.warn(f"TorchEstimator: {', '.join(ignored)} tune Horovod's Petastorm reader, which this estimator "
@@ -324,8 +326,6 @@ def _check_lightning(s: SimpleNamespace) -> None:
     """A ``LightningModule`` brings its optimizers (``configure_optimizers``), loss and logged
     metrics (``training_step``/``validation_step``); the settings that would say them otherwise,
     and Trainer arguments the estimator sets itself, are refused with what to do instead."""
-    from .estimator_lightning import FIXED_TRAINER_ARGS, lightning_package
-
     name = type(s.model).__name__
     for setting, instead in (("optimizer", "its configure_optimizers()"), ("loss", "its training_step"),
                              ("loss_constructors", "its training_step"), ("loss_weights", "its training_step"),

@@ -188,14 +188,18 @@ def test_lightning_settings_are_refused_with_what_to_do_instead():
                                            r"package\), got EarlyStopping \(spark-dl's EarlyStopping is for plain "
                                            r"modules: use pytorch_lightning.callbacks.EarlyStopping\)"),
         ({"callbacks": [L.Callback()]}, "are pytorch_lightning Callbacks .* got Callback"),
-        ({"logger": None}, r"Lightning option logger= as trainer_args=\{'logger': ...\}"),
-        ({"num_gpus": 1}, "num_gpus= as use_gpu"),
+        ({"logger": "tb"}, r"Lightning option logger='tb' as trainer_args=\{'logger': ...\}"),
+        ({"num_gpus": 1}, "num_gpus=1 as use_gpu"),
+        ({"log_every_n_steps": 10}, r"log_every_n_steps=10 as trainer_args=\{'log_every_n_steps': ...\}"),
         ({"data_module": object()}, "the estimator feeds the DataFrame's shards to the Trainer"),
     ]:
         with pytest.raises(LaunchRefused, match=match):
             TorchEstimator(**{**good, **change})
     with pytest.warns(UserWarning, match="loader_num_epochs, debug_data_loader tune Horovod's Petastorm reader"):
         TorchEstimator(**good, loader_num_epochs=1, debug_data_loader=True)
+    # Horovod's defaults, passed as its code passes them, ask for nothing
+    assert TorchEstimator(**good, logger=None, log_every_n_steps=50, terminate_on_nan=False, num_gpus=None,
+                          profiler=None, data_module=None).runner_options == {}
     est = TorchEstimator(**good, trainer_args={"gradient_clip_val": 1.0},
                          callbacks=[pl.callbacks.EarlyStopping("val_loss")])
     assert est.getTrainerArgs() == {"gradient_clip_val": 1.0} and est.getOptimizer() is None
