@@ -4,7 +4,9 @@ a ``TorchModel`` whose ``transform(df)`` adds a prediction column, in the manner
 
 ``fit`` is one :class:`spark_dl.HorovodRunner` run on :func:`spark_dl.data.shards` (a global shuffle
 per epoch, no detour through the driver); ``transform`` is a ``mapInArrow`` over the DataFrame with
-the trained model shipped to the executors.
+the trained model shipped to the executors. A ``LightningModule`` is trained by a Lightning
+``Trainer`` on each rank (Horovod's ``horovod.spark.lightning``; :mod:`spark_dl.estimator_lightning`),
+and ``fit_on_parquet`` trains on what ``prepare_data`` staged (:mod:`spark_dl.horovod.staging`).
 """
 from __future__ import annotations
 
