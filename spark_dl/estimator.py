@@ -340,6 +340,9 @@ def _check_lightning(s: SimpleNamespace) -> None:
     if args is not None:
         if not isinstance(args, Mapping) or not all(isinstance(k, str) for k in args):
             raise LaunchRefused(f"trainer_args must be a dict of Trainer arguments, got {type(args).__name__}")
+        if not isinstance(args.get("callbacks") or [], (list, tuple)):
+            raise LaunchRefused("trainer_args={'callbacks': ...} must be a list of Lightning callbacks, got "
+                                f"{type(args['callbacks']).__name__}")
         fixed = [k for k in args if k in FIXED_TRAINER_ARGS]
         if fixed:
             raise LaunchRefused(f"trainer_args={{{fixed[0]!r}: ...}}: the estimator sets the Trainer's {fixed[0]} "

@@ -87,9 +87,7 @@ class _Loader:
                 got = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
                 raise TypeError(f"transformation_fn must return the batch as a dict of column -> tensor with the "
                                 f"columns {needed}; it returned {got}")
-            batch = dict(batch)
-        else:
-            batch = dict(batch)
+        batch = dict(batch)
         inputs = _reshaped([_as(batch[c], "cpu", self.dtype) for c in self.feature_cols], self.input_shapes,
                            self.feature_cols)
         labels = _reshaped([_widened(_as(batch[c], "cpu", self.dtype)) for c in self.label_cols],

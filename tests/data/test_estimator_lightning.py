@@ -183,6 +183,8 @@ def test_lightning_settings_are_refused_with_what_to_do_instead():
         ({"trainer_args": ["gradient_clip_val"]}, "trainer_args must be a dict of Trainer arguments, got list"),
         ({"trainer_args": {"max_epochs": 3}}, r"trainer_args=\{'max_epochs': ...\}: the estimator sets the Trainer's "
                                               r"max_epochs \(epochs\); leave it out"),
+        ({"trainer_args": {"callbacks": pl.callbacks.EarlyStopping("val_loss")}},
+         r"trainer_args=\{'callbacks': ...\} must be a list of Lightning callbacks, got EarlyStopping"),
         ({"trainer_args": {"strategy": "ddp"}}, r"sets the Trainer's strategy \(the run's DDP over its ranks\)"),
         ({"callbacks": [EarlyStopping()]}, r"callbacks of a PLLine fit are pytorch_lightning Callbacks \(the module's "
                                            r"package\), got EarlyStopping \(spark-dl's EarlyStopping is for plain "
