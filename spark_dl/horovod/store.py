@@ -16,7 +16,8 @@ _DBFS_PREFIXES = ("dbfs:/", "file:///dbfs/")
 
 
 class Store:
-    """Where an estimator keeps its runs' checkpoints. Build one with :meth:`create`."""
+    """Where an estimator keeps its runs' checkpoints and ``prepare_data``'s staged Parquet data.
+    Build one with :meth:`create`."""
 
     def __init__(self, prefix_path: str | os.PathLike, train_path: str | os.PathLike | None = None,
                  val_path: str | os.PathLike | None = None, test_path: str | os.PathLike | None = None,
@@ -89,7 +90,7 @@ class DBFSLocalStore(Store):
 class HDFSStore(Store):
     """Horovod's HDFS Store: refused here, since the checkpoints are the driver's files."""
 
-    def __init__(self, prefix_path: str | os.PathLike, *args, **kwargs) -> None:  # noqa: ARG002 - Horovod's signature
+    def __init__(self, prefix_path: str | os.PathLike, *args, **kwargs) -> None:
         raise LaunchRefused(f"HDFSStore({os.fspath(prefix_path)!r}): spark-dl's estimator keeps its checkpoints in "
                             "the driver's files, not on HDFS; use Store.create with a path on the driver's disk or "
                             "its /dbfs mount")
