@@ -20,9 +20,6 @@ import pyspark
 from spark_dl.cluster import slots_of_master
 from spark_dl.runner import executor_lost_hint, spark_error_summary
 
-# one worker runs this module, so the module's Spark Connect server (three JVMs) starts once, not in each
-pytestmark = pytest.mark.xdist_group("spark-connect")
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 SERVER_START_S = 120
 
