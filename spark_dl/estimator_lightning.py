@@ -12,7 +12,7 @@ import sys
 import tempfile
 from typing import Any
 
-from .estimator_rank import _as, _reshaped, _widened
+from .estimator_rank import _as, _reshaped, _transformed, _widened
 
 _CHECKPOINT_KEY = "spark_dl.lightning_estimator"
 _PADDING = "__spark_dl_padding__"
@@ -78,16 +78,7 @@ class _Loader:
             yield self._prepared(batch)
 
     def _prepared(self, batch: dict) -> dict:
-        from collections.abc import Mapping
-
-        if self.transformation is not None:
-            batch = self.transformation(batch)
-            needed = self.feature_cols + self.label_cols + ([self.weight_col] if self.weight_col else [])
-            if not isinstance(batch, Mapping) or any(c not in batch for c in needed):
-                got = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
-                raise TypeError(f"transformation_fn must return the batch as a dict of column -> tensor with the "
-                                f"columns {needed}; it returned {got}")
-        batch = dict(batch)
+        batch = dict(_transformed(self.transformation, batch, self.feature_cols, self.label_cols, self.weight_col))
         inputs = _reshaped([_as(batch[c], "cpu", self.dtype) for c in self.feature_cols], self.input_shapes,
                            self.feature_cols)
         labels = _reshaped([_widened(_as(batch[c], "cpu", self.dtype)) for c in self.label_cols],

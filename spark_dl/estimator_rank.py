@@ -238,6 +238,20 @@ def _fit(data, validation, model, optimizer, loss: _Losses, feature_cols, label_
             "val_history": val_history, "metric_history": metric_history}
 
 
+def _transformed(transformation, batch: dict, feature_cols, label_cols, weight_col) -> Mapping:
+    """``transformation_fn(batch)`` (the batch as is without one), refused unless it is a dict with
+    the columns the fit reads."""
+    if transformation is None:
+        return batch
+    batch = transformation(batch)
+    needed = feature_cols + label_cols + ([weight_col] if weight_col else [])
+    if not isinstance(batch, Mapping) or any(c not in batch for c in needed):
+        got = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
+        raise TypeError(f"transformation_fn must return the batch as a dict of column -> tensor with the "
+                        f"columns {needed}; it returned {got}")
+    return batch
+
+
 class _Batches:
     """A batch of shard rows as ``(inputs, labels, sample_weights)`` on the rank's device, after
     ``transformation_fn``, ``input_shapes`` and ``label_shapes``."""
@@ -249,13 +263,7 @@ class _Batches:
         self.label_shapes = label_shapes
 
     def __call__(self, batch: dict) -> tuple[list, list, Any]:
-        if self.transformation is not None:
-            batch = self.transformation(batch)
-            needed = self.feature_cols + self.label_cols + ([self.weight_col] if self.weight_col else [])
-            if not isinstance(batch, Mapping) or any(c not in batch for c in needed):
-                got = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
-                raise TypeError(f"transformation_fn must return the batch as a dict of column -> tensor with the "
-                                f"columns {needed}; it returned {got}")
+        batch = _transformed(self.transformation, batch, self.feature_cols, self.label_cols, self.weight_col)
         inputs = _reshaped([_as(batch[c], self.device, self.dtype) for c in self.feature_cols], self.input_shapes,
                            self.feature_cols)
         labels = _reshaped([_widened(_as(batch[c], self.device, self.dtype)) for c in self.label_cols],
