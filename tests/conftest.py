@@ -110,6 +110,19 @@ def pytest_collection_modifyitems(session, config, items):
             cloudpickle.register_pickle_by_value(module)
 
 
+@pytest.fixture
+def horovod_imports():
+    """Horovod's imports (``horovod.spark.torch``, ``horovod.spark.common.store``, ...) in this test,
+    as ``spark_dl.horovod_imports.install()`` gives them on a driver; gone after it."""
+    from spark_dl import horovod_imports
+
+    horovod_imports.install()
+    yield
+    sys.meta_path.remove(horovod_imports._finder)
+    for name in [m for m in sys.modules if m == "horovod" or m.startswith("horovod.")]:
+        del sys.modules[name]
+
+
 @pytest.fixture(autouse=True)
 def _mlflow_state_stays_in_its_test():
     """``mlflow.set_experiment`` sets ``MLFLOW_EXPERIMENT_ID`` in ``os.environ`` and MLflow's active

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 
 import lightning.pytorch as L
 import pytest
@@ -16,22 +15,7 @@ import torch.nn.functional as F
 from spark_dl import LaunchRefused
 from spark_dl.compression import FP16
 from spark_dl.estimator import EarlyStopping, TorchEstimator
-
-
-def _regression(spark):
-    from pyspark.sql import functions as F_
-
-    df = spark.range(400).select((F_.rand(1) * 2 - 1).alias("a"), (F_.rand(2) * 2 - 1).alias("b"))
-    return df.withColumn("y", 3 * F_.col("a") - 2 * F_.col("b") + 0.5)
-
-
-class TwoInputs(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.w = torch.nn.Linear(2, 1)
-
-    def forward(self, a, b):
-        return self.w(torch.stack([a, b], dim=1)).squeeze(1)
+from test_estimator import TwoInputs, _regression  # the plain estimator's regression, to compare with
 
 
 def _steps(module, batch, stage):
@@ -92,17 +76,6 @@ class LLine(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.5)
-
-
-@pytest.fixture
-def horovod_imports():
-    from spark_dl import horovod_imports
-
-    horovod_imports.install()
-    yield
-    sys.meta_path.remove(horovod_imports._finder)
-    for name in [m for m in sys.modules if m == "horovod" or m.startswith("horovod.")]:
-        del sys.modules[name]
 
 
 def test_horovods_lightning_estimator_trains_as_the_plain_loop_does(spark, tmp_path, monkeypatch, sqlite_uri,

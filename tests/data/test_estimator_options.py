@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import json
-import sys
 
 import pytest
 import torch
@@ -336,19 +335,11 @@ def test_bad_loss_and_option_combinations_are_refused(spark):
     assert EarlyStopping("val_accuracy").mode == "max" and EarlyStopping().mode == "min"
 
 
-def test_horovods_estimator_code_with_a_store_resumes_its_run_id(spark, tmp_path):
+def test_horovods_estimator_code_with_a_store_resumes_its_run_id(spark, tmp_path, horovod_imports):
     """Horovod's imports and arguments as they are: store= and run_id= keep each run's checkpoint in
     <store>/runs/<run_id>/checkpoint, so a fit of the same run_id goes on where the last stopped, a
     fit without one starts a new run; setOutputCols names the prediction column."""
-    from spark_dl import horovod_imports
-
-    horovod_imports.install()
-    try:
-        _store_run_ids(spark, tmp_path)
-    finally:
-        sys.meta_path.remove(horovod_imports._finder)
-        for name in [m for m in sys.modules if m == "horovod" or m.startswith("horovod.")]:
-            del sys.modules[name]
+    _store_run_ids(spark, tmp_path)
 
 
 def _store_run_ids(spark, tmp_path):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 
 import pytest
 import torch
@@ -34,14 +33,9 @@ def _regression(spark, rows=400):
 
 
 @pytest.fixture
-def horovod_imports():
-    from spark_dl import horovod_imports
-
-    horovod_imports.install()
+def forget_staged():
+    """This process's staged data sets forgotten after the test, as a later test expects none."""
     yield
-    sys.meta_path.remove(horovod_imports._finder)
-    for name in [m for m in sys.modules if m == "horovod" or m.startswith("horovod.")]:
-        del sys.modules[name]
     staging.clear_training_cache()
 
 
@@ -50,7 +44,7 @@ def _files(path):
 
 
 def test_prepare_data_stages_once_on_the_executors_and_fit_on_parquet_trains_on_it(spark_cluster, tmp_path,
-                                                                                     horovod_imports):
+                                                                                     horovod_imports, forget_staged):
     """On two executor JVMs: the staged folders hold exactly the rows the estimator's own split would
     (same seed), a fit on them converges and reports the held-out loss, staging the same DataFrame
     again reuses the files, other columns get the next index, the data outlives the block, a param
