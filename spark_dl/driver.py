@@ -135,6 +135,8 @@ class JobMonitor:
         self.ranks_closed: set[int] = set()
         self.hosts: dict[int, str] = {}
         self.task_ranks: dict[int, list[int]] = {}
+        self.task_infos: dict[int, tuple[Connection, dict]] = {}  # the rendezvous: partition -> (link, TaskInfo)
+        self._gathered = False
         self.exits: dict[int, dict] = {}
         self.results: dict[int, bytes] = {}
         self.errors: dict[int, dict] = {}
@@ -229,6 +231,9 @@ class JobMonitor:
                 with self.lock:
                     self.ranks_connected.add(data["rank"])
             return
+        if kind == "rendezvous":
+            self._rendezvous(conn, data)
+            return
         rank = conn.info.get("rank")
         if kind == "user_log":
             self._line(rank, "log", data)
@@ -269,6 +274,22 @@ class JobMonitor:
         else:
             for o in self.observers:
                 o.on_message(rank, kind, data)
+
+    def _rendezvous(self, conn: Connection, info: dict) -> None:
+        """A task's description; once every task has sent its own, each gets all of them, in
+        partition order (what ``BarrierTaskContext.allGather`` returns, without its 1 s polls)."""
+        with self.changed:
+            self.task_infos[conn.info["partition"]] = (conn, info)
+            if len(self.task_infos) < self.num_tasks or self._gathered:
+                return
+            self._gathered = True
+            gathered = [self.task_infos[p] for p in sorted(self.task_infos)]
+        infos = [i for _, i in gathered]
+        for c, _ in gathered:
+            try:
+                c.send("tasks", infos)
+            except OSError:
+                pass  # that task is gone: its closed link tells the wait loop
 
     def _serve_request(self, conn: Connection, rank: int | None, kind: str, data: dict) -> None:
         """A rank's ``rank.request("request/...")``: the first observer whose ``on_request``

@@ -514,7 +514,7 @@ class _LocalLauncher(_Launcher):
 
     def _task(self, spec: JobSpec, rs: RankSpec, monitor: JobMonitor) -> None:
         try:
-            run_task(spec, rs.partition, rs.host, lambda: [rs])
+            run_task(spec, rs.partition, rs.host, lambda _: [rs])
         except Exception as e:  # noqa: BLE001 - surfaced by the wait loop
             self._errors.append(f"local task for rank {rs.rank} failed: {type(e).__name__}: {e}")
         finally:

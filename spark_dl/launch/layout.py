@@ -1,7 +1,7 @@
 """World layout: which task runs which ranks, derived from what every task told the others.
 
 Pure functions of the gathered task descriptions, so every barrier task computes the same
-layout independently after one ``allGather``.
+layout independently once the driver has sent it every task's description.
 """
 from __future__ import annotations
 

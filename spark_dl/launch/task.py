@@ -185,12 +185,17 @@ def _pump(stream, rank: int, name: str, sender: _Sender) -> None:
     stream.close()
 
 
-def run_task(spec: JobSpec, partition: int, host: str, rendezvous: Callable[[], list[RankSpec]],
+Gather = Callable[[TaskInfo], "list[TaskInfo] | None"]
+
+
+def run_task(spec: JobSpec, partition: int, host: str, rendezvous: Callable[[Gather], "list[RankSpec] | None"],
              extra_env: dict[str, str] | None = None) -> list[dict]:
     """Run this task's share of the job and report everything to the driver.
 
-    Never raises for a rank's failure: the driver learns of it over the channel and decides, so
-    Spark does not retry the stage on its own.
+    ``rendezvous(gather)`` returns this task's ranks; ``gather(me)`` sends this task's
+    :class:`TaskInfo` to the driver and returns every task's, once all have sent theirs (None: the
+    driver ended the run first). Never raises for a rank's failure: the driver learns of it over
+    the channel and decides, so Spark does not retry the stage on its own.
     """
     conn = channel.connect(spec.driver_host, spec.driver_port, spec.secret, relay=spec.relay)
     conn.send("hello", {"role": "task", "partition": partition, "host": host, "pid": os.getpid()})
@@ -198,29 +203,47 @@ def run_task(spec: JobSpec, partition: int, host: str, rendezvous: Callable[[], 
     spawn_env = _spawn_env(spec.rank_env)
     procs = [_start_rank_process(spec.job_id, spawn_env) for _ in range(spec.ranks_per_task)]
     aborted = threading.Event()
+    gathered: queue.Queue = queue.Queue()
 
     def watch_driver() -> None:
         try:
             while True:
-                kind, _ = conn.recv()
-                if kind == "abort":
+                kind, data = conn.recv()
+                if kind == "tasks":
+                    gathered.put(data)
+                elif kind == "abort":
                     break
         except BaseException:  # noqa: BLE001 - a dead link means the driver is gone: stop the ranks
             pass
+        gathered.put(None)  # a rendezvous still waiting ends: the run is over
         if not all_done.is_set():
             aborted.set()
             _terminate(procs)
 
+    def gather(me: TaskInfo) -> list[TaskInfo] | None:
+        # through the driver, not BarrierTaskContext.allGather: Spark's barrier calls poll for
+        # their answer once a second, which made every launch a second slower
+        conn.send("rendezvous", dataclasses.asdict(me))
+        tasks = gathered.get()
+        return None if tasks is None else [TaskInfo(**{**t, "gpus": tuple(t["gpus"])}) for t in tasks]
+
     all_done = threading.Event()
     threading.Thread(target=watch_driver, name="spark-dl-task-watch", daemon=True).start()
-    try:
-        ranks = rendezvous()
-    except BaseException:
+
+    def stop() -> None:
         _terminate(procs, grace=0)
         all_done.set()
         sender.stop()
         conn.close()
+
+    try:
+        ranks = rendezvous(gather)
+    except BaseException:
+        stop()
         raise
+    if ranks is None:  # the driver ended the run before every task had started
+        stop()
+        return []
     sender.q.put(("layout", [{"rank": r.rank, "host": r.host, "local_rank": r.local_rank} for r in ranks]))
     sampler = start_sampler(
         host, [r.local_rank for r in ranks], lambda kind, data: sender.q.put((kind, data)), spec.system_metrics_s
@@ -293,7 +316,7 @@ def run_task(spec: JobSpec, partition: int, host: str, rendezvous: Callable[[], 
 
 
 def _in_barrier_task(spec: JobSpec, extra_env: dict[str, str] | None = None):
-    """Run this barrier task's ranks: rendezvous with the other tasks through ``allGather``.
+    """Run this barrier task's ranks: rendezvous with the other tasks through the driver.
     Returns the ranks' statuses and, in task 0 of a relayed run, its finished :class:`Relay`."""
     from pyspark import BarrierTaskContext
 
@@ -303,11 +326,9 @@ def _in_barrier_task(spec: JobSpec, extra_env: dict[str, str] | None = None):
     gpu = ctx.resources().get("gpu")
     gpus = tuple(gpu.addresses) if gpu is not None else ()
 
-    def rendezvous() -> list[RankSpec]:
-        me = TaskInfo(partition=partition, host=host, gpus=gpus, port=free_port())
-        gathered = ctx.allGather(json.dumps(me.__dict__))
-        tasks = [TaskInfo(**{**json.loads(g), "gpus": tuple(json.loads(g)["gpus"])}) for g in gathered]
-        return compute_layout(tasks, spec.ranks_per_task, spec.task_nodes)[partition]
+    def rendezvous(gather: Gather) -> list[RankSpec] | None:
+        tasks = gather(TaskInfo(partition=partition, host=host, gpus=gpus, port=free_port()))
+        return None if tasks is None else compute_layout(tasks, spec.ranks_per_task, spec.task_nodes)[partition]
 
     relay = None
     if spec.relay:
