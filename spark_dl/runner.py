@@ -499,6 +499,8 @@ class _LocalLauncher(_Launcher):
         self.world_size = self.num_tasks = n
         self._threads: list[threading.Thread] = []
         self._errors: list[str] = []
+        self._done = 0  # task threads past their last step: the wait loop wakes to see it
+        self._done_lock = threading.Lock()
 
     def start(self, spec: JobSpec, monitor: JobMonitor) -> None:
         port = free_port()
@@ -518,13 +520,18 @@ class _LocalLauncher(_Launcher):
         except Exception as e:  # noqa: BLE001 - surfaced by the wait loop
             self._errors.append(f"local task for rank {rs.rank} failed: {type(e).__name__}: {e}")
         finally:
+            with self._done_lock:
+                self._done += 1
             monitor.poke()
 
     def cancel(self) -> None:
         pass  # the abort message to each task thread stops its rank
 
     def finished(self) -> bool:
-        return not any(t.is_alive() for t in self._threads)
+        # counted, not is_alive(): a thread's poke wakes the wait loop before the thread has ended,
+        # which then slept another poll interval
+        with self._done_lock:
+            return self._done == len(self._threads)
 
     def error(self) -> str | None:
         return self._errors[0] if self._errors else None
@@ -548,6 +555,7 @@ class _SparkLauncher(_Launcher):
         self.driver_host = cluster.conf(session, "spark.driver.host")
         self.job_group = ""
         self._thread: threading.Thread | None = None
+        self._over = threading.Event()  # the stage's thread is past its last step (see finished)
         self._error: str | None = None
         self._cancelled = False
 
@@ -610,6 +618,7 @@ class _SparkLauncher(_Launcher):
                 summary = spark_error_summary(e)
                 self._error = "the Spark barrier stage failed: " + summary + executor_lost_hint(summary, self.relay)
         finally:
+            self._over.set()
             monitor.poke()
 
     def _collect(self, spec: JobSpec, monitor: JobMonitor) -> None:
@@ -636,7 +645,7 @@ class _SparkLauncher(_Launcher):
             pass
 
     def finished(self) -> bool:
-        return self._thread is not None and not self._thread.is_alive()
+        return self._over.is_set()
 
     def error(self) -> str | None:
         return self._error
