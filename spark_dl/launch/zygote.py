@@ -39,7 +39,6 @@ STARTUP_PREFIXES = ("PYTHON", "LD_", "MALLOC", "THP_", "OMP_", "KMP_", "GOMP_", 
                     "JEMALLOC", "TORCH_", "CUBLAS", "CUDA_MODULE_LOADING")
 _MAX_REQUEST = 4 << 20
 FORK_REPLY_S = 30.0
-READY_WAIT_S = 20.0  # how long a rank waits for a zygote still importing before it starts fresh
 
 
 def startup_env(env: dict[str, str]) -> dict[str, str]:
@@ -94,7 +93,6 @@ class Zygote:
         self._lock = threading.Lock()
         self._ready = threading.Event()
         self._dead = threading.Event()
-        self._settled = threading.Event()  # ready or dead: what wait_ready waits for
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._proc: subprocess.Popen | None = None
         threading.Thread(target=self._keep, args=(env, theirs), name="spark-dl-zygote", daemon=True).start()
@@ -121,17 +119,13 @@ class Zygote:
                 ready = False
             if ready and not self._dead.is_set():
                 self._ready.set()
-            self._settled.set()
             self._proc.wait()
         finally:
             self._dead.set()
             self._ready.clear()
-            self._settled.set()
 
     def wait_ready(self, timeout: float) -> bool:
-        """Whether it is ready, waiting up to ``timeout`` seconds while it imports (not once it died)."""
-        self._settled.wait(timeout)
-        return self._ready.is_set() and self.alive
+        return self._ready.wait(timeout) and self.alive
 
     @property
     def alive(self) -> bool:
@@ -171,7 +165,6 @@ class Zygote:
         still be using them)."""
         self._ready.clear()
         self._dead.set()
-        self._settled.set()
         with self._lock:
             self._sock.close()
 
@@ -191,9 +184,6 @@ def fork_rank(env: dict[str, str], job_id: str) -> ForkedRank | None:
     z = _zygote
     if z is None or not z.alive or z.startup != startup_env(env) or not _usable(env):
         return None
-    # one still importing (the last run ended moments ago) is further along than a fresh start,
-    # which would also compete with it for the cores: wait for it, within reason
-    z.wait_ready(READY_WAIT_S)
     return z.fork(env, job_id)
 
 

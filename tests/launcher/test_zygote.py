@@ -96,42 +96,6 @@ def test_a_zygote_killed_between_runs_means_fresh_ranks_then_a_new_zygote():
     assert all(o["forked"] for o in HorovodRunner(np=-2).run_all(rank_facts))
 
 
-def _slow_start_env(tmp_path) -> dict[str, str]:
-    """A ``sitecustomize`` that delays every interpreter start by 2 s: a zygote started by one run
-    is still importing when the next run starts."""
-    (tmp_path / "sitecustomize.py").write_text("import time\ntime.sleep(2)\n")
-    return {"PYTHONPATH": os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])}
-
-
-def test_a_run_right_after_another_forks_from_the_zygote_still_importing(tmp_path):
-    """Waiting for a zygote that is part-way through its imports beats starting fresh ranks that
-    would redo them, competing with it for the cores."""
-    env = _slow_start_env(tmp_path)
-    if zygote._zygote is not None:
-        zygote._zygote.stop()  # this run starts fresh and leaves a zygote that starts from nothing
-    HorovodRunner(np=-2, env=env).run(rank_facts)
-    z = zygote._zygote
-    assert z is not None and not z._ready.is_set(), "the zygote should still be starting (2 s sitecustomize)"
-    outs = HorovodRunner(np=-2, env=env).run_all(rank_facts)
-    assert all(o["forked"] for o in outs) and zygote._zygote is z
-
-
-def test_a_zygote_that_dies_while_importing_does_not_hold_up_the_next_run(tmp_path):
-    env = _slow_start_env(tmp_path)
-    if zygote._zygote is not None:
-        zygote._zygote.stop()
-    HorovodRunner(np=-2, env=env).run(rank_facts)
-    z = zygote._zygote
-    deadline = time.monotonic() + 10
-    while z._proc is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    os.kill(z._proc.pid, signal.SIGKILL)
-    t = time.monotonic()
-    outs = HorovodRunner(np=-2, env=env).run_all(rank_facts)
-    assert not any(o["forked"] for o in outs)
-    assert time.monotonic() - t < zygote.READY_WAIT_S / 2, "the ranks should start fresh at once, not wait it out"
-
-
 def test_a_zygote_killed_during_a_run_fails_it_clearly_and_leaves_nothing(tmp_path):
     def main(pid_dir):
         import os
