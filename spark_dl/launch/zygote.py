@@ -362,15 +362,11 @@ def _import_rank_side() -> None:
         import numpy  # noqa: F401
         import torch  # noqa: F401
         import torch.distributed  # noqa: F401
-        # imported by a rank's first optimizer step or DDP wrap: 1.2-1.4 s of CPU it skips here
-        # (about 70 MB more resident in the zygote)
-        import torch._dynamo  # noqa: F401
     except ImportError:
         pass
     import cloudpickle  # noqa: F401
 
     import spark_dl.channel  # noqa: F401
-    import spark_dl.horovod  # noqa: F401
     import spark_dl.horovod_imports  # noqa: F401
     import spark_dl.launch.rank_main  # noqa: F401
     import spark_dl.rank  # noqa: F401
