@@ -1,12 +1,14 @@
-"""End-to-end launch time of a trivial 2-rank job: spark-dl (HorovodRunner and its TorchDistributor)
+"""End-to-end launch time of a small 2-rank job: spark-dl (HorovodRunner and its TorchDistributor)
 vs PySpark's TorchDistributor, and spark-dl with its ranks forked from a warm interpreter (the
 default) vs started fresh (``SPARK_DL_ZYGOTE=0``).
 
-    python benchmarks/launch.py [--runs 5] [--master 'local-cluster[2,1,1024]']
-    python benchmarks/launch.py --local [--runs 5]   # np=-2 on this machine, forked vs fresh ranks
+    python benchmarks/launch.py [--runs 5] [--master 'local-cluster[2,1,1024]'] [--job trivial|step]
+    python benchmarks/launch.py --local [--runs 5] [--job trivial|step]   # np=-2 on this machine, forked vs fresh ranks
 
 All run on the same warm SparkSession, interleaved, so machine noise hits them alike. The job:
-init a Gloo process group, one barrier, return. Prints the medians and their ratio.
+init a Gloo process group, one barrier, return (``trivial``); or init, wrap a small model in DDP
+and take one SGD step (``step``: what a training function does first, which imports more of torch).
+Prints the medians and their ratio.
 """
 from __future__ import annotations
 
@@ -29,6 +31,24 @@ def trivial() -> int:
     return rank
 
 
+def step() -> int:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(4, 8)).sum().backward()
+    opt.step()
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    return rank
+
+
+JOBS = {"trivial": (trivial, "trivial 2-rank job (init, barrier, return)"),
+        "step": (step, "2-rank job of one DDP step (init, wrap, backward, SGD step, return)")}
+
+
 def _table(title: str, times: dict[str, list[float]]) -> dict[str, float]:
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"\n{title}")
@@ -38,22 +58,23 @@ def _table(title: str, times: dict[str, list[float]]) -> dict[str, float]:
     return med
 
 
-def local(runs: int) -> None:
+def local(runs: int, job: str) -> None:
     """np=-2 on the driver (tracking off): ranks forked from the driver's zygote vs started fresh."""
     os.environ["SPARK_DL_TRACKING"] = "0"
     from spark_dl import HorovodRunner
     from spark_dl.launch import zygote
 
-    assert HorovodRunner(np=-2).run(trivial) == 0
+    fn, what = JOBS[job]
+    assert HorovodRunner(np=-2).run(fn) == 0
     assert zygote.wait_ready(60), "no zygote within a minute"
     envs = {"spark-dl np=-2 forked": None, "spark-dl np=-2 fresh": {"SPARK_DL_ZYGOTE": "0"}}
     times: dict[str, list[float]] = {name: [] for name in envs}
     for _ in range(runs):
         for name, env in envs.items():
             t = time.perf_counter()
-            assert HorovodRunner(np=-2, env=env).run(trivial) == 0
+            assert HorovodRunner(np=-2, env=env).run(fn) == 0
             times[name].append(time.perf_counter() - t)
-    med = _table(f"{runs} interleaved runs each in local mode, trivial 2-rank job (init, barrier, return)", times)
+    med = _table(f"{runs} interleaved runs each in local mode, {what}", times)
     forked, fresh = med["spark-dl np=-2 forked"], med["spark-dl np=-2 fresh"]
     print(f"ratio forked / fresh: {forked / fresh:.3f} ({fresh / forked:.1f}x faster)")
 
@@ -63,10 +84,12 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--master", default="local-cluster[2,1,1024]")
     parser.add_argument("--local", action="store_true", help="local mode (np=-2, no Spark): forked vs fresh ranks")
+    parser.add_argument("--job", choices=sorted(JOBS), default="trivial")
     args = parser.parse_args()
     if args.local:
-        local(args.runs)
+        local(args.runs, args.job)
         return
+    fn, what = JOBS[args.job]
 
     from pyspark.ml.torch.distributor import TorchDistributor
     from pyspark.sql import SparkSession
@@ -83,16 +106,16 @@ def main() -> None:
     spark.sparkContext.setLogLevel("ERROR")
 
     def ours() -> None:
-        assert HorovodRunner(np=2).run(trivial) == 0
+        assert HorovodRunner(np=2).run(fn) == 0
 
     def ours_fresh() -> None:  # every rank a fresh interpreter that imports torch
-        assert HorovodRunner(np=2, env={"SPARK_DL_ZYGOTE": "0"}).run(trivial) == 0
+        assert HorovodRunner(np=2, env={"SPARK_DL_ZYGOTE": "0"}).run(fn) == 0
 
     def ours_distributor() -> None:  # the same API as theirs, on spark-dl's launcher
-        assert spark_dl.TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(trivial) == 0
+        assert spark_dl.TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(fn) == 0
 
     def theirs() -> None:
-        TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(trivial)
+        TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(fn)
 
     contestants = {"spark-dl HorovodRunner": ours, "spark-dl HorovodRunner fresh": ours_fresh,
                    "spark-dl TorchDistributor": ours_distributor, "PySpark TorchDistributor": theirs}
@@ -101,13 +124,12 @@ def main() -> None:
     time.sleep(5)  # the zygotes started after the warm-up runs finish importing torch
     times: dict[str, list[float]] = {name: [] for name in contestants}
     for _ in range(args.runs):
-        for name, fn in contestants.items():
+        for name, contestant in contestants.items():
             t = time.perf_counter()
-            fn()
+            contestant()
             times[name].append(time.perf_counter() - t)
 
-    med = _table(f"{args.runs} interleaved runs each on {args.master}, trivial 2-rank job (init, barrier, return)",
-                 times)
+    med = _table(f"{args.runs} interleaved runs each on {args.master}, {what}", times)
     base = med["PySpark TorchDistributor"]
     for k in ("spark-dl HorovodRunner", "spark-dl HorovodRunner fresh", "spark-dl TorchDistributor"):
         print(f"ratio {k} / PySpark TorchDistributor: {med[k] / base:.3f} ({base / med[k]:.1f}x faster)")
