@@ -70,7 +70,6 @@ def test_each_rank_reads_an_equal_shard_and_every_epoch_is_one_global_shuffle(df
     ([True, False, True], "bool_"),  # bit-packed: through pyarrow's own conversion
 ])
 def test_arrow_columns_become_the_same_writable_arrays_as_pyarrows_to_numpy(values, arrow_type):
-    import numpy as np
     import pyarrow as pa
 
     from spark_dl.data import _numpy
