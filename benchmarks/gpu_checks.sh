@@ -6,9 +6,12 @@
 #
 #   bash benchmarks/gpu_checks.sh [logdir]
 #
-# Hosts without iproute2 can unpack its .deb files into a folder of their own and put it first on
-# PATH/LD_LIBRARY_PATH (IPROUTE_ROOT=/that/folder does both); without `ip`/`tc` the benchmark
-# prints why it skips the shaped link and still times encode/decode.
+# Hosts without iproute2 can unpack its .deb files into a folder of their own (IPROUTE_ROOT=/that/folder
+# puts it on PATH/LD_LIBRARY_PATH; its bin/ is searched too, for wrappers that run ip/tc with their
+# own libraries); without `ip`/`tc` the benchmark prints why it skips the shaped link and still
+# times encode/decode. The compression benchmark's two ranks share the one GPU: where the CUDA MPS
+# daemon is installed it runs for that step, so their kernels run side by side as on two GPUs
+# instead of time-slicing one (GPU_CHECKS_MPS=0 leaves it off).
 set -u
 cd "$(dirname "$0")/.."
 log=${1:-benchmarks/results/gpu-run-$(date -u +%Y%m%d-%H%M)}
@@ -30,11 +33,19 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log, remember a fai
     tail -n 25 "$log/$name.txt"
     [ $rc -eq 0 ] || status=1
 }
-{ nvidia-smi -L; nproc; "$py" -c "import torch; print(torch.__version__, torch.cuda.is_available())"; } \
+{ nvidia-smi -L; nproc; "$py" -c "import torch; print(torch.__version__, torch.cuda.is_available())"; command -v ip tc; } \
     >"$log/host.txt" 2>&1
 cat "$log/host.txt"
-step build 300 "$py" setup.py build_ext --inplace -q
-step tests-gpu 300 "$py" -m pytest -q -n 0 tests/gpu
-step compression-cuda 420 "$py" benchmarks/compression.py --device cuda
-step kernels 240 "$py" benchmarks/kernels.py
+step build 150 "$py" setup.py build_ext --inplace -q
+step powersgd-round 90 "$py" benchmarks/powersgd_round.py --device cuda
+mps=0
+if [ "${GPU_CHECKS_MPS:-1}" = 1 ] && command -v nvidia-cuda-mps-control >/dev/null \
+        && nvidia-cuda-mps-control -d >/dev/null 2>&1; then
+    mps=1
+fi
+echo "CUDA MPS daemon for the compression benchmark: $([ $mps = 1 ] && echo on || echo off)" >>"$log/host.txt"
+step compression-cuda 240 "$py" benchmarks/compression.py --device cuda --steps 9
+[ $mps = 1 ] && echo quit | nvidia-cuda-mps-control
+step tests-gpu 200 "$py" -m pytest -q -n 0 -p no:cacheprovider tests/gpu
+step kernels 150 "$py" benchmarks/kernels.py
 exit $status
