@@ -76,6 +76,28 @@ def _positions(numels: tuple[int, ...], which: tuple[int, ...], device: torch.de
     return torch.cat([torch.arange(starts[i], starts[i + 1]) for i in which]).to(device)
 
 
+def _bases_on_host(p_all: torch.Tensor, dims: list[tuple[int, int, int]],
+                   names: list[tuple[int, int]]) -> dict[tuple[int, int], torch.Tensor]:
+    """The orthonormal bases of a bucket's P on a CUDA device, computed on the host: ``p_all`` holds
+    each group's k factors P^T (r x n each) side by side, ``dims`` each group's (k, n, r).
+    A GPU's batched QR of these thin matrices is a chain of small launches (ResNet-50's 21
+    groups: 4.9 ms on an H200, against 1.2 ms with LAPACK and both copies), and with Gloo P
+    has just crossed host memory anyway. Returns (k, n, r) bases on ``p_all``'s device."""
+    host = torch.empty(p_all.shape, dtype=p_all.dtype, pin_memory=True)
+    host.copy_(p_all, non_blocking=True)
+    torch.cuda.current_stream(p_all.device).synchronize()
+    out = torch.empty_like(host, pin_memory=True)
+    at, views = 0, []
+    for k, n, r in dims:
+        size = k * n * r
+        q = out[at:at + size].view(k, n, r)
+        q.copy_(torch.linalg.qr(host[at:at + size].view(k, r, n).transpose(1, 2), mode="reduced").Q)
+        views.append((at, size, (k, n, r)))
+        at += size
+    on_device = out.to(p_all.device, non_blocking=True)
+    return {name: on_device[a:a + size].view(shape) for name, (a, size, shape) in zip(names, views)}
+
+
 def _no_op(t: torch.Tensor) -> None:
     return None
 
@@ -310,14 +332,21 @@ class PowerSGD(Compressor):
         if n1 or not wide:
             start(round1)()
         wait_raw()
-        # Orthonormal bases, one batched QR per group.
+        # Orthonormal bases, one batched QR per group; on a GPU, on the host (see _bases_on_host).
         ps: dict[int, torch.Tensor] = {}
         bases: dict[tuple[int, int], torch.Tensor] = {}
-        for (rows, cols), idx in groups.items():
-            basis = bases[rows, cols] = torch.linalg.qr(group_slice(round1, p_at, idx, rows).transpose(1, 2),
-                                                        mode="reduced").Q.contiguous()
+        if device.type == "cuda" and groups:
+            first = next(iter(groups.values()))[0]
+            bases = _bases_on_host(round1[p_at[first]:n1], [(len(idx), rows, ranks[idx[0]])
+                                                            for (rows, _), idx in groups.items()],
+                                   list(groups))
+        else:
+            for (rows, cols), idx in groups.items():
+                bases[rows, cols] = torch.linalg.qr(group_slice(round1, p_at, idx, rows).transpose(1, 2),
+                                                    mode="reduced").Q.contiguous()
+        for shape, idx in groups.items():
             for j, i in enumerate(idx):
-                ps[i] = basis[j]
+                ps[i] = bases[shape][j]
         # this rank's Q, stored r x m (P^T M: M streamed once)
         for (rows, cols), idx in groups.items():
             if (rows, cols) in stacks:
