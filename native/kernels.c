@@ -1301,6 +1301,85 @@ static void tks_task(void *arg, int t, int nt) {
     A->count[t] = c;
 }
 
+typedef struct {
+    const tks_args *A;
+    uint32_t lo, bin;
+    int64_t width;  /* bins lo .. HBINS-1 */
+    int64_t *hist[SDK_MAX_THREADS];  /* per thread, bin - lo */
+    int64_t out_at[SDK_MAX_THREADS], edge_at[SDK_MAX_THREADS];
+    int64_t *idx, *edge_idx;
+    float *val;
+    uint32_t *edge_bits;
+} tksel_args;
+
+static void tksel_hist_task(void *arg, int t, int nt) {
+    (void)nt;
+    tksel_args *S = (tksel_args *)arg;
+    const uint32_t *cb = S->A->cbits[t];
+    int64_t *h = S->hist[t];
+    for (int64_t c = 0; c < S->A->count[t]; c++) h[((cb[c] & 0x7fffffff) >> 16) - S->lo]++;
+}
+
+static void tksel_pick_task(void *arg, int t, int nt) {
+    (void)nt;
+    tksel_args *S = (tksel_args *)arg;
+    const tks_args *A = S->A;
+    const uint32_t *cb = A->cbits[t], *ci = A->cidx[t];
+    int64_t o = S->out_at[t], e = S->edge_at[t], base = A->start[t];
+    for (int64_t c = 0; c < A->count[t]; c++) {
+        uint32_t hb = (cb[c] & 0x7fffffff) >> 16;
+        if (hb > S->bin) { S->idx[o] = base + ci[c]; S->val[o++] = u2f(cb[c]); }
+        else if (hb == S->bin) { S->edge_idx[e] = base + ci[c]; S->edge_bits[e++] = cb[c]; }
+    }
+}
+
+/* The top k of the candidates A holds (all with bin >= lo, at least k of them): 1, or -1 when
+ * out of memory. Output order as the full method's: elements above the boundary bin in index
+ * order, then the boundary bin's picks in index order (equal keys by index). */
+static int tks_select(const tks_args *A, int nt, uint32_t lo, int64_t k, int64_t *idx, float *val) {
+    tksel_args S;
+    memset(&S, 0, sizeof S);
+    S.A = A; S.lo = lo; S.width = HBINS - (int64_t)lo; S.idx = idx; S.val = val;
+    int64_t *hists = (int64_t *)k_calloc((size_t)nt * (size_t)S.width, sizeof(int64_t));
+    if (!hists) return -1;
+    for (int t = 0; t < nt; t++) S.hist[t] = hists + (size_t)t * (size_t)S.width;
+    parallel(nt, tksel_hist_task, &S);
+    int64_t above = 0, bin = HBINS - 1;
+    for (; bin > (int64_t)lo; bin--) {
+        int64_t c = 0;
+        for (int t = 0; t < nt; t++) c += S.hist[t][bin - lo];
+        if (above + c >= k) break;
+        above += c;
+    }
+    int64_t o = 0, nedge = 0;
+    for (int t = 0; t < nt; t++) {
+        S.out_at[t] = o;
+        S.edge_at[t] = nedge;
+        for (int64_t j = bin + 1; j < HBINS; j++) o += S.hist[t][j - lo];
+        nedge += S.hist[t][bin - lo];
+    }
+    free(hists);
+    S.bin = (uint32_t)bin;
+    S.edge_idx = (int64_t *)k_malloc((size_t)(nedge > 0 ? nedge : 1) * sizeof(int64_t));
+    S.edge_bits = (uint32_t *)k_malloc((size_t)(nedge > 0 ? nedge : 1) * sizeof(uint32_t));
+    int64_t *h2 = (int64_t *)k_calloc(65536, sizeof(int64_t));
+    if (!S.edge_idx || !S.edge_bits || !h2) { free(S.edge_idx); free(S.edge_bits); free(h2); return -1; }
+    parallel(nt, tksel_pick_task, &S);
+    for (int64_t e = 0; e < nedge; e++) h2[S.edge_bits[e] & 0xffff]++;
+    int64_t need = k - above, above2 = 0, low = 65535;
+    for (; low > 0; low--) {
+        if (above2 + h2[low] >= need) break;
+        above2 += h2[low];
+    }
+    int64_t ties = need - above2, o2 = above;
+    for (int64_t e = 0; e < nedge; e++) {
+        int64_t lk = S.edge_bits[e] & 0xffff;
+        if (lk > low || (lk == low && ties-- > 0)) { idx[o2] = S.edge_idx[e]; val[o2++] = u2f(S.edge_bits[e]); }
+    }
+    free(S.edge_idx); free(S.edge_bits); free(h2);
+    return 1;
+}
+
 /* 1: done; 0: fall back to the full method (nothing written to idx/val); -1: out of memory */
 static int topk_sampled(const float *x, int64_t n, int64_t k, int64_t *idx, float *val) {
     int nt = threads_for(n);
@@ -1312,8 +1391,7 @@ static int topk_sampled(const float *x, int64_t n, int64_t k, int64_t *idx, floa
     uint32_t *h = (uint32_t *)k_calloc(HBINS, sizeof(uint32_t));
     uint32_t *ci = (uint32_t *)k_malloc((size_t)nt * (size_t)(cap + 8) * sizeof(uint32_t));
     uint32_t *cb = (uint32_t *)k_malloc((size_t)nt * (size_t)(cap + 8) * sizeof(uint32_t));
-    int64_t *h2 = (int64_t *)k_calloc(65536, sizeof(int64_t));
-    if (!h || !ci || !cb || !h2) { free(h); free(ci); free(cb); free(h2); return -1; }
+    if (!h || !ci || !cb) { free(h); free(ci); free(cb); return -1; }
     for (int c = 0; c < TK_CHUNKS; c++) {
         int64_t at = (int64_t)((double)c * (double)(n - TK_CHUNK) / (TK_CHUNKS - 1));
         for (int64_t i = at; i < at + TK_CHUNK; i++) h[key_of(x[i]) >> 16]++;
@@ -1334,37 +1412,16 @@ static int topk_sampled(const float *x, int64_t n, int64_t k, int64_t *idx, floa
     int64_t total = 0;
     int bad = 0;
     for (int t = 0; t < nt; t++) { total += A.count[t]; bad |= A.overflow[t]; }
-    if (bad || total < k) { free(h); free(ci); free(cb); free(h2); return 0; }
-    /* exact selection among the candidates (thread by thread: index order) */
-    memset(h, 0, HBINS * sizeof(uint32_t));
-    for (int t = 0; t < nt; t++)
-        for (int64_t c = 0; c < A.count[t]; c++) h[(A.cbits[t][c] & 0x7fffffff) >> 16]++;
-    int64_t above = 0, bin = HBINS - 1;
-    for (; bin > 0; bin--) {
-        if (above + h[bin] >= k) break;
-        above += h[bin];
-    }
-    for (int t = 0; t < nt; t++)
-        for (int64_t c = 0; c < A.count[t]; c++)
-            if ((A.cbits[t][c] & 0x7fffffff) >> 16 == (uint32_t)bin) h2[A.cbits[t][c] & 0xffff]++;
-    int64_t need = k - above, above2 = 0, low = 65535;
-    for (; low > 0; low--) {
-        if (above2 + h2[low] >= need) break;
-        above2 += h2[low];
-    }
-    int64_t ties = need - above2, o = 0, o2 = above;
-    for (int t = 0; t < nt; t++)
-        for (int64_t c = 0; c < A.count[t]; c++) {
-            uint32_t key = A.cbits[t][c] & 0x7fffffff;
-            int64_t i = A.start[t] + A.cidx[t][c];
-            if (key >> 16 > (uint32_t)bin) { idx[o] = i; val[o++] = u2f(A.cbits[t][c]); }
-            else if (key >> 16 == (uint32_t)bin) {
-                int64_t lk = key & 0xffff;
-                if (lk > low || (lk == low && ties-- > 0)) { idx[o2] = i; val[o2++] = u2f(A.cbits[t][c]); }
-            }
-        }
-    free(h); free(ci); free(cb); free(h2);
-    return 1;
+    free(h);
+    if (bad || total < k) { free(ci); free(cb); return 0; }
+    /* Exact selection among the candidates, in parallel: each thread histograms its own (bins
+     * >= lo only: every candidate's bin is), the boundary bin comes from their sums, and each
+     * thread then writes its elements above that bin at its offset and copies its boundary
+     * candidates to a shared list (thread order: index order). Only that short list is ranked
+     * by its low 16 bits in one thread. */
+    int rc = tks_select(&A, nt, (uint32_t)lo, k, idx, val);
+    free(ci); free(cb);
+    return rc;
 }
 
 int sdk_topk(const float *x, int64_t n, int64_t k, int64_t *idx, float *val) {

@@ -409,7 +409,7 @@ def _sample_mask(n: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("case", ["normal", "sample_too_high", "sample_too_low", "ties", "nan_inf"])
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 5])
 def test_topk_on_large_vectors_is_exact_whatever_the_sample_says(case, threads, path):
     """Vectors of 1M+ elements go through a threshold estimated from a sample; a sample that
     misleads (too high: fewer than k elements reach it; too low: more than the buffers hold)
