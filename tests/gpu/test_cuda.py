@@ -289,3 +289,29 @@ def _resumes_a_gpu_checkpoint():
 def test_a_checkpoint_of_cuda_tensors_comes_back_on_the_ranks_gpu():
     assert HorovodRunner(np=-1, max_restarts=1).run(_resumes_a_gpu_checkpoint) == (
         "cuda:0", [0.0, 1.0, 2.0, 3.0], "cpu")
+
+
+def _forked_rank_on_gpu():
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    import spark_dl
+
+    with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+        forked = b"spark_dl.launch.zygote" in f.read()
+    spark_dl.init()  # NCCL: CUDA initialised in the forked rank, never in the zygote
+    t = torch.full((4,), 2.0, device="cuda")
+    dist.all_reduce(t)
+    return {"forked": forked, "backend": dist.get_backend(), "sum": t.sum().item(),
+            "device": str(spark_dl.get_device())}
+
+
+def test_a_rank_forked_from_the_zygote_initialises_cuda_and_nccl():
+    from spark_dl.launch import zygote
+
+    HorovodRunner(np=-1).run(_prepared_on_gpu)  # a run, so this process has a zygote
+    assert zygote.wait_ready(60)
+    out = HorovodRunner(np=-1).run(_forked_rank_on_gpu)
+    assert out == {"forked": True, "backend": "nccl", "sum": 8.0, "device": "cuda:0"}
