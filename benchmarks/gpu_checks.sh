@@ -22,6 +22,7 @@ if [ -n "${IPROUTE_ROOT:-}" ]; then
     export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$IPROUTE_ROOT/usr/lib/x86_64-linux-gnu:$IPROUTE_ROOT/lib/x86_64-linux-gnu"
 fi
 export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the benchmarks import spark_dl from this checkout
 status=0
 step() {  # step NAME SECONDS CMD...: run with a time limit, log, remember a failure
     local name=$1 limit=$2
@@ -45,7 +46,12 @@ if [ "${GPU_CHECKS_MPS:-1}" = 1 ] && command -v nvidia-cuda-mps-control >/dev/nu
 fi
 echo "CUDA MPS daemon for the compression benchmark: $([ $mps = 1 ] && echo on || echo off)" >>"$log/host.txt"
 step compression-cuda 240 "$py" benchmarks/compression.py --device cuda --steps 9
-[ $mps = 1 ] && echo quit | nvidia-cuda-mps-control
+if [ $mps = 1 ]; then
+    echo quit | nvidia-cuda-mps-control
+    # the same without MPS: the ranks' CUDA contexts time-slice the GPU
+    step compression-cuda-timesliced 120 "$py" benchmarks/compression.py --device cuda --steps 9 \
+        --compressors fp32,powersgd-r4
+fi
 step tests-gpu 200 "$py" -m pytest -q -n 0 -p no:cacheprovider tests/gpu
 step kernels 150 "$py" benchmarks/kernels.py
 exit $status
