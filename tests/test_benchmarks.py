@@ -4,6 +4,7 @@ time; the comparisons themselves belong to the scripts."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -121,3 +122,15 @@ def test_hvd_checks_benchmark_prints_a_ratio_per_size():
     rows = [line.split() for line in done.stdout.splitlines() if line.split()[:1] in (["1"], ["1,000"])]
     assert len(rows) == 2 and all(len(row) == 6 and row[2] == row[4] == "ms" for row in rows)
     assert "the check alone" in done.stdout
+
+
+def test_powersgd_round_benchmark_profiles_and_compares_the_orthonormalizations():
+    done = _run("benchmarks/powersgd_round.py", "--device", "cpu", "--layout", "resnet50:4", "--repeats", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert "(resnet50:4, 161 tensors)" in out and out.count("ms wall (synchronized)") == 1
+    assert re.search(r"orthonormal P for \d+ matrices in \d+ shape groups", out)
+    for way in ("batched QR on the device", "batched Gram-Schmidt", "batched Cholesky-QR"):
+        assert any(line.strip().startswith(way) and float(line.split()[-1]) > 0 for line in out.splitlines()), way
+    err = float(out.rsplit("|P^T P - I| on the first group: ", 1)[1].split(")")[0])
+    assert err < 1e-5  # the Gram-Schmidt variant is a real orthonormalization
