@@ -21,12 +21,13 @@ import argparse
 import json
 import math
 import os
-import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # As in the launcher's rank processes (inherited by this script's ranks): huge pages for big
 # CPU tensors. Read by torch at its first big allocation, so before the import.
@@ -234,61 +235,32 @@ def rank_main(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def _sh(*cmd: str) -> None:
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
-
-
 def network_table(args: argparse.Namespace) -> None:
-    if os.geteuid() != 0:
-        print("\nSkipping the shaped-link all-reduce: needs root (network namespaces and tc).")
-        return
-    if not (shutil.which("ip") and shutil.which("tc")):
-        print("\nSkipping the shaped-link all-reduce: `ip`/`tc` missing (apt-get install iproute2).")
-        return
-    tag = str(os.getpid() % 100000)
-    ns = [f"sdlbench{tag}a", f"sdlbench{tag}b"]
-    dev = [f"sdl{tag}a", f"sdl{tag}b"]
-    addr = ["10.213.0.1", "10.213.0.2"]
-    try:
-        _sh("ip", "netns", "add", ns[0])
-        _sh("ip", "netns", "add", ns[1])
-        _sh("ip", "link", "add", dev[0], "type", "veth", "peer", "name", dev[1])
-        for i in (0, 1):
-            _sh("ip", "link", "set", dev[i], "netns", ns[i])
-            _sh("ip", "-n", ns[i], "addr", "add", f"{addr[i]}/30", "dev", dev[i])
-            _sh("ip", "-n", ns[i], "link", "set", "lo", "up")
-            _sh("ip", "-n", ns[i], "link", "set", dev[i], "up")
-            # Token bucket at the link rate; the burst must cover one timer tick at that rate.
-            _sh("tc", "-n", ns[i], "qdisc", "add", "dev", dev[i], "root", "tbf",
-                "rate", f"{args.rate_mbit}mbit", "burst", "1mb", "latency", "100ms")
-    except (subprocess.CalledProcessError, OSError) as e:
-        detail = getattr(e, "stderr", "") or str(e)
-        print(f"\nSkipping the shaped-link all-reduce: cannot create network namespaces ({detail.strip()}).")
-        for n in ns:
-            subprocess.run(["ip", "netns", "del", n], capture_output=True)
-        return
+    from shaped_link import Unavailable, shaped_link
+
     out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
+    procs: list[subprocess.Popen] = []
     try:
-        procs = []
-        for r in (0, 1):
-            env = dict(os.environ, GLOO_SOCKET_IFNAME=dev[r])
-            cmd = ["ip", "netns", "exec", ns[r], sys.executable, os.path.abspath(__file__),
-                   "--rank", str(r), "--master", addr[0], "--port", "29533", "--out", out,
-                   "--numel", str(args.numel), "--layout", args.layout, "--steps", str(args.steps),
-                   "--threads", str(args.threads), "--compressors", args.compressors,
-                   "--device", args.device]
-            procs.append(subprocess.Popen(cmd, env=env))
-        codes = [p.wait(timeout=1800) for p in procs]
-        if any(codes):
-            raise SystemExit(f"rank processes exited with {codes}")
-        with open(out) as f:
-            results = json.load(f)
+        with shaped_link(args.rate_mbit) as link:
+            for r in (0, 1):
+                cmd = [sys.executable, os.path.abspath(__file__),
+                       "--rank", str(r), "--master", link.addresses[0], "--port", "29533", "--out", out,
+                       "--numel", str(args.numel), "--layout", args.layout, "--steps", str(args.steps),
+                       "--threads", str(args.threads), "--compressors", args.compressors,
+                       "--device", args.device]
+                procs.append(subprocess.Popen(link.wrap(r, cmd), env=link.env(r)))
+            codes = [p.wait(timeout=1800) for p in procs]
+            if any(codes):
+                raise SystemExit(f"rank processes exited with {codes}")
+            with open(out) as f:
+                results = json.load(f)
+    except Unavailable as e:
+        print(f"\nSkipping the shaped-link all-reduce: {e}.")
+        return
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-        for n in ns:
-            subprocess.run(["ip", "netns", "del", n], capture_output=True)
         os.unlink(out)
     rate = args.rate_mbit * 1e6 / 8
     base = results["fp32"]["step_s"]

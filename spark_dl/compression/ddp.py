@@ -3,8 +3,16 @@
     state, hook = make_ddp_hook(QSGD())
     ddp_model.register_comm_hook(state, hook)
 
-Contract: the hook returns a completed ``torch.futures.Future`` holding the bucket's averaged
-(``op="average"``) or summed gradients, identical on every rank. Per-bucket compressor state
+Contract: the hook returns a ``torch.futures.Future`` holding the bucket's averaged
+(``op="average"``) or summed gradients, identical on every rank. By default the hook reduces the
+bucket before it returns. With ``overlap=True`` (on the default process group) the bucket is
+reduced on a background thread while backward goes on producing the next buckets;
+that thread reduces the buckets in the order DDP hands them over (bucket index order on every
+rank), on a process group of its own, created at the first bucket, so that DDP's own collectives
+on the default group (the unused-parameter map, buffer broadcasts) can never interleave with
+them. A bucket that fails fails every later one on that rank too (the ranks are out of lockstep).
+With an explicit ``process_group`` (a new group would have to be created by every rank of the
+job, not only the group's) buckets are always reduced inside the hook. Per-bucket compressor state
 (error feedback, PowerSGD's Q, step counters) is keyed by the bucket's index and layout (its
 size and its parameters' shapes), ``"ddp.bucket<i>.<hash of the layout>"`` (PowerSGD factors
 each gradient of the bucket as its own matrix, as torch's ``powerSGD_hook`` does). When DDP
@@ -17,7 +25,10 @@ then reduced through the rebuilt buckets' state they were reduced through before
 (the same collectives in the same order: training resumes as if uninterrupted), and the rebuilt
 buckets find their state again by their layout.
 """
+import contextlib
 import hashlib
+import queue
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -44,15 +55,70 @@ class DDPHookState:
     routes: dict[str, list[tuple[str, int, tuple[int, ...]]]] = field(default_factory=dict)
     owners: dict[int, str] = field(default_factory=dict, repr=False)  # parameter -> its layout's key
     members: dict[str, tuple[int, list[int], bool]] = field(default_factory=dict, repr=False)
+    overlap: bool = False
+    worker: Any = field(default=None, repr=False)  # the _Worker reducing buckets, once started
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["process_group"] = None  # a process group is a live connection, not data
         state["owners"], state["members"] = {}, {}  # addresses of this process's parameters
+        state["worker"] = None  # a thread and its process group: started again by the first bucket
         return state
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update({"routes": {}, "owners": {}, "members": {}, **state})
+        self.__dict__.update({"routes": {}, "owners": {}, "members": {}, "overlap": False, **state,
+                              "worker": None})
+
+
+class _Worker:
+    """One daemon thread reducing buckets in submission order on its own process group."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.error: BaseException | None = None
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="spark-dl-ddp-hook", daemon=True)
+        self._thread.start()
+
+    def submit(self, work: Callable[[Any], torch.Tensor], device: torch.device) -> torch.futures.Future:
+        """Queue ``work(group)``; call it on the thread (and CUDA stream) that produced the bucket."""
+        ready = None
+        if device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(device))
+        fut: torch.futures.Future = torch.futures.Future()
+        self._queue.put((work, fut, ready, device))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            work, fut, ready, device = self._queue.get()
+            if self.error is not None:
+                fut.set_exception(RuntimeError(f"an earlier gradient bucket failed: {self.error!r}"))
+                continue
+            try:
+                on_gpu = device.type == "cuda"
+                with torch.no_grad(), (torch.cuda.device(device) if on_gpu else contextlib.nullcontext()):
+                    if on_gpu:
+                        torch.cuda.current_stream().wait_event(ready)
+                    out = work(self.group)
+                    if on_gpu:  # DDP reads the result on its own stream once the future is done
+                        torch.cuda.current_stream().synchronize()
+            except BaseException as e:  # raised in backward by DDP's wait on the future
+                self.error = e
+                fut.set_exception(e)
+            else:
+                fut.set_result(out)
+
+
+def _worker(state: DDPHookState) -> _Worker | None:
+    """The state's worker, started (with its process group) at the first bucket; None where
+    buckets are reduced in the hook."""
+    if state.worker is None and state.overlap and state.process_group is None \
+            and dist.is_initialized() and dist.get_world_size() > 1:
+        # every rank gets here at its first bucket, so the group is created on all of them alike
+        state.worker = _Worker(dist.new_group(backend=dist.get_backend()))
+    return state.worker
 
 
 def _layout(bucket: dist.GradBucket) -> tuple:
@@ -92,11 +158,11 @@ def _route(state: DDPHookState, old: str) -> list[tuple[str, int, tuple[int, ...
     return route
 
 
-def _track(state: DDPHookState, bucket: dist.GradBucket, key: str, tiles: bool) -> None:
-    """Record that ``bucket``'s parameters are reduced under ``key``; a layout whose parameters
-    have all moved to other buckets (DDP rebuilt them) has its state reset and its route kept."""
-    params = [p.data_ptr() for p in bucket.parameters()]
-    state.members[key] = (bucket.index(), params, tiles)
+def _track(state: DDPHookState, index: int, params: list[int], key: str, tiles: bool) -> None:
+    """Record that bucket ``index``'s parameters (addresses) are reduced under ``key``; a layout
+    whose parameters have all moved to other buckets (DDP rebuilt them) has its state reset and
+    its route kept."""
+    state.members[key] = (index, params, tiles)
     before = {state.owners.get(p) for p in params} - {None, key}
     for p in params:
         state.owners[p] = key
@@ -110,55 +176,64 @@ def _track(state: DDPHookState, bucket: dist.GradBucket, key: str, tiles: bool) 
             del state.members[old]
 
 
-def _reduce_routed(state: DDPHookState, bucket: dist.GradBucket,
-                   route: list[tuple[str, int, tuple[int, ...]]]) -> None:
+def _reduce_routed(state: DDPHookState, grads: list[torch.Tensor], params: list[int],
+                   route: list[tuple[str, int, tuple[int, ...]]], group: Any) -> None:
     """Reduce the bucket's gradients as the buckets of ``route`` do, each with its own state: a
     restored DDP's initial bucket goes through the state its gradients used before the checkpoint."""
-    grads, params = bucket.gradients(), bucket.parameters()
     for key, index, positions in route:
         flat = torch.cat([grads[i].reshape(-1) for i in positions])
-        allreduce(flat, state.compressor, op=state.op, name=key, group=state.process_group,
+        allreduce(flat, state.compressor, op=state.op, name=key, group=group,
                   layout=[tuple(grads[i].shape) for i in positions], out=flat)
         at = 0
         for i in positions:  # the gradients are views of the bucket's buffer
             grads[i].copy_(flat[at:at + grads[i].numel()].view_as(grads[i]))
             at += grads[i].numel()
-        state.members[key] = (index, [params[i].data_ptr() for i in positions], True)
+        state.members[key] = (index, [params[i] for i in positions], True)
         for i in positions:
-            state.owners[params[i].data_ptr()] = key
+            state.owners[params[i]] = key
+
+
+def _reduce(state: DDPHookState, index: int, layout: tuple, shapes: list | None, buffer: torch.Tensor,
+            grads: list[torch.Tensor], params: list[int], group: Any) -> torch.Tensor:
+    key = _key(index, layout)
+    route = state.routes.get(key)
+    if route is not None and shapes is not None:
+        _reduce_routed(state, grads, params, route, group)
+        return buffer
+    _track(state, index, params, key, shapes is not None)
+    state.layouts[index] = layout
+    # The result goes straight into the bucket (read in full before it is written): no result
+    # tensor, and DDP has nothing to copy back.
+    return allreduce(buffer, state.compressor, op=state.op, name=key, group=group, layout=shapes, out=buffer)
 
 
 # DDP checks these annotations at runtime, so they are real objects here, not strings.
 def compressed_hook(state: DDPHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """All-reduce ``bucket.buffer()`` through ``state.compressor`` (see the module docstring)."""
-    index, layout = bucket.index(), _layout(bucket)
-    key = _key(index, layout)
-    shapes = _shapes(bucket)
     buffer = bucket.buffer()
-    route = state.routes.get(key)
-    if route is not None and shapes is not None:
-        _reduce_routed(state, bucket, route)
-        out = buffer
-    else:
-        _track(state, bucket, key, shapes is not None)
-        state.layouts[index] = layout
-        # The result goes straight into the bucket (read in full before it is written): no result
-        # tensor, and DDP has nothing to copy back.
-        out = allreduce(buffer, state.compressor, op=state.op, name=key, group=state.process_group,
-                        layout=shapes, out=buffer)
+    # what the reduction needs, read here: the GradBucket is DDP's to reuse once this returns
+    args = (bucket.index(), _layout(bucket), _shapes(bucket), buffer, list(bucket.gradients()),
+            [p.data_ptr() for p in bucket.parameters()])
+    worker = _worker(state)
+    if worker is not None:
+        return worker.submit(lambda group: _reduce(state, *args, group), buffer.device)
     fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(out)
+    fut.set_result(_reduce(state, *args, state.process_group))
     return fut
 
 
 def make_ddp_hook(compressor: Compressor | None = None, *, op: str = "average",
-                  process_group: Any = None) -> tuple[DDPHookState, Callable]:
+                  process_group: Any = None, overlap: bool = False) -> tuple[DDPHookState, Callable]:
     """``(state, hook)`` for ``DistributedDataParallel.register_comm_hook(state, hook)``. ``compressor``:
-    an instance, or a compressor class that takes no arguments (instantiated once, here)."""
+    an instance, or a compressor class that takes no arguments (instantiated once, here).
+    ``overlap``: reduce buckets on a background thread while backward runs (default process
+    group only; see the module docstring)."""
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    if not isinstance(overlap, bool):
+        raise TypeError(f"overlap must be True or False, got {overlap!r}")
     c = NoneCompressor() if compressor is None else as_compressor(compressor, "make_ddp_hook")
-    state = DDPHookState(c, op, process_group)
+    state = DDPHookState(c, op, process_group, overlap=overlap)
     return state, compressed_hook
 
 

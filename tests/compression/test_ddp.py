@@ -40,10 +40,12 @@ def ddp_main():
     out = {}
     for key, comp in [("onebit", C.OneBit()), ("qsgd", C.QSGD(levels=15, bucket_size=64, seed=0)),
                       ("powersgd", C.PowerSGD(rank=2, start_iter=3)),
-                      ("topk_ef", C.ErrorFeedback(C.TopK(0.3)))]:
+                      ("topk_ef", C.ErrorFeedback(C.TopK(0.3))),
+                      ("qsgd_overlap", C.QSGD(levels=15, bucket_size=64, seed=0)),
+                      ("powersgd_overlap", C.PowerSGD(rank=2, start_iter=3))]:
         torch.manual_seed(1)
         model = DDP(Net(), bucket_cap_mb=0.0005)  # 500 bytes: several buckets
-        state, hook = C.make_ddp_hook(comp)
+        state, hook = C.make_ddp_hook(comp, overlap=key.endswith("_overlap"))
         model.register_comm_hook(state, hook)
         opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.5)
         losses, layouts = [], []
@@ -79,6 +81,10 @@ def ddp_main():
             "resumed_loss": loss.item(),
             "resumed_params": [p.detach().clone().tolist() for p in resumed.parameters()],
             "q_shapes": sorted((k, tuple(q.shape)) for k, q in getattr(comp, "qs", {}).items()),
+            # overlap=True: a worker thread on a process group of its own (the resumed state's too)
+            "worker": state.worker is not None and state.worker.group is not None
+            and state.worker.group != dist.group.WORLD,
+            "resumed_worker": back.worker is not None,
         }
     out["stats"] = C.stats.snapshot()
     return out
@@ -89,14 +95,17 @@ def ranks():
     return HorovodRunner(np=-2).run_all(ddp_main)
 
 
-@pytest.mark.parametrize("key", ["onebit", "qsgd", "powersgd", "topk_ef"])
+KEYS = ["onebit", "qsgd", "powersgd", "topk_ef", "qsgd_overlap", "powersgd_overlap"]
+
+
+@pytest.mark.parametrize("key", KEYS)
 def test_ddp_hook_trains_with_identical_params(ranks, key):
     a, b = ranks[0][key], ranks[1][key]
     assert a["params"] == b["params"]  # every rank applied the same reduced gradients
     assert a["losses"][-1] < 0.1 * a["losses"][0], a["losses"][::10]
 
 
-@pytest.mark.parametrize("key", ["onebit", "qsgd", "powersgd", "topk_ef"])
+@pytest.mark.parametrize("key", KEYS)
 def test_ddp_hook_survives_bucket_rebuild_and_pickles(ranks, key):
     out = ranks[0][key]
     assert len(out["layouts_last"]) >= 2  # several buckets
@@ -107,6 +116,16 @@ def test_ddp_hook_survives_bucket_rebuild_and_pickles(ranks, key):
         assert out["memory_keys"] and all("ddp.bucket" in k for k in out["memory_keys"])
     assert out["resumed_params"] == ranks[1][key]["resumed_params"]
     assert out["resumed_loss"] < 0.2 * out["losses"][0]
+
+
+@pytest.mark.parametrize("key", ["qsgd", "powersgd"])
+def test_overlapped_buckets_give_the_same_bits_on_a_thread_and_group_of_their_own(ranks, key):
+    for rank in ranks:
+        inline, overlapped = rank[key], rank[key + "_overlap"]
+        assert overlapped["worker"] and overlapped["resumed_worker"] and not inline["worker"]
+        # the same collectives in the same order, only on another thread: the same training
+        assert overlapped["losses"] == inline["losses"] and overlapped["params"] == inline["params"]
+        assert overlapped["resumed_params"] == inline["resumed_params"]
 
 
 def test_ddp_hook_powersgd_factors_each_weight_of_a_bucket(ranks):
@@ -206,3 +225,41 @@ def test_a_restored_hook_state_resumes_as_if_uninterrupted(checkpointed, key):
         assert out["buckets"] == 3
         assert out["max_diff"] == 0.0
         assert out["resets"] == (1, 1)  # the initial bucket's state, once, and none after the restore
+
+
+def failing_bucket_main(overlap: bool):
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import spark_dl
+    import spark_dl.compression as C
+
+    class Failing(C.FP16):
+        """Fails at its third call, on every rank alike (no rank is left waiting in a collective)."""
+        calls = 0
+
+        def compress_scaled(self, tensor, scale, key=None):
+            Failing.calls += 1
+            if Failing.calls == 3:
+                raise ValueError("this compressor fails at its third bucket")
+            return super().compress_scaled(tensor, scale, key=key)
+
+    spark_dl.init()
+    model = DDP(nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 1)), bucket_cap_mb=0.0001)
+    model.register_comm_hook(*C.make_ddp_hook(Failing(), overlap=overlap))
+    for _ in range(3):
+        model(torch.randn(4, 8)).sum().backward()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_failing_bucket_fails_backward_with_its_error(overlap):
+    from spark_dl import JobFailed
+
+    with pytest.raises(JobFailed, match="this compressor fails at its third bucket"):
+        HorovodRunner(np=-2).run(failing_bucket_main, overlap=overlap)
+
+
+def test_make_ddp_hook_refuses_an_overlap_that_is_not_a_bool():
+    with pytest.raises(TypeError, match="overlap must be True or False, got 'yes'"):
+        C.make_ddp_hook(C.FP16(), overlap="yes")
