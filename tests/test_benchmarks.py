@@ -134,3 +134,17 @@ def test_powersgd_round_benchmark_profiles_and_compares_the_orthonormalizations(
         assert any(line.strip().startswith(way) and float(line.split()[-1]) > 0 for line in out.splitlines()), way
     err = float(out.rsplit("|P^T P - I| on the first group: ", 1)[1].split(")")[0])
     assert err < 1e-5  # the Gram-Schmidt variant is a real orthonormalization
+
+
+def test_ddp_hooks_benchmark_compares_with_torchs_hooks():
+    done = _run("benchmarks/ddp_hooks.py", "--loopback", "--width", "64", "--depth", "2", "--steps", "1",
+                "--warmup", "3", "--bucket-mb", "0.01")
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert "Gloo over loopback" in out and "(--loopback)" in out
+    rows = {line[:34].strip(): line[34:].split() for line in out.splitlines() if line[:34].strip()
+            and len(line[34:].split()) == 2 and line.rstrip().endswith("x")}
+    assert set(rows) == {"ddp fp32", "torch fp16_compress_hook", "spark-dl FP16", "spark-dl FP16 overlap=True",
+                         "torch powerSGD_hook r4", "spark-dl PowerSGD r4", "spark-dl PowerSGD r4 overlap=True",
+                         "spark-dl QSGD 4-bit", "spark-dl top-k 1% + EF", "compute only (no communication)"}, rows
+    assert "spark-dl PowerSGD r4 against torch powerSGD_hook r4: " in out
