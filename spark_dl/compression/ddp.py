@@ -29,6 +29,7 @@ import contextlib
 import hashlib
 import queue
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -90,25 +91,36 @@ class _Worker:
         self._queue.put((work, fut, ready, device))
         return fut
 
+    def stop(self) -> None:
+        """End the thread once what is queued is done (the hook state it served is gone)."""
+        self._queue.put(None)
+
     def _run(self) -> None:
         while True:
-            work, fut, ready, device = self._queue.get()
-            if self.error is not None:
-                fut.set_exception(RuntimeError(f"an earlier gradient bucket failed: {self.error!r}"))
-                continue
-            try:
-                on_gpu = device.type == "cuda"
-                with torch.no_grad(), (torch.cuda.device(device) if on_gpu else contextlib.nullcontext()):
-                    if on_gpu:
-                        torch.cuda.current_stream().wait_event(ready)
-                    out = work(self.group)
-                    if on_gpu:  # DDP reads the result on its own stream once the future is done
-                        torch.cuda.current_stream().synchronize()
-            except BaseException as e:  # raised in backward by DDP's wait on the future
-                self.error = e
-                fut.set_exception(e)
-            else:
-                fut.set_result(out)
+            item = self._queue.get()
+            if item is None:
+                return
+            self._reduce(*item)
+            del item  # the work holds its hook state: waiting for the next must not keep it alive
+
+    def _reduce(self, work: Callable[[Any], torch.Tensor], fut: torch.futures.Future, ready: Any,
+                device: torch.device) -> None:
+        if self.error is not None:
+            fut.set_exception(RuntimeError(f"an earlier gradient bucket failed: {self.error!r}"))
+            return
+        try:
+            on_gpu = device.type == "cuda"
+            with torch.no_grad(), (torch.cuda.device(device) if on_gpu else contextlib.nullcontext()):
+                if on_gpu:
+                    torch.cuda.current_stream().wait_event(ready)
+                out = work(self.group)
+                if on_gpu:  # DDP reads the result on its own stream once the future is done
+                    torch.cuda.current_stream().synchronize()
+        except BaseException as e:  # raised in backward by DDP's wait on the future
+            self.error = e
+            fut.set_exception(e)
+        else:
+            fut.set_result(out)
 
 
 def _worker(state: DDPHookState) -> _Worker | None:
@@ -118,6 +130,7 @@ def _worker(state: DDPHookState) -> _Worker | None:
             and dist.is_initialized() and dist.get_world_size() > 1:
         # every rank gets here at its first bucket, so the group is created on all of them alike
         state.worker = _Worker(dist.new_group(backend=dist.get_backend()))
+        weakref.finalize(state, state.worker.stop)  # a DDP model per trial must not pile up threads
     return state.worker
 
 

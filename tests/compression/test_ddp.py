@@ -263,3 +263,31 @@ def test_a_failing_bucket_fails_backward_with_its_error(overlap):
 def test_make_ddp_hook_refuses_an_overlap_that_is_not_a_bool():
     with pytest.raises(TypeError, match="overlap must be True or False, got 'yes'"):
         C.make_ddp_hook(C.FP16(), overlap="yes")
+
+
+def worker_thread_main():
+    import gc
+
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import spark_dl
+    import spark_dl.compression as C
+
+    spark_dl.init()
+    model = DDP(nn.Linear(8, 1))
+    state, hook = C.make_ddp_hook(C.FP16(), overlap=True)
+    model.register_comm_hook(state, hook)
+    model(torch.randn(4, 8)).sum().backward()
+    thread = state.worker._thread
+    alive = thread.is_alive()
+    del model, state, hook
+    gc.collect()
+    thread.join(10)
+    return alive, thread.is_alive()
+
+
+def test_the_overlap_thread_ends_with_its_hook_state():
+    # one DDP model per trial (a tuning loop) must not leave a thread behind per model
+    assert HorovodRunner(np=-2).run(worker_thread_main) == (True, False)
