@@ -147,8 +147,9 @@ int main(void) {
     int64_t sizes[] = {0, 1, 7, 8, 9, 15, 16, 17, 1023, 1025, 65537, SDK_PAR_MIN + 9};
     for (int scalar = 0; scalar < 2; scalar++) {
         sdk_force_scalar(scalar);
-        for (int t = 1; t <= 2; t++) {
-            sdk_set_threads(t);
+        int threads[] = {1, 2, 5};  /* 5: more shares than this machine's cores */
+        for (int ti = 0; ti < 3; ti++) {
+            sdk_set_threads(threads[ti]);
             for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) run(sizes[i]);
         }
     }
