@@ -20,7 +20,8 @@ and its factors: :class:`FactoredResiduals`) and projects; the second computes Q
 is one streaming write. The torch path (GPUs, or no C compiler) batches the tensors that share
 a matrix shape (ResNet-50's 54 weights come in 21 shapes): one (k, n, m) M per shape, whose
 slices are the residuals, with batched products and one in-place residual update while Q is on
-the wire.
+the wire; on a GPU the orthonormal bases of the summed P are computed on the host (one copy each
+way), where LAPACK beats the GPU's chain of small QR kernels for these thin matrices.
 Before ``start_iter``
 compressed steps (counted per tensor) and for tensors where rank r saves less than
 ``min_compression_rate``, or no bytes at all (r(n + m) >= n m: a (1, N) or (N, 1) weight), the
