@@ -286,6 +286,8 @@ def network_table(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    from shaped_link import add_rank_arguments
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layout", default="resnet50",
                         help="resnet50 (its 161 tensors in one bucket), resnet50:WIDTH, or square")
@@ -297,10 +299,7 @@ def main() -> None:
     parser.add_argument("--compressors", default=",".join(COMPRESSORS),
                         help="comma-separated subset (fp32 first: the ratios are against it)")
     parser.add_argument("--device", default="cpu", help="where gradients live and are (de)compressed: cpu or cuda")
-    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--master", help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
+    add_rank_arguments(parser)
     args = parser.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: torch {torch.__version__} sees no CUDA device here; "

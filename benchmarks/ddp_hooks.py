@@ -149,6 +149,8 @@ def rank_main(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    from shaped_link import add_rank_arguments
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="mlp", help="mlp (needs nothing) or resnet50 (torchvision)")
     parser.add_argument("--width", type=int, default=2048, help="mlp: layer width")
@@ -162,10 +164,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
-    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--master", help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
+    add_rank_arguments(parser)
     args = parser.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: torch {torch.__version__} sees no CUDA device here")

@@ -7,6 +7,7 @@ machine for the benchmarks' 2-rank runs (needs root and iproute2; private 10.213
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import shutil
@@ -27,6 +28,14 @@ class Link:
 
     def env(self, rank: int) -> dict[str, str]:
         return dict(os.environ, GLOO_SOCKET_IFNAME=self.devices[rank])
+
+
+def add_rank_arguments(parser: argparse.ArgumentParser) -> None:
+    """The hidden options a benchmark passes to its own rank processes (``--rank`` set: be a rank)."""
+    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--master", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
 
 
 class Unavailable(Exception):
