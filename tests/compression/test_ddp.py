@@ -291,3 +291,43 @@ def worker_thread_main():
 def test_the_overlap_thread_ends_with_its_hook_state():
     # one DDP model per trial (a tuning loop) must not leave a thread behind per model
     assert HorovodRunner(np=-2).run(worker_thread_main) == (True, False)
+
+
+def unused_parameters_main():
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import spark_dl
+    import spark_dl.compression as C
+
+    spark_dl.init()
+
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.head = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 1)
+            self.norm = nn.BatchNorm1d(16)  # a buffer DDP broadcasts on the default group each forward
+
+        def forward(self, x, step):
+            return self.head(self.norm(self.a(x) if step % 2 else self.b(x)))  # one branch unused
+
+    torch.manual_seed(0)
+    model = DDP(Branchy(), find_unused_parameters=True, bucket_cap_mb=0.0005)
+    state, hook = C.make_ddp_hook(C.QSGD(levels=15, bucket_size=64, seed=0), overlap=True)
+    model.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(torch.distributed.get_rank()))
+    for step in range(12):
+        opt.zero_grad()
+        model(x, step).pow(2).mean().backward()  # DDP all-reduces its unused-parameter map meanwhile
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()], state.worker is not None
+
+
+def test_overlap_with_unused_parameters_and_buffers_keeps_the_ranks_in_step():
+    import torch
+
+    (a, worker_a), (b, worker_b) = HorovodRunner(np=-2).run_all(unused_parameters_main)
+    assert worker_a and worker_b
+    assert all(torch.equal(p, q) for p, q in zip(a, b))
