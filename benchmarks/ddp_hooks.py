@@ -219,7 +219,9 @@ def main() -> None:
     for name, s in results.items():
         ratio = f"{base / s:>12.2f}x" if base else f"{'':>13}"
         print(f"{name:<34}{s * 1e3:>10.1f}{ratio}")
-    pairs = [("spark-dl FP16", "torch fp16_compress_hook"), ("spark-dl PowerSGD r4", "torch powerSGD_hook r4")]
+    pairs = [("spark-dl FP16", "torch fp16_compress_hook"), ("spark-dl FP16 overlap=True", "torch fp16_compress_hook"),
+             ("spark-dl PowerSGD r4", "torch powerSGD_hook r4"),
+             ("spark-dl PowerSGD r4 overlap=True", "torch powerSGD_hook r4")]
     for ours, theirs in pairs:
         if ours in results and theirs in results:
             print(f"{ours} against {theirs}: {results[theirs] / results[ours]:.2f}x as fast")

@@ -286,3 +286,40 @@ def allreduce(tensor: torch.Tensor, compression: Compressor | None = None, *,
     stats.add_call(tensor.numel(), _ring_bytes(tensor.numel() * tensor.element_size(), world),
                    time.perf_counter() - start)
     return out if out is not None else result
+
+
+def summable_in_flight(tensor: torch.Tensor, compression: Compressor) -> bool:
+    """Whether :func:`start_summable` takes this tensor: a contiguous float32 CPU tensor and a
+    summable compressor (one all-reduce per payload tensor)."""
+    return (compression.summable and not isinstance(compression, PowerSGD) and tensor.device.type == "cpu"
+            and tensor.dtype == torch.float32 and tensor.is_contiguous())
+
+
+def start_summable(tensor: torch.Tensor, compression: Compressor, *, op: str, name: Any, group: Any,
+                   out: torch.Tensor) -> torch.futures.Future:
+    """:func:`allreduce` of ``tensor`` into ``out`` (the same bits) for what
+    :func:`summable_in_flight` takes, returned as soon as the payload's all-reduces are under way:
+    the future completes with ``out`` once they are done and decoded (on a thread of the process
+    group). Several buckets can then be on the wire at once, as DDP's own all-reduces are."""
+    world = dist.get_world_size(group)
+    start = time.perf_counter()
+    scale = 1.0 / world if op == "average" else 1.0
+    if isinstance(compression, _Cast) and scale != 1.0:
+        payload = compression.compress_scaled(tensor, scale, key=name)
+    elif scale != 1.0:
+        payload = compression.compress_averaged(tensor, world, key=name)
+    else:
+        payload = compression.compress(tensor, key=name)
+    futures = []
+    for t in payload.tensors:
+        stats.add_bytes(_ring_bytes(t.numel() * t.element_size(), world))
+        futures.append(dist.all_reduce(t, group=group, async_op=True).get_future())
+
+    def decode(_: torch.futures.Future) -> torch.Tensor:
+        for f in futures:
+            f.value()  # raises the collective's error, if any
+        compression.decompress_into(payload, out.view(-1))
+        stats.add_call(tensor.numel(), _ring_bytes(tensor.numel() * tensor.element_size(), world),
+                       time.perf_counter() - start)
+        return out
+    return torch.futures.collect_all(futures).then(decode)

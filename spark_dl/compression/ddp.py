@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .base import Compressor, as_compressor
-from .collectives import OPS, allreduce
+from .collectives import OPS, allreduce, start_summable, summable_in_flight
 from .fp import NoneCompressor
 
 
@@ -119,8 +119,18 @@ class _Worker:
         except BaseException as e:  # raised in backward by DDP's wait on the future
             self.error = e
             fut.set_exception(e)
+            return
+        if isinstance(out, torch._C.Future):  # still on the wire (then() makes a plain C future)
+            out.add_done_callback(lambda done: self._complete(fut, done))
         else:
             fut.set_result(out)
+
+    def _complete(self, fut: torch.futures.Future, done: torch.futures.Future) -> None:
+        try:
+            fut.set_result(done.value())
+        except BaseException as e:
+            self.error = e
+            fut.set_exception(e)
 
 
 def _worker(state: DDPHookState) -> _Worker | None:
@@ -207,7 +217,10 @@ def _reduce_routed(state: DDPHookState, grads: list[torch.Tensor], params: list[
 
 
 def _reduce(state: DDPHookState, index: int, layout: tuple, shapes: list | None, buffer: torch.Tensor,
-            grads: list[torch.Tensor], params: list[int], group: Any) -> torch.Tensor:
+            grads: list[torch.Tensor], params: list[int], group: Any,
+            in_flight: bool = False) -> torch.Tensor | torch.futures.Future:
+    """The bucket reduced into ``buffer``; with ``in_flight`` (the overlap thread), a future of it
+    where a summable compressor's all-reduce can stay on the wire while the next bucket starts."""
     key = _key(index, layout)
     route = state.routes.get(key)
     if route is not None and shapes is not None:
@@ -215,6 +228,8 @@ def _reduce(state: DDPHookState, index: int, layout: tuple, shapes: list | None,
         return buffer
     _track(state, index, params, key, shapes is not None)
     state.layouts[index] = layout
+    if in_flight and summable_in_flight(buffer, state.compressor):
+        return start_summable(buffer, state.compressor, op=state.op, name=key, group=group, out=buffer)
     # The result goes straight into the bucket (read in full before it is written): no result
     # tensor, and DDP has nothing to copy back.
     return allreduce(buffer, state.compressor, op=state.op, name=key, group=group, layout=shapes, out=buffer)
@@ -229,7 +244,7 @@ def compressed_hook(state: DDPHookState, bucket: dist.GradBucket) -> torch.futur
             [p.data_ptr() for p in bucket.parameters()])
     worker = _worker(state)
     if worker is not None:
-        return worker.submit(lambda group: _reduce(state, *args, group), buffer.device)
+        return worker.submit(lambda group: _reduce(state, *args, group, in_flight=True), buffer.device)
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(_reduce(state, *args, state.process_group))
     return fut

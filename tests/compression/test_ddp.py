@@ -42,7 +42,11 @@ def ddp_main():
                       ("powersgd", C.PowerSGD(rank=2, start_iter=3)),
                       ("topk_ef", C.ErrorFeedback(C.TopK(0.3))),
                       ("qsgd_overlap", C.QSGD(levels=15, bucket_size=64, seed=0)),
-                      ("powersgd_overlap", C.PowerSGD(rank=2, start_iter=3))]:
+                      ("powersgd_overlap", C.PowerSGD(rank=2, start_iter=3)),
+                      # summable: overlapped, several buckets on the wire at once
+                      ("fp16", C.FP16()), ("fp16_overlap", C.FP16()),
+                      ("randomk_ef", C.ErrorFeedback(C.RandomK(0.5))),
+                      ("randomk_ef_overlap", C.ErrorFeedback(C.RandomK(0.5)))]:
         torch.manual_seed(1)
         model = DDP(Net(), bucket_cap_mb=0.0005)  # 500 bytes: several buckets
         state, hook = C.make_ddp_hook(comp, overlap=key.endswith("_overlap"))
@@ -95,7 +99,8 @@ def ranks():
     return HorovodRunner(np=-2).run_all(ddp_main)
 
 
-KEYS = ["onebit", "qsgd", "powersgd", "topk_ef", "qsgd_overlap", "powersgd_overlap"]
+KEYS = ["onebit", "qsgd", "powersgd", "topk_ef", "qsgd_overlap", "powersgd_overlap", "fp16", "fp16_overlap",
+        "randomk_ef", "randomk_ef_overlap"]
 
 
 @pytest.mark.parametrize("key", KEYS)
@@ -118,7 +123,7 @@ def test_ddp_hook_survives_bucket_rebuild_and_pickles(ranks, key):
     assert out["resumed_loss"] < 0.2 * out["losses"][0]
 
 
-@pytest.mark.parametrize("key", ["qsgd", "powersgd"])
+@pytest.mark.parametrize("key", ["qsgd", "powersgd", "fp16", "randomk_ef"])
 def test_overlapped_buckets_give_the_same_bits_on_a_thread_and_group_of_their_own(ranks, key):
     for rank in ranks:
         inline, overlapped = rank[key], rank[key + "_overlap"]
