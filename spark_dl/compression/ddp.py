@@ -10,7 +10,9 @@ reduced on a background thread while backward goes on producing the next buckets
 that thread reduces the buckets in the order DDP hands them over (bucket index order on every
 rank), on a process group of its own, created at the first bucket, so that DDP's own collectives
 on the default group (the unused-parameter map, buffer broadcasts) can never interleave with
-them. A bucket that fails fails every later one on that rank too (the ranks are out of lockstep).
+them. A summable compressor's CPU buckets stay on the wire together there (their all-reduces are
+started, and decoded as they land: :func:`~spark_dl.compression.collectives.start_summable`).
+A bucket that fails fails every later one on that rank too (the ranks are out of lockstep).
 With an explicit ``process_group`` (a new group would have to be created by every rank of the
 job, not only the group's) buckets are always reduced inside the hook. Per-bucket compressor state
 (error feedback, PowerSGD's Q, step counters) is keyed by the bucket's index and layout (its
