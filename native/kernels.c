@@ -1146,6 +1146,43 @@ void sdk_qsgd_decode(const float *norms, const uint8_t *packed, int64_t n, int64
  * boundary bin are kept as candidates for level 2. */
 #define HBINS 32768
 
+/* Level 1's cut from per-thread histograms (hist[t][j] counts bin lo + j, bins lo..HBINS-1): the
+ * bin holding the k-th largest key (never below lo), how many keys lie above it, and each
+ * thread's offsets, in thread order (index order), into the output for its keys above that bin
+ * (out_at) and into the boundary bin's list (edge_at); *nedge: that list's length. */
+static int64_t tk_cut(int64_t *const *hist, int nt, int64_t lo, int64_t k, int64_t *above,
+                      int64_t *out_at, int64_t *edge_at, int64_t *nedge) {
+    int64_t a = 0, bin = HBINS - 1;
+    for (; bin > lo; bin--) {
+        int64_t c = 0;
+        for (int t = 0; t < nt; t++) c += hist[t][bin - lo];
+        if (a + c >= k) break;
+        a += c;
+    }
+    int64_t o = 0, e = 0;
+    for (int t = 0; t < nt; t++) {
+        out_at[t] = o;
+        edge_at[t] = e;
+        for (int64_t j = bin + 1; j < HBINS; j++) o += hist[t][j - lo];
+        e += hist[t][bin - lo];
+    }
+    *above = a;
+    *nedge = e;
+    return bin;
+}
+
+/* Level 2's cut over the boundary bin's low 16 bits (h2): the lowest low-bits value taken, and
+ * in *ties how many keys equal to it are taken (the first ones by index) to make up need. */
+static int64_t tk_cut2(const int64_t *h2, int64_t need, int64_t *ties) {
+    int64_t above2 = 0, low = 65535;
+    for (; low > 0; low--) {
+        if (above2 + h2[low] >= need) break;
+        above2 += h2[low];
+    }
+    *ties = need - above2;
+    return low;
+}
+
 typedef struct {
     const float *x;
     int64_t n, k, bin;
@@ -1344,20 +1381,8 @@ static int tks_select(const tks_args *A, int nt, uint32_t lo, int64_t k, int64_t
     if (!hists) return -1;
     for (int t = 0; t < nt; t++) S.hist[t] = hists + (size_t)t * (size_t)S.width;
     parallel(nt, tksel_hist_task, &S);
-    int64_t above = 0, bin = HBINS - 1;
-    for (; bin > (int64_t)lo; bin--) {
-        int64_t c = 0;
-        for (int t = 0; t < nt; t++) c += S.hist[t][bin - lo];
-        if (above + c >= k) break;
-        above += c;
-    }
-    int64_t o = 0, nedge = 0;
-    for (int t = 0; t < nt; t++) {
-        S.out_at[t] = o;
-        S.edge_at[t] = nedge;
-        for (int64_t j = bin + 1; j < HBINS; j++) o += S.hist[t][j - lo];
-        nedge += S.hist[t][bin - lo];
-    }
+    int64_t above, nedge;
+    int64_t bin = tk_cut(S.hist, nt, lo, k, &above, S.out_at, S.edge_at, &nedge);
     free(hists);
     S.bin = (uint32_t)bin;
     S.edge_idx = (int64_t *)k_malloc((size_t)(nedge > 0 ? nedge : 1) * sizeof(int64_t));
@@ -1366,12 +1391,7 @@ static int tks_select(const tks_args *A, int nt, uint32_t lo, int64_t k, int64_t
     if (!S.edge_idx || !S.edge_bits || !h2) { free(S.edge_idx); free(S.edge_bits); free(h2); return -1; }
     parallel(nt, tksel_pick_task, &S);
     for (int64_t e = 0; e < nedge; e++) h2[S.edge_bits[e] & 0xffff]++;
-    int64_t need = k - above, above2 = 0, low = 65535;
-    for (; low > 0; low--) {
-        if (above2 + h2[low] >= need) break;
-        above2 += h2[low];
-    }
-    int64_t ties = need - above2, o2 = above;
+    int64_t ties, low = tk_cut2(h2, k - above, &ties), o2 = above;
     for (int64_t e = 0; e < nedge; e++) {
         int64_t lk = S.edge_bits[e] & 0xffff;
         if (lk > low || (lk == low && ties-- > 0)) { idx[o2] = S.edge_idx[e]; val[o2++] = u2f(S.edge_bits[e]); }
@@ -1439,36 +1459,18 @@ int sdk_topk(const float *x, int64_t n, int64_t k, int64_t *idx, float *val) {
     if (!hists) return -1;
     for (int t = 0; t < nt; t++) A.hist[t] = hists + (size_t)t * HBINS;
     parallel(nt, tk_hist_task, &A);
-    int64_t above = 0, bin = HBINS - 1;
-    for (; bin > 0; bin--) {
-        int64_t c = 0;
-        for (int t = 0; t < nt; t++) c += A.hist[t][bin];
-        if (above + c >= k) break;
-        above += c;
-    }
-    int64_t ncand = 0, o = 0;
-    for (int t = 0; t < nt; t++) {
-        A.out_at[t] = o;
-        A.cand_at[t] = ncand;
-        for (int64_t j = bin + 1; j < HBINS; j++) o += A.hist[t][j];
-        ncand += A.hist[t][bin];
-    }
+    int64_t above, ncand;
+    int64_t bin = tk_cut(A.hist, nt, 0, k, &above, A.out_at, A.cand_at, &ncand);
     free(hists);
     A.bin = bin;
     A.cand = (int64_t *)k_malloc((size_t)(ncand > 0 ? ncand : 1) * sizeof(int64_t));
     if (!A.cand) return -1;
     parallel(nt, tk_pick_task, &A);
     /* level 2 over the candidates' low 16 bits; equal keys go by index (candidates are in order) */
-    int64_t need = k - above;
     int64_t *h2 = (int64_t *)k_calloc(65536, sizeof(int64_t));
     if (!h2) { free(A.cand); return -1; }
     for (int64_t c = 0; c < ncand; c++) h2[key_of(x[A.cand[c]]) & 0xffff]++;
-    int64_t above2 = 0, low = 65535;
-    for (; low > 0; low--) {
-        if (above2 + h2[low] >= need) break;
-        above2 += h2[low];
-    }
-    int64_t ties = need - above2;
+    int64_t ties, low = tk_cut2(h2, k - above, &ties), o = above;
     for (int64_t c = 0; c < ncand; c++) {
         int64_t i = A.cand[c];
         int64_t lk = key_of(x[i]) & 0xffff;
