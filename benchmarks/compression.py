@@ -22,9 +22,7 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -236,32 +234,16 @@ def rank_main(args: argparse.Namespace) -> None:
 
 
 def network_table(args: argparse.Namespace) -> None:
-    from shaped_link import Unavailable, shaped_link
+    from shaped_link import Unavailable, run_ranks, shaped_link
 
-    out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
-    procs: list[subprocess.Popen] = []
+    rank_args = ["--numel", str(args.numel), "--layout", args.layout, "--steps", str(args.steps),
+                 "--threads", str(args.threads), "--compressors", args.compressors, "--device", args.device]
     try:
         with shaped_link(args.rate_mbit) as link:
-            for r in (0, 1):
-                cmd = [sys.executable, os.path.abspath(__file__),
-                       "--rank", str(r), "--master", link.addresses[0], "--port", "29533", "--out", out,
-                       "--numel", str(args.numel), "--layout", args.layout, "--steps", str(args.steps),
-                       "--threads", str(args.threads), "--compressors", args.compressors,
-                       "--device", args.device]
-                procs.append(subprocess.Popen(link.wrap(r, cmd), env=link.env(r)))
-            codes = [p.wait(timeout=1800) for p in procs]
-            if any(codes):
-                raise SystemExit(f"rank processes exited with {codes}")
-            with open(out) as f:
-                results = json.load(f)
+            results = run_ranks(__file__, rank_args, link, 29533, timeout=1800)
     except Unavailable as e:
         print(f"\nSkipping the shaped-link all-reduce: {e}.")
         return
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        os.unlink(out)
     rate = args.rate_mbit * 1e6 / 8
     base = results["fp32"]["step_s"]
     where = f"{args.threads} thread(s) per rank" if args.device == "cpu" else \

@@ -21,9 +21,7 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -175,40 +173,22 @@ def main() -> None:
         rank_main(args)
         return
 
-    from shaped_link import Unavailable, shaped_link
+    from shaped_link import Unavailable, run_ranks, shaped_link
 
-    out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
     rank_args = ["--model", args.model, "--width", str(args.width), "--depth", str(args.depth),
                  "--batch", str(args.batch), "--bucket-mb", str(args.bucket_mb), "--device", args.device,
                  "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
-                 "--variants", args.variants, "--out", out, "--port", "29541"]
-    procs: list[subprocess.Popen] = []
-
-    def launch(wrap, master: str, env) -> dict:
-        for r in (0, 1):
-            cmd = [sys.executable, os.path.abspath(__file__), "--rank", str(r), "--master", master, *rank_args]
-            procs.append(subprocess.Popen(wrap(r, cmd), env=env(r)))
-        codes = [p.wait(timeout=3600) for p in procs]
-        if any(codes):
-            raise SystemExit(f"rank processes exited with {codes}")
-        with open(out) as f:
-            return json.load(f)
+                 "--variants", args.variants]
     try:
-        try:
-            if args.loopback:
-                raise Unavailable("--loopback")
-            with shaped_link(args.rate_mbit) as link:
-                results = launch(link.wrap, link.addresses[0], link.env)
-                where = f"a {args.rate_mbit} Mbit/s veth (tc tbf)"
-        except Unavailable as e:
-            print(f"No shaped link ({e}): the ranks talk over loopback.")
-            results = launch(lambda r, cmd: cmd, "127.0.0.1", lambda r: dict(os.environ))
-            where = "loopback"
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        os.unlink(out)
+        if args.loopback:
+            raise Unavailable("--loopback")
+        with shaped_link(args.rate_mbit) as link:
+            results = run_ranks(__file__, rank_args, link, 29541)
+            where = f"a {args.rate_mbit} Mbit/s veth (tc tbf)"
+    except Unavailable as e:
+        print(f"No shaped link ({e}): the ranks talk over loopback.")
+        results = run_ranks(__file__, rank_args, None, 29541)
+        where = "loopback"
     size = sum(p.numel() for p in make_model(argparse.Namespace(**{**vars(args), "device": "cpu", "rank": 0}))[0]
                .parameters())
     model = f"{args.model} ({size / 1e6:.1f}M parameters, batch {args.batch} per rank)"

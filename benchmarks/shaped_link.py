@@ -4,14 +4,18 @@ machine for the benchmarks' 2-rank runs (needs root and iproute2; private 10.213
     with shaped_link(1000) as link:        # None (with link.why set) where it cannot be made
         cmd = link.wrap(rank, [sys.executable, ...])  # run in rank's namespace
         env = link.env(rank)                          # Gloo bound to that rank's veth end
+        results = run_ranks(script, args, link, port)  # or link=None: on loopback
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import shutil
 import subprocess
+import sys
+import tempfile
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -36,6 +40,30 @@ def add_rank_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--master", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+
+
+def run_ranks(script: str, args: list[str], link: Link | None, port: int, timeout: float = 3600) -> dict:
+    """Run ``script --rank r --master M --port port --out F *args`` for ranks 0 and 1, in the link's
+    namespaces (on loopback with ``link=None``), and return the JSON rank 0 wrote to F."""
+    out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
+    master = link.addresses[0] if link else "127.0.0.1"
+    procs: list[subprocess.Popen] = []
+    try:
+        for r in (0, 1):
+            cmd = [sys.executable, os.path.abspath(script), "--rank", str(r), "--master", master,
+                   "--port", str(port), "--out", out, *args]
+            procs.append(subprocess.Popen(link.wrap(r, cmd) if link else cmd,
+                                          env=link.env(r) if link else dict(os.environ)))
+        codes = [p.wait(timeout=timeout) for p in procs]
+        if any(codes):
+            raise SystemExit(f"rank processes exited with {codes}")
+        with open(out) as f:
+            return json.load(f)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        os.unlink(out)
 
 
 class Unavailable(Exception):
