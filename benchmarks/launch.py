@@ -62,7 +62,7 @@ def local(runs: int, job: str) -> None:
     """np=-2 on the driver (tracking off): ranks forked from the driver's zygote vs started fresh."""
     os.environ["SPARK_DL_TRACKING"] = "0"
     from spark_dl import HorovodRunner
-    from spark_dl.launch import zygote
+    from spark_dl.task import zygote
 
     fn, what = JOBS[job]
     assert HorovodRunner(np=-2).run(fn) == 0

@@ -66,7 +66,7 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     args = parse_args(argv)
 
     from spark_dl import HorovodRunner, LaunchRefused
-    from spark_dl.script import read_script
+    from spark_dl.rank.script import read_script
 
     error = stderr_writer()
     try:

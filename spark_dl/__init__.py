@@ -7,13 +7,17 @@ Driver side: :class:`HorovodRunner` (or :class:`TorchDistributor`, PySpark's API
 :mod:`spark_dl.horovod.spark`, :mod:`spark_dl.ray_train` (Ray Train's ``TorchTrainer``),
 :mod:`spark_dl.estimator` (``TorchEstimator``).
 """
-from .checkpoint import load_checkpoint, save_checkpoint
-from .distributor import TorchDistributor
-from .prepare import get_device, prepare_data_loader, prepare_model
-from .errors import JobFailed, LaunchRefused, RankFailed, SparkDLError
-from .rank import RankContext, get_context, init, log_to_driver
-from .runner import HorovodRunner, RunInfo
-from .tracking import Tracking, log_metrics, log_model, log_params
+from spark_dl import import_paths
+
+import_paths.install()  # before anything below imports a module by its short name
+
+from spark_dl.rank.checkpoint import load_checkpoint, save_checkpoint
+from spark_dl.compat.distributor import TorchDistributor
+from spark_dl.rank.prepare import get_device, prepare_data_loader, prepare_model
+from spark_dl.errors import JobFailed, LaunchRefused, RankFailed, SparkDLError
+from spark_dl.rank.context import RankContext, get_context, init, log_to_driver
+from spark_dl.driver.runner import HorovodRunner, RunInfo
+from spark_dl.tracking import Tracking, log_metrics, log_model, log_params
 
 __version__ = "0.1.0"
 

@@ -5,7 +5,7 @@ import os
 import threading
 import time
 
-from spark_dl import cluster
+from spark_dl.driver import cluster
 
 
 class OtherJob:

@@ -16,16 +16,16 @@ RandomK         yes        32 * ratio          wrap in ErrorFeedback
 PowerSGD        own rounds 32 r (n+m) / (n m)  built in
 ==============  =========  ==================  ==========================
 """
-from .base import Compressor, Payload
-from .collectives import allreduce
-from .ddp import DDPHookState, compressed_hook, ddp_hook, make_ddp_hook
-from .fp import BF16, FP16, NoneCompressor
-from .memory import ErrorFeedback
-from .powersgd import PowerSGD
-from .qsgd import QSGD
-from .sign import EFSign, OneBit, ScaledSign, SignMeans
-from .sparse import RandomK, TopK
-from .stats import CompressionStats, stats
+from spark_dl.compression.base import Compressor, Payload
+from spark_dl.compression.collectives import allreduce
+from spark_dl.compression.ddp import DDPHookState, compressed_hook, ddp_hook, make_ddp_hook
+from spark_dl.compression.fp import BF16, FP16, NoneCompressor
+from spark_dl.compression.memory import ErrorFeedback
+from spark_dl.compression.powersgd import PowerSGD
+from spark_dl.compression.qsgd import QSGD
+from spark_dl.compression.sign import EFSign, OneBit, ScaledSign, SignMeans
+from spark_dl.compression.sparse import RandomK, TopK
+from spark_dl.compression.stats import CompressionStats, stats
 
 __all__ = [
     "Compressor", "Payload", "ErrorFeedback", "allreduce", "stats", "CompressionStats",

@@ -27,10 +27,10 @@ import torch.distributed as dist
 
 from spark_dl.errors import as_int
 
-from .base import Compressor, Payload, as_compressor
-from .fp import NoneCompressor, _Cast
-from .powersgd import PowerSGD
-from .stats import stats
+from spark_dl.compression.base import Compressor, Payload, as_compressor
+from spark_dl.compression.fp import NoneCompressor, _Cast
+from spark_dl.compression.powersgd import PowerSGD
+from spark_dl.compression.stats import stats
 
 OPS = ("average", "sum")
 

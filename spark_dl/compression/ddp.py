@@ -38,9 +38,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .base import Compressor, as_compressor
-from .collectives import OPS, allreduce, start_summable, summable_in_flight
-from .fp import NoneCompressor
+from spark_dl.compression.base import Compressor, as_compressor
+from spark_dl.compression.collectives import OPS, allreduce, start_summable, summable_in_flight
+from spark_dl.compression.fp import NoneCompressor
 
 
 @dataclass

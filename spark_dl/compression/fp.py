@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from . import native
-from .base import Compressor, Key, Meta, Payload, check_float
+from spark_dl.compression import native
+from spark_dl.compression.base import Compressor, Key, Meta, Payload, check_float
 
 
 class NoneCompressor(Compressor):

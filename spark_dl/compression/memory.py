@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .base import Compressor, Key, Payload, as_compressor, check_float
+from spark_dl.compression.base import Compressor, Key, Payload, as_compressor, check_float
 
 
 def key_matches(key: Key, prefix: Key) -> bool:

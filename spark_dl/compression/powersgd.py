@@ -39,10 +39,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from . import native
-from .base import Compressor, Key, Meta, Payload, check_float, int_param, real_param, restore
-from .memory import PendingResiduals, key_matches
-from .rng import generator
+from spark_dl.compression import native
+from spark_dl.compression.base import Compressor, Key, Meta, Payload, check_float, int_param, real_param, restore
+from spark_dl.compression.memory import PendingResiduals, key_matches
+from spark_dl.compression.rng import generator
 
 AllReduce = Callable[[torch.Tensor], None]
 # begins an in-place sum across ranks and returns the function that waits for it to finish

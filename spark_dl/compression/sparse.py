@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import native
-from .base import Compressor, Key, Meta, Payload, check_float, flat32, int_param, real_param, restore
-from .rng import generator
+from spark_dl.compression import native
+from spark_dl.compression.base import Compressor, Key, Meta, Payload, check_float, flat32, int_param, real_param, restore
+from spark_dl.compression.rng import generator
 
 
 def _k(n: int, ratio: float) -> int:
@@ -165,7 +165,7 @@ class RandomK(Compressor):
 
     def reset(self, key: Key = None) -> None:
         # Step counters are shared state across ranks: every rank resets them together.
-        from .memory import key_matches
+        from spark_dl.compression.memory import key_matches
 
         if key is None:
             self.steps.clear()

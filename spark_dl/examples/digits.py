@@ -64,7 +64,7 @@ def train_digits(epochs: int = 10, batch_size: int = 16, base_lr: float = 0.002,
     from torch.utils.data.distributed import DistributedSampler
 
     import spark_dl
-    import spark_dl.horovod as hvd
+    import spark_dl.compat.horovod as hvd
 
     hvd.init()
     torch.manual_seed(seed)

@@ -46,7 +46,7 @@ def _signature_kwargs(model: Any, input_example: Any, name: str = "model") -> di
         example, out = run_on_example(model, input_example)
         return {"signature": infer_signature(example, out), "input_example": example}
     except Exception as e:  # noqa: BLE001 - the model matters more than its signature
-        from .mlflow_writer import TrackingWarning
+        from spark_dl.tracking.driver.mlflow_writer import TrackingWarning
 
         warnings.warn(f"log_model: no signature could be inferred for model {name!r} from its input_example "
                       f"({type(e).__name__}: {e}); it is logged without a signature and input example",

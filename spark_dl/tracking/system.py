@@ -14,14 +14,15 @@ import threading
 import time
 from typing import Any, Callable
 
-from ..errors import env_number
+from spark_dl.errors import env_number
+from spark_dl import protocol
 
 DEFAULT_INTERVAL_S = 5.0
 
 
 def interval_s() -> float:
     """Seconds between samples, from the driver's ``SPARK_DL_SYSTEM_METRICS_INTERVAL``."""
-    return env_number("SPARK_DL_SYSTEM_METRICS_INTERVAL", DEFAULT_INTERVAL_S, unit=" s")
+    return env_number(protocol.SYSTEM_METRICS_ENV, DEFAULT_INTERVAL_S, unit=" s")
 
 
 def sample(psutil: Any) -> dict[str, float]:
@@ -113,7 +114,7 @@ class Sampler:
                 values = sample(self.psutil)
             except Exception:  # noqa: BLE001 - a monitoring hiccup must never touch the job
                 continue
-            self.send("tracking/system", {"host": self.host, "time": time.time(), "step": step, "metrics": values})
+            self.send(protocol.TRACKING_SYSTEM, {"host": self.host, "time": time.time(), "step": step, "metrics": values})
             step += 1
 
     def stop(self) -> None:

@@ -5,11 +5,11 @@ Goyal et al., "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour" (2017
 (``weight_decay=``), applied after gradients are averaged across ranks, not as an L2 term in the
 loss; gradient accumulation is ``spark_dl.horovod.DistributedOptimizer(backward_passes_per_step=)``.
 """
-from .lars import LARS, lars_trust_ratio
-from .momentum import VFormSGD
-from .recipe import LargeBatchRecipe
-from .scaling import scale_lr
-from .schedule import LRSchedule, WarmupScheduler, lr_at
+from spark_dl.train.lars import LARS, lars_trust_ratio
+from spark_dl.train.momentum import VFormSGD
+from spark_dl.train.recipe import LargeBatchRecipe
+from spark_dl.train.scaling import scale_lr
+from spark_dl.train.schedule import LRSchedule, WarmupScheduler, lr_at
 
 __all__ = [
     "scale_lr",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-from ..errors import in_range
+from spark_dl.errors import in_range
 
 
 def number(value: Any, name: str, *, low: float | None = None, high: float | None = None,

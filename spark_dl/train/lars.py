@@ -5,7 +5,7 @@ from typing import Any, Iterable
 
 import torch
 
-from .checks import CheckedGroups, flag, momentum_sgd, number
+from spark_dl.train.checks import CheckedGroups, flag, momentum_sgd, number
 
 
 def lars_trust_ratio(weight: torch.Tensor, grad: torch.Tensor, trust_coefficient: float = 0.001,

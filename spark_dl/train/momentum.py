@@ -23,7 +23,7 @@ from typing import Any, Iterable
 
 import torch
 
-from .checks import CheckedGroups, flag, momentum_sgd
+from spark_dl.train.checks import CheckedGroups, flag, momentum_sgd
 
 
 class VFormSGD(CheckedGroups, torch.optim.Optimizer):

@@ -6,9 +6,9 @@ from dataclasses import KW_ONLY, dataclass, field
 
 import torch
 
-from .checks import number
-from .scaling import Rule, scale_lr
-from .schedule import Decay, LRSchedule, WarmupScheduler
+from spark_dl.train.checks import number
+from spark_dl.train.scaling import Rule, scale_lr
+from spark_dl.train.schedule import Decay, LRSchedule, WarmupScheduler
 
 # Goyal et al.'s ImageNet schedule: the lr divided by 10 at epochs 30, 60 and 80 of 90.
 GOYAL_MILESTONES: tuple[int, ...] = (30, 60, 80)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from .checks import number
+from spark_dl.train.checks import number
 
 Rule = Literal["linear", "sqrt", "none"]
 RULES: tuple[str, ...] = ("linear", "sqrt", "none")

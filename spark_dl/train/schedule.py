@@ -14,7 +14,7 @@ from typing import Any, Literal, Sequence
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-from .checks import number
+from spark_dl.train.checks import number
 
 Decay = Literal["none", "step", "cosine"]
 DECAYS: tuple[str, ...] = ("none", "step", "cosine")

@@ -72,7 +72,7 @@ def test_each_rank_reads_an_equal_shard_and_every_epoch_is_one_global_shuffle(df
 def test_arrow_columns_become_the_same_writable_arrays_as_pyarrows_to_numpy(values, arrow_type):
     import pyarrow as pa
 
-    from spark_dl.data import _numpy
+    from spark_dl.rank.shards import _numpy
 
     array = pa.array(values + values, type=getattr(pa, arrow_type)())
     for a in (array, array.slice(len(values))):  # a slice starts at an offset into its buffer

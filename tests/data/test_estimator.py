@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from spark_dl import LaunchRefused, RankFailed
-from spark_dl.estimator import TorchEstimator, TorchModel, _split
+from spark_dl.estimator import TorchEstimator, TorchModel
+from spark_dl.compat.estimator.torch_estimator import _split
 
 
 @pytest.fixture
@@ -339,7 +340,7 @@ def _rows(output, y):
 def test_compression_accumulation_and_step_limits(spark, tmp_path, monkeypatch, sqlite_uri):
     import mlflow
 
-    from spark_dl.checkpoint import CheckpointStore
+    from spark_dl.rank.checkpoint import CheckpointStore
     from spark_dl.compression import FP16
 
     monkeypatch.setenv("SPARK_DL_TRACKING", "1")

@@ -85,7 +85,7 @@ def gpu_rank_main(steps: int = 30):
 
     import spark_dl.compression as C
     import spark_dl.horovod as hvd
-    from spark_dl.tensors import comm_device
+    from spark_dl.rank.tensors import comm_device
 
     hvd.init()
     out = {"backend": dist.get_backend(), "device": torch.cuda.current_device(),
@@ -324,7 +324,7 @@ def _forked_rank_on_gpu():
 
 
 def test_a_rank_forked_from_the_zygote_initialises_cuda_and_nccl():
-    from spark_dl.launch import zygote
+    from spark_dl.task import zygote
 
     HorovodRunner(np=-1).run(_prepared_on_gpu)  # a run, so this process has a zygote
     assert zygote.wait_ready(60)

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from spark_dl import channel
+from spark_dl.transport import channel
 
 
 class Recorder:

@@ -215,7 +215,7 @@ def test_runner_env_reaches_every_rank_locally_and_on_spark(spark):
 def hash_and_import():
     import extra_module  # found through env's PYTHONPATH
 
-    import spark_dl.launch.task  # noqa: F401 - and what the worker's own path holds still is
+    import spark_dl.task.barrier  # noqa: F401 - and what the worker's own path holds still is
 
     return hash("abc"), extra_module.VALUE
 

@@ -9,7 +9,8 @@ import pytest
 
 import spark_dl
 from slots import OtherJob
-from spark_dl import HorovodRunner, LaunchRefused, cluster
+from spark_dl import HorovodRunner, LaunchRefused
+from spark_dl.driver import cluster
 
 
 def fails_on_attempt_0(flags):

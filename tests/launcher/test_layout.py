@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from spark_dl.launch.layout import TaskInfo, compute_layout
+from spark_dl.task.layout import TaskInfo, compute_layout
 
 
 def flat(layout):

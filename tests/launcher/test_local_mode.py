@@ -252,7 +252,7 @@ def test_an_error_that_cannot_be_printed_or_is_huge_is_still_reported():
 def writes_scratch(die_on_rank):
     import tempfile
 
-    from spark_dl.rank import get_context, scratch_dir
+    from spark_dl.rank.context import get_context, scratch_dir
 
     scratch = scratch_dir()
     with open(os.path.join(scratch, f"rank-{get_context().rank}.bin"), "wb") as f:  # e.g. an unpacked checkpoint
@@ -296,7 +296,7 @@ def test_the_root_cause_is_reported_not_the_peers_broken_collective():
 
 
 def test_a_broken_collective_with_no_cause_in_sight_is_reported_after_a_grace():
-    from spark_dl.driver import CONSEQUENCE_GRACE_S
+    from spark_dl.driver.monitor import CONSEQUENCE_GRACE_S
 
     t = time.monotonic()
     with pytest.raises(RankFailed, match=r"Connection (closed|reset) by peer") as e:

@@ -163,7 +163,7 @@ def test_a_path_that_is_there_but_is_not_a_regular_file_says_what_it_is(tmp_path
 
 
 def test_a_script_exit_status_is_the_error_without_a_traceback(script, tmp_path):
-    from spark_dl.script import ScriptExit
+    from spark_dl.rank.script import ScriptExit
 
     with pytest.raises(RankFailed) as e:
         HorovodRunner(np=-2).run_script(script, "--out", str(tmp_path), "--fail-rank", "1")
@@ -189,7 +189,7 @@ def test_an_executor_without_the_scripts_file_still_has_its_source(tmp_path):
     """The source ships with the job; a rank whose host has no copy of the file (run here as a
     path that does not exist) shows the failing line and lets inspect.getsource (torch.jit.script)
     read the script's functions: both said 'source code not available'."""
-    from spark_dl.script import Script
+    from spark_dl.rank.script import Script
 
     source = ("import inspect\n\ndef step(x):\n    return 1 / x  # the failing line\n\n"
               "print(inspect.getsource(step).splitlines()[0], flush=True)\nstep(0)\n")

@@ -9,10 +9,11 @@ import pickle
 
 import pytest
 
-from spark_dl import HorovodRunner, channel, load_checkpoint, save_checkpoint
-from spark_dl.checkpoint import CheckpointStore
-from spark_dl.driver import JobMonitor
-from spark_dl.launch.relay import Relay, replay
+from spark_dl import HorovodRunner, load_checkpoint, save_checkpoint
+from spark_dl.transport import channel
+from spark_dl.rank.checkpoint import CheckpointStore
+from spark_dl.driver.monitor import JobMonitor
+from spark_dl.task.relay import Relay, replay
 
 
 def resumes_own_shard(crash_rank, crash_before_epoch_saved):

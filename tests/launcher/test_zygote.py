@@ -14,7 +14,7 @@ import pytest
 from procs import recorded_pids, wait_all_dead
 
 from spark_dl import HorovodRunner, JobFailed
-from spark_dl.launch import zygote
+from spark_dl.task import zygote
 
 
 def rank_facts(module_name: str | None = None) -> dict:
@@ -124,7 +124,7 @@ DRIVER = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from procs import record_self_and_child
     from spark_dl import HorovodRunner
-    from spark_dl.launch import zygote
+    from spark_dl.task import zygote
 
     def main(pid_dir):
         import os, time

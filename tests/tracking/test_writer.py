@@ -9,9 +9,9 @@ import mlflow
 import pytest
 from mlflow import MlflowClient
 
-from spark_dl.tracking.mlflow_writer import MlflowWriter, TrackingWarning
+from spark_dl.tracking.driver.mlflow_writer import MlflowWriter, TrackingWarning
 from spark_dl.tracking.params import flatten, is_secret_name, redact
-from spark_dl.tracking.rank import _CommSampler
+from spark_dl.tracking.rank.api import _CommSampler
 
 
 def test_large_batches_are_split_and_long_params_truncated(tracking_uri):
@@ -84,7 +84,7 @@ def test_errors_a_retry_cannot_fix_are_told_from_server_trouble():
     from mlflow.exceptions import MlflowException
     from mlflow.protos import databricks_pb2 as codes
 
-    from spark_dl.tracking.mlflow_writer import _permanent
+    from spark_dl.tracking.driver.mlflow_writer import _permanent
 
     def permanent(code):
         return _permanent(MlflowException("x", error_code=getattr(codes, code)))

@@ -1,0 +1,149 @@
+"""The contract between spark-dl's processes, declared once: message kinds and environment variables.
+
+Three kinds of process talk over the job's authenticated channel (:mod:`spark_dl.transport.channel`):
+the **driver** (the user's process), each **barrier task** (a Spark Python worker, or a thread of the
+driver with ``np < 0``) and each **rank** process. Every frame is ``(kind, data)``; the kinds, who
+sends them and what ``data`` holds are below. A kind is never written as a literal anywhere else.
+
+The task starts each rank with the environment variables below (:data:`RANK_ENV` and
+:data:`JOB_ENV`); a user's ``env=`` may not set any of them (:data:`RESERVED_ENV`).
+"""
+from __future__ import annotations
+
+from typing import Any, TypedDict
+
+# -- message kinds ---------------------------------------------------------------------------------
+# task/rank -> driver, first frame of a connection
+HELLO = "hello"
+# task -> driver: this task's TaskInfo (a dict); the driver answers every task with TASKS
+RENDEZVOUS = "rendezvous"
+# driver -> task: every task's TaskInfo, in partition order
+TASKS = "tasks"
+# driver -> task, task -> rank: stop now (another rank failed, Ctrl-C, a time-out)
+ABORT = "abort"
+# task -> driver: [(rank, stream, line), ...], the ranks' stdout/stderr lines
+LOG = "log"
+# task -> driver: [{"rank", "host", "local_rank"}, ...] of the ranks it started
+LAYOUT = "layout"
+# task -> driver: {"rank", "code", ...}, a rank process has exited
+EXIT = "exit"
+# rank -> driver: spark_dl.log_to_driver's text
+USER_LOG = "user_log"
+# rank -> driver: the pickled return value of main (out of band)
+RESULT = "result"
+# rank -> driver: a failed rank's error (type, message, traceback)
+ERROR = "error"
+# driver -> rank: the answer to a request (a dict; "error" in it when it failed)
+REPLY = "reply"
+# rank -> driver, answered with REPLY: rank 0's (or every rank's sharded) checkpoint, and reading it back
+CHECKPOINT_SAVE = "checkpoint/save"
+CHECKPOINT_LOAD = "checkpoint/load"
+CHECKPOINT_PREFIX = "checkpoint/"
+# rank -> driver, answered with REPLY by the first observer that serves it (a compatibility layer's)
+REQUEST_PREFIX = "request/"
+# rank/task -> driver: tracking (the driver is the only MLflow client)
+TRACKING_PREFIX = "tracking/"
+TRACKING_METRICS = "tracking/metrics"
+TRACKING_PARAMS = "tracking/params"
+TRACKING_TAGS = "tracking/tags"
+TRACKING_MODEL = "tracking/model"
+TRACKING_ARTIFACT = "tracking/artifact"
+TRACKING_SYSTEM = "tracking/system"
+TRACKING_RANK_INFO = "tracking/rank_info"
+
+
+class Hello(TypedDict, total=False):
+    role: str  # "task" or "rank"
+    partition: int  # a task's
+    host: str
+    rank: int  # a rank's
+    pid: int
+
+
+class Log(TypedDict):
+    rank: int
+    stream: str
+    line: str
+
+
+class TrackingMetrics(TypedDict):
+    step: int
+    metrics: dict[str, float]
+
+
+class TrackingSystem(TypedDict):
+    host: str
+    time: float
+    step: int | None
+    metrics: dict[str, float]
+
+
+class Artifact(TypedDict):
+    path: str
+    data: bytes
+
+
+class ModelChunk(TypedDict):
+    id: str
+    seq: int
+    data: Any
+    last: bool
+    meta: dict | None
+
+
+# kind -> (who sends it, what it carries): what the docs and the protocol test read
+MESSAGES: dict[str, tuple[str, str]] = {
+    HELLO: ("task, rank", "Hello"),
+    RENDEZVOUS: ("task", "TaskInfo as a dict"),
+    TASKS: ("driver", "list of TaskInfo dicts"),
+    ABORT: ("driver, task", "None"),
+    LOG: ("task", "list of (rank, stream, line)"),
+    LAYOUT: ("task", "list of {rank, host, local_rank}"),
+    EXIT: ("task", "exit status dict"),
+    USER_LOG: ("rank", "str"),
+    RESULT: ("rank", "pickle.PickleBuffer"),
+    ERROR: ("rank", "error dict"),
+    REPLY: ("driver", "dict"),
+    CHECKPOINT_SAVE: ("rank", "checkpoint dict"),
+    CHECKPOINT_LOAD: ("rank", "{shard, world}"),
+    TRACKING_METRICS: ("rank", "list of TrackingMetrics"),
+    TRACKING_PARAMS: ("rank", "dict"),
+    TRACKING_TAGS: ("rank", "dict[str, str]"),
+    TRACKING_MODEL: ("rank", "ModelChunk"),
+    TRACKING_ARTIFACT: ("rank", "Artifact"),
+    TRACKING_SYSTEM: ("task", "TrackingSystem"),
+    TRACKING_RANK_INFO: ("rank", "dict"),
+}
+
+# -- environment variables: set by the task in every rank ------------------------------------------
+JOB_ID_ENV = "SPARK_DL_JOB_ID"
+ATTEMPT_ENV = "SPARK_DL_ATTEMPT"
+CUDA_DEVICE_ENV = "SPARK_DL_CUDA_DEVICE"  # this rank's GPU among CUDA_VISIBLE_DEVICES
+SCRATCH_ENV = "SPARK_DL_SCRATCH"  # the rank's temporary folder, removed by its task
+TASK_PID_ENV = "SPARK_DL_TASK_PID"  # the task that started the rank (its parent, if started fresh)
+SHARD_ENV = "SPARK_DL_SHARD"  # the folder of the task's DataFrame rows (training on a DataFrame)
+
+# torchrun's per-worker variables and the rank's place in the world (spark_dl.task.layout.RankSpec.env)
+RANK_ENV = (
+    "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+    "NODE_RANK", "CROSS_RANK", "CROSS_SIZE", "GROUP_WORLD_SIZE", "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE",
+)
+TORCHELASTIC_ENV = (
+    "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
+)
+JOB_ENV = (JOB_ID_ENV, ATTEMPT_ENV, CUDA_DEVICE_ENV, SCRATCH_ENV, TASK_PID_ENV, SHARD_ENV)
+
+# what a user's env= may not set: each rank's place in the world and the run's own plumbing
+RESERVED_ENV = frozenset(RANK_ENV) | frozenset(TORCHELASTIC_ENV) | frozenset(JOB_ENV)
+
+# -- environment variables: a user's settings, read where they apply -------------------------------
+CHANNEL_ENV = "SPARK_DL_CHANNEL"  # "relay": a Spark Connect client the executors cannot reach
+TRACKING_ENV = "SPARK_DL_TRACKING"  # "0": no MLflow tracking
+SYSTEM_METRICS_ENV = "SPARK_DL_SYSTEM_METRICS_INTERVAL"
+ZYGOTE_ENV = "SPARK_DL_ZYGOTE"  # "0": no warm rank starts
+THREAD_WAIT_ENV = "SPARK_DL_THREAD_WAIT"
+HOROVOD_IMPORTS_ENV = "SPARK_DL_HOROVOD_IMPORTS"  # "0": `import horovod` is not redirected in ranks
+HVD_CHECKS_ENV = "SPARK_DL_HVD_CHECKS"
+HVD_JOIN_ENV = "SPARK_DL_HVD_JOIN"
+NATIVE_ENV = "SPARK_DL_NATIVE"
+RAY_STORAGE_ENV = "SPARK_DL_RAY_STORAGE"

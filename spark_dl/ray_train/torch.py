@@ -1,9 +1,0 @@
-"""``ray.train.torch`` under its own name: ``from spark_dl.ray_train.torch import TorchTrainer,
-prepare_model`` where Ray's code has ``from ray.train.torch import ...``."""
-from __future__ import annotations
-
-from ..prepare import enable_reproducibility, get_device, get_devices, prepare_data_loader, prepare_model
-from . import TorchConfig, TorchTrainer
-
-__all__ = ["TorchConfig", "TorchTrainer", "enable_reproducibility", "get_device", "get_devices", "prepare_data_loader",
-           "prepare_model"]
