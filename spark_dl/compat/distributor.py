@@ -13,7 +13,8 @@ from typing import Any, Callable, Mapping
 
 from spark_dl.driver import cluster
 from spark_dl.errors import LaunchRefused, NoGPUs, as_int
-from spark_dl.driver.runner import START_TIMEOUT_S, HorovodRunner, RunInfo, _rank_env
+from spark_dl.driver.options import START_TIMEOUT_S, rank_env
+from spark_dl.driver.runner import HorovodRunner, RunInfo
 from spark_dl.tracking.driver.observer import Tracking
 
 
@@ -58,11 +59,11 @@ class TorchDistributor:
         self.num_processes = as_int(num_processes)
         self.local_mode = local_mode
         self.use_gpu = use_gpu
-        rank_env = {} if use_gpu else {"CUDA_VISIBLE_DEVICES": ""}
+        gpu_env = {} if use_gpu else {"CUDA_VISIBLE_DEVICES": ""}
         self._options: dict[str, Any] = dict(
             driver_log_verbosity=driver_log_verbosity, start_timeout=start_timeout, tracking=tracking,
             progress=progress, max_restarts=max_restarts, checkpoint_dir=checkpoint_dir, run_timeout=run_timeout,
-            env={**rank_env, **_rank_env(env)},
+            env={**gpu_env, **rank_env(env)},
         )
         self._observers: list[Any] = []  # driver-side Observers for each run (spark_dl.ray_train's)
         self._runner(num_processes)  # every option checked now, not at run()
@@ -103,7 +104,7 @@ class TorchDistributor:
         # the tasks, and a task sees only its own GPUs (Lightning's devices=1, num_nodes=N idiom)
         runner = HorovodRunner(np=-processes if self.local_mode else processes, nodes="tasks", **self._options)
         if not self.use_gpu:
-            runner._ranks_per_task = 1  # GPUs or not in the tasks, one process each (PySpark's count)
+            runner.ranks_per_task = 1  # GPUs or not in the tasks, one process each (PySpark's count)
         runner.observers.extend(self._observers)
         return runner
 

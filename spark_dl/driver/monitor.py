@@ -18,7 +18,7 @@ import cloudpickle
 
 from spark_dl.transport import unpickle
 from spark_dl.transport.channel import Connection, send_reply
-from spark_dl.rank.checkpoint import CheckpointStore
+from spark_dl.driver.checkpoint_store import CheckpointStore
 from spark_dl.errors import JobFailed, RankFailed
 from spark_dl import protocol
 

@@ -1,4 +1,4 @@
-"""Entry point of a rank process: ``python -m spark_dl.launch.rank_main JOB_ID PARENT_PID``.
+"""Entry point of a rank process: ``python -m spark_dl.rank.main JOB_ID PARENT_PID``.
 
 Started by a task (barrier or local) before the rendezvous finishes, so the interpreter start and
 the ``torch`` import overlap with it. The task then writes the bootstrap (rank environment,
@@ -326,7 +326,7 @@ def _exit(code: int) -> None:
 
 
 def run_forked(task_pid: int) -> None:
-    """The rank's life in a process forked by the zygote (``spark_dl.launch.zygote``)."""
+    """The rank's life in a process forked by the zygote (``spark_dl.task.zygote``)."""
     _exit(main(task_pid))
 
 

@@ -103,7 +103,7 @@ def _start_rank_process(job_id: str, spawn_env: dict[str, str] | None = None) ->
     if forked is not None:
         return forked
     return subprocess.Popen(
-        [sys.executable, "-m", "spark_dl.launch.rank_main", job_id, str(os.getpid())],
+        [sys.executable, "-m", "spark_dl.rank.main", job_id, str(os.getpid())],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -23,7 +23,7 @@ import time
 from typing import Any, Iterable, Iterator
 
 from spark_dl.transport import channel
-from spark_dl.rank.checkpoint import CheckpointStore
+from spark_dl.driver.checkpoint_store import CheckpointStore
 from spark_dl.driver.monitor import ABORT_GRACE_S, Failure, JobMonitor, run_timeout_message
 from spark_dl import protocol
 

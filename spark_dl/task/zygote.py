@@ -102,7 +102,7 @@ class Zygote:
         # which lives as long as the zygote does
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-c", "from spark_dl.launch.zygote import main; main()", str(theirs.fileno()),
+                [sys.executable, "-c", "from spark_dl.task.zygote import main; main()", str(theirs.fileno()),
                  str(os.getpid())],
                 pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 start_new_session=True,  # a notebook's Ctrl-C (SIGINT to its process group) is not for it

@@ -315,7 +315,7 @@ def _forked_rank_on_gpu():
     import spark_dl
 
     with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
-        forked = b"spark_dl.launch.zygote" in f.read()
+        forked = b"spark_dl.task.zygote" in f.read()
     spark_dl.init()  # NCCL: CUDA initialised in the forked rank, never in the zygote
     t = torch.full((4,), 2.0, device="cuda")
     dist.all_reduce(t)

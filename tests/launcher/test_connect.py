@@ -18,7 +18,7 @@ import pytest
 import pyspark
 
 from spark_dl.driver.cluster import slots_of_master
-from spark_dl.driver.runner import executor_lost_hint, spark_error_summary
+from spark_dl.driver.spark_errors import executor_lost_hint, spark_error_summary
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SERVER_START_S = 120

@@ -17,7 +17,7 @@ import pytest
 
 from spark_dl.transport import channel
 from spark_dl.driver import cluster
-from spark_dl.rank.checkpoint import CheckpointStore
+from spark_dl.driver.checkpoint_store import CheckpointStore
 from spark_dl.driver.monitor import JobMonitor
 from spark_dl.errors import LaunchRefused, RankFailed
 from spark_dl.task.relay import CHUNK_BYTES, Relay, replay

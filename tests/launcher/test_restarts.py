@@ -250,7 +250,7 @@ def test_the_driver_keeps_only_rank_0s_checkpoint_and_a_failed_write_keeps_the_l
     import socket
 
     from spark_dl.transport.channel import Connection
-    from spark_dl.rank.checkpoint import CheckpointStore
+    from spark_dl.driver.checkpoint_store import CheckpointStore
 
     a, b = socket.socketpair()
     driver_end, rank_end = Connection(a, b"k" * 32, "rank"), Connection(b, b"k" * 32, "driver")
@@ -284,7 +284,7 @@ def test_the_driver_keeps_only_rank_0s_checkpoint_and_a_failed_write_keeps_the_l
 def test_ranks_loading_at_once_are_sent_one_copy_of_the_checkpoint():
     """The driver read the file once per rank's load, so a restart of np ranks held np copies of
     the state at once; now the loads in flight share one, dropped when the last is sent."""
-    from spark_dl.rank.checkpoint import CheckpointStore
+    from spark_dl.driver.checkpoint_store import CheckpointStore
 
     store = CheckpointStore()
     try:
@@ -308,7 +308,7 @@ def test_ranks_loading_at_once_are_sent_one_copy_of_the_checkpoint():
 
 
 def test_checkpoint_dir_keeps_the_checkpoint_for_a_later_run(tmp_path, capfd):
-    from spark_dl.rank.checkpoint import CheckpointStore
+    from spark_dl.driver.checkpoint_store import CheckpointStore
 
     d = tmp_path / "ckpt"  # created on first use
     with pytest.raises(RankFailed):  # no restarts: the run fails, its checkpoint of step 9 stays
@@ -427,7 +427,7 @@ def test_a_checkpoint_that_does_not_fit_on_the_disk_keeps_the_last_one_and_leave
     import subprocess
     import sys
 
-    from spark_dl.rank.checkpoint import CheckpointStore
+    from spark_dl.driver.checkpoint_store import CheckpointStore
 
     d = tmp_path / "ckpt"
     out = subprocess.run([sys.executable, "-c", FULL_DISK_DRIVER, str(d)], capture_output=True, text=True, timeout=120)

@@ -11,7 +11,7 @@ import pytest
 
 from spark_dl import HorovodRunner, load_checkpoint, save_checkpoint
 from spark_dl.transport import channel
-from spark_dl.rank.checkpoint import CheckpointStore
+from spark_dl.driver.checkpoint_store import CheckpointStore
 from spark_dl.driver.monitor import JobMonitor
 from spark_dl.task.relay import Relay, replay
 

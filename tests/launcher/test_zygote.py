@@ -1,4 +1,4 @@
-"""Ranks forked from a warm interpreter (spark_dl/launch/zygote.py): they see what a rank started
+"""Ranks forked from a warm interpreter (spark_dl/task/zygote.py): they see what a rank started
 fresh would see, a run whose startup variables differ starts fresh, and no failure leaves a rank
 behind. Real rank processes, real Gloo groups, a real Spark session for the barrier case."""
 from __future__ import annotations
@@ -25,7 +25,7 @@ def rank_facts(module_name: str | None = None) -> dict:
 
     with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
         parent = f.read().replace(b"\0", b" ").decode()
-    out = {"forked": "spark_dl.launch.zygote" in parent, "pid": os.getpid(), "ppid": os.getppid(),
+    out = {"forked": "spark_dl.task.zygote" in parent, "pid": os.getpid(), "ppid": os.getppid(),
            "task_pid": int(os.environ["SPARK_DL_TASK_PID"]), "cwd": os.getcwd(), "argv0": sys.argv[0],
            "draw": float(numpy.random.rand()), "var": os.environ.get("ZYGOTE_TEST_VAR"),
            "hashseed": os.environ.get("PYTHONHASHSEED"), "hash": hash("spark-dl"),
@@ -130,7 +130,7 @@ DRIVER = textwrap.dedent("""
         import os, time
         from procs import record_self_and_child
         with open(f"/proc/{{os.getppid()}}/cmdline", "rb") as f:
-            assert b"spark_dl.launch.zygote" in f.read(), "this run's ranks should be forked"
+            assert b"spark_dl.task.zygote" in f.read(), "this run's ranks should be forked"
         record_self_and_child(pid_dir)
         print("recorded", flush=True)
         time.sleep(120)

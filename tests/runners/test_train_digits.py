@@ -98,7 +98,7 @@ def test_a_killed_rank_is_restarted_and_training_resumes_after_the_last_epoch(tm
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.05)
         ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                 if "spark_dl.launch.rank_main" in " ".join(p.cmdline())]
+                 if "spark_dl.rank.main" in " ".join(p.cmdline())]
         assert len(ranks) == 2
         ranks[-1].kill()
         out, err = proc.communicate(timeout=180)

@@ -27,7 +27,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from spark_dl import protocol
+from spark_dl.compat.horovod.state import check
 
 
 class _Control:
@@ -134,9 +136,7 @@ def join(device: int = -1) -> int:
     Returns the rank that joined last (the highest such rank when several joined at the same
     step). ``device`` is accepted for Horovod's signature; zeros go where each gradient lives.
     """
-    from spark_dl.compat.horovod.basics import _check
-
-    _check()
+    check()
     job = _job_control() if dist.get_world_size() > 1 else None
     for c in [job, *_sets.values()]:
         if c is not None:

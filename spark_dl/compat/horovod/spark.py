@@ -48,7 +48,7 @@ def run(
     kw, pos = _call_args(args, kwargs)
     runner = _runner(num_proc, start_timeout, use_mpi, extra_mpi_args, env, stdout, stderr, nics,
                      prefix_output_with_timestamp, executable, max_restarts=0)
-    return runner._run(fn, kw, all_results=True, args=pos)
+    return runner.run_all(fn, *pos, **kw)
 
 
 def run_elastic(
@@ -100,7 +100,7 @@ def run_elastic(
     runner = _runner(high, start_timeout if elastic_timeout is None else elastic_timeout, None, None, env,
                      stdout, stderr, nics, prefix_output_with_timestamp, None, max_restarts=limit,
                      min_np=low if low < high else None, grow_interval=RUN_ELASTIC_GROW_INTERVAL_S if low < high else None)
-    return runner._run(fn, kw, all_results=True, args=pos)
+    return runner.run_all(fn, *pos, **kw)
 
 
 def _call_args(args: Any, kwargs: Any) -> tuple[dict, tuple]:
@@ -163,7 +163,7 @@ def _runner(num_proc, start_timeout, use_mpi, extra_mpi_args, env, stdout, stder
                            max_restarts=max_restarts, env=rank_env, min_np=min_np, grow_interval=grow_interval)
     if prefix_output_with_timestamp:
         stdout, stderr = _Timestamped(stdout), _Timestamped(stderr, err=True)
-    runner._out, runner._err = stdout, stderr
+    runner.stdout, runner.stderr = stdout, stderr
     return runner
 
 
