@@ -134,3 +134,7 @@ class RankFailed(JobFailed):
 class ResultNotPicklable(TypeError):
     """A rank's ``main`` returned a value that cannot be pickled to the driver (raised in the rank,
     the cause of its ``RankFailed``)."""
+
+
+class TrackingWarning(UserWarning):
+    """MLflow tracking is degraded (server unreachable, data dropped); training is not affected."""

@@ -56,7 +56,7 @@ def save_checkpoint(state: Any, step: int | None = None, *, sharded: bool = Fals
             f"save_checkpoint: the state ({type(state).__name__}) cannot be pickled: {type(e).__name__}: {e}. "
             "Save plain data: state_dicts, tensors, numbers (not the model's process group, a DataLoader or a lock)."
         ) from e
-    from spark_dl.tracking.rank.api import flush_metrics
+    from spark_dl.tracking.rank.buffer import flush_metrics
 
     flush_metrics()  # the metrics logged so far reach the driver before the checkpoint does
     message: dict[str, Any] = {"blob": pickle.PickleBuffer(blob), "step": step}

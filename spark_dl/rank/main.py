@@ -241,7 +241,7 @@ def main(task_pid: int | None = None) -> int:
     from spark_dl.rank import context as rank_api
     from spark_dl.errors import ResultNotPicklable
     from spark_dl.rank.script import ExitStatus
-    from spark_dl.tracking.rank import api as tracking
+    from spark_dl.tracking.rank import lifecycle as tracking
 
     boot = pickle.load(sys.stdin.buffer)  # written by our parent task over a private pipe
     sys.stdin.close()

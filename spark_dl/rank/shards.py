@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Any, Iterator
 
 from spark_dl import protocol
-from spark_dl import protocol
+from spark_dl.errors import as_int
 
 @dataclass
 class Shards:
@@ -206,7 +207,7 @@ class Shards:
             position[idx] = torch.arange(start, start + t.num_rows)
             start += t.num_rows
         table = table.take(_indices(position.numpy()))
-        return {c: _to_tensor(table.column(c), self.kinds[c], c) for c in self.columns}
+        return {c: column_tensor(table.column(c), self.kinds[c], c) for c in self.columns}
 
 
 def _take(schema, chunks: list, starts: list[int], rows):
@@ -247,7 +248,7 @@ def _ipc_bytes(table) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
-def _to_tensor(column, kind: str, name: str, before: str = "training"):
+def column_tensor(column, kind: str, name: str, before: str = "training"):
     """A column's tensor; nulls are refused, naming the column and the fix to apply ``before``."""
     import numpy as np
     import torch

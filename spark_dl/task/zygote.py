@@ -371,7 +371,7 @@ def _import_rank_side() -> None:
     import spark_dl.rank.main  # noqa: F401
     import spark_dl.rank.context  # noqa: F401
     import spark_dl.rank.script  # noqa: F401
-    import spark_dl.tracking.rank.api  # noqa: F401
+    import spark_dl.tracking.rank.lifecycle  # noqa: F401
 
 
 def main() -> None:

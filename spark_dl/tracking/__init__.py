@@ -4,7 +4,7 @@ Ranks call :func:`log_metrics`, :func:`log_params`, :func:`log_model` (or MLflow
 which is routed); everything travels over the job's channel to the driver, the only MLflow client,
 which writes one run per ``run()`` call in batches from a background thread.
 """
-from spark_dl.tracking.driver.mlflow_writer import TrackingWarning
+from spark_dl.errors import TrackingWarning
 from spark_dl.tracking.driver.observer import Tracking, TrackingObserver, make_observer
 from spark_dl.tracking.rank.api import log_artifact_bytes, log_metric, log_metrics, log_model, log_params, set_tags
 

@@ -15,6 +15,8 @@ import tempfile
 import warnings
 from typing import Any, Mapping
 
+from spark_dl.errors import TrackingWarning
+
 # what MLflow 3 refuses in a logged model's name (mlflow.utils.validation._validate_logged_model_name);
 # a model named so is stored with save_model + log_artifacts, which take any path in the run
 _NOT_IN_LOGGED_MODEL_NAME = ("/", ":", ".", "%", '"', "'")
@@ -46,7 +48,6 @@ def _signature_kwargs(model: Any, input_example: Any, name: str = "model") -> di
         example, out = run_on_example(model, input_example)
         return {"signature": infer_signature(example, out), "input_example": example}
     except Exception as e:  # noqa: BLE001 - the model matters more than its signature
-        from spark_dl.tracking.driver.mlflow_writer import TrackingWarning
 
         warnings.warn(f"log_model: no signature could be inferred for model {name!r} from its input_example "
                       f"({type(e).__name__}: {e}); it is logged without a signature and input example",

@@ -11,7 +11,7 @@ from mlflow import MlflowClient
 
 from spark_dl.tracking.driver.mlflow_writer import MlflowWriter, TrackingWarning
 from spark_dl.tracking.params import flatten, is_secret_name, redact
-from spark_dl.tracking.rank.api import _CommSampler
+from spark_dl.tracking.rank.buffer import CommSampler as _CommSampler
 
 
 def test_large_batches_are_split_and_long_params_truncated(tracking_uri):

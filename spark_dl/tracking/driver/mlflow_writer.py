@@ -29,6 +29,7 @@ from collections import deque
 from typing import Any
 from urllib.parse import urlparse
 
+from spark_dl.errors import TrackingWarning
 from spark_dl.tracking.params import param_value
 
 MAX_BATCH = 1000
@@ -42,10 +43,6 @@ _PERMANENT = {"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "INVALID_STA
               "RESOURCE_ALREADY_EXISTS", "PERMISSION_DENIED", "MAX_BLOCK_SIZE_EXCEEDED", "MAX_READ_SIZE_EXCEEDED",
               "MAX_LIST_SIZE_EXCEEDED", "DATA_LOSS"}
 _RETRYABLE_HTTP = {408, 409, 429}  # timeout, conflict, rate limit: a later try can succeed
-
-
-class TrackingWarning(UserWarning):
-    """MLflow tracking is degraded (server unreachable, data dropped); training is not affected."""
 
 
 def _permanent(e: BaseException) -> bool:

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from spark_dl.errors import LaunchRefused
-from spark_dl.tracking.driver.mlflow_writer import MlflowWriter, TrackingWarning
+from spark_dl.errors import TrackingWarning
+from spark_dl.tracking.driver.mlflow_writer import MlflowWriter
+from spark_dl.tracking.settings import tracking_disabled_by_env
 from spark_dl.tracking.params import clean_name, cut_from, cut_warning, flatten, is_plain, param_value, redact
 from spark_dl.tracking.driver.progress import ProgressBar
 from spark_dl.tracking.driver.store_check import CheckedStore, check_store
@@ -61,7 +63,6 @@ class Tracking:
 
 def tracking_enabled(tracking: "bool | Tracking | None") -> bool:
     """Tracking is on unless turned off (``tracking=False``, ``SPARK_DL_TRACKING=0``) or mlflow is missing."""
-    from spark_dl.tracking.rank.api import tracking_disabled_by_env
 
     if tracking is False or tracking_disabled_by_env():
         return False

@@ -1,12 +1,9 @@
-"""Rank side of tracking: the functions training code calls, and the buffer behind them.
+"""The tracking functions training code calls in a rank: ``log_metrics``, ``log_params``,
+``set_tags``, ``log_artifact_bytes``, ``log_model``; buffered and sent to the driver, the only MLflow
+client (:mod:`spark_dl.tracking.rank.buffer`). Outside a rank process they go to the active MLflow
+run, if any.
 
-Nothing here talks to MLflow. ``log_metrics`` appends one record to an in-process buffer
-(microseconds); a daemon thread hands the buffer to the rank's outbox every ``FLUSH_S`` as one
-``tracking/metrics`` message, and the driver writes it to MLflow. :func:`finish` (called by the
-rank's entry point before its last outbox flush) sends whatever is still buffered, so every metric
-logged before a rank returns or raises reaches the driver.
-
-Message kinds sent to the driver (see ``observer.py`` for their handling):
+Message kinds sent to the driver (see ``tracking/driver/observer.py`` for their handling):
 
 - ``tracking/metrics``: ``[(time_s, step, {name: float}, all_ranks), ...]`` in call order
 - ``tracking/params``, ``tracking/tags``: flat ``{key: value}``
@@ -17,241 +14,16 @@ Message kinds sent to the driver (see ``observer.py`` for their handling):
 from __future__ import annotations
 
 import io
-import operator
 import os
 import threading
-import time
 import uuid
-import warnings
 from typing import Any, Mapping
 
-from spark_dl.rank import context as rank_api
-from spark_dl.tracking.driver.mlflow_writer import TrackingWarning
 from spark_dl import protocol
+from spark_dl.rank import context as rank_api
+from spark_dl.tracking.rank import buffer
 
-FLUSH_S = 0.05
 MODEL_CHUNK = 4 * 1024 * 1024
-
-
-def tracking_disabled_by_env() -> bool:
-    return os.environ.get(protocol.TRACKING_ENV, "1").strip().lower() in ("0", "false", "no", "off")
-
-
-class _CommSampler:
-    """Turns the cumulative counters of ``spark_dl.compression.stats`` into per-step metrics.
-
-    Contract with the compression package (duck-typed, so either side can evolve): the module
-    ``spark_dl.compression.stats`` exposes the process's stats object as ``stats``/``STATS``, or
-    via ``get()``/``current()``, or is that object itself. The object has cumulative
-    ``bytes_sent``, ``calls`` and ``seconds``; optional ``bytes_dense`` (or ``bytes_uncompressed``)
-    gives the compression ratio.
-    """
-
-    def __init__(self, module: Any) -> None:
-        self.module = module
-        self.last: tuple[float, ...] | None = None
-        self.last_step: int | None = None
-
-    @staticmethod
-    def load() -> "_CommSampler | None":
-        try:
-            from spark_dl.compression import stats  # type: ignore[attr-defined]
-        except Exception:  # noqa: BLE001 - no compression package (or a broken one): nothing to sample
-            return None
-        return _CommSampler(stats)
-
-    def _object(self) -> Any:
-        m = self.module
-        for name in ("stats", "STATS"):
-            obj = getattr(m, name, None)
-            if obj is not None and not callable(obj):
-                return obj
-        for name in ("get", "current"):
-            fn = getattr(m, name, None)
-            if callable(fn):
-                return fn()
-        return m
-
-    def sample(self, step: int, out: dict[str, float]) -> None:
-        s = self._object()
-        try:
-            now = (
-                float(s.bytes_sent),
-                float(s.calls),
-                float(s.seconds),
-                float(getattr(s, "bytes_dense", getattr(s, "bytes_uncompressed", -1.0))),
-            )
-        except (AttributeError, TypeError, ValueError):
-            return
-        last, last_step = self.last, self.last_step
-        self.last, self.last_step = now, step
-        if last is None or last_step is None or step <= last_step or now[1] <= last[1]:
-            return
-        steps = step - last_step
-        sent = now[0] - last[0]
-        out["comm/bytes_sent_per_step"] = sent / steps
-        out["comm/allreduce_s_per_step"] = (now[2] - last[2]) / steps
-        out["comm/allreduce_calls_per_step"] = (now[1] - last[1]) / steps
-        if now[3] >= 0 and sent > 0:
-            out["comm/compression_ratio"] = (now[3] - last[3]) / sent
-
-
-class _Buffer:
-    """Metric records of this rank, handed to the outbox in batches by a daemon thread."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.records: list[tuple] = []
-        self.auto_step = 0
-        self.comm = _CommSampler.load()
-        self.wake = threading.Event()
-        self.thread = threading.Thread(target=self._loop, name="spark-dl-metrics", daemon=True)
-        self.thread.start()
-
-    def add(self, metrics: Mapping[str, Any], step: int | None, all_ranks: bool) -> None:
-        values = _numbers(metrics)
-        step = self.auto_step if step is None else _step(step)
-        if self.comm is not None:
-            self.comm.sample(step, values)
-        rec = (time.time(), step, values, all_ranks)
-        with self.lock:
-            self.auto_step = step + 1
-            self.records.append(rec)
-
-    def flush(self) -> None:
-        with self.lock:
-            recs, self.records = self.records, []
-        if recs:
-            rank_api.send_to_driver(protocol.TRACKING_METRICS, recs)
-
-    def _loop(self) -> None:
-        while True:
-            self.wake.wait(FLUSH_S)
-            self.flush()
-
-
-_buffer: _Buffer | None = None
-_pending_models: list[threading.Thread] = []
-_rank: int = 0
-_fork_warned: int = 0  # the forked process that was already told so (once per process)
-
-
-def install(enabled: bool) -> None:
-    """Start the rank-side tracking machinery when the driver tracks this job (it decides: an
-    executor does not see the driver's settings). Called once by the rank's entry point."""
-    global _buffer, _rank
-    _rank = int(os.environ.get("RANK", "0"))
-    if not enabled:
-        return
-    _buffer = _Buffer()
-    from spark_dl.tracking.rank import fluent
-
-    fluent.install()
-    ctx = rank_api.get_context()
-    import socket
-
-    rank_api.send_to_driver(
-        protocol.TRACKING_RANK_INFO,
-        {
-            "rank": ctx.rank, "host": socket.gethostname(), "local_rank": ctx.local_rank,
-            "local_size": ctx.local_size, "cross_rank": ctx.cross_rank, "cross_size": ctx.cross_size,
-        },
-    )
-
-
-def flush_metrics() -> None:
-    """Hand the buffered metric records to the outbox now (a checkpoint follows them on the wire)."""
-    if _buffer is not None:
-        _buffer.flush()
-
-
-def finish(timeout: float = 600.0) -> None:
-    """Send everything still buffered (metrics, models being serialized). Called before the rank's
-    final outbox flush, on success and on failure alike."""
-    if _buffer is None:
-        return
-    deadline = time.monotonic() + timeout
-    for t in list(_pending_models):
-        t.join(max(0.0, deadline - time.monotonic()))
-    _buffer.flush()
-    if _rank == 0:
-        backend = _backend()
-        if backend:
-            rank_api.send_to_driver(protocol.TRACKING_PARAMS, {"backend": backend})
-
-
-def _backend() -> str | None:
-    import sys
-
-    dist = sys.modules.get("torch.distributed")
-    try:
-        if dist is not None and dist.is_available() and dist.is_initialized():
-            return str(dist.get_backend())
-    except Exception:  # noqa: BLE001 - informational only
-        pass
-    return None
-
-
-def _active() -> bool:
-    return _buffer is not None
-
-
-def _forked(fn: str) -> bool:
-    """True in a process forked from the rank (typically a DataLoader worker, num_workers > 0):
-    nothing there sends to the driver, so the call is dropped, with one warning per process."""
-    global _fork_warned
-    if not rank_api.in_forked_child():
-        return False
-    pid = os.getpid()
-    if _fork_warned != pid:
-        _fork_warned = pid
-        warnings.warn(
-            f"spark_dl.{fn} was called in a process forked from rank {_rank} (pid {pid}, e.g. a DataLoader "
-            "worker with num_workers > 0), which has no link to the driver: what it logs is dropped (said once "
-            "per process). Log from the training loop in the rank's main process instead, e.g. return the "
-            "values with the batch and log them there.",
-            TrackingWarning,
-            stacklevel=3,
-        )
-        _flush_stderr()
-    return True
-
-
-def _flush_stderr() -> None:
-    import sys
-
-    try:
-        sys.stderr.flush()  # a DataLoader worker may leave with os._exit, which flushes nothing
-    except (OSError, ValueError):
-        pass
-
-
-# -- public API -----------------------------------------------------------------------------------
-def _numbers(metrics: Any) -> dict[str, float]:
-    """``metrics`` as ``{name: float}``, or an error naming the metric that is not one number."""
-    if not isinstance(metrics, Mapping):
-        raise TypeError(f"log_metrics takes a dict {{name: number}}, got {type(metrics).__name__}")
-    values = {}
-    for k, v in metrics.items():
-        try:
-            values[str(k)] = float(v)
-        except (TypeError, ValueError, OverflowError, RuntimeError) as e:
-            shape = f" of shape {tuple(v.shape)}" if hasattr(v, "shape") else ""
-            raise TypeError(f"log_metrics: the value of {k!r} is a {type(v).__name__}{shape}, not one number ({e}): "
-                            "pass a number or a one-element tensor (e.g. loss.item())") from None
-    return values
-
-
-def _step(step: Any) -> int:
-    """An int, numpy integer or integer tensor (what ``__index__`` takes): a float step is refused,
-    not truncated."""
-    try:
-        if isinstance(step, bool):
-            raise TypeError
-        return operator.index(step)
-    except TypeError:
-        raise TypeError(f"log_metrics: step must be an int, got {step!r}") from None
-
 
 def log_metrics(metrics: Mapping[str, Any], step: int | None = None, *, all_ranks: bool = False) -> None:
     """Log ``{name: number}`` for ``step`` (default: one more than this rank's previous step).
@@ -262,12 +34,11 @@ def log_metrics(metrics: Mapping[str, Any], step: int | None = None, *, all_rank
     Values may be Python numbers or one-element tensors. Outside a rank process they go to the
     active MLflow run, if any.
     """
-    b = _buffer
-    if b is not None:
-        if not _forked("log_metrics"):
-            b.add(metrics, step, all_ranks)
+    if buffer.active():
+        if not buffer.forked("log_metrics"):
+            buffer.add(metrics, step, all_ranks)
     elif not rank_api.in_rank_process():
-        _local("log_metrics", _numbers(metrics), step=None if step is None else _step(step))
+        _local("log_metrics", buffer.numbers(metrics), step=None if step is None else buffer.as_step(step))
 
 
 def log_metric(key: str, value: Any, step: int | None = None, *, all_ranks: bool = False) -> None:
@@ -279,8 +50,8 @@ def log_params(params: Mapping[str, Any]) -> None:
     """Log parameters to the run (nested dicts become ``a.b.c``). Only rank 0's are kept."""
     if not isinstance(params, Mapping):
         raise TypeError(f"log_params takes a dict {{name: value}}, got {type(params).__name__}")
-    if _buffer is not None:
-        if _rank == 0 and not _forked("log_params"):
+    if buffer.active():
+        if buffer.rank() == 0 and not buffer.forked("log_params"):
             # as text here: a value that cannot be pickled (a function, a lock) must not stop the
             # rank's messages to the driver; MLflow keeps params as text anyway
             rank_api.send_to_driver(protocol.TRACKING_PARAMS, _as_text(params))
@@ -299,8 +70,8 @@ def _as_text(params: Mapping[str, Any]) -> dict[str, Any]:
 
 def set_tags(tags: Mapping[str, Any]) -> None:
     """Set tags on the run. Only rank 0's are kept."""
-    if _buffer is not None:
-        if _rank == 0 and not _forked("set_tags"):
+    if buffer.active():
+        if buffer.rank() == 0 and not buffer.forked("set_tags"):
             rank_api.send_to_driver(protocol.TRACKING_TAGS, {str(k): str(v) for k, v in tags.items()})
     elif not rank_api.in_rank_process():
         _local("set_tags", dict(tags))
@@ -308,14 +79,14 @@ def set_tags(tags: Mapping[str, Any]) -> None:
 
 def log_artifact_bytes(data: bytes, artifact_file: str) -> None:
     """Store ``data`` as ``artifact_file`` in the run (files from ranks other than 0 go under ``rank<r>/``)."""
-    if _buffer is None:
+    if not buffer.active():
         return
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"log_artifact_bytes takes bytes, got {type(data).__name__} (text: .encode('utf-8'))")
     _check_artifact_path(artifact_file)
-    if _forked("log_artifact_bytes"):
+    if buffer.forked("log_artifact_bytes"):
         return
-    path = artifact_file if _rank == 0 else f"rank{_rank}/{artifact_file}"
+    path = artifact_file if buffer.rank() == 0 else f"rank{buffer.rank()}/{artifact_file}"
     rank_api.send_to_driver(protocol.TRACKING_ARTIFACT, {"path": path, "data": bytes(data)})
 
 
@@ -379,7 +150,7 @@ def log_model(model: Any, name: str = "model", *, input_example: Any = None) -> 
     its ``state_dict()``), and the copy must run on ``input_example`` (else ``ValueError``).
     """
     _check_model_name(name)
-    if _buffer is None:
+    if not buffer.active():
         if not rank_api.in_rank_process():
             import mlflow.pytorch
 
@@ -389,7 +160,7 @@ def log_model(model: Any, name: str = "model", *, input_example: Any = None) -> 
                 snapshot = _snapshot(model, name, input_example)
                 log_torch_model(snapshot, name, input_example, run_id=mlflow.active_run().info.run_id)
         return
-    if _rank != 0 or _forked("log_model"):
+    if buffer.rank() != 0 or buffer.forked("log_model"):
         return
     snapshot = _snapshot(model, name, input_example)
     data = _serialize(snapshot)  # here, not on the sender thread: a model that cannot be pickled fails the call
@@ -397,7 +168,7 @@ def log_model(model: Any, name: str = "model", *, input_example: Any = None) -> 
             "bytes": len(data)}
     del snapshot
     t = threading.Thread(target=_send_model, args=(data, meta), name="spark-dl-model", daemon=True)
-    _pending_models.append(t)
+    buffer.track_model_thread(t)
     t.start()
 
 

@@ -9,7 +9,8 @@ from typing import Any, Mapping
 
 from spark_dl.compat.lightning_import import lightning_module
 from spark_dl.tracking.params import is_plain
-from spark_dl.tracking.rank.api import flush_metrics, log_metrics, log_params
+from spark_dl.tracking.rank.api import log_metrics, log_params
+from spark_dl.tracking.rank.buffer import flush_metrics
 from spark_dl import protocol
 
 Logger = lightning_module("spark_dl.tracking.lightning", "loggers").Logger
