@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import tempfile
 import warnings
 from typing import Any, Mapping
@@ -55,6 +56,13 @@ def _signature_kwargs(model: Any, input_example: Any, name: str = "model") -> di
         return {}
 
 
+def without_local_label(requirement: str) -> str:
+    """``torch==2.13.0+cpu`` as ``torch==2.13.0``: a local version label names a build that no
+    index serves under that name (PyPI has no ``+cpu``), so a pinned requirement keeping it cannot be
+    installed. Whether MLflow strips it depends on its and ``packaging``'s versions; this does always."""
+    return re.sub(r"(==\s*[^\s;,+]+)\+[^\s;,]*", r"\1", requirement)
+
+
 def pip_requirements(model: Any) -> list[str]:
     """The pinned pip requirements of a pickled ``model``: MLflow's defaults for the pytorch flavor
     (torch, cloudpickle) and the installed distributions whose packages define its modules'
@@ -65,7 +73,7 @@ def pip_requirements(model: Any) -> list[str]:
 
     import mlflow.pytorch
 
-    out = {r.split("==")[0]: r for r in mlflow.pytorch.get_default_pip_requirements()}
+    out = {r.split("==")[0]: without_local_label(r) for r in mlflow.pytorch.get_default_pip_requirements()}
     owners = metadata.packages_distributions()
     # the classes' bases too: a LightningModule subclass defined in a notebook still imports lightning
     classes = {c for m in model.modules() for c in type(m).__mro__}
@@ -73,8 +81,7 @@ def pip_requirements(model: Any) -> list[str]:
         for dist in owners.get(package, []):
             if dist not in out:
                 try:
-                    # a local label (2.13.0+cpu) is not on PyPI: MLflow drops it the same way
-                    out[dist] = f"{dist}=={metadata.version(dist).split('+')[0]}"
+                    out[dist] = without_local_label(f"{dist}=={metadata.version(dist)}")
                 except metadata.PackageNotFoundError:
                     pass
     return sorted(out.values())

@@ -442,6 +442,19 @@ def test_a_models_requirements_name_the_packages_its_classes_and_their_bases_com
                                               f"torch=={torch.__version__.split('+')[0]}"])
 
 
+@pytest.mark.parametrize("given,pinned", [
+    ("torch==2.13.0+cpu", "torch==2.13.0"),
+    ("torch==2.11.0+cu130", "torch==2.11.0"),
+    ('torch==2.11.0+cu130; python_version >= "3.10"', 'torch==2.11.0; python_version >= "3.10"'),
+    ("cloudpickle==3.1.1", "cloudpickle==3.1.1"),
+    ("numpy>=1.24", "numpy>=1.24"),
+])
+def test_a_requirement_loses_its_local_version_label_whatever_mlflow_does(given, pinned):
+    from spark_dl.tracking.models import without_local_label
+
+    assert without_local_label(given) == pinned
+
+
 def test_a_run_short_enough_for_one_batch_still_has_its_speed(tracking_uri):
     # No sleep: the 5 steps of rank 0 reach the driver in one ~50 ms batch, which must measure
     # its speed from its own first record (this made the compressed-run test below flaky).
