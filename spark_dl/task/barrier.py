@@ -24,6 +24,7 @@ from typing import Callable
 
 from spark_dl.transport import channel
 from spark_dl.tracking.system import start_sampler
+from spark_dl.task.network import socket_interface_env
 from spark_dl.task.layout import RankSpec, TaskInfo, compute_layout, omp_threads
 from spark_dl.task import zygote
 from spark_dl.task.zygote import ForkedRank
@@ -254,9 +255,11 @@ def run_task(spec: JobSpec, partition: int, host: str, rendezvous: Callable[[Gat
     # the ranks' temporary files (unpacked checkpoints...) go here, so a rank killed mid-way leaves
     # nothing behind on the executor's disk: removed below, once every rank has exited
     scratch = tempfile.mkdtemp(prefix=f"{spec.job_id}-ranks-")
+    # the interface of the address Spark reaches this executor by, not the hostname's (often loopback)
+    interface = socket_interface_env(ranks[0].host, ranks[0].master_addr, os.environ, spawn_env) if ranks else {}
     try:
         for proc, r in zip(procs, ranks):
-            env = r.env()
+            env = {**r.env(), **interface}
             env[protocol.JOB_ID_ENV] = spec.job_id
             env[protocol.SCRATCH_ENV] = scratch
             env[protocol.ATTEMPT_ENV] = str(spec.attempt)
