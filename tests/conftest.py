@@ -88,6 +88,14 @@ def spark_cluster(spark_pool):
     return spark_pool.get(CLUSTER)
 
 
+SLOW_FIXTURES = {"spark", "spark_cluster", "spark_pool", "mlflow_server", "server_uri"}
+SLOW_PATHS = (
+    "runners", "notebooks", "data", "test_benchmarks.py", "test_readme_examples.py", "test_doc_examples.py",
+    "test_docs.py", os.path.join("native", "test_sanitizers.py"), os.path.join("launcher", "test_connect.py"),
+    os.path.join("launcher", "test_sessions.py"), os.path.join("train", "test_readme.py"),
+)
+
+
 def pytest_collection_modifyitems(session, config, items):
     def order(item) -> int:
         names = getattr(item, "fixturenames", ())
@@ -98,6 +106,14 @@ def pytest_collection_modifyitems(session, config, items):
         return 0
 
     items.sort(key=order)  # stable: keeps file order within each group
+
+    # The fast tier (`pytest -m "not slow"`) leaves out what starts a Spark JVM, an MLflow server,
+    # a notebook kernel or a whole script: the rest runs in minutes, for the inner loop
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        path = os.path.relpath(str(item.path), os.path.dirname(os.path.abspath(__file__)))
+        if names & SLOW_FIXTURES or path.startswith(SLOW_PATHS):
+            item.add_marker(pytest.mark.slow)
 
     # Test functions are sent to rank processes like a notebook's: by value, since a Spark worker
     # cannot import the test modules.
