@@ -9,7 +9,7 @@ Times (best of --repeats, after a warm-up call) on an --numel float32 gradient:
     only, no wire), for fp16, bf16 and random-k;
   - one averaging allreduce(out=) step of ErrorFeedback(TopK(0.01)) on two local Gloo ranks
     (--skip-ranks leaves it out).
-The README's before/after figures for these paths were measured with this script against the
+The before/after figures for these paths in docs/benchmarks.md were measured with this script against the
 commit before each change (``git stash`` / ``git checkout``), alternating builds.
 """
 from __future__ import annotations

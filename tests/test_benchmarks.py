@@ -1,5 +1,5 @@
-"""The benchmark scripts still run, at toy sizes: the README quotes their output, so a change that
-breaks one must fail here rather than in the next person's measurement. Nothing here looks at a
+"""The benchmark scripts still run, at toy sizes: the docs (docs/benchmarks.md) quote their output,
+so a change that breaks one must fail here rather than in the next person's measurement. Nothing here looks at a
 time; the comparisons themselves belong to the scripts."""
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""The README's self-contained examples run as written (the recipe section has its own test,
-tests/train/test_readme.py; the others are fragments of a training loop)."""
+"""The self-contained examples of the README and the docs pages run as written and print what they
+say they print. Each is found by page, heading and position under that heading; the large-minibatch
+recipe page has its own test (tests/train/test_readme.py), and the other blocks are fragments of a
+training loop."""
 from __future__ import annotations
 
 import os
@@ -11,38 +13,60 @@ import pytest
 
 from script_forks import ScriptForks
 
-README = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
+# (page, heading, index of the python block in that heading's section)
 EXAMPLES = [
-    ("## Quick start", 0),
-    ("## The launcher: `HorovodRunner`", 0),  # Ray Train's helpers
-    ("## The launcher: `HorovodRunner`", 1),  # Ray Train's TorchTrainer
-    ("## The launcher: `HorovodRunner`", 2),  # ... with Lightning
-    ("## The launcher: `HorovodRunner`", 4),  # restarts and checkpoints
-    ("## The launcher: `HorovodRunner`", 5),  # sharded checkpoints
-    ("## The launcher: `HorovodRunner`", 6),  # Spark Connect
-    ("## PySpark's `TorchDistributor`, on this launcher", 0),
-    ("## Training on a Spark DataFrame", 0),
-    ("## Training on a Spark DataFrame", 1),
-    ("## Training on a Spark DataFrame", 4),  # a LightningModule
-    ("## Training on a Spark DataFrame", 5),  # staged Parquet data
-    ("## Horovod-compatible API", 0),
-    ("## Horovod-compatible API", 1),  # Horovod's own imports
-    ("## Horovod-compatible API", 3),  # Adasum
-    ("## Horovod-compatible API", 4),  # join
-    ("## Horovod-compatible API", 5),  # process sets
-    ("## Horovod-compatible API", 6),  # elastic
-    ("## Horovod-compatible API", 7),  # horovod.spark.run
-    ("## Gradient compression", 0),
-    ("## Tracking with MLflow", 0),
-    ("## Tracking with MLflow", 1),
+    ("README.md", "## Quick start", 0),
+    ("docs/guide/ray-train.md", "## Ray Train's helpers: `prepare_model`, `prepare_data_loader`", 0),
+    ("docs/guide/ray-train.md", "## Ray Train's `TorchTrainer`", 0),
+    ("docs/guide/ray-train.md", "## PyTorch Lightning inside the loop", 0),
+    ("docs/guide/restarts.md", "# Restarts and checkpoints", 0),
+    ("docs/guide/restarts.md", "## Sharded state: `save_checkpoint(state, sharded=True)`", 0),
+    ("docs/guide/spark-connect.md", "# Spark Connect", 0),
+    ("docs/guide/torch-distributor.md", "# PySpark's `TorchDistributor`", 0),
+    ("docs/guide/dataframes.md", "# Training on a Spark DataFrame", 0),
+    ("docs/guide/estimator.md", "# `TorchEstimator`: `fit(df)` / `transform(df)`", 0),
+    ("docs/guide/lightning-estimator.md", "# A `LightningModule` in the estimator", 0),
+    ("docs/guide/staging.md", "# Staged Parquet data: `prepare_data` / `fit_on_parquet`", 0),
+    ("docs/guide/horovod.md", "# Horovod-compatible API", 0),
+    ("docs/guide/horovod.md", "## Horovod's own imports", 0),
+    ("docs/guide/horovod.md", "## Adasum (`op=hvd.Adasum`)", 0),
+    ("docs/guide/horovod.md", "## Uneven data: `hvd.join()`", 0),
+    ("docs/guide/horovod.md", "## Process sets", 0),
+    ("docs/guide/horovod-spark.md", "## Elastic Horovod (`hvd.elastic`)", 0),
+    ("docs/guide/horovod-spark.md", "## Horovod on Spark: `horovod.spark.run`", 0),
+    ("docs/guide/compression.md", "# Gradient compression", 0),
+    ("docs/guide/tracking.md", "# Tracking with MLflow", 0),
+    ("docs/guide/tracking.md", "## Options", 0),
 ]
 
 
-def block(heading: str, index: int) -> str:
-    assert heading in README, f"README has no {heading!r} section"
-    section = re.split(r"\n## ", README.split(heading, 1)[1], maxsplit=1)[0]
-    return re.findall(r"```python\n(.*?)```", section, re.S)[index]
+def section(page: str, heading: str) -> str:
+    """The text under `heading` (a whole line of `page`), up to the next heading of its level or higher."""
+    lines = (ROOT / page).read_text().split("\n")
+    assert heading in lines, f"{page} has no heading {heading!r}"
+    start = lines.index(heading) + 1
+    level = len(heading) - len(heading.lstrip("#"))
+    out, fence = [], False
+    for line in lines[start:]:
+        if line.startswith("```"):
+            fence = not fence
+        elif not fence and re.match(r"#{1,%d} " % level, line):
+            break
+        out.append(line)
+    return "\n".join(out)
+
+
+def block(page: str, heading: str, index: int) -> str:
+    blocks = re.findall(r"^```python\n(.*?)^```", section(page, heading), re.S | re.M)
+    assert index < len(blocks), f"{page} {heading!r} has {len(blocks)} python blocks, not {index + 1}"
+    return blocks[index]
+
+
+def test_docs_quick_start_is_the_readme_one():
+    """docs/index.md repeats the README's quick start; the README's is the one executed below."""
+    assert block("docs/index.md", "## Quick start", 0) == block("README.md", "## Quick start", 0)
 
 
 @pytest.fixture(scope="module")
@@ -53,15 +77,17 @@ def python():
     forks.close()
 
 
-@pytest.mark.parametrize("heading,index", EXAMPLES, ids=[f"{h[3:]}-{i}" for h, i in EXAMPLES])
-def test_readme_example_runs(heading, index, tmp_path, python, sqlite_uri):
-    (tmp_path / "example.py").write_text(block(heading, index))
+@pytest.mark.parametrize("page,heading,index", EXAMPLES,
+                         ids=[f"{p}:{h.lstrip('# ')}-{i}" for p, h, i in EXAMPLES])
+def test_readme_example_runs(page, heading, index, tmp_path, python, sqlite_uri):
+    code = block(page, heading, index)
+    (tmp_path / "example.py").write_text(code)
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "SPARK_DL_TRACKING": "1",
            "MLFLOW_TRACKING_URI": sqlite_uri}
     proc = python.run(str(tmp_path / "example.py"), str(tmp_path), env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    # a "# ..." line right after a print(...) is what the README says it prints
-    lines = block(heading, index).splitlines()
+    # a "# ..." line right after a print(...) is what the page says it prints
+    lines = code.splitlines()
     for line, shown in zip(lines, lines[1:]):
         if line.startswith("print(") and shown.startswith("# "):
             assert shown[2:] in proc.stdout, (shown, proc.stdout[-2000:])
