@@ -28,7 +28,7 @@ import torch.distributed as dist
 from spark_dl.errors import as_int
 
 from spark_dl.compression.base import Compressor, Payload, as_compressor
-from spark_dl.compression.fp import NoneCompressor, _Cast
+from spark_dl.compression.fp import Cast, NoneCompressor
 from spark_dl.compression.powersgd import PowerSGD
 from spark_dl.compression.stats import stats
 
@@ -271,7 +271,7 @@ def allreduce(tensor: torch.Tensor, compression: Compressor | None = None, *,
         # the 1/W scale rides PowerSGD's own pass that adds the residual: no pass of its own
         result = c.round_layers(tensor, layout, name, lambda t: _start_all_reduce(t, group, world), scale=scale,
                                 into=into)
-    elif isinstance(c, _Cast) and scale != 1.0:
+    elif isinstance(c, Cast) and scale != 1.0:
         # divide before the sum (no fp16 overflow) inside the cast: no pass of its own
         result = _summable(tensor, c, name, group, world, scale=scale, into=into)
     else:
@@ -304,7 +304,7 @@ def start_summable(tensor: torch.Tensor, compression: Compressor, *, op: str, na
     world = dist.get_world_size(group)
     start = time.perf_counter()
     scale = 1.0 / world if op == "average" else 1.0
-    if isinstance(compression, _Cast) and scale != 1.0:
+    if isinstance(compression, Cast) and scale != 1.0:
         payload = compression.compress_scaled(tensor, scale, key=name)
     elif scale != 1.0:
         payload = compression.compress_averaged(tensor, world, key=name)

@@ -23,7 +23,10 @@ class NoneCompressor(Compressor):
         return 32.0
 
 
-class _Cast(Compressor):
+class Cast(Compressor):
+    """Sends the tensor cast to ``wire_dtype`` (a 16-bit float); subclassed by :class:`FP16` and
+    :class:`BF16`, and what reductions test for to treat a cast apart (scaling before the sum)."""
+
     wire_dtype: torch.dtype
     summable = True
 
@@ -57,14 +60,14 @@ class _Cast(Compressor):
         return 16.0
 
 
-class FP16(_Cast):
+class FP16(Cast):
     """IEEE half precision (10-bit mantissa, max 65504). ``allreduce`` divides by the world
     size before summing, so an average of large gradients does not overflow."""
 
     wire_dtype = torch.float16
 
 
-class BF16(_Cast):
+class BF16(Cast):
     """bfloat16: float32's range with an 8-bit mantissa; relative error <= 2**-8 per element."""
 
     wire_dtype = torch.bfloat16

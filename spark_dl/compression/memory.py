@@ -134,7 +134,10 @@ class PendingResiduals(Residuals):
 
 
 @dataclass
-class _EFMeta:
+class EFMeta:
+    """An error-feedback payload's meta: the inner compressor's, and the shape and dtype of the
+    tensor that was compressed (the inner one saw the float32 sum with the residual)."""
+
     inner: Any
     shape: torch.Size
     dtype: torch.dtype
@@ -173,15 +176,15 @@ class ErrorFeedback(Compressor):
             self.residuals.store(key, residual)
         else:
             self.residuals.drop(key)  # an inf/NaN gradient (a step AMP skips) must not poison every later step
-        return Payload(payload.tensors, _EFMeta(payload.meta, tensor.shape, tensor.dtype))
+        return Payload(payload.tensors, EFMeta(payload.meta, tensor.shape, tensor.dtype))
 
     def decompress(self, payload: Payload) -> torch.Tensor:
-        meta: _EFMeta = payload.meta
+        meta: EFMeta = payload.meta
         out = self.compressor.decompress(Payload(payload.tensors, meta.inner))
         return out.to(meta.dtype).reshape(meta.shape)
 
     def decompress_into(self, payload: Payload, out: torch.Tensor, accumulate: bool = False) -> None:
-        meta: _EFMeta = payload.meta
+        meta: EFMeta = payload.meta
         if meta.dtype == torch.float32:  # the inner payload holds exactly these float32 values
             self.compressor.decompress_into(Payload(payload.tensors, meta.inner), out, accumulate)
         else:

@@ -9,7 +9,7 @@ from spark_dl.compression.base import Compressor, Key, Meta, Payload, check_floa
 from spark_dl.compression import native
 from spark_dl.compression.bits import pack, unpack
 from spark_dl.compression.sums import bucket_counts, bucket_sums
-from spark_dl.compression.memory import ErrorFeedback, PendingResiduals, _EFMeta
+from spark_dl.compression.memory import EFMeta, ErrorFeedback, PendingResiduals
 
 
 @dataclass
@@ -147,7 +147,7 @@ def _fused_ef(ef: ErrorFeedback, tensor: torch.Tensor, key: Key, encode) -> Payl
         ef.residuals.store(key, residual.view(tensor.shape))
     else:
         ef.residuals.drop(key)  # p held an inf or NaN: see memory.py
-    return Payload([head, bits], _EFMeta(_SignMeta(tensor.shape, torch.float32), tensor.shape, tensor.dtype))
+    return Payload([head, bits], EFMeta(_SignMeta(tensor.shape, torch.float32), tensor.shape, tensor.dtype))
 
 
 class DeferredResiduals(PendingResiduals):
@@ -236,7 +236,7 @@ class OneBit(_DeferredEF):
             means, bits, _ = native.onebit_encode(g, bucket, e, pending=pending, p_out=p)
             return means, bits, native.onebit_qpairs(means)
         means, bits = self.residuals.encode(tensor, key, bucket, kernel)
-        return Payload([means, bits], _EFMeta(_SignMeta(tensor.shape, torch.float32), tensor.shape, tensor.dtype))
+        return Payload([means, bits], EFMeta(_SignMeta(tensor.shape, torch.float32), tensor.shape, tensor.dtype))
 
     def __repr__(self) -> str:
         return f"OneBit(bucket_size={self.compressor.bucket_size})"
@@ -261,7 +261,7 @@ class EFSign(_DeferredEF):
             scale, bits = native.scaled_sign_encode(g, e, None if pending is None else float(pending[0]), p_out=p)
             return scale, bits, torch.cat([scale, -scale])
         scale, bits = self.residuals.encode(tensor, key, max(tensor.numel(), 1), kernel)
-        return Payload([scale, bits], _EFMeta(Meta(tensor.shape, torch.float32), tensor.shape, tensor.dtype))
+        return Payload([scale, bits], EFMeta(Meta(tensor.shape, torch.float32), tensor.shape, tensor.dtype))
 
     def __repr__(self) -> str:
         return "EFSign()"

@@ -40,7 +40,7 @@ def horovod_main():
 def test_a_function_importing_horovod_torch_runs_unchanged():
     out = HorovodRunner(np=-2).run_all(horovod_main)
     assert [o[:3] for o in out] == [(0, 3.0, [-1.5, -1.5]), (1, 3.0, [-1.5, -1.5])]
-    assert all(o[3] is True and o[4] == "spark_dl.horovod.elastic" for o in out)
+    assert all(o[3] is True and o[4] == "spark_dl.compat.horovod.elastic" for o in out)
 
 
 SCRIPT = """

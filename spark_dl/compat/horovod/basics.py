@@ -14,8 +14,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from spark_dl.compat.horovod import joining as _join
-from spark_dl.compat.horovod import process_sets as _process_sets
+from spark_dl.compat.horovod.joining import setup as setup_join
+from spark_dl.compat.horovod.process_sets import setup as setup_process_sets
+from spark_dl.compat.horovod.state import check, is_initialized, set_initialized
 
 
 class ReduceOp(enum.IntEnum):
@@ -36,7 +37,6 @@ Min = ReduceOp.Min
 Max = ReduceOp.Max
 Product = ReduceOp.Product
 
-_initialized = False
 _owns_group = False
 
 
@@ -48,13 +48,13 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     ``add_process_set``). ``comm`` (an MPI communicator) has no counterpart here: passing one
     raises ``NotImplementedError`` rather than silently using the world.
     """
-    global _initialized, _owns_group
+    global _owns_group
     if comm is not None:
         raise NotImplementedError(
             "spark_dl.horovod.init() runs on the whole job: MPI communicators are not supported. "
             "Call init() without comm=; for subsets of ranks use process sets (hvd.ProcessSet([...]))."
         )
-    if _initialized:
+    if is_initialized():
         if process_sets is not None and process_sets != "dynamic":
             raise ValueError("hvd.init(process_sets=[...]) after Horovod was initialized: register the sets "
                              "with hvd.add_process_set() instead")
@@ -68,43 +68,33 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
             # Outside a launcher Horovod runs as a world of one; an in-memory store needs no ports.
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         _owns_group = True
-    _initialized = True
+    set_initialized(True)
     try:
-        _join.setup()  # first: registering the sets gives each its join control
-        _process_sets.setup(process_sets)
+        setup_join()  # first: registering the sets gives each its join control
+        setup_process_sets(process_sets)
     except BaseException:
-        _initialized = False  # a bad process_sets= argument: init() may be called again
+        set_initialized(False)  # a bad process_sets= argument: init() may be called again
         raise
 
 
 def shutdown() -> None:
     """Leave Horovod; destroys the process group if :func:`init` created it. Safe to repeat."""
-    global _initialized, _owns_group
+    global _owns_group
     if _owns_group and dist.is_initialized():
         dist.destroy_process_group()
-    _initialized = False
+    set_initialized(False)
     _owns_group = False
-
-
-def is_initialized() -> bool:
-    """Whether :func:`init` has been called (and not undone by :func:`shutdown`)."""
-    return _initialized
-
-
-def _check() -> None:
-    if not _initialized:
-        raise ValueError("Horovod has not been initialized; use hvd.init().")
 
 
 def rank() -> int:
     """This process's rank in ``[0, size())``."""
-    _check()
+    check()
     return dist.get_rank()
 
 
 def size() -> int:
     """Number of processes in the job."""
-    _check()
+    check()
     return dist.get_world_size()
 
 
@@ -114,25 +104,25 @@ def _env_int(name: str, default: int) -> int:
 
 def local_rank() -> int:
     """Rank among the processes on this host."""
-    _check()
+    check()
     return _env_int("LOCAL_RANK", 0)
 
 
 def local_size() -> int:
     """Number of processes on this host."""
-    _check()
+    check()
     return _env_int("LOCAL_WORLD_SIZE", 1)
 
 
 def cross_rank() -> int:
     """Index of this host among the job's hosts."""
-    _check()
+    check()
     return _env_int("CROSS_RANK", 0)
 
 
 def cross_size() -> int:
     """Number of hosts in the job."""
-    _check()
+    check()
     return _env_int("CROSS_SIZE", 1)
 
 

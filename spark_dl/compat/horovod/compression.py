@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from spark_dl.compression import FP16, Compressor, NoneCompressor
-from spark_dl.compression.fp import _Cast
-from spark_dl.compression.base import as_compressor
 from spark_dl.compression import allreduce as compressed_allreduce
+from spark_dl.compression.base import as_compressor
+from spark_dl.compression.fp import Cast
 
 
 class Compression:
@@ -45,7 +45,7 @@ def for_tensor(compressor: Compressor, tensor: torch.Tensor) -> Compressor:
 
 
 def is_cast(compressor: Compressor) -> bool:
-    return isinstance(compressor, _Cast)
+    return isinstance(compressor, Cast)
 
 
 def is_none(compressor: Compressor) -> bool:

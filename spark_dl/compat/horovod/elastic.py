@@ -18,10 +18,15 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from spark_dl.rank import checkpoint as _checkpoint
-from spark_dl.rank import context as _rank_api
 from spark_dl.compat.horovod.basics import rank
-from spark_dl.compat.horovod.functions import _to_cpu, allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from spark_dl.compat.horovod.functions import (
+    allgather_object,
+    broadcast_object,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+    to_cpu,
+)
+from spark_dl.rank import checkpoint, context
 
 _KEY = "spark_dl.horovod.elastic"
 
@@ -53,7 +58,7 @@ class State:
         rank at the same points (it gathers the samplers' progress from all ranks)."""
         self.save()
         self._commits += 1
-        _checkpoint.save_checkpoint({_KEY: self._snapshot(), "commits": self._commits}, step=self._commits)
+        checkpoint.save_checkpoint({_KEY: self._snapshot(), "commits": self._commits}, step=self._commits)
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
@@ -131,9 +136,9 @@ class TorchState(ObjectState):
 
     def save(self) -> None:
         if self.model is not None:
-            self._saved_model = _to_cpu(self.model.state_dict(), copy=True)
+            self._saved_model = to_cpu(self.model.state_dict(), copy=True)
         if self.optimizer is not None:
-            self._saved_optimizer = _to_cpu(self.optimizer.state_dict(), copy=True)
+            self._saved_optimizer = to_cpu(self.optimizer.state_dict(), copy=True)
         # a sampler's progress is every rank's batches: gather them so rank 0's commit has all of it
         self._saved_samplers = {name: s._gathered_state_dict() for name, s in self._samplers.items()}
         super().save()
@@ -257,7 +262,7 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
         if not isinstance(state, State):
             raise TypeError(f"hvd.elastic.run: the first argument must be an hvd.elastic State, got {type(state).__name__}")
-        saved = _checkpoint.load_checkpoint() if _rank_api.in_rank_process() else None
+        saved = checkpoint.load_checkpoint() if context.in_rank_process() else None
         resumed = isinstance(saved, dict) and _KEY in saved
         if resumed:
             state._load_snapshot(saved[_KEY])

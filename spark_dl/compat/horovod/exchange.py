@@ -11,16 +11,29 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from spark_dl.compression import FP16
-
-from spark_dl.compat.horovod import compression as _compression
-from spark_dl.compat.horovod.basics import Adasum, Average, ReduceOp, Sum, _check
+from spark_dl.compat.horovod.basics import Adasum, Average, ReduceOp, Sum
 from spark_dl.compat.horovod.checks import SHAPES, check_same, describe
-from spark_dl.compat.horovod.compression import Compression
+from spark_dl.compat.horovod.compression import Compression, for_tensor, is_none
+from spark_dl.compat.horovod.compression import resolve as resolve_compression
+from spark_dl.compat.horovod.ops import (
+    AllreduceFunction,
+    allgather,
+    allgather_parts,
+    check_layouts,
+    fused_inplace,
+    gather_counts,
+    gather_rows,
+    on_comm_device,
+    reduce_fields,
+    reduce_into,
+    register_handle,
+    resolve_op,
+    tensor_layout,
+)
 from spark_dl.compat.horovod.process_sets import ProcessSet, global_process_set, group_of
 from spark_dl.compat.horovod.process_sets import resolve as resolve_set
-from spark_dl.compat.horovod.ops import (_Allreduce, _layout, _on_comm_device, _reduce_into, _register, allgather, allgather_parts,
-                  check_layouts, fused_inplace, gather_counts, gather_rows, reduce_fields, resolve_op)
+from spark_dl.compat.horovod.state import check
+from spark_dl.compression import FP16
 
 
 def _splits_list(splits: Any, rows: int, world: int) -> list[int]:
@@ -44,8 +57,8 @@ def _alltoall(tensor: torch.Tensor, splits: list[int], ps: ProcessSet) -> tuple[
     """Exchange the row counts, then the rows; returns (received rows, rows from each rank).
     Each count travels with the sender's layout, so every rank checks every rank's at no extra
     cost: Gloo aborts a rank whose rows are longer than another's, or mixes dtypes into garbage."""
-    x = _on_comm_device(tensor.detach()).contiguous()
-    rest = _layout(x)[1:]
+    x = on_comm_device(tensor.detach()).contiguous()
+    rest = tensor_layout(x)[1:]
     sent = torch.tensor([[n] + rest for n in splits], dtype=torch.int64, device=x.device)
     got = torch.empty_like(sent)
     group = group_of(ps)
@@ -80,7 +93,7 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
     with the int32 row counts that came from each rank, as Horovod does. Ranks may send
     different numbers of rows; the other dimensions must agree.
     """
-    _check()
+    check()
     ps = resolve_set(process_set)
     if tensor.dim() == 0:
         raise ValueError("alltoall needs a tensor with at least one dimension (it slices dimension 0)")
@@ -91,7 +104,7 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
 def _reducescatter(tensor: torch.Tensor, op: ReduceOp, half: bool, prescale: float,
                    postscale: float, ps: ProcessSet) -> torch.Tensor:
     world, me = ps.size(), ps.rank()
-    x = _on_comm_device(tensor.detach())
+    x = on_comm_device(tensor.detach())
     if prescale != 1.0:
         x = x * prescale
     n = x.shape[0]
@@ -146,10 +159,10 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: An
     ``compression``: ``Compression.none`` or ``Compression.fp16`` (slices travel as float16 and
     are reduced in the tensor's dtype). Differentiable for Average and Sum.
     """
-    _check()
+    check()
     op = resolve_op(op)
     ps = resolve_set(process_set)
-    compressor = _compression.resolve(compression, per_call=True)
+    compressor = resolve_compression(compression, per_call=True)
     half = _half(tensor, op, compressor)
     check_same("reducescatter", ps, reduce_fields(tensor, op, compressor, prescale_factor, postscale_factor))
     return _Reducescatter.apply(tensor, op, half, prescale_factor, postscale_factor, ps)
@@ -161,8 +174,8 @@ def _half(tensor: torch.Tensor, op: ReduceOp, compressor: Any) -> bool:
         raise ValueError("reducescatter does not take op=hvd.Adasum (nor does Horovod's): use Average or Sum")
     if tensor.dim() == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension (it slices dimension 0)")
-    compressor = _compression.for_tensor(compressor, tensor)
-    half = not _compression.is_none(compressor)
+    compressor = for_tensor(compressor, tensor)
+    half = not is_none(compressor)
     if half and not isinstance(compressor, FP16):
         raise ValueError("reducescatter takes compression=hvd.Compression.none or hvd.Compression.fp16")
     return half
@@ -176,18 +189,18 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
     tensors of one dtype and device travel fused in a single collective. Returns new tensors;
     differentiable (then each tensor is reduced on its own, as the autograd graph needs, so every
     rank's tensors must require grad, or none's)."""
-    _check()
+    check()
     op = resolve_op(op, average)
     ps = resolve_set(process_set)
-    compressor = _compression.resolve(compression, per_call=True)
+    compressor = resolve_compression(compression, per_call=True)
     tensors = list(tensors)
     _check_items(tensors, "grouped_allreduce")
     differentiable = any(t.requires_grad for t in tensors)
     check_same("grouped_allreduce", ps, {**reduce_fields(tensors, op, compressor, prescale_factor, postscale_factor),
                                          "requires_grad": str(differentiable)})
     if differentiable:
-        return [_Allreduce.apply(t, op, None if name is None else f"{name}.{i}", compressor, prescale_factor,
-                                 postscale_factor, ps)
+        return [AllreduceFunction.apply(t, op, None if name is None else f"{name}.{i}", compressor, prescale_factor,
+                                        postscale_factor, ps)
                 for i, t in enumerate(tensors)]
     outs = [t.detach().clone() for t in tensors]
     _fused_reduce(outs, op, name, compressor, prescale_factor, postscale_factor, ps)
@@ -200,10 +213,10 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
                        process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """In-place :func:`grouped_allreduce`: one fused collective per dtype and device; returns
     ``tensors``."""
-    _check()
+    check()
     op = resolve_op(op, average)
     ps = resolve_set(process_set)
-    compressor = _compression.resolve(compression, per_call=True)
+    compressor = resolve_compression(compression, per_call=True)
     tensors = list(tensors)
     _check_items(tensors, "grouped_allreduce")
     check_same("grouped_allreduce", ps, {**reduce_fields(tensors, op, compressor, prescale_factor, postscale_factor),
@@ -216,7 +229,7 @@ def _fused_reduce(tensors: list[torch.Tensor], op: ReduceOp, name: str | None, c
                   prescale_factor: float, postscale_factor: float, ps: ProcessSet) -> None:
     def reduce(j: int, flat: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         key = None if name is None else f"{name}.group{j}"
-        return _reduce_into(flat, op, key, compressor, prescale_factor, postscale_factor, sizes, ps)
+        return reduce_into(flat, op, key, compressor, prescale_factor, postscale_factor, sizes, ps)
 
     fused_inplace(tensors, reduce)
 
@@ -225,7 +238,7 @@ def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """:func:`~spark_dl.horovod.allgather` of every tensor in ``tensors``, in order (first
     dimensions may differ between ranks); returns the gathered tensors. Differentiable."""
-    _check()
+    check()
     tensors = _tensor_list(tensors, "grouped_allgather")
     return [allgather(t, None if name is None else f"{name}.{i}", process_set) for i, t in enumerate(tensors)]
 
@@ -236,11 +249,11 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
                           process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """:func:`reducescatter` of every tensor in ``tensors``, in order; returns this rank's slice
     of each. Differentiable for Average and Sum."""
-    _check()
+    check()
     tensors = _tensor_list(tensors, "grouped_reducescatter")
     op = resolve_op(op)
     ps = resolve_set(process_set)
-    compressor = _compression.resolve(compression, per_call=True)
+    compressor = resolve_compression(compression, per_call=True)
     halves = [_half(t, op, compressor) for t in tensors]
     check_same("grouped_reducescatter", ps, reduce_fields(tensors, op, compressor, prescale_factor, postscale_factor))
     return [_Reducescatter.apply(t, op, half, prescale_factor, postscale_factor, ps)
@@ -268,7 +281,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: An
     """Start an all-reduce of a sparse COO tensor (``nn.Embedding(sparse=True)``'s gradient, say):
     ``synchronize(handle)`` returns the coalesced sparse sum (``op=Sum``) or average of every
     rank's tensor. Only the entries travel (an allgather of indices and values), as in Horovod."""
-    _check()
+    check()
     ps = resolve_set(process_set)
     op = resolve_op(op)
     if not tensor.is_sparse:
@@ -280,7 +293,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: An
     # another dtype's values are garbage and another op mixes sums with averages
     check_same("sparse_allreduce_async", ps, {SHAPES: describe(tensor), "op": op.name})
     result = sparse_sum(tensor.detach(), group_of(ps), average=op == Average)
-    return _register(None, lambda: result)
+    return register_handle(None, lambda: result)
 
 
 def _check_items(tensors: Any, who: str) -> None:
@@ -306,7 +319,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
     """Start an :func:`alltoall`; ``synchronize(handle)`` returns what :func:`alltoall` would
     (``(tensor, received_splits)`` when ``splits`` is given)."""
     result = alltoall(tensor.detach(), splits, name, process_set)
-    return _register(None, lambda: result)
+    return register_handle(None, lambda: result)
 
 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, compression: Any = Compression.none,
@@ -314,7 +327,7 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, compressi
                         process_set: ProcessSet = global_process_set) -> int:
     """Start a :func:`reducescatter`; ``synchronize(handle)`` returns this rank's slice."""
     result = reducescatter(tensor.detach(), name, compression, op, prescale_factor, postscale_factor, process_set)
-    return _register(None, lambda: result)
+    return register_handle(None, lambda: result)
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
@@ -324,7 +337,7 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | Non
     """Start a :func:`grouped_allreduce`; ``synchronize(handle)`` returns the list of results."""
     result = grouped_allreduce([t.detach() for t in tensors], average, name, compression, op,
                                prescale_factor, postscale_factor, process_set)
-    return _register(None, lambda: result)
+    return register_handle(None, lambda: result)
 
 
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
@@ -334,14 +347,14 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
     """Start a :func:`grouped_allreduce_`; ``synchronize(handle)`` returns ``tensors``, reduced."""
     result = grouped_allreduce_(tensors, average, name, compression, op, prescale_factor, postscale_factor,
                                 process_set)
-    return _register(None, lambda: result)
+    return register_handle(None, lambda: result)
 
 
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
                             process_set: ProcessSet = global_process_set) -> int:
     """Start a :func:`grouped_allgather`; ``synchronize(handle)`` returns the gathered tensors."""
     result = grouped_allgather([t.detach() for t in tensors], name, process_set)
-    return _register(None, lambda: result)
+    return register_handle(None, lambda: result)
 
 
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
@@ -351,4 +364,4 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
     """Start a :func:`grouped_reducescatter`; ``synchronize(handle)`` returns this rank's slices."""
     result = grouped_reducescatter([t.detach() for t in tensors], name, compression, op, prescale_factor,
                                    postscale_factor, process_set)
-    return _register(None, lambda: result)
+    return register_handle(None, lambda: result)

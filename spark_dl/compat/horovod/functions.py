@@ -8,12 +8,13 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from spark_dl.rank.tensors import comm_device, map_tensors
-from spark_dl.compat.horovod.basics import _check, rank
+from spark_dl.compat.horovod.basics import rank
 from spark_dl.compat.horovod.checks import agree, check_same
 from spark_dl.compat.horovod.ops import allgather_parts, fused_inplace
 from spark_dl.compat.horovod.process_sets import ProcessSet, check_root, global_process_set, group_of
 from spark_dl.compat.horovod.process_sets import resolve as resolve_set
+from spark_dl.compat.horovod.state import check
+from spark_dl.rank.tensors import comm_device, map_tensors
 
 
 def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any], root_rank: int,
@@ -25,7 +26,7 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any], roo
     rank must pass the same names, shapes and dtypes in the same order (checked first: otherwise
     a ``ValueError`` on every rank names the first difference).
     """
-    _check()
+    check()
     ps = resolve_set(process_set)
     check_root(ps, root_rank)
     if isinstance(params, Mapping):
@@ -50,7 +51,7 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any], roo
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Any:
     """Return ``root_rank``'s ``obj`` on every rank (of ``process_set``; serialized with cloudpickle)."""
-    _check()
+    check()
     ps = resolve_set(process_set)
     check_root(ps, root_rank)
     # unchecked, ranks naming different roots hang in the length's broadcast
@@ -73,7 +74,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
 def allgather_object(obj: Any, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> list[Any]:
     """Every rank's (of ``process_set``) ``obj``, in rank order (serialized with cloudpickle)."""
-    _check()
+    check()
     ps = resolve_set(process_set)
     data = torch.frombuffer(bytearray(cloudpickle.dumps(obj)), dtype=torch.uint8).to(comm_device())
     return [cloudpickle.loads(part.cpu().numpy().tobytes()) for part in allgather_parts(data, ps)]
@@ -121,7 +122,7 @@ def _first_difference(layout: list[tuple], r: int, root_layout: list[tuple], roo
     return f"rank {r}'s {label} is {dtype} {shape} but rank {root}'s is {root_dtype} {root_shape}"
 
 
-def _to_cpu(value: Any, copy: bool = False) -> Any:
+def to_cpu(value: Any, copy: bool = False) -> Any:
     """``value`` (a state_dict, nested) with its tensors in host memory; ``copy``: always new
     tensors, never views of the live ones (a snapshot that later steps must not change)."""
     return map_tensors(value, lambda t: t.detach().to("cpu", copy=copy))
@@ -136,12 +137,12 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     optimizer must hold parameters of the same shapes and dtypes, in the same groups (checked
     first: otherwise a ``ValueError`` on every rank names the first difference).
     """
-    _check()
+    check()
     ps = resolve_set(process_set)
     check_root(ps, root_rank)
     named = [(f"param_groups[{g}]['params'][{j}]", p)
              for g, group in enumerate(optimizer.param_groups) for j, p in enumerate(group["params"])]
     _check_same_tensors("broadcast_optimizer_state", "parameters", named, root_rank, ps)
-    state = broadcast_object(_to_cpu(optimizer.state_dict()), root_rank, process_set=ps)
+    state = broadcast_object(to_cpu(optimizer.state_dict()), root_rank, process_set=ps)
     if rank() != root_rank:
         optimizer.load_state_dict(state)

@@ -17,14 +17,16 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from spark_dl.compat.horovod import adasum as _adasum
-from spark_dl.compat.horovod import compression as _compression
-from spark_dl.rank.tensors import comm_device
-from spark_dl.compat.horovod.basics import Adasum, Average, ReduceOp, Sum, _check, rank
+from spark_dl.compat.horovod import adasum
+from spark_dl.compat.horovod.basics import Adasum, Average, ReduceOp, Sum, rank
 from spark_dl.compat.horovod.checks import ALL_SHAPES, SHAPES, check_same, describe, setting
-from spark_dl.compat.horovod.compression import Compression
+from spark_dl.compat.horovod.compression import Compression, for_tensor, is_cast, is_none
+from spark_dl.compat.horovod.compression import reduce as reduce_compressed
+from spark_dl.compat.horovod.compression import resolve as resolve_compression
 from spark_dl.compat.horovod.process_sets import ProcessSet, check_root, global_process_set, group_of
 from spark_dl.compat.horovod.process_sets import resolve as resolve_set
+from spark_dl.compat.horovod.state import check
+from spark_dl.rank.tensors import comm_device
 
 _TORCH_OPS = {
     ReduceOp.Min: dist.ReduceOp.MIN,
@@ -43,7 +45,8 @@ def resolve_op(op: Any, average: bool | None = None) -> ReduceOp:
     return Average if op is None else ReduceOp(op)
 
 
-def _on_comm_device(tensor: torch.Tensor) -> torch.Tensor:
+def on_comm_device(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` where this rank's collectives run (itself when it is there already)."""
     dev = comm_device()
     return tensor if tensor.device == dev else tensor.to(dev)
 
@@ -58,7 +61,7 @@ def fused_inplace(tensors: list[torch.Tensor], run: Callable[..., torch.Tensor])
         groups.setdefault((t.dtype, t.device), []).append(t)
     with torch.no_grad():
         for j, group in enumerate(groups.values()):
-            flat = run(j, _on_comm_device(torch.cat([t.detach().reshape(-1) for t in group])),
+            flat = run(j, on_comm_device(torch.cat([t.detach().reshape(-1) for t in group])),
                        [t.numel() for t in group])
             offset = 0
             for t in group:
@@ -66,27 +69,27 @@ def fused_inplace(tensors: list[torch.Tensor], run: Callable[..., torch.Tensor])
                 offset += t.numel()
 
 
-def _reduce_into(work: torch.Tensor, op: ReduceOp, name: str | None, compressor: Any,
+def reduce_into(work: torch.Tensor, op: ReduceOp, name: str | None, compressor: Any,
                  prescale_factor: float, postscale_factor: float,
                  sizes: list[int] | None = None, ps: ProcessSet = global_process_set) -> torch.Tensor:
     """Reduce ``work`` (a private buffer on the comm device; may be modified) over ``ps``.
     Returns the result. ``sizes``: the tensors fused in ``work``, for Adasum's per-tensor
     coefficients."""
-    compressor = _compression.for_tensor(compressor, work)
+    compressor = for_tensor(compressor, work)
     if prescale_factor != 1.0:
         work.mul_(prescale_factor)
     if op == Adasum:
-        if not _compression.is_none(compressor):
+        if not is_none(compressor):
             raise ValueError("op=hvd.Adasum combines full-precision tensors: pass compression=hvd.Compression.none")
-        work = _adasum.allreduce(work.reshape(-1), sizes, group_of(ps)).view_as(work)
+        work = adasum.allreduce(work.reshape(-1), sizes, group_of(ps)).view_as(work)
     elif op in (Average, Sum):
-        work = _compression.reduce(work, compressor, average=op == Average, name=name, group=group_of(ps))
-    elif _compression.is_cast(compressor):  # Min, Max, Product of the cast tensor, as Horovod's fp16 does
+        work = reduce_compressed(work, compressor, average=op == Average, name=name, group=group_of(ps))
+    elif is_cast(compressor):  # Min, Max, Product of the cast tensor, as Horovod's fp16 does
         wire = work.to(compressor.wire_dtype)
         dist.all_reduce(wire, op=_TORCH_OPS[op], group=group_of(ps))
         work.copy_(wire)
     else:
-        if not _compression.is_none(compressor):
+        if not is_none(compressor):
             raise ValueError(f"compression is only supported with op=Average or Sum (or fp16/bf16 with any op), "
                              f"not {op.name}")
         dist.all_reduce(work, op=_TORCH_OPS[op], group=group_of(ps))
@@ -98,12 +101,16 @@ def _reduce_into(work: torch.Tensor, op: ReduceOp, name: str | None, compressor:
 def _allreduce_copy(tensor: torch.Tensor, op: ReduceOp, name: str | None, compressor: Any,
                     prescale_factor: float, postscale_factor: float,
                     ps: ProcessSet = global_process_set) -> torch.Tensor:
-    work = _on_comm_device(tensor.detach()).clone()
-    out = _reduce_into(work, op, name, compressor, prescale_factor, postscale_factor, ps=ps)
+    work = on_comm_device(tensor.detach()).clone()
+    out = reduce_into(work, op, name, compressor, prescale_factor, postscale_factor, ps=ps)
     return out.to(tensor.device)
 
 
-class _Allreduce(torch.autograd.Function):
+class AllreduceFunction(torch.autograd.Function):
+    """The differentiable all-reduce behind :func:`allreduce`: ``apply(tensor, op, name,
+    compressor, prescale_factor, postscale_factor, ps)``, unchecked; the gradient is reduced
+    with the same op and scale factors."""
+
     @staticmethod
     def forward(ctx, tensor, op, name, compressor, prescale_factor, postscale_factor, ps):
         ctx.args = (op, prescale_factor, postscale_factor, ps)
@@ -126,12 +133,12 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     ``postscale_factor * op(prescale_factor * tensor)``. ``compression`` applies to Average/Sum.
     The input is not modified; gradients flow back through an all-reduce with the same op.
     """
-    _check()
+    check()
     op = resolve_op(op, average)
     ps = resolve_set(process_set)
-    compressor = _compression.resolve(compression, per_call=True)
+    compressor = resolve_compression(compression, per_call=True)
     check_same("allreduce", ps, reduce_fields(tensor, op, compressor, prescale_factor, postscale_factor))
-    return _Allreduce.apply(tensor, op, name, compressor, prescale_factor, postscale_factor, ps)
+    return AllreduceFunction.apply(tensor, op, name, compressor, prescale_factor, postscale_factor, ps)
 
 
 def reduce_fields(tensors: torch.Tensor | list[torch.Tensor], op: ReduceOp, compressor: Any,
@@ -147,7 +154,7 @@ def reduce_fields(tensors: torch.Tensor | list[torch.Tensor], op: ReduceOp, comp
 def sum_unchecked(tensor: torch.Tensor) -> torch.Tensor:
     """Differentiable sum of ``tensor`` over all ranks without :func:`~.checks.check_same`: for
     per-step reductions whose layout is the model's (``SyncBatchNorm``'s statistics)."""
-    return _Allreduce.apply(tensor, Sum, None, Compression.none, 1.0, 1.0, resolve_set(global_process_set))
+    return AllreduceFunction.apply(tensor, Sum, None, Compression.none, 1.0, 1.0, resolve_set(global_process_set))
 
 
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -164,7 +171,7 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
 
     Shapes must agree except for the first dimension, which may differ between ranks.
     """
-    _check()
+    check()
     return _Allgather.apply(tensor, name, resolve_set(process_set))
 
 
@@ -172,7 +179,7 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Return a copy of ``root_rank``'s ``tensor`` on every rank (of ``process_set``; ``root_rank``
     is a global rank); the input is not modified."""
-    _check()
+    check()
     return _Broadcast.apply(tensor, root_rank, name, resolve_set(process_set))
 
 
@@ -184,7 +191,7 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Block until every rank (of ``process_set``) reaches this call."""
-    _check()
+    check()
     dist.barrier(group=group_of(resolve_set(process_set)))
 
 
@@ -200,7 +207,9 @@ _pending: dict[int, _Pending] = {}
 _next_handle = itertools.count(1)
 
 
-def _register(work: Any, finish: Callable[[], torch.Tensor]) -> int:
+def register_handle(work: Any, finish: Callable[[], torch.Tensor]) -> int:
+    """A handle for :func:`poll` and :func:`synchronize`: ``work`` (a torch.distributed Work, or
+    None when done already) is waited for, then ``finish()`` gives the result."""
     handle = next(_next_handle)
     _pending[handle] = _Pending(work, finish)
     return handle
@@ -225,7 +234,7 @@ def synchronize(handle: int) -> torch.Tensor:
 
 def _async_reduce(tensor: torch.Tensor, output: torch.Tensor, op: ReduceOp, name: str | None,
                   prescale_factor: float, postscale_factor: float, process_set: ProcessSet) -> int:
-    _check()
+    check()
     ps = resolve_set(process_set)
     check_same("allreduce", ps, reduce_fields(tensor, op, Compression.none, prescale_factor, postscale_factor))
     if op == Adasum:
@@ -233,9 +242,9 @@ def _async_reduce(tensor: torch.Tensor, output: torch.Tensor, op: ReduceOp, name
         result = _allreduce_copy(tensor, op, name, Compression.none, prescale_factor, postscale_factor, ps)
         with torch.no_grad():
             output.copy_(result)
-        return _register(None, lambda: output)
+        return register_handle(None, lambda: output)
     inplace_ok = output is tensor and tensor.device == comm_device() and tensor.is_contiguous()
-    work_t = tensor if inplace_ok else _on_comm_device(tensor.detach()).clone()
+    work_t = tensor if inplace_ok else on_comm_device(tensor.detach()).clone()
     if prescale_factor != 1.0:
         work_t.mul_(prescale_factor)
     # floating point averages divide before the sum, as allreduce() does: the same numbers travel,
@@ -258,7 +267,7 @@ def _async_reduce(tensor: torch.Tensor, output: torch.Tensor, op: ReduceOp, name
                 output.copy_(work_t)
         return output
 
-    return _register(work, finish)
+    return register_handle(work, finish)
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -278,12 +287,12 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
 
 
 def _async_broadcast(tensor: torch.Tensor, output: torch.Tensor, root_rank: int, process_set: ProcessSet) -> int:
-    _check()
+    check()
     ps = resolve_set(process_set)
     check_root(ps, root_rank)
     check_same("broadcast", ps, {SHAPES: describe(tensor), "root_rank": str(root_rank)})
     inplace_ok = output is tensor and tensor.device == comm_device() and tensor.is_contiguous()
-    work_t = tensor if inplace_ok else _on_comm_device(tensor.detach()).clone()
+    work_t = tensor if inplace_ok else on_comm_device(tensor.detach()).clone()
     work = dist.broadcast(work_t, src=root_rank, async_op=True, group=group_of(ps))
 
     def finish() -> torch.Tensor:
@@ -292,7 +301,7 @@ def _async_broadcast(tensor: torch.Tensor, output: torch.Tensor, root_rank: int,
                 output.copy_(work_t)
         return output
 
-    return _register(work, finish)
+    return register_handle(work, finish)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -310,9 +319,9 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> int:
     """Start an :func:`allgather`. The first-dimension sizes are exchanged before this returns."""
-    _check()
+    check()
     out = _allgather_sync(tensor, resolve_set(process_set))
-    return _register(None, lambda: out)
+    return register_handle(None, lambda: out)
 
 
 # ---- allgather / broadcast with gradients -------------------------------------------------------
@@ -333,7 +342,7 @@ def gather_counts(n: int, group: Any) -> list[int]:
 def gather_rows(tensor: torch.Tensor, counts: list[int], group: Any) -> list[torch.Tensor]:
     """Every member's ``tensor`` (``counts[r]`` rows from rank r, the other dimensions equal), in
     rank order, on the comm device."""
-    t = _on_comm_device(tensor.detach()).contiguous()
+    t = on_comm_device(tensor.detach()).contiguous()
     longest = max(counts)
     if t.shape[0] < longest:
         # torch.distributed gathers equal shapes only: pad, then trim each rank's part.
@@ -346,7 +355,7 @@ def gather_rows(tensor: torch.Tensor, counts: list[int], group: Any) -> list[tor
 _LAYOUT_DIMS = 8  # the other dimensions sent as they are; a tensor with more sends their hash
 
 
-def _layout(tensor: torch.Tensor) -> list[int]:
+def tensor_layout(tensor: torch.Tensor) -> list[int]:
     """[rows, dtype, ndim, other dimensions...], a fixed length whatever the tensor."""
     rest = list(tensor.shape[1:])
     if len(rest) > _LAYOUT_DIMS:
@@ -371,13 +380,13 @@ def allgather_parts(tensor: torch.Tensor, ps: ProcessSet = global_process_set) -
     group = group_of(ps)
     # The row counts travel with the rest of the layout, so a mismatch costs no extra collective:
     # torch would gather mismatched tensors into garbage or break the connection (Horovod refuses).
-    layouts = gather_ints(_layout(tensor), group)
+    layouts = gather_ints(tensor_layout(tensor), group)
     check_layouts("allgather", layouts, ps)
     return gather_rows(tensor, [lay[0] for lay in layouts], group)
 
 
 def check_layouts(who: str, layouts: list[list[int]], ps: ProcessSet) -> None:
-    """Raise unless every member's layout (``_layout``'s, one per member of ``ps`` in rank
+    """Raise unless every member's layout (``tensor_layout``'s, one per member of ``ps`` in rank
     order) is the same but for the rows."""
     if any(lay[1:] != layouts[0][1:] for lay in layouts):
         members = ps.ranks or range(len(layouts))

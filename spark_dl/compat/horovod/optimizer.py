@@ -18,17 +18,19 @@ from typing import Any, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from spark_dl.compat.horovod import adasum as _adasum
-from spark_dl.compat.horovod import compression as _compression
-from spark_dl.compat.horovod import joining as _join
-from spark_dl.rank.tensors import comm_device
-from spark_dl.compat.horovod.basics import Adasum, Average, ReduceOp, Sum, _check
-from spark_dl.compat.horovod.compression import Compression
+from spark_dl.compat.horovod import adasum, joining
+from spark_dl.compat.horovod.basics import Adasum, Average, ReduceOp, Sum
+from spark_dl.compat.horovod.compression import Compression, is_none
+from spark_dl.compat.horovod.compression import reduce as reduce_compressed
+from spark_dl.compat.horovod.compression import resolve as resolve_compression
+from spark_dl.compat.horovod.exchange import sparse_sum
+from spark_dl.compat.horovod.functions import broadcast_optimizer_state, broadcast_parameters
 from spark_dl.compat.horovod.fusion import BucketReducer, fusion_threshold, plan_buckets, plan_groups
 from spark_dl.compat.horovod.ops import fused_inplace
-from spark_dl.compat.horovod.exchange import sparse_sum
-from spark_dl.compat.horovod.process_sets import ProcessSet, global_process_set
+from spark_dl.compat.horovod.process_sets import ProcessSet, global_process_set, optimizer_group_of
 from spark_dl.compat.horovod.process_sets import resolve as resolve_set
+from spark_dl.compat.horovod.state import check
+from spark_dl.rank.tensors import comm_device
 
 # id(parameter) -> (the parameter, the DistributedOptimizer whose hooks are on it), both weak
 _owners: dict[int, tuple[weakref.ref, weakref.ref]] = {}
@@ -79,7 +81,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             [[False] * len(b) for b in self._hvd_buckets] if sparse_as_dense else [None] * len(self._hvd_buckets))
         self._hvd_group = _optimizer_group(ps)
         self._hvd_ps = ps
-        self._hvd_join = _join.register(self, ps.process_set_id)
+        self._hvd_join = joining.register(self, ps.process_set_id)
         self._hvd_control = None
         self._hvd_reducer = BucketReducer(self._hvd_reduce)
         self._hvd_synchronized = False
@@ -130,7 +132,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _hvd_launch(self, i: int) -> None:
         if i == 0:
-            self._hvd_control = _join.start_control(self._hvd_join)
+            self._hvd_control = joining.start_control(self._hvd_join)
         self._hvd_next = i + 1
         self._hvd_reducer.submit(i, partial(self._hvd_prepare, i), self._hvd_buckets[i][0].device)
 
@@ -167,8 +169,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         dev = comm_device()
         work = flat if flat.device == dev else flat.to(dev)  # e.g. CUDA gradients over Gloo
         # the bucket's own flat copy receives the result: no second bucket-sized tensor
-        out = _compression.reduce(work, self._hvd_compressor, average=average, name=name,
-                                  group=self._hvd_group, layout=shapes, out=work)
+        out = reduce_compressed(work, self._hvd_compressor, average=average, name=name,
+                                group=self._hvd_group, layout=shapes, out=work)
         out = out if out.device == flat.device else out.to(flat.device)
         if average and self._hvd_predivide != 1.0:
             out.mul_(self._hvd_predivide)
@@ -206,7 +208,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for i in range(self._hvd_next, len(self._hvd_buckets)):
             self._hvd_launch(i)
         # waited for apart from the reducer: a joined rank needs it before it can follow the buckets
-        _join.finish_control(self._hvd_control)
+        joining.finish_control(self._hvd_control)
         self._hvd_control = None
         self._hvd_reducer.wait()
         self._hvd_reset()
@@ -270,7 +272,7 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = backward_passes_per_step
         self._hvd_group = _optimizer_group(ps)
         self._hvd_ps = ps
-        self._hvd_join = _join.register(self, ps.process_set_id)
+        self._hvd_join = joining.register(self, ps.process_set_id)
         self._hvd_retired = False
         _claim(self._hvd_params, self)
 
@@ -280,7 +282,7 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> Any:
         if self._hvd_retired:
             raise RuntimeError(_RETIRED)
-        _join.control(self._hvd_join)
+        joining.control(self._hvd_join)
         with torch.no_grad():
             start = [p.detach().clone() for p in self._hvd_params]
         loss = super().step(closure)
@@ -289,7 +291,7 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
         return loss
 
     def _hvd_adasum(self, _j: int, flat: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        return _adasum.allreduce(flat, sizes, self._hvd_group)
+        return adasum.allreduce(flat, sizes, self._hvd_group)
 
     def _hvd_combine(self, start: list[torch.Tensor], deltas: list[torch.Tensor]) -> None:
         fused_inplace(deltas, self._hvd_adasum)
@@ -328,8 +330,6 @@ def _no_entries(p: torch.Tensor) -> torch.Tensor:
 def _take_from(opt: torch.optim.Optimizer, root: int, ps: ProcessSet) -> None:
     """Overwrite this optimizer's parameters and state with rank ``root``'s (after ``join()``,
     where every member of ``ps`` is, so its group is free)."""
-    from spark_dl.compat.horovod.functions import broadcast_optimizer_state, broadcast_parameters
-
     broadcast_parameters([p for group in opt.param_groups for p in group["params"]], root, process_set=ps)
     broadcast_optimizer_state(opt, root, process_set=ps)
 
@@ -338,7 +338,7 @@ def _optimizer_group(ps: ProcessSet) -> Any:
     # A group of the optimizer's own keeps its background collectives from interleaving with the
     # training loop's. new_group is collective over the whole job, which a process set's
     # optimizer (built on its members only) cannot call: the set made one when it was registered.
-    return dist.new_group() if ps is global_process_set else ps._opt_group
+    return dist.new_group() if ps is global_process_set else optimizer_group_of(ps)
 
 
 def _parameter_names(params: list[torch.Tensor], named_parameters: Any) -> dict[torch.Tensor, str]:
@@ -404,7 +404,7 @@ def DistributedOptimizer(
     ``HOROVOD_FUSION_THRESHOLD`` (bytes, default 64 MiB, 0 = one bucket per tensor) sets the
     bucket size.
     """
-    _check()
+    check()
     ps = resolve_set(process_set)
     op = ReduceOp(op)
     if op not in (Average, Sum, Adasum):
@@ -421,8 +421,8 @@ def DistributedOptimizer(
         groups = None  # Horovod's "no explicit groups"
     if isinstance(optimizer, (_DistributedOptimizer, _DistributedAdasumOptimizer)):
         raise ValueError("optimizer is already a DistributedOptimizer")
-    compressor = _compression.resolve(compression)
-    if op == Adasum and not _compression.is_none(compressor):
+    compressor = resolve_compression(compression)
+    if op == Adasum and not is_none(compressor):
         raise ValueError("op=hvd.Adasum combines full-precision updates: pass compression=hvd.Compression.none")
     base = type(optimizer)
     mixin = _DistributedAdasumOptimizer if op == Adasum else _DistributedOptimizer

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from spark_dl.compat.horovod import joining
 from spark_dl.compat.horovod.joining import check_collective
+from spark_dl.compat.horovod.state import check
 
 
 class ProcessSet:
@@ -99,9 +100,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     Every rank of the job must make the same ``add_process_set`` calls in the same order.
     """
     global _next_id
-    from spark_dl.compat.horovod.basics import _check
-
-    _check()
+    check()
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
     if ps.process_set_id is not None and _registered.get(ps.process_set_id) is ps:
         raise ValueError(f"{ps} is already registered")
@@ -158,6 +157,12 @@ def resolve(process_set: Any) -> ProcessSet:
 def group_of(ps: ProcessSet) -> Any:
     """The torch.distributed group for user collectives on ``ps`` (None: the default group)."""
     return ps._group
+
+
+def optimizer_group_of(ps: ProcessSet) -> Any:
+    """The group a registered set made for its ``DistributedOptimizer``'s background reductions
+    (None for the global set, whose optimizers make their own)."""
+    return ps._opt_group
 
 
 def check_root(ps: ProcessSet, root_rank: int) -> None:
