@@ -384,7 +384,7 @@ def sharded_loop():
     if checkpoint:
         with checkpoint.as_directory() as d:
             resumed = sorted(os.listdir(d))
-    train.REPORT_STALL_S = 0.5
+    train.session.REPORT_STALL_S = 0.5  # where report() and get_checkpoint() read it
     if rank == 0 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
         import time
 
@@ -426,15 +426,15 @@ def test_every_workers_checkpoint_files_are_merged_as_in_ray(tmp_path, capfd, mo
 
 def blob_sizes(monkeypatch) -> list[int]:
     """The size of every checkpoint message the driver's keeper receives (the real one still runs)."""
-    from spark_dl.ray_train import _CheckpointKeeper
+    from spark_dl.ray_train.keeper import CheckpointKeeper
 
-    sizes, original = [], _CheckpointKeeper.on_checkpoint
+    sizes, original = [], CheckpointKeeper.on_checkpoint
 
     def spy(self, blob, step):
         sizes.append(len(blob))
         return original(self, blob, step)
 
-    monkeypatch.setattr(_CheckpointKeeper, "on_checkpoint", spy)
+    monkeypatch.setattr(CheckpointKeeper, "on_checkpoint", spy)
     return sizes
 
 
@@ -806,7 +806,7 @@ def test_misuse_inside_a_worker_names_the_fix(tmp_path):
         import shutil
 
         shutil.rmtree(train.get_checkpoint().path)  # the storage went away under the run
-        train.REPORT_STALL_S = 0.5
+        train.session.REPORT_STALL_S = 0.5  # where report() and get_checkpoint() read it
         try:
             train.get_checkpoint()
         except RuntimeError as e:

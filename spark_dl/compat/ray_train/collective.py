@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from spark_dl.compat.ray_train import _current
+from spark_dl.compat.ray_train.session import current_worker
 
 __all__ = ["barrier", "broadcast_from_rank_zero"]
 
@@ -16,7 +16,7 @@ def barrier() -> None:
     """Return once every worker has called it."""
     import torch.distributed as dist
 
-    dist.barrier(group=_current().group)
+    dist.barrier(group=current_worker().group)
 
 
 def broadcast_from_rank_zero(data: Any) -> Any:
@@ -25,5 +25,5 @@ def broadcast_from_rank_zero(data: Any) -> Any:
     import torch.distributed as dist
 
     box = [data]
-    dist.broadcast_object_list(box, src=0, group=_current().group)
+    dist.broadcast_object_list(box, src=0, group=current_worker().group)
     return box[0]

@@ -13,7 +13,7 @@ names from :mod:`spark_dl.ray_train.pytorch_lightning`, built on that package.
 from __future__ import annotations
 
 from spark_dl.compat.lightning_import import lightning_module
-from spark_dl.compat.ray_train._lightning_helpers import build
+from spark_dl.compat.ray_train.lightning_helpers import build
 
 _USER = "spark_dl.ray_train.lightning"
 RayLightningEnvironment, RayDDPStrategy, RayTrainReportCallback, prepare_trainer = build(

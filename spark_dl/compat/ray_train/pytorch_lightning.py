@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib
 
-from spark_dl.compat.ray_train._lightning_helpers import build
+from spark_dl.compat.ray_train.lightning_helpers import build
 
 try:
     _pl = importlib.import_module("pytorch_lightning")

@@ -19,7 +19,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from spark_dl.errors import LaunchRefused
+from spark_dl import LaunchRefused
+from spark_dl.rank import context as rank_api
 from spark_dl.rank.context import scratch_dir
 from spark_dl.compat.ray_train.archive import pack, unpack
 
@@ -73,8 +74,6 @@ class Resume:
 
     def fetch(self, directory: str) -> None:
         """Copy the files from the driver into ``directory`` (a rank process's request)."""
-        from spark_dl.rank import context as rank_api
-
         fd, archive = tempfile.mkstemp(prefix="spark-dl-resume-", suffix=".tar", dir=scratch_dir())
         try:
             with os.fdopen(fd, "wb") as f:

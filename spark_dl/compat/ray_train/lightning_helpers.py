@@ -11,15 +11,15 @@ from typing import Any, Callable
 
 import torch
 
-from spark_dl.rank.prepare import get_device
+from spark_dl import get_device
 from spark_dl.rank.context import scratch_dir
+from spark_dl.compat.ray_train.checkpoint import Checkpoint
+from spark_dl.compat.ray_train.session import get_context, report
 
 
 def build(pl: ModuleType, module: str) -> tuple[type, type, type, Callable]:
     """``(RayLightningEnvironment, RayDDPStrategy, RayTrainReportCallback, prepare_trainer)`` on
     Lightning package ``pl``, named as attributes of ``module`` (so they pickle by reference)."""
-    from spark_dl.compat.ray_train import Checkpoint, get_context, report
-
     environments = importlib.import_module(f"{pl.__name__}.plugins.environments")
     strategies = importlib.import_module(f"{pl.__name__}.strategies")
     TorchElasticEnvironment = environments.TorchElasticEnvironment
