@@ -31,7 +31,7 @@ class HorovodRunner:
             :func:`spark_dl.log_to_driver`; ``"all"`` also streams every rank's stdout/stderr.
         start_timeout: seconds to wait for all barrier tasks to start before failing (tasks wait
             for free slots when other jobs hold them).
-        tracking: MLflow tracking of the run (see the README's "Tracking with MLflow"): on by default when
+        tracking: MLflow tracking of the run (see docs/guide/tracking.md): on by default when
             mlflow is importable; ``False`` (or env ``SPARK_DL_TRACKING=0``) turns it off; a
             :class:`spark_dl.tracking.Tracking` sets its options.
         progress: the driver's progress bar (step, loss, throughput of rank 0); ``False`` hides it.

@@ -1,7 +1,7 @@
 """Horovod's PyTorch API on ``torch.distributed``: swap ``import horovod.torch as hvd`` for
 ``import spark_dl.horovod as hvd`` and run the training function with :class:`spark_dl.HorovodRunner`.
 
-Collectives are matched across ranks by call order (not by ``name``); see the README's "Horovod-compatible API"
+Collectives are matched across ranks by call order (not by ``name``); see docs/guide/horovod.md
 for what differs from Horovod.
 """
 from spark_dl.compat.horovod.basics import (
