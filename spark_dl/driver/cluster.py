@@ -205,9 +205,14 @@ def check_slots(sc, np: int, num_tasks: int, wait_s: float = EXECUTOR_WAIT_S, wa
     """
     expected = _expected_executors(sc.getConf())
     deadline = time.monotonic() + wait_s
+    master = sc.getConf().get("spark.master", "")
+    # a cluster manager that does not say how many executors are coming (standalone, YARN, k8s
+    # without spark.executor.instances) registers them in the first seconds of an application
+    young = not master.startswith("local") and time.time() - sc.startTime / 1000 < wait_s
 
     def registering(s: Slots) -> bool:
-        return wait_for_new or (expected is not None and s.executors < expected)
+        return wait_for_new or (expected is not None and s.executors < expected) or (
+            expected is None and (young or s.executors == 0) and not master.startswith("local"))
 
     s = slots(sc)
     while s.total < num_tasks and registering(s) and time.monotonic() < deadline:
