@@ -10,7 +10,7 @@ import torch
 
 from spark_dl import LaunchRefused, RankFailed
 from spark_dl.estimator import TorchEstimator, TorchModel
-from spark_dl.compat.estimator.torch_estimator import _split
+from spark_dl.compat.estimator.options import split_validation
 
 
 @pytest.fixture
@@ -124,7 +124,7 @@ def test_metrics_on_training_and_held_out_rows(digits):
     assert 16 < m["rows_seen"][0] <= 32
     # the held-out accuracy is the trained model's on exactly those rows (averaged over rows; the
     # few rows repeated to even out the ranks' shares move it by less than a point)
-    _, held_out = _split(train, est.getValidation(), est.getSeed())
+    _, held_out = split_validation(train, est.getValidation(), est.getSeed())
     rows = held_out.collect()
     with torch.no_grad():
         out = fitted.getModel()(torch.tensor([r.pixels for r in rows]))
@@ -340,7 +340,7 @@ def _rows(output, y):
 def test_compression_accumulation_and_step_limits(spark, tmp_path, monkeypatch, sqlite_uri):
     import mlflow
 
-    from spark_dl.rank.checkpoint import CheckpointStore
+    from spark_dl.driver.checkpoint_store import CheckpointStore
     from spark_dl.compression import FP16
 
     monkeypatch.setenv("SPARK_DL_TRACKING", "1")

@@ -49,7 +49,7 @@ def test_settings_are_params_read_and_set_with_horovods_accessors():
     # every Param's default is the constructor's
     import inspect
 
-    from spark_dl.compat.estimator.torch_estimator import _REQUIRED, _SETTINGS
+    from spark_dl.compat.estimator.estimator import _REQUIRED, _SETTINGS
 
     signature = inspect.signature(TorchEstimator.__init__).parameters
     assert {n: p.default for n, p in signature.items() if n in _SETTINGS} == {

@@ -12,7 +12,7 @@ import sys
 import tempfile
 from typing import Any
 
-from spark_dl.compat.estimator.rank_loop import _as, _reshaped, _transformed, _widened
+from spark_dl.compat.estimator.rank_loop import float_dtype, on_device, reshaped, transformed, widened
 
 _CHECKPOINT_KEY = "spark_dl.lightning_estimator"
 _PADDING = "__spark_dl_padding__"
@@ -78,22 +78,23 @@ class _Loader:
             yield self._prepared(batch)
 
     def _prepared(self, batch: dict) -> dict:
-        batch = dict(_transformed(self.transformation, batch, self.feature_cols, self.label_cols, self.weight_col))
-        inputs = _reshaped([_as(batch[c], "cpu", self.dtype) for c in self.feature_cols], self.input_shapes,
-                           self.feature_cols)
-        labels = _reshaped([_widened(_as(batch[c], "cpu", self.dtype)) for c in self.label_cols],
-                           self.label_shapes, self.label_cols, "label_shapes")
+        batch = dict(transformed(self.transformation, batch, self.feature_cols, self.label_cols, self.weight_col))
+        inputs = reshaped([on_device(batch[c], "cpu", self.dtype) for c in self.feature_cols], self.input_shapes,
+                          self.feature_cols)
+        labels = reshaped([widened(on_device(batch[c], "cpu", self.dtype)) for c in self.label_cols],
+                          self.label_shapes, self.label_cols, "label_shapes")
         batch.update(zip(self.feature_cols, inputs))
         batch.update(zip(self.label_cols, labels))
         if self.weight_col is not None:
-            batch[self.weight_col] = _as(batch[self.weight_col], "cpu", self.dtype)
+            batch[self.weight_col] = on_device(batch[self.weight_col], "cpu", self.dtype)
         if self.example is None and len(inputs) == 1:
             self.example = inputs[0][:5].detach().clone()
         return batch
 
 
-def _fit_lightning(data, validation, model, feature_cols, label_cols, batch_size, epochs, weight_col=None,
-                   input_shapes=None, options: Any = None, trainer_args: dict | None = None):
+def fit_lightning_on_each_rank(data, validation, model, feature_cols, label_cols, batch_size, epochs,
+                               weight_col=None, input_shapes=None, options: Any = None,
+                               trainer_args: dict | None = None):
     """Each rank: ``Trainer.fit`` of ``model`` on its shard; rank 0 returns the trained weights and,
     per epoch, every metric the module logged (``trainer.callback_metrics`` at the epoch's end)."""
     import importlib
@@ -102,7 +103,6 @@ def _fit_lightning(data, validation, model, feature_cols, label_cols, batch_size
 
     import spark_dl
 
-    from spark_dl.compat.estimator.rank_loop import _float_dtype
     from spark_dl.rank.context import scratch_dir
 
     spark_dl.init()
@@ -122,7 +122,7 @@ def _fit_lightning(data, validation, model, feature_cols, label_cols, batch_size
         with open(ckpt_path, "wb") as f:
             f.write(saved["ckpt"])
 
-    dtype = _float_dtype(model)
+    dtype = float_dtype(model)
     train = _Loader(data, batch_size, options.train_steps, feature_cols, label_cols, weight_col, input_shapes,
                     options.label_shapes, options.transformation, dtype)
     held = None if validation is None else _Loader(

@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping
 from spark_dl.rank.tensors import comm_device
 
 
-def _reshaped(tensors: list, shapes: list[tuple[int, ...]] | None, cols: list[str],
+def reshaped(tensors: list, shapes: list[tuple[int, ...]] | None, cols: list[str],
               what: str = "input_shapes") -> list:
     """The model's inputs in ``input_shapes`` (labels in ``label_shapes``; unchanged without them)."""
     if shapes is None:
@@ -30,7 +30,7 @@ def _reshaped(tensors: list, shapes: list[tuple[int, ...]] | None, cols: list[st
 
 
 @dataclass(frozen=True)
-class _Losses:
+class Losses:
     """How a batch's loss is computed: one ``loss(output, *labels)``, or (``weights`` set) one loss
     per model output and label column, ``sum(w_i * loss_i(output_i, label_i))``."""
 
@@ -39,10 +39,10 @@ class _Losses:
     constructors: bool = False  # fns build the losses: called once on each rank
     label_cols: tuple[str, ...] = ()  # named by a loss's refusal of a label's dtype
 
-    def built(self) -> "_Losses":
+    def built(self) -> "Losses":
         if not self.constructors:
             return self
-        return _Losses(tuple(make() for make in self.fns), self.weights, False, self.label_cols)
+        return Losses(tuple(make() for make in self.fns), self.weights, False, self.label_cols)
 
     def outputs(self, output: Any, labels: list) -> tuple[Any, list]:
         """Horovod's ``transform_outputs``: per output, the outputs as a list (one per label column)
@@ -110,7 +110,7 @@ _CHECKPOINT_KEY = "spark_dl.estimator"  # where a fit's state sits in its checkp
 
 
 @dataclass(frozen=True)
-class _FitOptions:
+class FitOptions:
     compression: Any = None
     passes: int = 1  # backward passes per optimizer step
     val_batch_size: int = 32
@@ -125,8 +125,8 @@ class _FitOptions:
     random_seed: int | None = None
 
 
-def _fit(data, validation, model, optimizer, loss: _Losses, feature_cols, label_cols, batch_size, epochs, metrics,
-         weight_col=None, input_shapes=None, options: _FitOptions = _FitOptions()):
+def fit_on_each_rank(data, validation, model, optimizer, loss: Losses, feature_cols, label_cols, batch_size, epochs,
+                     metrics, weight_col=None, input_shapes=None, options: FitOptions = FitOptions()):
     """Each rank: DDP over the rank's device, one pass over its shard per epoch; rank 0 returns the
     trained weights, the per-epoch loss averaged over every rank's batches, the metrics averaged
     over every rank's rows and, with ``validation``, the held-out rows' loss and metrics after
@@ -161,7 +161,7 @@ def _fit(data, validation, model, optimizer, loss: _Losses, feature_cols, label_
         ddp.register_comm_hook(*make_ddp_hook(options.compression))
     loss = loss.built()
     device = spark_dl.get_device()
-    dtype = _float_dtype(model)
+    dtype = float_dtype(model)
     history, val_history = [], []
     metric_history: dict[str, list[float]] = {}
     start, stopped = 0, False
@@ -238,7 +238,7 @@ def _fit(data, validation, model, optimizer, loss: _Losses, feature_cols, label_
             "val_history": val_history, "metric_history": metric_history}
 
 
-def _transformed(transformation, batch: dict, feature_cols, label_cols, weight_col) -> Mapping:
+def transformed(transformation, batch: dict, feature_cols, label_cols, weight_col) -> Mapping:
     """``transformation_fn(batch)`` (the batch as is without one), refused unless it is a dict with
     the columns the fit reads."""
     if transformation is None:
@@ -263,12 +263,12 @@ class _Batches:
         self.label_shapes = label_shapes
 
     def __call__(self, batch: dict) -> tuple[list, list, Any]:
-        batch = _transformed(self.transformation, batch, self.feature_cols, self.label_cols, self.weight_col)
-        inputs = _reshaped([_as(batch[c], self.device, self.dtype) for c in self.feature_cols], self.input_shapes,
-                           self.feature_cols)
-        labels = _reshaped([_widened(_as(batch[c], self.device, self.dtype)) for c in self.label_cols],
-                           self.label_shapes, self.label_cols, "label_shapes")
-        weights = None if self.weight_col is None else _as(batch[self.weight_col], self.device, self.dtype)
+        batch = transformed(self.transformation, batch, self.feature_cols, self.label_cols, self.weight_col)
+        inputs = reshaped([on_device(batch[c], self.device, self.dtype) for c in self.feature_cols],
+                          self.input_shapes, self.feature_cols)
+        labels = reshaped([widened(on_device(batch[c], self.device, self.dtype)) for c in self.label_cols],
+                          self.label_shapes, self.label_cols, "label_shapes")
+        weights = None if self.weight_col is None else on_device(batch[self.weight_col], self.device, self.dtype)
         return inputs, labels, weights
 
 
@@ -276,7 +276,7 @@ class _Step:
     """One training batch: forward, backward and, every ``passes`` batches (or at the epoch's
     last), the optimizer step over the accumulated mean; or Horovod's ``train_minibatch``."""
 
-    def __init__(self, ddp, opt, loss: _Losses, passes: int, minibatch=None) -> None:
+    def __init__(self, ddp, opt, loss: Losses, passes: int, minibatch=None) -> None:
         self.ddp, self.opt, self.loss, self.passes, self.minibatch = ddp, opt, loss, passes, minibatch
         self.accumulated = 0
 
@@ -336,7 +336,7 @@ class _Scores:
 _PADDING = "__spark_dl_padding"
 
 
-def _held_out(val, model, loss: _Losses, metrics, batch_of: _Batches, batch_size, steps=None):
+def _held_out(val, model, loss: Losses, metrics, batch_of: _Batches, batch_size, steps=None):
     """The loss and metrics over every rank's held-out rows (its first ``steps`` batches), weighted
     by rows (batches may be short). The rows ``remainder="pad"`` repeats to even out the shares
     weigh 0 (they are left out), so each held-out row counts once."""
@@ -376,32 +376,32 @@ def _all_reduce(t) -> None:
         t.copy_(moved)
 
 
-def _float_dtype(model):
+def float_dtype(model):
     """The dtype of the model's floating parameters (float32 unless it was converted)."""
     import torch
 
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
-def _features(table, cols, kinds, dtype, input_shapes=None, named=None):
+def model_inputs(table, cols, kinds, dtype, input_shapes=None, named=None):
     """The model's inputs from an Arrow table or batch: one CPU tensor per feature column (``cols``,
     the table's names; ``named`` maps them to the DataFrame's where they differ)."""
-    from spark_dl.driver.shards import _to_tensor
+    from spark_dl.rank.shards import column_tensor
 
     named = named or {}
     real = [named.get(c, c) for c in cols]
-    return _reshaped([_as(_to_tensor(table.column(c), kinds[name], name, "transform"), "cpu", dtype)
-                      for c, name in zip(cols, real)], input_shapes, real)
+    return reshaped([on_device(column_tensor(table.column(c), kinds[name], name, "transform"), "cpu", dtype)
+                     for c, name in zip(cols, real)], input_shapes, real)
 
 
-def _widened(label):
+def widened(label):
     """An int8/16/32 label as int64: class indices as ``cross_entropy`` and ``nll_loss`` take them."""
     import torch
 
     return label.long() if label.dtype in (torch.int8, torch.int16, torch.int32) else label
 
 
-def _as(tensor, device, dtype):
+def on_device(tensor, device, dtype):
     """A column's tensor on ``device``; floating columns in the model's dtype (a Spark double column
     would otherwise meet float32 weights), integer ones (class labels) as they are."""
     return tensor.to(device, dtype=dtype if tensor.is_floating_point() else tensor.dtype)

@@ -20,6 +20,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
+from spark_dl.compat.estimator.options import column_list, split_validation
 from spark_dl.errors import LaunchRefused, as_int
 
 
@@ -52,7 +53,6 @@ def prepare_data(num_processes: int, store: Any, df: Any, label_columns: Sequenc
     ``store``, held-out rows apart (``validation``: a fraction, split with ``seed``, or a column of
     booleans); yield the data set's index for ``estimator.fit_on_parquet(dataset_idx=...)``."""
     from spark_dl.driver.shards import check_dataframe, quoted
-    from spark_dl.compat.estimator.torch_estimator import _names
     from spark_dl.compat.horovod.store import Store
 
     check_dataframe(df, "prepare_data(df)")
@@ -71,9 +71,9 @@ def prepare_data(num_processes: int, store: Any, df: Any, label_columns: Sequenc
     # Vector columns dense), so either value stages the same files
     if not label_columns:
         raise LaunchRefused("prepare_data needs label_columns (a column name or a list of them)")
-    labels = _names(label_columns, "label_columns")
+    labels = column_list(label_columns, "label_columns")
     features = ([c for c in df.columns if c not in labels] if feature_columns is None
-                else _names(feature_columns, "feature_columns"))
+                else column_list(feature_columns, "feature_columns"))
     columns = features + labels + ([sample_weight_col] if sample_weight_col is not None else [])
     missing = [c for c in columns if c not in df.columns]
     if missing:
@@ -130,9 +130,7 @@ def _next_index(store: Any) -> int:
 
 def _write(df, store, idx: int, columns: list[str], validation, seed: int, partitions: int, verbose: int,
            quoted) -> tuple[int, int]:
-    from spark_dl.compat.estimator.torch_estimator import _split
-
-    train, held_out = _split(df, validation, seed)
+    train, held_out = split_validation(df, validation, seed)
     paths = [store.get_train_data_path(idx)] + ([store.get_val_data_path(idx)] if held_out is not None else [])
     try:
         counts = []
