@@ -1,0 +1,197 @@
+"""The driver of the multi-host tests: one SparkSession on a spark_dl.testing.cluster, the scenarios
+named on the command line run in turn, one JSON line of results each (``{"scenario": ..., ...}``).
+
+    python scenarios.py CLUSTER_LOG_DIR layout compression ...
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+from spark_dl.testing.cluster import Cluster, namespace_pids
+
+CLUSTER = Cluster.load(sys.argv[1])
+
+
+def place() -> dict:
+    import os
+
+    import spark_dl.horovod as hvd
+
+    hvd.init()
+    env = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                                          "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+    import socket as s
+
+    import psutil
+
+    addresses = [a.address for a in psutil.net_if_addrs().get(env["GLOO_SOCKET_IFNAME"] or "", [])]
+    return {**env, "addresses": addresses, "hostname_ip": s.gethostbyname(s.gethostname()),
+            "local_rank": hvd.local_rank(), "cross_rank": hvd.cross_rank(), "cross_size": hvd.cross_size(),
+            "sum": hvd.allreduce(__import__("torch").ones(2), op=hvd.Sum).tolist()}
+
+
+def layout(spark) -> dict:
+    from spark_dl import HorovodRunner
+
+    return {"hosts": HorovodRunner(np=4).run_all(place),
+            "tasks": HorovodRunner(np=4, nodes="tasks").run_all(place)}
+
+
+def train_digits(compression: str) -> dict:
+    import numpy as np
+    import torch
+    from sklearn.datasets import load_digits
+
+    import spark_dl.horovod as hvd
+    from spark_dl.compression import QSGD, PowerSGD
+
+    hvd.init()
+    torch.manual_seed(0)
+    x, y = load_digits(return_X_y=True)
+    x = torch.tensor(x / 16.0, dtype=torch.float32)
+    y = torch.tensor(y)
+    rng = np.random.default_rng(0)
+    order = torch.tensor(rng.permutation(len(x)))
+    train, test = order[:1400], order[1400:]
+    mine = train[hvd.rank()::hvd.size()]
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    c = {"qsgd": QSGD(), "powersgd": PowerSGD(), "none": None}[compression]
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05 * hvd.size(), momentum=0.9),
+                                   named_parameters=model.named_parameters(),
+                                   **({"compression": c} if c is not None else {}))
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    g = torch.Generator().manual_seed(hvd.rank())
+    for _ in range(150):
+        idx = mine[torch.randint(len(mine), (32,), generator=g)]
+        loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        acc = (model(x[test]).argmax(1) == y[test]).float().mean().item()
+    return {"accuracy": acc, "rank": hvd.rank()}
+
+
+def compression(spark) -> dict:
+    from spark_dl import HorovodRunner
+
+    return {c: HorovodRunner(np=4).run(train_digits, c) for c in ("none", "qsgd", "powersgd")}
+
+
+def distributor(spark) -> dict:
+    from spark_dl import TorchDistributor
+
+    out = TorchDistributor(num_processes=4, local_mode=False, use_gpu=False).run(place)
+    return {"rank0": out}
+
+
+def horovod_spark(spark) -> dict:
+    import spark_dl.horovod.spark as horovod_spark
+
+    return {"all": horovod_spark.run(place, num_proc=4)}
+
+
+def count_rows(data) -> dict:
+    import torch.distributed as dist
+
+    import spark_dl
+
+    spark_dl.init()
+    seen = sum(len(b["id"]) for b in data.batches(16, epoch=0))
+    total = [0]
+    t = __import__("torch").tensor([seen])
+    dist.all_reduce(t)
+    total[0] = int(t)
+    return {"mine": seen, "total": total[0]}
+
+
+def shards(spark) -> dict:
+    from spark_dl import HorovodRunner
+    from spark_dl.data import shards
+
+    df = spark.range(400).selectExpr("id", "cast(id % 10 as int) as label")
+    return {"all": HorovodRunner(np=4).run_all(count_rows, data=shards(df, ["id", "label"]))}
+
+
+def resumes(marker: str) -> dict:
+    import os
+    import time
+
+    import torch
+
+    import spark_dl
+
+    spark_dl.init()
+    state = spark_dl.load_checkpoint()
+    start = 0 if state is None else state["step"] + 1
+    for step in range(start, 6):
+        torch.distributed.all_reduce(torch.ones(1))
+        if step == 2:
+            spark_dl.save_checkpoint({"step": step}, step=step)
+            if state is None:
+                open(marker, "w").close()
+                time.sleep(300)  # attempt 0 waits here until a host's executor is killed
+    return {"resumed_from": None if state is None else state["step"], "attempt": os.environ["SPARK_DL_ATTEMPT"]}
+
+
+def executor_pids(worker: int) -> list[int]:
+    out = []
+    for pid in namespace_pids(CLUSTER.workers[worker].namespace):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"CoarseGrainedExecutorBackend" in f.read():
+                    out.append(pid)
+        except OSError:
+            pass
+    return out
+
+
+def restart(spark) -> dict:
+    from spark_dl import HorovodRunner
+
+    marker = os.path.join(tempfile.mkdtemp(), "checkpointed")
+    killed: list[int] = []
+
+    def kill_when_checkpointed() -> None:
+        deadline = time.monotonic() + 240
+        while not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for pid in executor_pids(1):
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    threading.Thread(target=kill_when_checkpointed, daemon=True).start()
+    runner = HorovodRunner(np=4, max_restarts=1, start_timeout=180)
+    started = time.monotonic()
+    result = runner.run(resumes, marker)
+    return {"result": result, "killed": killed, "attempts": runner.last_run.attempts,
+            "failure": str(runner.last_run.failures[0])[:2000] if runner.last_run.failures else None,
+            "seconds": time.monotonic() - started}
+
+
+def main() -> None:
+    spark = CLUSTER.session(**{"spark.executor.memory": "640m", "spark.ui.enabled": "false",
+                               "spark.ui.showConsoleProgress": "false"})
+    spark.sparkContext.setLogLevel("ERROR")
+    for name in sys.argv[2:]:
+        started = time.monotonic()
+        try:
+            out = {"scenario": name, **globals()[name](spark)}
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            out = {"scenario": name, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        out["seconds"] = out.get("seconds", time.monotonic() - started)
+        out["driver"] = {"host": CLUSTER.driver_host, "hostname": socket.gethostname()}
+        print("RESULT " + json.dumps(out), flush=True)
+    spark.stop()
+
+
+if __name__ == "__main__":
+    main()

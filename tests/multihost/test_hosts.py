@@ -1,0 +1,118 @@
+"""Runs across hosts: a Spark standalone cluster whose two workers live in network namespaces of
+their own (own addresses, 1 Gbit/s links, a hostname that resolves to 127.0.1.1 on each), the
+driver and the master on a third (this namespace), no rank on the driver's host.
+
+One cluster and one driver process (tests/multihost/scenarios.py) serve every test here; each test
+checks its scenario's results. Needs root, iproute2 and Java 17, as CI has."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from spark_dl.testing import cluster
+
+# one fixture starts the cluster and runs every scenario: about 6 minutes on 2 cores
+pytestmark = pytest.mark.timeout(1500)
+
+SCENARIOS = ["layout", "compression", "distributor", "horovod_spark", "shards", "restart"]
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    try:
+        cluster.check_can_run()
+    except cluster.ClusterUnavailable as e:
+        pytest.skip(f"no multi-host cluster here: {e}")
+    with cluster.running(workers=2, cores=2, memory_mb=1400, rate_mbit=1000) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def results(hosts):
+    script = os.path.join(os.path.dirname(__file__), "scenarios.py")
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "SPARK_DL_TRACKING": "0"}
+    proc = subprocess.run([sys.executable, script, hosts.log_dir, *SCENARIOS], capture_output=True, text=True,
+                          env=env, timeout=1500)
+    out = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            r = json.loads(line[len("RESULT "):])
+            out[r["scenario"]] = r
+    assert out, f"the driver printed no result (exit {proc.returncode}):\n{proc.stderr[-5000:]}"
+    return {"by_name": out, "cluster": hosts, "stderr": proc.stderr}
+
+
+def scenario(results, name: str) -> dict:
+    r = results["by_name"].get(name)
+    assert r is not None, f"{name} did not run:\n{results['stderr'][-3000:]}"
+    assert "error" not in r, r.get("traceback", r["error"])
+    return r
+
+
+def test_ranks_are_laid_out_by_host_and_talk_over_the_executors_interface(results):
+    c = results["cluster"]
+    ranks = scenario(results, "layout")["hosts"]
+    workers = {w.address for w in c.workers}
+    hosts = {}
+    for r in ranks:
+        assert r["sum"] == [4.0, 4.0]
+        assert r["GLOO_SOCKET_IFNAME"] == r["NCCL_SOCKET_IFNAME"] == "eth0"
+        (address,) = [a for a in r["addresses"] if a in workers]  # the interface holds the executor's address
+        hosts.setdefault(address, []).append(r)
+        # the hostname resolves to loopback there, yet the ranks connected
+        assert r["hostname_ip"] == "127.0.1.1"
+        assert r["MASTER_ADDR"] in workers
+    assert set(hosts) == workers  # two ranks on each worker host, none on the driver's
+    assert c.driver_host not in hosts
+    for group in hosts.values():
+        assert sorted(int(r["LOCAL_RANK"]) for r in group) == [0, 1]
+        assert {r["LOCAL_WORLD_SIZE"] for r in group} == {"2"}
+        assert len({r["GROUP_RANK"] for r in group}) == 1
+        assert sorted(r["local_rank"] for r in group) == [0, 1]
+        assert {r["cross_size"] for r in group} == {2}
+        assert len({r["cross_rank"] for r in group}) == 1
+    assert sorted({r["GROUP_RANK"] for r in ranks}) == ["0", "1"]
+
+
+def test_nodes_tasks_makes_every_task_a_node(results):
+    ranks = scenario(results, "layout")["tasks"]
+    assert sorted(int(r["GROUP_RANK"]) for r in ranks) == [0, 1, 2, 3]
+    assert {r["LOCAL_RANK"] for r in ranks} == {"0"}
+    assert {r["LOCAL_WORLD_SIZE"] for r in ranks} == {"1"}
+
+
+def test_training_with_compression_reaches_the_uncompressed_accuracy(results):
+    r = scenario(results, "compression")
+    acc = {c: r[c]["accuracy"] for c in ("none", "qsgd", "powersgd")}
+    assert acc["none"] > 0.9, acc
+    for c in ("qsgd", "powersgd"):
+        assert acc[c] > acc["none"] - 0.03, acc
+
+
+def test_torch_distributor_runs_across_hosts(results):
+    r = scenario(results, "distributor")["rank0"]
+    assert r["RANK"] == "0" and r["sum"] == [4.0, 4.0] and r["GLOO_SOCKET_IFNAME"] == "eth0"
+
+
+def test_horovod_spark_run_returns_every_ranks_value(results):
+    out = scenario(results, "horovod_spark")["all"]
+    assert [int(r["RANK"]) for r in out] == [0, 1, 2, 3]
+    assert {r["cross_size"] for r in out} == {2}
+
+
+def test_dataframe_shards_are_read_on_their_hosts(results):
+    out = scenario(results, "shards")["all"]
+    assert [r["mine"] for r in out] == [100] * 4
+    assert {r["total"] for r in out} == {400}
+
+
+def test_a_run_restarts_from_its_checkpoint_after_a_hosts_executor_is_killed(results):
+    r = scenario(results, "restart")
+    assert r["killed"], "no executor JVM was found on the second worker host"
+    assert r["attempts"] == 2
+    assert r["result"] == {"resumed_from": 2, "attempt": "1"}
+    assert r["failure"] is not None
