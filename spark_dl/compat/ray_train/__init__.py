@@ -20,16 +20,32 @@ folder's record), :mod:`~spark_dl.ray_train.storage`, :mod:`~spark_dl.ray_train.
 from __future__ import annotations
 
 from spark_dl import JobFailed, get_device, prepare_data_loader, prepare_model
-from spark_dl.compat.ray_train.checkpoint import Checkpoint, Result
-from spark_dl.compat.ray_train.config import (CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, SyncConfig,
-                                              TorchConfig)
-from spark_dl.compat.ray_train.dataset import DataShard
-# REPORT_STALL_S: read here; set it where report() reads it, spark_dl.ray_train.session.REPORT_STALL_S
-from spark_dl.compat.ray_train.session import (REPORT_STALL_S, StorageContext, TrainContext, get_checkpoint,
-                                               get_context, get_dataset_shard, report)
-from spark_dl.compat.ray_train.trainer import TorchTrainer
+
 # ray.train.collective and ray.train.torch, as attributes (train.collective.barrier(), train.torch)
-from spark_dl.compat.ray_train import collective, torch
+from spark_dl.compat.ray_train import collective as collective
+from spark_dl.compat.ray_train import torch as torch
+from spark_dl.compat.ray_train.checkpoint import Checkpoint, Result
+from spark_dl.compat.ray_train.config import (
+                                              CheckpointConfig,
+                                              FailureConfig,
+                                              RunConfig,
+                                              ScalingConfig,
+                                              SyncConfig,
+                                              TorchConfig,
+)
+from spark_dl.compat.ray_train.dataset import DataShard
+
+# REPORT_STALL_S: read here; set it where report() reads it, spark_dl.ray_train.session.REPORT_STALL_S
+from spark_dl.compat.ray_train.session import (
+                                              REPORT_STALL_S,
+                                              StorageContext,
+                                              TrainContext,
+                                              get_checkpoint,
+                                              get_context,
+                                              get_dataset_shard,
+                                              report,
+)
+from spark_dl.compat.ray_train.trainer import TorchTrainer
 
 TrainingFailedError = JobFailed  # Ray's error for a failed run: RankFailed and JobFailed are of this class
 
