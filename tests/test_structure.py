@@ -168,6 +168,13 @@ def test_env_refuses_every_variable_of_the_runs_own(name):
         spark_dl.HorovodRunner(np=-1, env={name: "x"})
 
 
+def test_the_architecture_page_lists_every_module():
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    missing = [str(p.relative_to(PACKAGE.parent)) for p in MODULES.values()
+               if f"`{p.relative_to(PACKAGE.parent)}`" not in page]
+    assert missing == [], "docs/architecture.md's Modules section lacks these"
+
+
 DOCUMENTED = [
     "spark_dl.horovod", "spark_dl.horovod.spark", "spark_dl.horovod.staging", "spark_dl.horovod.store",
     "spark_dl.horovod.elastic", "spark_dl.horovod.checks", "spark_dl.horovod_imports", "spark_dl.estimator",
@@ -185,10 +192,11 @@ def test_documented_import_paths_import(name):
 
 
 def test_a_short_name_is_the_same_module_as_its_home():
-    import spark_dl.compat.horovod
-    import spark_dl.compat.horovod.spark
     import spark_dl.horovod
     import spark_dl.horovod.spark
+
+    import spark_dl.compat.horovod
+    import spark_dl.compat.horovod.spark
 
     assert spark_dl.horovod is spark_dl.compat.horovod
     assert spark_dl.horovod.spark is spark_dl.compat.horovod.spark
