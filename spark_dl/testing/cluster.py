@@ -14,7 +14,8 @@ or from Python, torn down when the block ends::
         spark = c.session()
         HorovodRunner(np=2).run(main)
 
-Each worker's host name resolves to 127.0.1.1 there, as Debian's and Ubuntu's ``/etc/hosts`` make
+Each worker also has a second interface listed before its own (``dcy0``, 10.214.N.0/24, reaching
+nothing), and its host name resolves to 127.0.1.1 there, as Debian's and Ubuntu's ``/etc/hosts`` make
 it: the case where a launcher that trusts the hostname advertises loopback to other hosts.
 Every process it starts is recorded by pid (``state.json`` in its log folder) and ended by
 ``down``; every worker's and the master's log is in that folder. The addresses are private
@@ -226,6 +227,11 @@ def _make_network(c: Cluster, workers: int) -> None:
             os.makedirs(f"/etc/netns/{w.namespace}", exist_ok=True)
             with open(f"/etc/netns/{w.namespace}/hosts", "w") as f:
                 f.write(f"127.0.0.1\tlocalhost\n127.0.1.1\t{socket.gethostname()}\n")
+            # a second interface, first in the list and reaching nothing: what a machine with a
+            # management or container network has; the ranks must not pick it
+            _sh("ip", "-n", w.namespace, "link", "add", "dcy0", "type", "veth", "peer", "name", "dcy1")
+            _sh("ip", "-n", w.namespace, "addr", "add", f"10.214.{c.subnet}.{10 + i}/24", "dev", "dcy0")
+            _sh("ip", "-n", w.namespace, "link", "set", "dcy0", "up")
             _sh("ip", "link", "add", w.host_device, "type", "veth", "peer", "name", f"sdl{c.tag}p{i}")
             _sh("ip", "link", "set", f"sdl{c.tag}p{i}", "netns", w.namespace)
             _sh("ip", "-n", w.namespace, "link", "set", f"sdl{c.tag}p{i}", "name", "eth0")

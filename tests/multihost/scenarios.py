@@ -33,7 +33,8 @@ def place() -> dict:
     import psutil
 
     addresses = [a.address for a in psutil.net_if_addrs().get(env["GLOO_SOCKET_IFNAME"] or "", [])]
-    return {**env, "addresses": addresses, "hostname_ip": s.gethostbyname(s.gethostname()),
+    interfaces = list(psutil.net_if_addrs())
+    return {**env, "addresses": addresses, "interfaces": interfaces, "hostname_ip": s.gethostbyname(s.gethostname()),
             "local_rank": hvd.local_rank(), "cross_rank": hvd.cross_rank(), "cross_size": hvd.cross_size(),
             "sum": hvd.allreduce(__import__("torch").ones(2), op=hvd.Sum).tolist()}
 
@@ -47,10 +48,10 @@ def layout(spark) -> dict:
 
 def train_digits(compression: str) -> dict:
     import numpy as np
+    import spark_dl.horovod as hvd
     import torch
     from sklearn.datasets import load_digits
 
-    import spark_dl.horovod as hvd
     from spark_dl.compression import QSGD, PowerSGD
 
     hvd.init()

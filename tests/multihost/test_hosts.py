@@ -61,6 +61,7 @@ def test_ranks_are_laid_out_by_host_and_talk_over_the_executors_interface(result
     for r in ranks:
         assert r["sum"] == [4.0, 4.0]
         assert r["GLOO_SOCKET_IFNAME"] == r["NCCL_SOCKET_IFNAME"] == "eth0"
+        assert r["interfaces"].index("dcy0") < r["interfaces"].index("eth0")  # a decoy listed first
         (address,) = [a for a in r["addresses"] if a in workers]  # the interface holds the executor's address
         hosts.setdefault(address, []).append(r)
         # the hostname resolves to loopback there, yet the ranks connected
