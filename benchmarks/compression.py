@@ -151,8 +151,9 @@ def codec_table(spec: str, numel: int, repeats: int, device: str = "cpu") -> Non
 
 def rank_main(args: argparse.Namespace) -> None:
     """One rank inside its namespace: time allreduce of the gradient with every compressor."""
-    import torch.distributed as dist
     from datetime import timedelta
+
+    import torch.distributed as dist
 
     import spark_dl.compression as C
 

@@ -23,9 +23,9 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as the launcher's rank pro
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+from kernels import best  # noqa: E402  (benchmarks/kernels.py, beside this script)
 
 import spark_dl.compression as C  # noqa: E402
-from kernels import best  # noqa: E402  (benchmarks/kernels.py, beside this script)
 
 
 def _init(rank: int, world: int, port: int) -> None:

@@ -22,9 +22,8 @@ def rank_main(sizes: list[int], calls: int, rounds: int) -> tuple[list[tuple[int
     import statistics
     import time
 
-    import torch
-
     import spark_dl.horovod as hvd
+    import torch
     from spark_dl.horovod.checks import SHAPES, check_same, describe
 
     hvd.init()

@@ -22,9 +22,8 @@ def rank_main(widths: list[int], steps: int, rounds: int) -> list[tuple[int, int
     import statistics
     import time
 
-    import torch
-
     import spark_dl.horovod as hvd
+    import torch
     from spark_dl.horovod import joining
 
     hvd.init()

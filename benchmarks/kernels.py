@@ -111,8 +111,13 @@ def kernels(g: torch.Tensor):
     E.qsgd_encode(g.data_ptr(), n, 512, 7, 4, 0, norms.data_ptr(), packed.data_ptr())
     E.convert(g.data_ptr(), half.data_ptr(), n, 1.0, False, True)
     p = g.data_ptr()
-    onebit_dec = lambda acc: E.onebit_decode(means.data_ptr(), bits.data_ptr(), n, 1024, out.data_ptr(), acc)
-    qsgd_dec = lambda acc: E.qsgd_decode(norms.data_ptr(), packed.data_ptr(), n, 512, 7, 4, out.data_ptr(), acc)
+
+    def onebit_dec(acc):
+        return E.onebit_decode(means.data_ptr(), bits.data_ptr(), n, 1024, out.data_ptr(), acc)
+
+    def qsgd_dec(acc):
+        return E.qsgd_decode(norms.data_ptr(), packed.data_ptr(), n, 512, 7, 4, out.data_ptr(), acc)
+
     return {
         "1-bit+EF encode": lambda: E.onebit_encode(p, e.data_ptr(), 0, e.data_ptr(), False, n, 1024, means.data_ptr(),
                                                    bits.data_ptr()),

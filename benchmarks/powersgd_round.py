@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compression import layout_of, gradient, powersgd_round  # noqa: E402
+from compression import gradient, layout_of, powersgd_round  # noqa: E402
 
 import spark_dl.compression as C  # noqa: E402
 

@@ -114,6 +114,7 @@ the gradients. `spark_dl.log_to_driver` shows a message on the driver, here belo
 def main(lr, steps=100):
     import torch
     import torch.distributed as dist
+
     import spark_dl
 
     spark_dl.init()
@@ -123,7 +124,9 @@ def main(lr, steps=100):
     for step in range(steps):
         x = torch.randn(32, 10)
         loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
-        opt.zero_grad(); loss.backward(); opt.step()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
     spark_dl.log_to_driver(f"rank {dist.get_rank()} done, loss {loss.item():.4f}")
     return {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "loss": loss.item()}
 '''),
@@ -166,7 +169,7 @@ and runs the same training functions (positional arguments, `init_process_group`
 environment) and scripts: switch the import. Every process's output is streamed, as PySpark does.
 '''),
     code('''
-from spark_dl import TorchDistributor   # was: from pyspark.ml.torch.distributor import TorchDistributor
+from spark_dl import TorchDistributor  # was: from pyspark.ml.torch.distributor import TorchDistributor
 
 
 def train(learning_rate):
@@ -343,6 +346,7 @@ weights.
 def main(data, epochs, lr):
     import torch
     import torch.nn.functional as F
+
     import spark_dl
 
     spark_dl.init()
@@ -354,7 +358,9 @@ def main(data, epochs, lr):
     for epoch in range(epochs):
         for batch in data.batches(batch_size=32, epoch=epoch):
             loss = F.cross_entropy(model(batch["pixels"]), batch["label"])
-            opt.zero_grad(); loss.backward(); opt.step()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
         if spark_dl.get_context().rank == 0:
             spark_dl.log_to_driver(f"epoch {epoch}: loss {loss.item():.3f} ({len(data)} rows on this rank)")
     return model.module.state_dict()
@@ -401,6 +407,7 @@ column, computed on the executors.
 '''),
     code('''
 import functools
+
 from spark_dl.estimator import EarlyStopping, TorchEstimator
 
 
@@ -459,11 +466,11 @@ averages the two halves' gradients, so one step is one step on the whole batch.
 """),
     code("""
 def sweep(configs, base_lr, base_batch, epochs, warmup_epochs):
+    import spark_dl.horovod as hvd
     import torch
     import torch.nn.functional as F
     from sklearn.datasets import load_digits
 
-    import spark_dl.horovod as hvd
     from spark_dl.train import LargeBatchRecipe
 
     hvd.init()

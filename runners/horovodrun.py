@@ -6,9 +6,9 @@
 The script runs unchanged: in every rank ``import horovod.torch as hvd`` gives spark_dl.horovod
 (Horovod's API on torch.distributed). This is ``run_script.py`` with horovodrun's spelling:
 ``-np``/``--num-proc``, the command as ``python train.py ...`` (or just ``train.py ...``),
-``--gloo`` and ``--verbose`` accepted, ``--no-tracking`` as run_script.py's. Spark places the ranks, so host lists (``-H``,
-``--hostfile``) are refused, and so is ``--mpi`` (no MPI here). Exit codes as run_script.py: 0 every
-rank finished; 1 the run failed or was refused; 2 bad arguments.
+``--gloo`` and ``--verbose`` accepted, ``--no-tracking`` as run_script.py's. Spark places the ranks,
+so host lists (``-H``, ``--hostfile``) are refused, and so is ``--mpi`` (no MPI here). Exit codes as
+run_script.py: 0 every rank finished; 1 the run failed or was refused; 2 bad arguments.
 """
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from typing import Sequence
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import run_script  # noqa: E402  (the runner next to this one)
-
 from spark_dl.submit import nonzero_int, seconds  # noqa: E402
 
 PROG = "horovodrun.py"
@@ -45,7 +44,8 @@ def translate(argv: Sequence[str]) -> list[str]:
                         help=argparse.SUPPRESS)
     parser.add_argument("--no-tracking", dest="tracking", action="store_false",
                         help="log nothing to MLflow (as run_script.py's --no-tracking)")
-    parser.add_argument("--gloo", action="store_true", help="accepted (collectives always go through torch.distributed)")
+    parser.add_argument("--gloo", action="store_true",
+                        help="accepted (collectives always go through torch.distributed)")
     parser.add_argument("--verbose", action="store_true", help="accepted")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="python script.py [args...]")
     args = parser.parse_args(argv)

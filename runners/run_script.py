@@ -17,8 +17,16 @@ import argparse
 import sys
 from typing import Sequence
 
-from spark_dl.submit import (EXIT_FAILED, EXIT_OK, add_cluster_options, env_pair, launch, non_negative_int,
-                             seconds, stderr_writer)
+from spark_dl.submit import (
+    EXIT_FAILED,
+    EXIT_OK,
+    add_cluster_options,
+    env_pair,
+    launch,
+    non_negative_int,
+    seconds,
+    stderr_writer,
+)
 
 PROG = "run_script.py"
 

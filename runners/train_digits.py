@@ -13,9 +13,19 @@ import argparse
 import sys
 from typing import Sequence
 
+from spark_dl.submit import (
+    EXIT_OK,
+    add_cluster_options,
+    fraction,
+    launch,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    seconds,
+    stderr_writer,
+)
+
 from spark_dl.examples.digits import COMPRESSIONS
-from spark_dl.submit import (EXIT_OK, add_cluster_options, fraction, launch, non_negative_int, positive_float,
-                             positive_int, seconds, stderr_writer)
 
 EXIT_BELOW_MIN = 3
 PROG = "train_digits.py"
@@ -31,10 +41,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                "3 accuracy below --min-accuracy.",
     )
     add_cluster_options(parser)
-    parser.add_argument("--epochs", type=positive_int, default=10, help="passes over the training set (default: %(default)s)")
-    parser.add_argument("--batch-size", type=positive_int, default=16, help="batch size per rank (default: %(default)s)")
+    parser.add_argument("--epochs", type=positive_int, default=10,
+                        help="passes over the training set (default: %(default)s)")
+    parser.add_argument("--batch-size", type=positive_int, default=16,
+                        help="batch size per rank (default: %(default)s)")
     parser.add_argument("--lr", type=positive_float, default=0.002,
-                        help="Adam learning rate per rank; the run uses lr * ranks (Horovod's scaling) (default: %(default)s)")
+                        help="Adam learning rate per rank; the run uses lr * ranks (Horovod's scaling) "
+                             "(default: %(default)s)")
     parser.add_argument("--compression", choices=COMPRESSIONS, default="none",
                         help="gradient compression for DistributedOptimizer (topk and randomk send 10%% "
                              "of the gradient, with error feedback) (default: %(default)s)")

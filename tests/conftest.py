@@ -90,9 +90,10 @@ def spark_cluster(spark_pool):
 
 SLOW_FIXTURES = {"spark", "spark_cluster", "spark_pool", "mlflow_server", "server_uri"}
 SLOW_PATHS = (
-    "runners", "notebooks", "data", "multihost", "test_benchmarks.py", "test_readme_examples.py", "test_doc_examples.py",
-    "test_docs.py", os.path.join("native", "test_sanitizers.py"), os.path.join("launcher", "test_connect.py"),
-    os.path.join("launcher", "test_sessions.py"), os.path.join("train", "test_readme.py"),
+    "runners", "notebooks", "data", "multihost", "test_benchmarks.py", "test_readme_examples.py",
+    "test_doc_examples.py", "test_docs.py", os.path.join("native", "test_sanitizers.py"),
+    os.path.join("launcher", "test_connect.py"), os.path.join("launcher", "test_sessions.py"),
+    os.path.join("train", "test_readme.py"),
 )
 
 

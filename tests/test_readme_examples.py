@@ -10,7 +10,6 @@ import re
 import sys
 
 import pytest
-
 from script_forks import ScriptForks
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

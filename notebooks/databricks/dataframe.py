@@ -58,6 +58,7 @@ print(train_df.count(), "training rows,", test_df.count(), "test rows")
 def main(data, epochs, lr):
     import torch
     import torch.nn.functional as F
+
     import spark_dl
 
     spark_dl.init()
@@ -69,7 +70,9 @@ def main(data, epochs, lr):
     for epoch in range(epochs):
         for batch in data.batches(batch_size=32, epoch=epoch):
             loss = F.cross_entropy(model(batch["pixels"]), batch["label"])
-            opt.zero_grad(); loss.backward(); opt.step()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
         if spark_dl.get_context().rank == 0:
             spark_dl.log_to_driver(f"epoch {epoch}: loss {loss.item():.3f} ({len(data)} rows on this rank)")
     return model.module.state_dict()
@@ -131,6 +134,7 @@ print(f"test accuracy: {accuracy:.4f}")
 # COMMAND ----------
 
 import functools
+
 from spark_dl.estimator import EarlyStopping, TorchEstimator
 
 

@@ -41,11 +41,11 @@ print(spark.version, spark.sparkContext.master)
 # COMMAND ----------
 
 def sweep(configs, base_lr, base_batch, epochs, warmup_epochs):
+    import spark_dl.horovod as hvd
     import torch
     import torch.nn.functional as F
     from sklearn.datasets import load_digits
 
-    import spark_dl.horovod as hvd
     from spark_dl.train import LargeBatchRecipe
 
     hvd.init()

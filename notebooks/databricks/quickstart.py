@@ -37,6 +37,7 @@ print(spark.version, spark.sparkContext.master)
 def main(lr, steps=100):
     import torch
     import torch.distributed as dist
+
     import spark_dl
 
     spark_dl.init()
@@ -46,7 +47,9 @@ def main(lr, steps=100):
     for step in range(steps):
         x = torch.randn(32, 10)
         loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
-        opt.zero_grad(); loss.backward(); opt.step()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
     spark_dl.log_to_driver(f"rank {dist.get_rank()} done, loss {loss.item():.4f}")
     return {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "loss": loss.item()}
 
@@ -104,7 +107,7 @@ print("returned:", HorovodRunner(np=2, driver_log_verbosity="all", tracking=Fals
 
 # COMMAND ----------
 
-from spark_dl import TorchDistributor   # was: from pyspark.ml.torch.distributor import TorchDistributor
+from spark_dl import TorchDistributor  # was: from pyspark.ml.torch.distributor import TorchDistributor
 
 
 def train(learning_rate):

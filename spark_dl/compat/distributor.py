@@ -12,9 +12,9 @@ import sys
 from typing import Any, Callable, Mapping
 
 from spark_dl.driver import cluster
-from spark_dl.errors import LaunchRefused, NoGPUs, as_int
 from spark_dl.driver.options import START_TIMEOUT_S, rank_env
 from spark_dl.driver.runner import HorovodRunner, RunInfo
+from spark_dl.errors import LaunchRefused, NoGPUs, as_int
 from spark_dl.tracking.driver.observer import Tracking
 
 

@@ -15,6 +15,7 @@ import os
 import sys
 import types
 from typing import Any
+
 from spark_dl import protocol
 
 # Horovod's module -> ours (None: an empty package)

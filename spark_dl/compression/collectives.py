@@ -25,12 +25,11 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from spark_dl.errors import as_int
-
 from spark_dl.compression.base import Compressor, Payload, as_compressor
 from spark_dl.compression.fp import Cast, NoneCompressor
 from spark_dl.compression.powersgd import PowerSGD
 from spark_dl.compression.stats import stats
+from spark_dl.errors import as_int
 
 OPS = ("average", "sum")
 

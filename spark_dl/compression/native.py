@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 import torch
+
 from spark_dl import protocol
 
 try:

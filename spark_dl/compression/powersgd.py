@@ -351,7 +351,8 @@ class PowerSGD(Compressor):
         # this rank's Q, stored r x m (P^T M: M streamed once)
         for (rows, cols), idx in groups.items():
             if (rows, cols) in stacks:
-                torch.bmm(bases[rows, cols].transpose(1, 2), stacks[rows, cols], out=group_slice(round2, q_at, idx, cols))
+                torch.bmm(bases[rows, cols].transpose(1, 2), stacks[rows, cols],
+                          out=group_slice(round2, q_at, idx, cols))
                 continue
             for i in idx:
                 qt = round2[q_at[i]:q_at[i] + ranks[i] * cols].view(ranks[i], cols)

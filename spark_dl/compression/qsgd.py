@@ -7,12 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
-from spark_dl.compression.base import Compressor, Key, Meta, Payload, check_float, flat32, int_param, restore
 from spark_dl.compression import native
+from spark_dl.compression.base import Compressor, Key, Meta, Payload, check_float, flat32, int_param, restore
 from spark_dl.compression.bits import pack, unpack
-from spark_dl.compression.sums import bucket_sums
 from spark_dl.compression.rng import counter_uniform, generator, process_rank
-
+from spark_dl.compression.sums import bucket_sums
 
 MAX_LEVELS = 127  # the most levels whose 2s + 1 signed codes fit in 8 bits
 

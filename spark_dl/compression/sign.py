@@ -5,11 +5,11 @@ from dataclasses import dataclass
 
 import torch
 
-from spark_dl.compression.base import Compressor, Key, Meta, Payload, check_float, flat32, int_param, restore
 from spark_dl.compression import native
+from spark_dl.compression.base import Compressor, Key, Meta, Payload, check_float, flat32, int_param, restore
 from spark_dl.compression.bits import pack, unpack
-from spark_dl.compression.sums import bucket_counts, bucket_sums
 from spark_dl.compression.memory import EFMeta, ErrorFeedback, PendingResiduals
+from spark_dl.compression.sums import bucket_counts, bucket_sums
 
 
 @dataclass

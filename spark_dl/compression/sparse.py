@@ -7,7 +7,17 @@ from dataclasses import dataclass
 import torch
 
 from spark_dl.compression import native
-from spark_dl.compression.base import Compressor, Key, Meta, Payload, check_float, flat32, int_param, real_param, restore
+from spark_dl.compression.base import (
+    Compressor,
+    Key,
+    Meta,
+    Payload,
+    check_float,
+    flat32,
+    int_param,
+    real_param,
+    restore,
+)
 from spark_dl.compression.rng import generator
 
 

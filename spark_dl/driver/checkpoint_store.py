@@ -21,6 +21,8 @@ from typing import Any, BinaryIO
 from spark_dl import protocol
 from spark_dl.errors import LaunchRefused
 from spark_dl.transport.channel import send_reply
+
+
 @dataclass(frozen=True)
 class CheckpointInfo:
     """What the driver knows of the checkpoint it holds."""
@@ -97,7 +99,8 @@ class CheckpointStore:
             except (OSError, ValueError) as e:
                 self.close()
                 raise LaunchRefused(
-                    f"{path} is not a spark-dl checkpoint ({e}). Delete it to start over, or pass another checkpoint_dir."
+                    f"{path} is not a spark-dl checkpoint ({e}). "
+                    "Delete it to start over, or pass another checkpoint_dir."
                 ) from e
 
     def _hold(self, lock: BinaryIO, where: str) -> None:

@@ -8,8 +8,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-from spark_dl.errors import LaunchRefused, env_choice
 from spark_dl import protocol
+from spark_dl.errors import LaunchRefused, env_choice
 
 EXECUTOR_WAIT_S = 30.0
 CHANNEL_ENV = protocol.CHANNEL_ENV
@@ -109,7 +109,8 @@ def active_session(np: int):
             "session: spark-dl needs one or the other"
         ) from e
     if sc._jsc is None:
-        raise LaunchRefused("the active SparkSession has been stopped; create a new one with SparkSession.builder.getOrCreate()")
+        raise LaunchRefused("the active SparkSession has been stopped; "
+                            "create a new one with SparkSession.builder.getOrCreate()")
     return session
 
 

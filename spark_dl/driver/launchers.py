@@ -17,7 +17,14 @@ from spark_dl.driver.shards import ShardSet
 from spark_dl.driver.spark_errors import executor_lost_hint, spark_error_summary
 from spark_dl.errors import LaunchRefused
 from spark_dl.task.barrier import (
-    RELAY_SCHEMA, STATUS_SCHEMA, JobSpec, arrow_barrier_task, barrier_task, free_port, range_barrier_task, run_task,
+    RELAY_SCHEMA,
+    STATUS_SCHEMA,
+    JobSpec,
+    arrow_barrier_task,
+    barrier_task,
+    free_port,
+    range_barrier_task,
+    run_task,
 )
 from spark_dl.task.layout import RankSpec
 from spark_dl.task.relay import replay

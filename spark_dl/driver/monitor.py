@@ -16,11 +16,11 @@ from typing import Any, Callable, Protocol, TextIO
 
 import cloudpickle
 
-from spark_dl.transport import unpickle
-from spark_dl.transport.channel import Connection, send_reply
+from spark_dl import protocol
 from spark_dl.driver.checkpoint_store import CheckpointStore
 from spark_dl.errors import JobFailed, RankFailed
-from spark_dl import protocol
+from spark_dl.transport import unpickle
+from spark_dl.transport.channel import Connection, send_reply
 
 TAIL_LINES = 50
 ABORT_GRACE_S = 15.0  # after a failure, how long every task gets to reap its ranks and close its link
@@ -419,7 +419,8 @@ class JobMonitor:
 def run_timeout_message(limit: float, monitor: JobMonitor) -> str:
     """Why the attempt was stopped, with each rank's last output line: where a hang sits."""
     lines = [f"the run exceeded run_timeout={limit:g} s and every rank was stopped (a hung collective, a rank "
-             "waiting for one that is stuck, or a run that needs more time: raise run_timeout). Last line of each rank:"]
+             "waiting for one that is stuck, or a run that needs more time: raise run_timeout). "
+             "Last line of each rank:"]
     with monitor.lock:
         tails = {r: t[-1] if t else "" for r, t in monitor.tails.items()}
     for r in range(monitor.world_size):

@@ -93,7 +93,8 @@ class HorovodRunner:
         self.np = np
         if as_int(max_restarts) is None or max_restarts < 0:
             raise LaunchRefused(
-                f"max_restarts must be an int >= 0 (how many times a failed run is launched again), got {max_restarts!r}"
+                "max_restarts must be an int >= 0 (how many times a failed run is launched again), "
+                f"got {max_restarts!r}"
             )
         self.max_restarts = as_int(max_restarts)
         if min_np is not None:
@@ -106,7 +107,8 @@ class HorovodRunner:
         self.min_np = None if min_np is None else as_int(min_np)
         if grow_interval is not None and min_np is None:
             raise LaunchRefused(f"grow_interval={grow_interval!r} needs min_np: without it every attempt runs all "
-                                f"np={np} ranks and has nothing to grow into; set min_np (the fewest ranks to start with)")
+                                f"np={np} ranks and has nothing to grow into; "
+                                "set min_np (the fewest ranks to start with)")
         self.grow_interval = None if grow_interval is None else seconds("grow_interval", grow_interval,
                                                                          "growing only at restarts")
         if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
@@ -120,8 +122,8 @@ class HorovodRunner:
             raise LaunchRefused(f"nodes must be one of {NODES} (what LOCAL_RANK counts within), got {nodes!r}")
         self.nodes = nodes
         if tracking is not None and not isinstance(tracking, (bool, Tracking)):
-            raise LaunchRefused(f"tracking must be True, False, None or spark_dl.tracking.Tracking(...), got {tracking!r} "
-                                f"({type(tracking).__name__})")
+            raise LaunchRefused("tracking must be True, False, None or spark_dl.tracking.Tracking(...), "
+                                f"got {tracking!r} ({type(tracking).__name__})")
         if progress is not None and not isinstance(progress, bool):
             raise LaunchRefused(f"progress must be True, False or None, got {progress!r}")
         self.tracking = tracking

@@ -16,6 +16,7 @@ from spark_dl.errors import LaunchRefused, as_int
 from spark_dl.rank.shards import Shards
 from spark_dl.task.partitions import DATASET_TAG
 
+
 def shards(df: Any, columns: list[str] | str | None = None, *, shuffle: bool = True, seed: int = 0,
            remainder: str = "drop") -> "DataFrameShards":
     """Mark ``df`` to be sharded across the ranks of a run (pass the result as a kwarg)."""
@@ -77,7 +78,8 @@ def _check_type(name: str, dtype: Any) -> str:
     else:
         fix = ("use numeric columns or arrays of numbers (e.g. images flattened to array<float>), or drop it with "
                "columns=[...]")
-    raise LaunchRefused(f"column {name!r} has type {dtype.simpleString()}, which spark-dl cannot turn into a tensor: {fix}")
+    raise LaunchRefused(f"column {name!r} has type {dtype.simpleString()}, "
+                        f"which spark-dl cannot turn into a tensor: {fix}")
 
 
 def as_array(column: str) -> Any:

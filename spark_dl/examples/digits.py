@@ -50,11 +50,11 @@ def train_digits(epochs: int = 10, batch_size: int = 16, base_lr: float = 0.002,
 
     Each rank trains on its shard of the 1437 training images (``batch_size`` per rank) with Adam
     at ``base_lr * size`` (Horovod's linear scaling), gradients all-reduced by
-    ``DistributedOptimizer`` through ``compression``. After every epoch the test accuracy on the 360 held-out images and the mean
-    training loss, averaged over ranks, are logged with ``spark_dl.log_metrics`` (and rank 0's
-    ``batch_loss`` every optimizer step). Rank 0 saves a checkpoint after every epoch
-    (``spark_dl.save_checkpoint``), so a run restarted by ``HorovodRunner(max_restarts=...)``
-    resumes after the last finished epoch.
+    ``DistributedOptimizer`` through ``compression``. After every epoch the test accuracy on the 360
+    held-out images and the mean training loss, averaged over ranks, are logged with
+    ``spark_dl.log_metrics`` (and rank 0's ``batch_loss`` every optimizer step). Rank 0 saves a
+    checkpoint after every epoch (``spark_dl.save_checkpoint``), so a run restarted by
+    ``HorovodRunner(max_restarts=...)`` resumes after the last finished epoch.
     """
     import torch
     import torch.nn as nn

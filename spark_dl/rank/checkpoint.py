@@ -17,6 +17,8 @@ from typing import Any
 from spark_dl import protocol
 from spark_dl.rank import context as rank_api
 from spark_dl.transport import unpickle
+
+
 def save_checkpoint(state: Any, step: int | None = None, *, sharded: bool = False) -> bool:
     """Make ``state`` this run's latest checkpoint; returns once the driver has stored it.
 

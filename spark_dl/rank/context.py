@@ -14,10 +14,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from spark_dl.transport.channel import Connection
 from spark_dl import protocol
-
-
+from spark_dl.transport.channel import Connection
 
 
 def scratch_dir() -> str | None:

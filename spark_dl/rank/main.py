@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import traceback
+
 from spark_dl import protocol
 
 PR_SET_PDEATHSIG = 1
@@ -237,11 +238,11 @@ def main(task_pid: int | None = None) -> int:
         pass
     import cloudpickle
 
-    from spark_dl.transport import channel
-    from spark_dl.rank import context as rank_api
     from spark_dl.errors import ResultNotPicklable
+    from spark_dl.rank import context as rank_api
     from spark_dl.rank.script import ExitStatus
     from spark_dl.tracking.rank import lifecycle as tracking
+    from spark_dl.transport import channel
 
     boot = pickle.load(sys.stdin.buffer)  # written by our parent task over a private pipe
     sys.stdin.close()

@@ -91,8 +91,14 @@ def prepare_data_loader(data_loader, *, add_dist_sampler: bool = True, move_to_d
     restart). Refuses, naming the fix, an ``IterableDataset`` and samplers it cannot shard.
     """
     import torch
-    from torch.utils.data import (BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler,
-                                  SequentialSampler)
+    from torch.utils.data import (
+        BatchSampler,
+        DataLoader,
+        DistributedSampler,
+        IterableDataset,
+        RandomSampler,
+        SequentialSampler,
+    )
 
     if not isinstance(data_loader, DataLoader):
         raise TypeError(f"prepare_data_loader takes a torch.utils.data.DataLoader, got {type(data_loader).__name__}")

@@ -23,6 +23,7 @@ from typing import Any, Iterator
 from spark_dl import protocol
 from spark_dl.errors import as_int
 
+
 @dataclass
 class Shards:
     """What ``main`` receives in place of the DataFrame: this rank's view of the sharded rows."""
@@ -212,9 +213,10 @@ class Shards:
 
 def _take(schema, chunks: list, starts: list[int], rows):
     """``rows`` (a numpy array of row numbers) of the table held as record batches ``chunks``
-    (the first rows of which are ``starts``), in that order. pyarrow's ``take`` on a table of several chunks concatenates them all first, a copy
-    of the whole shard per batch (40x slower than this for 5 chunks of 10,000 rows); here each
-    chunk that holds some of the rows gives them with a take of its own."""
+    (the first rows of which are ``starts``), in that order. pyarrow's ``take`` on a table of
+    several chunks concatenates them all first, a copy of the whole shard per batch (40x slower
+    than this for 5 chunks of 10,000 rows); here each chunk that holds some of the rows gives them
+    with a take of its own."""
     import numpy as np
     import pyarrow as pa
 
@@ -264,7 +266,8 @@ def column_tensor(column, kind: str, name: str, before: str = "training"):
         raise ValueError(f"array column {name!r} has null rows; fill or drop them before {before} ({drop})")
     if column.flatten().null_count:
         raise ValueError(f"array column {name!r} has null elements inside its arrays; fill them (e.g. "
-                         f"F.transform({name!r}, lambda v: F.coalesce(v, F.lit(0)))) or drop those rows before {before}")
+                         f"F.transform({name!r}, lambda v: F.coalesce(v, F.lit(0)))) "
+                         f"or drop those rows before {before}")
     lengths = np.diff(_numpy(column.offsets))
     if len(lengths) and (lengths != lengths[0]).any():
         raise ValueError(f"array column {name!r} has rows of different lengths; pad them to one length")

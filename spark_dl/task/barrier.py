@@ -22,13 +22,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from spark_dl.transport import channel
-from spark_dl.tracking.system import start_sampler
-from spark_dl.task.network import socket_interface_env
-from spark_dl.task.layout import RankSpec, TaskInfo, compute_layout, omp_threads
-from spark_dl.task import zygote
-from spark_dl.task.zygote import ForkedRank
 from spark_dl import protocol
+from spark_dl.task import zygote
+from spark_dl.task.layout import RankSpec, TaskInfo, compute_layout, omp_threads
+from spark_dl.task.network import socket_interface_env
+from spark_dl.task.zygote import ForkedRank
+from spark_dl.tracking.system import start_sampler
+from spark_dl.transport import channel
 
 KILL_GRACE_S = 2.0
 _MAX_LINE = 64 * 1024

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+
 from spark_dl import protocol
 
 
@@ -71,7 +72,8 @@ def _unique(items: list[str]) -> list[str]:
     return list(seen)
 
 
-def compute_layout(tasks: list[TaskInfo], ranks_per_task: int = 1, task_nodes: bool = False) -> dict[int, list[RankSpec]]:
+def compute_layout(tasks: list[TaskInfo], ranks_per_task: int = 1,
+                   task_nodes: bool = False) -> dict[int, list[RankSpec]]:
     """Assign global ranks to tasks: ranks on one host are consecutive, hosts in order of their
     first task. With ``ranks_per_task > 1`` (several GPUs per task), rank j of a task gets the
     task's j-th GPU. Returns ``{partition: [RankSpec, ...]}``.

@@ -22,10 +22,10 @@ import threading
 import time
 from typing import Any, Iterable, Iterator
 
-from spark_dl.transport import channel
+from spark_dl import protocol
 from spark_dl.driver.checkpoint_store import CheckpointStore
 from spark_dl.driver.monitor import ABORT_GRACE_S, Failure, JobMonitor, run_timeout_message
-from spark_dl import protocol
+from spark_dl.transport import channel
 
 CHUNK_BYTES = 1 << 20  # one result row: Spark Connect ships results in Arrow batches of about 4 MiB
 SETTLE_S = 5.0  # after a success, how long task 0 waits for the other tasks to close their links
@@ -60,8 +60,8 @@ class Relay:
     """The control server of one attempt, in barrier task 0; the spool of what it received."""
 
     def __init__(self, secret: bytes, job_id: str, world_size: int, num_tasks: int, host: str,
-                 checkpoint: tuple[bytes, int | None, tuple[int, ...] | None] | None = None, run_timeout: float | None = None,
-                 observers: tuple = ()) -> None:
+                 checkpoint: tuple[bytes, int | None, tuple[int, ...] | None] | None = None,
+                 run_timeout: float | None = None, observers: tuple = ()) -> None:
         self._lock = threading.Lock()
         self._ids: dict[int, int] = {}
         fd, self.path = tempfile.mkstemp(prefix=f"{job_id}-relay-", suffix=".spool")
@@ -98,7 +98,8 @@ class Relay:
             return self._ids.setdefault(id(conn), len(self._ids))
 
     def _on_message(self, conn: channel.Connection, kind: str, data: Any) -> None:
-        if not kind.startswith(protocol.REQUEST_PREFIX):  # answered here, from the observers' stand-ins: nothing to replay
+        # requests are answered here, from the observers' stand-ins: nothing to replay
+        if not kind.startswith(protocol.REQUEST_PREFIX):
             self._record(("message", self._id(conn), kind, data))
         self.monitor.on_message(conn, kind, data)
 

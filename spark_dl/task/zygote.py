@@ -30,6 +30,7 @@ import socket
 import subprocess
 import sys
 import threading
+
 from spark_dl import protocol
 
 ENV_SWITCH = protocol.ZYGOTE_ENV
@@ -366,12 +367,12 @@ def _import_rank_side() -> None:
         pass
     import cloudpickle  # noqa: F401
 
-    import spark_dl.transport.channel  # noqa: F401
     import spark_dl.compat.horovod_imports  # noqa: F401
-    import spark_dl.rank.main  # noqa: F401
     import spark_dl.rank.context  # noqa: F401
+    import spark_dl.rank.main  # noqa: F401
     import spark_dl.rank.script  # noqa: F401
     import spark_dl.tracking.rank.lifecycle  # noqa: F401
+    import spark_dl.transport.channel  # noqa: F401
 
 
 def main() -> None:

@@ -203,7 +203,8 @@ def up(workers: int = 2, *, cores: int = 1, memory_mb: int = 1024, rate_mbit: fl
         for w in c.workers:
             w.pid = _spark_daemon(
                 ["org.apache.spark.deploy.worker.Worker", "--host", w.address, "--cores", str(cores),
-                 "--memory", f"{memory_mb}m", "--webui-port", "0", "--work-dir", os.path.join(log_dir, f"work{w.index}"),
+                 "--memory", f"{memory_mb}m", "--webui-port", "0",
+                 "--work-dir", os.path.join(log_dir, f"work{w.index}"),
                  c.master_url], os.path.join(log_dir, f"worker{w.index}.log"), namespace=w.namespace)
             c.save()
         _wait_for_workers(c)
@@ -257,8 +258,9 @@ def _shape(device: str, namespace: str | None, rate_mbit: float | None, delay_ms
             _sh(*tc, "qdisc", "add", "dev", device, "root", "handle", "1:", "netem", *netem, "limit", "100000")
         except subprocess.CalledProcessError as e:
             if "unknown" in (e.stderr or ""):
-                raise ClusterUnavailable("this kernel has no netem qdisc (module sch_netem): a link's delay and loss "
-                                         "cannot be shaped here, its rate can (leave out delay_ms and loss_pct)") from None
+                raise ClusterUnavailable("this kernel has no netem qdisc (module sch_netem): a link's delay and "
+                                         "loss cannot be shaped here, its rate can "
+                                         "(leave out delay_ms and loss_pct)") from None
             raise
         parent = ["parent", "1:"]
     if rate_mbit:
@@ -348,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"master: {c.master_url}")
             for w in c.workers:
                 print(f"worker {w.index}: {w.address} (namespace {w.namespace})")
-            print("session settings: " + " ".join(f"--conf {k}={v}" for k, v in c.conf().items() if k != "spark.master"))
+            print("session settings: "
+                  + " ".join(f"--conf {k}={v}" for k, v in c.conf().items() if k != "spark.master"))
             print(f"logs: {c.log_dir}")
             print(f"tear down: python -m spark_dl.testing.cluster down --dir {c.log_dir}")
         else:

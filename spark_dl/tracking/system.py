@@ -14,8 +14,8 @@ import threading
 import time
 from typing import Any, Callable
 
-from spark_dl.errors import env_number
 from spark_dl import protocol
+from spark_dl.errors import env_number
 
 DEFAULT_INTERVAL_S = 5.0
 
@@ -114,7 +114,8 @@ class Sampler:
                 values = sample(self.psutil)
             except Exception:  # noqa: BLE001 - a monitoring hiccup must never touch the job
                 continue
-            self.send(protocol.TRACKING_SYSTEM, {"host": self.host, "time": time.time(), "step": step, "metrics": values})
+            self.send(protocol.TRACKING_SYSTEM,
+                      {"host": self.host, "time": time.time(), "step": step, "metrics": values})
             step += 1
 
     def stop(self) -> None:

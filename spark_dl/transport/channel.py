@@ -23,6 +23,7 @@ import struct
 import sys
 import threading
 from typing import Any, Callable
+
 from spark_dl import protocol
 
 SECRET_BYTES = 32
@@ -158,7 +159,8 @@ def connect(host: str, port: int, secret: bytes, timeout: float = 30.0, relay: b
             if hello[:3] == _MAGIC[:3]:
                 raise ChannelError(
                     f"the driver at {host}:{port} speaks channel version {hello[:4].decode(errors='replace')}, "
-                    f"this executor {_MAGIC.decode()}: install the same spark-dl version on the driver and the executors"
+                    f"this executor {_MAGIC.decode()}: "
+                    "install the same spark-dl version on the driver and the executors"
                 )
             raise ChannelError(f"{host}:{port} is not a spark-dl driver")
         nonce = hello[len(_MAGIC):]

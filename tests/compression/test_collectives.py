@@ -85,7 +85,8 @@ def collective_main():
     out["psgd_warmup"] = [C.allreduce(g, p, name="w").tolist() for _ in range(3)]
     # A bucket of a rank-2 weight, a bias and a rank-2 conv kernel, each factored on its own:
     # the average is exact, in two all-reduces (all P with the bias, then all Q).
-    bucket = torch.cat([low.reshape(-1), grad(r, (15,)), (u[:8] @ torch.randn(2, 27, generator=torch.Generator().manual_seed(9 + r))).reshape(-1)])
+    bucket = torch.cat([low.reshape(-1), grad(r, (15,)),
+                        (u[:8] @ torch.randn(2, 27, generator=torch.Generator().manual_seed(9 + r))).reshape(-1)])
     p = C.PowerSGD(rank=2, start_iter=0)
     before_stats = C.stats.snapshot()
     out["psgd_bucket"] = C.allreduce(bucket, p, name="bucket", layout=[(20, 15), (15,), (8, 3, 3, 3)]).tolist()
@@ -297,7 +298,8 @@ def test_edge_cases(ranks):
     assert errors["int"].startswith("TypeError") and "floating-point" in errors["int"]
     assert errors["noname"].startswith("ValueError") and "name=" in errors["noname"]
     assert errors["op"].startswith("ValueError")
-    assert errors["layout"].startswith("ValueError") and "370 elements in 1 tensors but the tensor has 407" in errors["layout"]
+    assert (errors["layout"].startswith("ValueError")
+            and "370 elements in 1 tensors but the tensor has 407" in errors["layout"])
     assert errors["layout_type"].startswith("TypeError") and "list of shapes" in errors["layout_type"]
     assert "out must be a contiguous tensor of 407 torch.float32" in errors["out_dtype"]
     assert "got torch.float64" in errors["out_dtype"] and "got torch.float32 (5,)" in errors["out_size"]

@@ -14,8 +14,8 @@ def read_epochs(data, epochs, batch_size):
 
     spark_dl.init()
     directory = os.environ.get("SPARK_DL_SHARD")
-    out = {"len": len(data), "total": data.total_rows, "epochs": [], "shard_file": os.path.join(directory, f"{data.key}.arrow"),
-           "shard_files": sorted(os.listdir(directory))}
+    out = {"len": len(data), "total": data.total_rows, "epochs": [],
+           "shard_file": os.path.join(directory, f"{data.key}.arrow"), "shard_files": sorted(os.listdir(directory))}
     for e in range(epochs):
         ids, feats = [], []
         for batch in data.batches(batch_size, epoch=e):

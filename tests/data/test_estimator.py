@@ -7,9 +7,9 @@ import functools
 import numpy as np
 import pytest
 import torch
+from spark_dl.estimator import TorchEstimator, TorchModel
 
 from spark_dl import LaunchRefused, RankFailed
-from spark_dl.estimator import TorchEstimator, TorchModel
 from spark_dl.compat.estimator.options import split_validation
 
 
@@ -128,7 +128,8 @@ def test_metrics_on_training_and_held_out_rows(digits):
     rows = held_out.collect()
     with torch.no_grad():
         out = fitted.getModel()(torch.tensor([r.pixels for r in rows]))
-    assert m["val_accuracy"][-1] == pytest.approx(float(_accuracy(out, torch.tensor([r.label for r in rows]))), abs=0.01)
+    assert m["val_accuracy"][-1] == pytest.approx(float(_accuracy(out, torch.tensor([r.label for r in rows]))),
+                                                  abs=0.01)
     history = fitted.getHistory()
     assert history["loss"] == fitted.history and history["val_loss"] == fitted.val_history
     assert history["val_accuracy"] == m["val_accuracy"]
@@ -261,7 +262,8 @@ def test_bad_estimators_and_inputs_are_refused(spark, digits):
         def forward(self, x):
             return {"y": x}
 
-    with pytest.raises(LaunchRefused, match="must return a tensor or a tuple/list of tensors to predict with, got dict"):
+    with pytest.raises(LaunchRefused,
+                       match="must return a tensor or a tuple/list of tensors to predict with, got dict"):
         TorchModel(Dict(), ["pixels"]).transform(train)
     # counts computed with numpy are taken as ints
     est = TorchEstimator(**{**good, "batch_size": np.int64(16), "num_proc": np.int32(2), "random_seed": np.int64(3)})
@@ -340,8 +342,8 @@ def _rows(output, y):
 def test_compression_accumulation_and_step_limits(spark, tmp_path, monkeypatch, sqlite_uri):
     import mlflow
 
-    from spark_dl.driver.checkpoint_store import CheckpointStore
     from spark_dl.compression import FP16
+    from spark_dl.driver.checkpoint_store import CheckpointStore
 
     monkeypatch.setenv("SPARK_DL_TRACKING", "1")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
@@ -436,7 +438,8 @@ def test_held_out_loss_and_metrics_count_each_held_out_row_once(spark, val_batch
 def _classes(spark, label_type):
     from pyspark.sql import functions as F
 
-    df = spark.range(64).select((F.rand(1) * 2 - 1).cast("float").alias("a"), (F.rand(2) * 2 - 1).cast("float").alias("b"))
+    df = spark.range(64).select((F.rand(1) * 2 - 1).cast("float").alias("a"),
+                                (F.rand(2) * 2 - 1).cast("float").alias("b"))
     return df.withColumn("c", (F.col("a") > F.col("b")).cast(label_type))
 
 
@@ -454,7 +457,8 @@ def test_int_and_byte_labels_are_class_indices(spark, label_type):
     torch.manual_seed(0)
     fitted = TorchEstimator(model=_TwoClasses(), optimizer=functools.partial(torch.optim.SGD, lr=0.5),
                             loss=torch.nn.functional.cross_entropy, feature_cols=["a", "b"], label_cols="c",
-                            batch_size=8, epochs=3, num_proc=2, verbose=0, log_model=False).fit(_classes(spark, label_type))
+                            batch_size=8, epochs=3, num_proc=2, verbose=0,
+                            log_model=False).fit(_classes(spark, label_type))
     assert len(fitted.history) == 3 and fitted.history[-1] < fitted.history[0]
 
 

@@ -11,11 +11,11 @@ import pytest
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
+from spark_dl.estimator import EarlyStopping, TorchEstimator
+from test_estimator import TwoInputs, _regression  # the plain estimator's regression, to compare with
 
 from spark_dl import LaunchRefused
 from spark_dl.compression import FP16
-from spark_dl.estimator import EarlyStopping, TorchEstimator
-from test_estimator import TwoInputs, _regression  # the plain estimator's regression, to compare with
 
 
 def _steps(module, batch, stage):

@@ -9,9 +9,9 @@ import json
 
 import pytest
 import torch
+from spark_dl.estimator import EarlyStopping, TorchEstimator, TorchModel
 
 from spark_dl import LaunchRefused, RankFailed
-from spark_dl.estimator import EarlyStopping, TorchEstimator, TorchModel
 
 
 def _two_targets(spark, rows=400):
@@ -316,7 +316,8 @@ def test_bad_loss_and_option_combinations_are_refused(spark):
         ({"store": "/tmp/store", "run_id": "a/b"}, "run_id must be a non-empty name without '/'"),
         ({"backend": object()}, "backend= is Horovod's SparkBackend"),
         ({"np": 2}, r"unknown options \['np'\] \(the ranks are num_proc\)"),
-        ({"epochz": 2}, r"unknown options \['epochz'\]: they are neither its own nor HorovodRunner's \(driver_log_verbosity"),
+        ({"epochz": 2},
+         r"unknown options \['epochz'\]: they are neither its own nor HorovodRunner's \(driver_log_verbosity"),
         ({"verbose": 3}, "verbose must be 0, 1 or 2"),
         ({"random_seed": "1"}, "random_seed must be an int or None"),
         ({"use_gpu": "no"}, "use_gpu must be True or False"),
@@ -355,7 +356,8 @@ def _store_run_ids(spark, tmp_path):
     def estimator(epochs, run_id=None):
         torch.manual_seed(0)
         return hvd.TorchEstimator(num_proc=2, store=store, run_id=run_id, model=OneInput(),
-                                  optimizer=functools.partial(torch.optim.SGD, lr=0.1), loss=torch.nn.functional.mse_loss,
+                                  optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+                                  loss=torch.nn.functional.mse_loss,
                                   feature_cols=["a"], label_cols=["y1"], batch_size=20, epochs=epochs, verbose=0,
                                   log_model=False)
 

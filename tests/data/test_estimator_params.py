@@ -8,9 +8,9 @@ import time
 
 import pytest
 import torch
+from spark_dl.estimator import TorchEstimator, TorchModel
 
 from spark_dl import LaunchRefused
-from spark_dl.estimator import TorchEstimator, TorchModel
 
 
 class _Line(torch.nn.Module):

@@ -7,7 +7,6 @@ import os
 import numpy as np
 import pytest
 import torch
-
 from spark_dl.estimator import TorchEstimator, TorchModel
 
 

@@ -10,10 +10,8 @@ import pytest
 import torch
 from pyspark.errors import AnalysisException
 from pyspark.ml.util import DefaultParamsReader
-
-from test_estimator_params import _Line, _lines
-
 from spark_dl.estimator import TorchEstimator, TorchModel
+from test_estimator_params import _Line, _lines
 
 
 def _estimator(**options) -> TorchEstimator:
@@ -112,7 +110,8 @@ def test_loading_something_else_as_an_estimator_is_refused_naming_it(spark, tmp_
     from pyspark.ml.feature import SQLTransformer
 
     SQLTransformer(statement="SELECT * FROM __THIS__").save(str(tmp_path / "sql"))
-    with pytest.raises(ValueError, match=r"holds a org.apache.spark.ml.feature.SQLTransformer, not a spark-dl TorchEstimator"):
+    with pytest.raises(ValueError,
+                       match=r"holds a org.apache.spark.ml.feature.SQLTransformer, not a spark-dl TorchEstimator"):
         TorchEstimator.load(str(tmp_path / "sql"))
     with pytest.raises(TypeError, match="TorchEstimator.load takes a path"):
         TorchEstimator.load(tmp_path / "sql")

@@ -8,11 +8,11 @@ import os
 
 import pytest
 import torch
-
-from spark_dl import LaunchRefused
 from spark_dl.estimator import TorchEstimator
 from spark_dl.horovod import staging
 from spark_dl.horovod.store import Store
+
+from spark_dl import LaunchRefused
 
 
 class TwoInputs(torch.nn.Module):
@@ -172,7 +172,8 @@ def test_staging_and_fit_on_parquet_refusals_name_the_fix(spark, tmp_path):
         ({"seed": None}, r"seed must be an int \(the validation split's\), got None"),
         ({"compress_sparse": "yes"}, r"compress_sparse must be True or False, got 'yes'"),
         ({"label_columns": []}, r"prepare_data needs label_columns"),
-        ({"feature_columns": ["a", "c"]}, r"prepare_data: columns \['c'\] are not in the DataFrame \(it has \['a', 'b'"),
+        ({"feature_columns": ["a", "c"]},
+         r"prepare_data: columns \['c'\] are not in the DataFrame \(it has \['a', 'b'"),
         ({"sample_weight_col": "w"}, r"columns \['w'\] are not in the DataFrame"),
         ({"validation": 1.5}, r"validation=1.5 must be a fraction in \(0, 1\), a column name, or None"),
         ({"validation": "held"}, "validation='held' is not a column of the DataFrame"),

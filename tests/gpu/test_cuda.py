@@ -79,12 +79,12 @@ def test_powersgd_bucket_on_cuda_matches_the_cpu():
 
 
 def gpu_rank_main(steps: int = 30):
+    import spark_dl.horovod as hvd
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
     import spark_dl.compression as C
-    import spark_dl.horovod as hvd
     from spark_dl.rank.tensors import comm_device
 
     hvd.init()
@@ -196,12 +196,12 @@ def test_more_ranks_than_gpus_under_nccl_is_a_clear_error():
 
 
 def gloo_on_gpu_main():
+    import spark_dl.horovod as hvd
     import torch
     import torch.nn.functional as F
 
     import spark_dl
     import spark_dl.compression as C
-    import spark_dl.horovod as hvd
 
     spark_dl.init(backend="gloo")  # two ranks sharing one GPU: communicate through host memory
     hvd.init()
@@ -219,7 +219,8 @@ def gloo_on_gpu_main():
     # compressed collectives straight on CUDA tensors over Gloo (wire bytes staged through host)
     g = torch.randn(5000, 40, device="cuda", generator=torch.Generator("cuda").manual_seed(hvd.rank()))
     direct = {k: C.allreduce(g, c, name="d").cpu() for k, c in [
-        ("fp16", C.FP16()), ("qsgd", C.QSGD(seed=0)), ("onebit", C.OneBit()), ("powersgd", C.PowerSGD(rank=2, start_iter=0))]}
+        ("fp16", C.FP16()), ("qsgd", C.QSGD(seed=0)), ("onebit", C.OneBit()),
+        ("powersgd", C.PowerSGD(rank=2, start_iter=0))]}
     # the DDP hook on CUDA buckets, reduced in the hook and on its background thread
     from torch.nn.parallel import DistributedDataParallel as DDP
     for overlap in (False, True):

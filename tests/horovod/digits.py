@@ -13,14 +13,13 @@ def train_digits(epochs: int = 12, batch_size: int = 32, base_lr: float = 0.15, 
     import hashlib
 
     import numpy as np
+    import spark_dl.horovod as hvd
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
     from sklearn.datasets import load_digits
     from torch.utils.data import DataLoader, TensorDataset
     from torch.utils.data.distributed import DistributedSampler
-
-    import spark_dl.horovod as hvd
 
     hvd.init()
     torch.manual_seed(seed)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from spark_dl.horovod.adasum import combine, reference
 
 from spark_dl import HorovodRunner
-from spark_dl.horovod.adasum import combine, reference
 
 
 def test_orthogonal_vectors_add_up_and_equal_ones_count_once():
@@ -65,9 +65,8 @@ def test_tree_of_mutually_orthogonal_or_identical_vectors(world):
 
 
 def adasum_main(steps=60):
-    import torch
-
     import spark_dl.horovod as hvd
+    import torch
     from spark_dl.horovod.adasum import reference
 
     hvd.init()

@@ -16,9 +16,8 @@ from spark_dl import HorovodRunner, RankFailed
 
 
 def api_main():
-    import torch
-
     import spark_dl.horovod as hvd
+    import torch
 
     out = {"initialized_before": hvd.is_initialized()}
     try:
@@ -84,7 +83,8 @@ def api_main():
     g = torch.full((r + 1, 2), 1.0, requires_grad=True)
     (hvd.allgather(g) * torch.arange(3.0).unsqueeze(1)).sum().backward()
     out["allgather_grad"] = g.grad.tolist()
-    for kind, t in (("dims", torch.ones(1, 2 + r)), ("dtype", torch.ones(2, 2, dtype=torch.int64 if r else torch.float32))):
+    for kind, t in (("dims", torch.ones(1, 2 + r)),
+                    ("dtype", torch.ones(2, 2, dtype=torch.int64 if r else torch.float32))):
         try:
             hvd.allgather(t)
         except ValueError as e:  # both ranks see every layout, so both raise and stay in step
@@ -117,7 +117,8 @@ def api_main():
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     sd = opt.state_dict()
     out["opt_lr"] = sd["param_groups"][0]["lr"]
-    out["opt_state"] = {i: {k: (v.tolist() if torch.is_tensor(v) else v) for k, v in s.items()} for i, s in sd["state"].items()}
+    out["opt_state"] = {i: {k: (v.tolist() if torch.is_tensor(v) else v) for k, v in s.items()}
+                        for i, s in sd["state"].items()}
 
     for label, call in [("op_and_average", lambda: hvd.allreduce(t, op=hvd.Sum, average=True)),
                         ("bad_compression", lambda: hvd.allreduce(t, compression="fp16"))]:
@@ -227,9 +228,8 @@ def test_broadcast_optimizer_state(ranks):
 
 
 def mismatched_model_main(kind):
-    import torch
-
     import spark_dl.horovod as hvd
+    import torch
 
     hvd.init()
     r = hvd.rank()
@@ -260,9 +260,8 @@ def test_broadcast_parameters_of_models_that_differ_between_ranks_fails_fast_nam
 
 
 def layout_checks_main():
-    import torch
-
     import spark_dl.horovod as hvd
+    import torch
 
     hvd.init()
     r = hvd.rank()

@@ -11,9 +11,8 @@ from spark_dl import HorovodRunner, RankFailed
 
 
 def mismatched_main(op):
-    import torch
-
     import spark_dl.horovod as hvd
+    import torch
 
     hvd.init()
     t = torch.ones(4 + 2 * hvd.rank())  # rank 0: 4 elements, rank 1: 6
@@ -54,11 +53,11 @@ def test_a_collective_of_different_shapes_fails_fast_naming_every_ranks(op):
 def checks_main():
     import os
 
-    import torch
-
     import spark_dl.horovod as hvd
-    from spark_dl.compression import QSGD
+    import torch
     from spark_dl.horovod import ops
+
+    from spark_dl.compression import QSGD
 
     hvd.init()
     r = hvd.rank()

@@ -6,7 +6,6 @@ from digits import train_digits
 
 from spark_dl import HorovodRunner
 
-
 SEEDS = (42, 7)
 
 

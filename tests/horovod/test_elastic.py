@@ -21,9 +21,8 @@ def elastic_train(out_dir, epochs=3, crash=(1, 6), commit_every=2, release=None)
     creates ``release/release`` (another Spark job's slots free up)."""
     import time
 
-    import torch
-
     import spark_dl.horovod as hvd
+    import torch
 
     hvd.init()
     torch.manual_seed(0)
@@ -31,7 +30,8 @@ def elastic_train(out_dir, epochs=3, crash=(1, 6), commit_every=2, release=None)
     sampler = hvd.elastic.ElasticSampler(data, shuffle=True, seed=1)
     loader = torch.utils.data.DataLoader(data, batch_size=BATCH, sampler=sampler)
     model = torch.nn.Linear(1, 1)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
     attempt = spark_dl.get_context().attempt
     seen, resets = [], []
 

@@ -11,9 +11,9 @@ from spark_dl import HorovodRunner
 
 
 def exchange_main():
+    import spark_dl.horovod as hvd
     import torch
 
-    import spark_dl.horovod as hvd
     from spark_dl.compression import QSGD
 
     hvd.init()
@@ -29,7 +29,8 @@ def exchange_main():
     z, _ = hvd.alltoall(g, splits=[1, 3] if r == 0 else [2, 0])
     (z * (r + 1)).sum().backward()  # rows that went to rank d get gradient d + 1
     out["a2a_grad"] = g.grad.view(-1).tolist()
-    for bad in ([0, 0], [5, -1], [1, 2, 1]):  # wrong on both ranks: a rank that raised alone would leave the other waiting
+    # wrong on both ranks: a rank that raised alone would leave the other waiting
+    for bad in ([0, 0], [5, -1], [1, 2, 1]):
         try:
             hvd.alltoall(y, splits=bad)
         except ValueError as e:

@@ -22,8 +22,8 @@ def test_horovod_is_not_installed_here():
 
 
 def horovod_main():
+    import horovod.torch as hvd  # Horovod's own import, unchanged
     import torch
-    import horovod.torch as hvd                      # Horovod's own import, unchanged
     from horovod.torch.mpi_ops import allreduce
 
     hvd.init()
@@ -65,8 +65,8 @@ def test_switched_off_the_import_fails_as_without_spark_dl():
 
 
 def spark_run_main(scale):
-    import torch
     import horovod.torch as hvd
+    import torch
 
     hvd.init()
     return hvd.rank(), hvd.allreduce(torch.tensor([hvd.rank() + 1.0]), op=hvd.Sum).item() * scale
@@ -77,7 +77,7 @@ def test_on_the_driver_install_makes_horovod_spark_run_work(spark):
 
     horovod_imports.install()
     try:
-        import horovod.spark                         # Horovod's own import, unchanged
+        import horovod.spark  # Horovod's own import, unchanged
 
         assert horovod.spark.run(spark_run_main, args=(10.0,), num_proc=2) == [(0, 30.0), (1, 30.0)]
     finally:
@@ -87,9 +87,8 @@ def test_on_the_driver_install_makes_horovod_spark_run_work(spark):
 
 
 def logs_as_on_databricks():
-    from spark_dl.horovod import log_to_driver  # sparkdl.horovod.log_to_driver, renamed as the module is
-
     import spark_dl.horovod as hvd
+    from spark_dl.horovod import log_to_driver  # sparkdl.horovod.log_to_driver, renamed as the module is
 
     hvd.init()
     log_to_driver(f"rank {hvd.rank()} says hello")

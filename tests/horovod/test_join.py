@@ -23,10 +23,9 @@ def fresh_model() -> torch.nn.Module:
 
 
 def join_main(batches, lr, momentum, data, fresh_model):
+    import spark_dl.horovod as hvd
     import torch
     import torch.nn.functional as F
-
-    import spark_dl.horovod as hvd
 
     hvd.init()
     r = hvd.rank()
@@ -149,7 +148,8 @@ def test_several_optimizers_schedules_and_clipping_end_equal_on_every_rank(ranks
         assert o["lr_a"] == pytest.approx(LR * 0.8 ** 6)
         assert torch.equal(o["adam_state"], ranks[2]["adam_state"])
     # the models did train (the joined ranks did not just keep their own)
-    assert not torch.equal(ranks[0]["three_models"][0], torch.cat([p.detach().reshape(-1) for p in fresh_model().parameters()]))
+    assert not torch.equal(ranks[0]["three_models"][0],
+                           torch.cat([p.detach().reshape(-1) for p in fresh_model().parameters()]))
 
 
 def test_other_collectives_while_a_rank_is_joined_are_refused(ranks):
@@ -161,9 +161,8 @@ def test_other_collectives_while_a_rank_is_joined_are_refused(ranks):
 
 
 def switched_off_main():
-    import torch
-
     import spark_dl.horovod as hvd
+    import torch
 
     hvd.init()
     w = torch.nn.Parameter(torch.zeros(2))
@@ -185,9 +184,8 @@ def test_switched_off_steps_still_work_and_join_says_why_it_cannot():
 
 
 def missing_optimizer_main():
-    import torch
-
     import spark_dl.horovod as hvd
+    import torch
 
     hvd.init()
     model = torch.nn.Linear(2, 1)
@@ -235,10 +233,9 @@ def set_data(r: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def set_join_main(batches, lr, momentum, set_data, fresh_model):
+    import spark_dl.horovod as hvd
     import torch
     import torch.nn.functional as F
-
-    import spark_dl.horovod as hvd
 
     even, odd = hvd.ProcessSet([0, 2]), hvd.ProcessSet([1, 3])
     hvd.init(process_sets=[even, odd])

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from spark_dl.horovod.fusion import fusion_threshold, plan_buckets, plan_groups
 
 from spark_dl import HorovodRunner
-from spark_dl.horovod.fusion import fusion_threshold, plan_buckets, plan_groups
 
 
 def optimizer_main():
@@ -18,10 +18,9 @@ def optimizer_main():
     import time
     import warnings
 
+    import spark_dl.horovod as hvd
     import torch
     import torch.nn.functional as F
-
-    import spark_dl.horovod as hvd
 
     hvd.init()
     r = hvd.rank()
@@ -109,7 +108,8 @@ def optimizer_main():
         else:
             os.environ["HOROVOD_FUSION_THRESHOLD"] = threshold
         torch.manual_seed(1)
-        model = torch.nn.ModuleDict({"a": torch.nn.Linear(3, 4), "b": torch.nn.Linear(3, 2), "c": torch.nn.Linear(3, 5)})
+        model = torch.nn.ModuleDict({"a": torch.nn.Linear(3, 4), "b": torch.nn.Linear(3, 2),
+                                     "c": torch.nn.Linear(3, 5)})
 
         def loss_of(m, rank, x):
             if rank == 0:

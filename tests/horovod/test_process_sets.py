@@ -9,9 +9,8 @@ from spark_dl import HorovodRunner
 
 
 def process_sets_main():
-    import torch
-
     import spark_dl.horovod as hvd
+    import torch
 
     out = {}
     even, odd = hvd.ProcessSet([2, 0]), hvd.ProcessSet([1, 3])
@@ -71,7 +70,8 @@ def process_sets_main():
             out["not_a_member"] = str(e)
     errors = {}
     for label, call in [
-        ("root_outside", lambda: hvd.broadcast(t, root_rank=(odd if mine is even else even).ranks[0], process_set=mine)),
+        ("root_outside",
+         lambda: hvd.broadcast(t, root_rank=(odd if mine is even else even).ranks[0], process_set=mine)),
         ("duplicate", lambda: hvd.add_process_set([1, 3])),
         ("out_of_range", lambda: hvd.add_process_set([0, 4])),
         ("not_ranks", lambda: hvd.ProcessSet("0,1")),

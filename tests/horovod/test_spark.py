@@ -5,9 +5,8 @@ from spark_dl import HorovodRunner
 
 
 def barrier_main():
-    import torch
-
     import spark_dl.horovod as hvd
+    import torch
 
     hvd.init()
     torch.manual_seed(hvd.rank())  # different weights per rank until the broadcast

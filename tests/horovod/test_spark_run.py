@@ -8,19 +8,18 @@ import subprocess
 import sys
 
 import pytest
-
 import spark_dl.horovod.spark as horovod_spark
 from slots import OtherJob
-from spark_dl import LaunchRefused
 from test_elastic import BATCH, N, elastic_train
+
+from spark_dl import LaunchRefused
 
 
 def fn(magic, scale=1.0, main="a kwarg named like HorovodRunner.run's first parameter"):
     import os
 
-    import torch
-
     import spark_dl.horovod as hvd
+    import torch
 
     hvd.init()
     total = hvd.allreduce(torch.tensor([hvd.rank() + 1.0]), op=hvd.Sum)

@@ -25,9 +25,8 @@ def init(bn):
 
 
 def sbn_main():
-    import torch
-
     import spark_dl.horovod as hvd
+    import torch
 
     hvd.init()
     r = hvd.rank()

@@ -79,10 +79,10 @@ def run_mode(spark) -> dict:
 
 def data_mode(spark) -> dict:
     import torch
-
-    from spark_dl.data import shards
     from spark_dl.estimator import TorchEstimator
     from spark_dl.horovod import spark as hvd_spark
+
+    from spark_dl.data import shards
 
     def rows(data):
         import torch.distributed as dist
@@ -178,7 +178,6 @@ def _staged(est, df) -> dict:
     import tempfile
 
     import torch
-
     from spark_dl.horovod import staging
     from spark_dl.horovod.store import Store
 

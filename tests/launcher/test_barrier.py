@@ -21,8 +21,8 @@ def world_main(tag):
     spark_dl.init()
     t = torch.tensor([float(dist.get_rank())])
     dist.all_reduce(t)
-    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "CROSS_RANK", "CROSS_SIZE", "MASTER_ADDR", "OMP_NUM_THREADS",
-            "THP_MEM_ALLOC_ENABLE")
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "CROSS_RANK", "CROSS_SIZE", "MASTER_ADDR",
+            "OMP_NUM_THREADS", "THP_MEM_ALLOC_ENABLE")
     return {"tag": tag, "sum": t.item(), "pid": os.getpid(), "task_pid": int(os.environ["SPARK_DL_TASK_PID"]),
             "env": {k: os.environ.get(k) for k in keys}, "host": socket.gethostname()}
 

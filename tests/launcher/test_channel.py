@@ -181,7 +181,8 @@ def test_a_driver_of_another_version_is_named_as_such():
         s.close()
 
     threading.Thread(target=old_driver, daemon=True).start()
-    with pytest.raises(channel.ChannelError, match=r"speaks channel version SDL1, this executor SDL2: install the same spark-dl version"):
+    with pytest.raises(channel.ChannelError,
+                       match=r"speaks channel version SDL1, this executor SDL2: install the same spark-dl version"):
         channel.connect("127.0.0.1", port, channel.new_secret())
     listener.close()
 

@@ -14,8 +14,8 @@ import subprocess
 import sys
 import time
 
-import pytest
 import pyspark
+import pytest
 
 from spark_dl.driver.cluster import slots_of_master
 from spark_dl.driver.spark_errors import executor_lost_hint, spark_error_summary
@@ -189,7 +189,8 @@ def test_error_summary_drops_the_servers_java_stack():
 
 
 def test_a_lost_executor_gets_a_hint_only_where_the_error_says_so():
-    other = "ExecutorLostFailure (executor 3 exited unrelated to the running tasks) Reason: Remote RPC client disassociated"
+    other = ("ExecutorLostFailure (executor 3 exited unrelated to the running tasks) "
+             "Reason: Remote RPC client disassociated")
     hint = executor_lost_hint(other, relayed=False)
     assert hint.startswith("\nAn executor was lost during the run. Restarts launch the run again after such a loss: "
                            "HorovodRunner(max_restarts=N)")  # no memory advice without exit code 137, no relay note

@@ -10,10 +10,9 @@ import sys
 import numpy
 import pytest
 import torch
+from test_sessions import HERE, result, run_script
 
 from spark_dl import HorovodRunner, LaunchRefused, RankFailed, TorchDistributor
-
-from test_sessions import HERE, result, run_script
 
 TORCHRUN_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                  "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
@@ -164,7 +163,8 @@ def test_bad_train_objects_are_refused(tmp_path):
         d.run(allreduce_rank, 1.0, threading.Lock())
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a driver without GPUs; tests/gpu covers the other case")
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="the refusal is for a driver without GPUs; tests/gpu covers the other case")
 def test_use_gpu_on_a_driver_without_gpus_is_refused():
     """When the distributor is made, as a RuntimeError too: PySpark's fallback idiom
     (except RuntimeError: use_gpu=False) works."""
@@ -186,11 +186,13 @@ def test_gpus_per_task_decide_processes_per_task_only_with_use_gpu():
     out = result(run_script("distributor"))
     on_gpus, no_gpu = out["use_gpu"], out["no_gpu"]
     assert on_gpus[0]["task_pid"] == on_gpus[1]["task_pid"]
-    assert [(r["LOCAL_RANK"], r["LOCAL_WORLD_SIZE"], r["GROUP_RANK"]) for r in on_gpus] == [("0", "2", "0"), ("1", "2", "0")]
+    assert [(r["LOCAL_RANK"], r["LOCAL_WORLD_SIZE"], r["GROUP_RANK"]) for r in on_gpus] == [
+        ("0", "2", "0"), ("1", "2", "0")]
     assert [r["SPARK_DL_CUDA_DEVICE"] for r in on_gpus] == ["0", "1"]
     assert len(set(on_gpus[0]["CUDA_VISIBLE_DEVICES"].split(","))) == 2
     assert no_gpu[0]["task_pid"] != no_gpu[1]["task_pid"]
-    assert [(r["LOCAL_RANK"], r["LOCAL_WORLD_SIZE"], r["GROUP_RANK"]) for r in no_gpu] == [("0", "1", "0"), ("0", "1", "1")]
+    assert [(r["LOCAL_RANK"], r["LOCAL_WORLD_SIZE"], r["GROUP_RANK"]) for r in no_gpu] == [
+        ("0", "1", "0"), ("0", "1", "1")]
     assert [r["CUDA_VISIBLE_DEVICES"] for r in no_gpu] == ["", ""]
     assert [r["SPARK_DL_CUDA_DEVICE"] for r in no_gpu] == [None, None]
     cores = str(max(1, len(os.sched_getaffinity(0)) // 2))

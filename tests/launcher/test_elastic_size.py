@@ -6,9 +6,9 @@ import os
 import time
 
 import pytest
+from slots import OtherJob
 
 import spark_dl
-from slots import OtherJob
 from spark_dl import HorovodRunner, LaunchRefused
 from spark_dl.driver import cluster
 

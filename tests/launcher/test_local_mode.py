@@ -20,7 +20,8 @@ def allreduce_main(scale):
     backend = spark_dl.init()
     t = torch.tensor([float(dist.get_rank() + 1)]) * scale
     dist.all_reduce(t)
-    env = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = {k: os.environ[k]
+           for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     return {"sum": t.item(), "backend": backend, "env": env, "ctx": spark_dl.get_context()}
 
 
@@ -315,7 +316,8 @@ def test_unpicklable_return_value_is_a_clear_error():
         HorovodRunner(np=-2).run(main)
     err = e.value
     assert err.summary.startswith("spark_dl.errors.ResultNotPicklable: rank ")
-    assert "'s return value (lock) cannot be pickled: cannot pickle '_thread.lock' object. Return plain data" in str(err)
+    assert ("'s return value (lock) cannot be pickled: cannot pickle '_thread.lock' object. "
+            "Return plain data") in str(err)
     assert err.remote_traceback == "" and "Traceback" not in str(err)  # its frames were spark-dl's and pickle's
     assert err.last_lines == []  # the one line the rank printed is the summary
     assert isinstance(err.__cause__, TypeError)

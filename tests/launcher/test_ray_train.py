@@ -9,13 +9,21 @@ import tempfile
 import time
 
 import pytest
-import torch
-
 import spark_dl.ray_train as train
-from spark_dl import LaunchRefused, RankFailed
-from spark_dl.ray_train import (Checkpoint, CheckpointConfig, FailureConfig, Result, RunConfig, ScalingConfig,
-                                SyncConfig, TorchTrainer)
+import torch
+from spark_dl.ray_train import (
+    Checkpoint,
+    CheckpointConfig,
+    FailureConfig,
+    Result,
+    RunConfig,
+    ScalingConfig,
+    SyncConfig,
+    TorchTrainer,
+)
 from spark_dl.ray_train.torch import TorchConfig
+
+from spark_dl import LaunchRefused, RankFailed
 
 
 def train_func(config):
@@ -39,7 +47,8 @@ def train_func(config):
             opt.zero_grad()
             loss.backward()
             opt.step()
-        if epoch == config.get("crash_at") and ctx.get_world_rank() == 1 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        if (epoch == config.get("crash_at") and ctx.get_world_rank() == 1
+                and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"):
             os._exit(3)
         with tempfile.TemporaryDirectory() as d:
             saved = None
@@ -202,7 +211,6 @@ def read_resumed():
 def test_resume_from_checkpoint_is_read_in_place_where_seen_else_fetched_from_the_driver(tmp_path, monkeypatch,
                                                                                         storage):
     import cloudpickle
-
     from spark_dl.ray_train import resume
 
     monkeypatch.setenv("SPARK_DL_RAY_STORAGE", storage)
@@ -299,7 +307,8 @@ def test_spark_dataframes_are_sharded_through_get_dataset_shard(spark, tmp_path)
                       "rows": [len(rows), sorted(rows[0])]})
 
     result = TorchTrainer(loop, train_loop_config={"batch": 5}, scaling_config=ScalingConfig(num_workers=2),
-                          datasets={"train": df, "val": held_out}, run_config=RunConfig(storage_path=str(tmp_path))).fit()
+                          datasets={"train": df, "val": held_out},
+                          run_config=RunConfig(storage_path=str(tmp_path))).fit()
     ((r0_e0, r0_e1), val0), ((r1_e0, r1_e1), val1) = result.metrics["seen"]
     assert sorted(r0_e0 + r1_e0) == sorted(r0_e1 + r1_e1) == [float(i) for i in range(24)]  # each epoch: every row once
     assert len(r0_e0) == len(r1_e0) == 12 and r0_e0 != r0_e1  # equal shares, a new shuffle per epoch
@@ -362,7 +371,8 @@ def test_elastic_num_workers_grow_at_a_reported_checkpoint_when_slots_free_up(sp
 
     with OtherJob(spark.sparkContext, flags) as other:
         other.start()  # two of local[4]'s four slots are taken: the run starts on min_workers
-        result = TorchTrainer(loop, scaling_config=ScalingConfig(num_workers=(2, 4), elastic_resize_monitor_interval_s=0.5),
+        result = TorchTrainer(loop,
+                              scaling_config=ScalingConfig(num_workers=(2, 4), elastic_resize_monitor_interval_s=0.5),
                               run_config=RunConfig(storage_path=str(tmp_path), name="grow")).fit()
     df = result.metrics_dataframe
     grown_at = int(df[df.world == 4].start.iloc[0])  # the first epoch of the grown attempt
@@ -410,7 +420,8 @@ def test_every_workers_checkpoint_files_are_merged_as_in_ray(tmp_path, capfd, mo
     result = TorchTrainer(sharded_loop, scaling_config=ScalingConfig(num_workers=2), local_mode=True,
                           run_config=RunConfig(storage_path=str(tmp_path), name="sharded",
                                                failure_config=FailureConfig(max_failures=1))).fit()
-    assert "[spark-dl] rank 1 has waited 0.5 s in train.report() for the other workers' report" in capfd.readouterr().err
+    assert ("[spark-dl] rank 1 has waited 0.5 s in train.report() for the other workers' report"
+            in capfd.readouterr().err)
     # the restarted workers got the merged checkpoint of the last report before the failure
     assert result.metrics == {"step": 3, "resumed": ["meta", "shard-0", "shard-1"]}
     kept = sorted(os.listdir(os.path.join(str(tmp_path), "sharded")))
@@ -421,7 +432,8 @@ def test_every_workers_checkpoint_files_are_merged_as_in_ray(tmp_path, capfd, mo
     assert sorted(os.listdir(merged)) == ["meta", "shard-0", "shard-1"]
     assert open(os.path.join(merged, "meta")).read() == "rank 0"  # a file every rank wrote: the lowest rank's
     assert [open(os.path.join(merged, f"shard-{r}")).read() for r in (0, 1)] == ["2", "2"]
-    assert sorted(set(kept) - set(checkpoints)) == ["spark_dl_run.json", "spark_dl_trainer.pkl"]  # no probe, none staged
+    # no probe, none staged
+    assert sorted(set(kept) - set(checkpoints)) == ["spark_dl_run.json", "spark_dl_trainer.pkl"]
 
 
 def blob_sizes(monkeypatch) -> list[int]:
@@ -491,8 +503,9 @@ def test_relative_storage_paths_are_the_drivers_on_executors_with_their_own_work
 
 
 def test_shared_storage_that_a_worker_cannot_see_is_named_before_training(tmp_path):
-    from spark_dl import HorovodRunner
     from spark_dl.ray_train.storage import Storage, agree
+
+    from spark_dl import HorovodRunner
 
     probe = Storage.prepare(str(tmp_path / "seen"), 0)  # the driver's probe, as fit() writes it
 
@@ -593,7 +606,8 @@ def test_checkpoint_metadata_travels_with_the_files(tmp_path):
         train.report({"resumed": train.get_checkpoint().get_metadata()})
 
     result = TorchTrainer(loop, local_mode=True, run_config=RunConfig(storage_path=str(tmp_path))).fit()
-    assert result.metrics["resumed"] == result.checkpoint.get_metadata() == {"epoch": 3, "note": "best", "val_loss": 0.5}
+    assert (result.metrics["resumed"] == result.checkpoint.get_metadata()
+            == {"epoch": 3, "note": "best", "val_loss": 0.5})
     with pytest.raises(TypeError, match="JSON-serialisable"):
         result.checkpoint.set_metadata({"model": torch.nn.Linear(1, 1)})
     with pytest.raises(TypeError, match="must be a dict, got list"):
@@ -613,7 +627,8 @@ def test_trainer_metadata_reaches_the_workers_and_every_reported_checkpoint(tmp_
             train.report({"metadata": train.get_context().get_metadata()}, checkpoint=checkpoint)
 
     trainer = TorchTrainer(loop, local_mode=True, scaling_config=ScalingConfig(num_workers=2),
-                           metadata={"team": "trainer's", "version": 2}, run_config=RunConfig(storage_path=str(tmp_path)))
+                           metadata={"team": "trainer's", "version": 2},
+                           run_config=RunConfig(storage_path=str(tmp_path)))
     result = trainer.fit()
     assert result.metrics["metadata"] == {"team": "trainer's", "version": 2}
     assert result.checkpoint.get_metadata() == {"team": "worker's", "version": 2}
@@ -856,9 +871,8 @@ def lightning_trainer(pl, helpers, epochs: int):
 def lightning_loop(config):
     """Ray Train's Lightning idiom; rank 1 dies in epoch 2 of the first attempt."""
     import lightning as L
-    from torch.utils.data import DataLoader, TensorDataset
-
     from spark_dl.ray_train import lightning as helpers
+    from torch.utils.data import DataLoader, TensorDataset
 
     torch.manual_seed(0)
     x = torch.randn(256, 4)
@@ -891,10 +905,9 @@ def test_lightning_with_rays_callback_resumes_after_a_restart(tmp_path):
 def pytorch_lightning_loop(config):
     """The same idiom written with ``import pytorch_lightning as pl`` where ``lightning`` is installed too."""
     import pytorch_lightning as pl
-    from torch.utils.data import DataLoader, TensorDataset
-
     from spark_dl.ray_train import lightning as for_lightning
     from spark_dl.ray_train import pytorch_lightning as helpers
+    from torch.utils.data import DataLoader, TensorDataset
 
     torch.manual_seed(0)
     x = torch.randn(128, 4)
@@ -922,7 +935,6 @@ def test_pytorch_lightning_code_uses_helpers_built_on_its_own_package(tmp_path):
 def test_prepare_trainer_refuses_a_trainer_that_would_train_alone_on_each_worker(tmp_path):
     def loop():
         import lightning as L
-
         from spark_dl.ray_train.lightning import prepare_trainer
 
         trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
@@ -948,7 +960,8 @@ def test_a_run_that_fails_for_good_keeps_its_latest_checkpoint_to_resume_from(tm
     assert kept[:2] == ["checkpoint_000000", "checkpoint_000001"]  # written as they were reported
     path = str(folder / kept[-1])
     note = "\n".join(getattr(e.value, "__notes__", []))
-    assert f"the latest reported checkpoint is kept in {path}" in note and f"TorchTrainer.restore({str(folder)!r})" in note
+    assert (f"the latest reported checkpoint is kept in {path}" in note
+            and f"TorchTrainer.restore({str(folder)!r})" in note)
     epoch = torch.load(os.path.join(path, "model.pt"))["epoch"]
     assert epoch in (1, 2)  # epoch 2's report may or may not have beaten rank 1's death
 
@@ -988,7 +1001,8 @@ def report_scored_checkpoints(config):
 ])
 def test_checkpoints_are_kept_in_storage_as_checkpoint_config_says(tmp_path, keeping, kept):
     result = TorchTrainer(report_scored_checkpoints, train_loop_config={"scores": [3, 1, 5, 2, 0]}, local_mode=True,
-                          run_config=RunConfig(name="scored", storage_path=str(tmp_path), checkpoint_config=keeping)).fit()
+                          run_config=RunConfig(name="scored", storage_path=str(tmp_path),
+                                               checkpoint_config=keeping)).fit()
     on_disk = sorted(d for d in os.listdir(tmp_path / "scored") if d.startswith("checkpoint_"))
     assert on_disk == [f"checkpoint_{i:06d}" for i in kept]
     assert [m["i"] for _, m in result.best_checkpoints] == kept

@@ -15,12 +15,12 @@ import time
 import cloudpickle
 import pytest
 
-from spark_dl.transport import channel
 from spark_dl.driver import cluster
 from spark_dl.driver.checkpoint_store import CheckpointStore
 from spark_dl.driver.monitor import JobMonitor
 from spark_dl.errors import LaunchRefused, RankFailed
 from spark_dl.task.relay import CHUNK_BYTES, Relay, replay
+from spark_dl.transport import channel
 
 SECRET = b"s" * 32
 

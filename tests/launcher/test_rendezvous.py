@@ -9,10 +9,10 @@ import time
 import cloudpickle
 import psutil
 
-from spark_dl.transport import channel
 from spark_dl.driver.monitor import JobMonitor
-from spark_dl.task.layout import TaskInfo, compute_layout
 from spark_dl.task.barrier import JobSpec, run_task
+from spark_dl.task.layout import TaskInfo, compute_layout
+from spark_dl.transport import channel
 
 
 def _monitor(num_tasks: int) -> tuple[JobMonitor, channel.ControlServer, bytes]:

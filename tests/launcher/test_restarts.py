@@ -179,7 +179,8 @@ def test_a_gpu_saved_checkpoint_loads_on_a_rank_without_a_gpu():
 @pytest.mark.parametrize("bad", [5, ["cpu"]])
 def test_a_bad_map_location_is_refused_naming_what_it_takes(bad):
     with pytest.raises(TypeError, match=r"map_location must be None \(each rank's own device\), a device such as "
-                                        r"'cpu', a dict .* or a function \(storage, location\), as torch.load takes; got"):
+                                        r"'cpu', a dict .* or a function \(storage, location\), "
+                                        r"as torch.load takes; got"):
         spark_dl.load_checkpoint(map_location=bad)
 
 
@@ -249,8 +250,8 @@ def test_a_restart_that_cannot_be_launched_fails_with_the_first_error_as_cause(s
 def test_the_driver_keeps_only_rank_0s_checkpoint_and_a_failed_write_keeps_the_last_one():
     import socket
 
-    from spark_dl.transport.channel import Connection
     from spark_dl.driver.checkpoint_store import CheckpointStore
+    from spark_dl.transport.channel import Connection
 
     a, b = socket.socketpair()
     driver_end, rank_end = Connection(a, b"k" * 32, "rank"), Connection(b, b"k" * 32, "driver")
@@ -261,8 +262,10 @@ def test_the_driver_keeps_only_rank_0s_checkpoint_and_a_failed_write_keeps_the_l
         store.handle(driver_end, 0, "checkpoint/save", {"id": 2, "blob": b"state-1", "step": 3})
         assert rank_end.recv() == ("reply", {"id": 2})
         store.handle(driver_end, 1, "checkpoint/save", {"id": 3, "blob": b"other", "step": 4})
-        assert rank_end.recv() == ("reply", {"id": 3, "error": "ValueError: rank 1 sent a checkpoint; only rank 0's are kept"})
-        store.handle(driver_end, 0, "checkpoint/save", {"id": 4, "blob": 12345, "step": 5})  # not bytes: the write fails
+        assert rank_end.recv() == (
+            "reply", {"id": 3, "error": "ValueError: rank 1 sent a checkpoint; only rank 0's are kept"})
+        # not bytes: the write fails
+        store.handle(driver_end, 0, "checkpoint/save", {"id": 4, "blob": 12345, "step": 5})
         assert "error" in rank_end.recv()[1]
         store.handle(driver_end, 0, "checkpoint/drop", {"id": 5})
         assert rank_end.recv() == ("reply", {"id": 5, "error": "ValueError: unknown request 'checkpoint/drop'"})
@@ -341,7 +344,8 @@ def test_a_truncated_checkpoint_fails_the_rank_that_loads_it(tmp_path):
     HorovodRunner(np=-1, checkpoint_dir=d).run(resumable, steps=5, fail_rank=-1)
     data = (d / "latest.ckpt").read_bytes()
     (d / "latest.ckpt").write_bytes(data[:-10])
-    with pytest.raises(RankFailed, match=r"the driver could not read the checkpoint: ValueError: .*latest.ckpt is truncated"):
+    with pytest.raises(RankFailed,
+                       match=r"the driver could not read the checkpoint: ValueError: .*latest.ckpt is truncated"):
         HorovodRunner(np=-1, checkpoint_dir=d).run(resumable, steps=5, fail_rank=-1)
 
 

@@ -96,7 +96,8 @@ def test_what_a_script_defines_pickles_by_reference_as_under_python(tmp_path):
 def test_script_arguments_that_are_not_text_are_refused(tmp_path):
     script = tmp_path / "argv.py"
     script.write_text("import sys\nprint(sys.argv)\n")
-    with pytest.raises(LaunchRefused, match=r"each must be a str \(or os.PathLike\); got list \['--lr', '1'\]: unpack it"):
+    with pytest.raises(LaunchRefused,
+                       match=r"each must be a str \(or os.PathLike\); got list \['--lr', '1'\]: unpack it"):
         HorovodRunner(np=-2).run_script(str(script), ["--lr", "1"])
     with pytest.raises(LaunchRefused, match=r"got int 1: pass its text, e.g. '1'"):
         HorovodRunner(np=-2).run_script(script, "--lr", 1)
@@ -131,7 +132,8 @@ for epoch in range(state["epoch"] + 1, 4):
     dist.barrier()  # rank 0's checkpoint of this epoch is stored before anyone fails
     if epoch == 1 and spark_dl.get_context().attempt == 0 and dist.get_rank() == 1:
         sys.exit(5)
-    with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}-attempt{spark_dl.get_context().attempt}-epoch{epoch}"), "w"):
+    with open(os.path.join(sys.argv[1],
+                           f"rank{dist.get_rank()}-attempt{spark_dl.get_context().attempt}-epoch{epoch}"), "w"):
         pass
 """
 

@@ -10,10 +10,10 @@ import pickle
 import pytest
 
 from spark_dl import HorovodRunner, load_checkpoint, save_checkpoint
-from spark_dl.transport import channel
 from spark_dl.driver.checkpoint_store import CheckpointStore
 from spark_dl.driver.monitor import JobMonitor
 from spark_dl.task.relay import Relay, replay
+from spark_dl.transport import channel
 
 
 def resumes_own_shard(crash_rank, crash_before_epoch_saved):

@@ -226,6 +226,7 @@ def test_deferred_residual_survives_pickling_switching_paths_and_reshapes(kind, 
 def test_a_checkpoint_from_before_deferred_residuals_loads_and_goes_on(kind, torch_path):
     """Pickles written when these compressors kept a plain Residuals still load and continue."""
     import pickle
+
     from spark_dl.compression.memory import Residuals
 
     make, make_ref, _ = DEFERRED[kind]
@@ -343,8 +344,11 @@ def test_qsgd_layout_norms_and_decode_match_torch(n, levels, bucket, path, torch
 
 def test_qsgd_is_unbiased_and_reproducible():
     g = rand(64)
-    draws = lambda seed: torch.stack([C.QSGD(7, None, seed=seed).decompress(C.QSGD(7, None, seed=seed).compress(g))
-                                      for _ in range(1)])
+
+    def draws(seed):
+        return torch.stack([C.QSGD(7, None, seed=seed).decompress(C.QSGD(7, None, seed=seed).compress(g))
+                            for _ in range(1)])
+
     assert torch.equal(draws(3), draws(3)) and not torch.equal(draws(3), draws(4))
     s = 2
     c = C.QSGD(levels=s, bucket_size=None, seed=5)
@@ -884,8 +888,11 @@ def test_powersgd_pending_residual_of_a_reshaped_tensor_is_dropped_as_on_the_tor
     fast, ref = C.PowerSGD(rank=2, start_iter=0), C.PowerSGD(rank=2, start_iter=0)
     fast.round_layers(g1, [(12, 10)], "w", lambda t: (lambda: None))
     a = fast.round_layers(g2, [(10, 12)], "w", lambda t: (lambda: None))
-    ref_rounds = lambda: [ref.round_layers(g, [s], "w", lambda t: (lambda: None)) for g, s in
-                          [(g1, (12, 10)), (g2, (10, 12))]]
+
+    def ref_rounds():
+        return [ref.round_layers(g, [s], "w", lambda t: (lambda: None)) for g, s in
+                [(g1, (12, 10)), (g2, (10, 12))]]
+
     b = torch_path(ref_rounds)[1]
     assert (a - b).abs().max() <= 1e-4 * b.abs().max()
 

@@ -13,8 +13,8 @@ import pyspark
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNNER = str(ROOT / "runners" / "run_script.py")
-OPTIONS = ("--np", "--env", "--nodes", "--max-restarts", "--run-timeout", "--start-timeout", "--checkpoint-dir", "--quiet",
-           "--no-tracking", "--master")
+OPTIONS = ("--np", "--env", "--nodes", "--max-restarts", "--run-timeout", "--start-timeout", "--checkpoint-dir",
+           "--quiet", "--no-tracking", "--master")
 
 TRAIN = """
 import argparse, os

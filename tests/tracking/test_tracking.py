@@ -102,7 +102,8 @@ def test_1000_steps_reach_a_tracking_server_in_order(server_uri, spark_cluster):
 
 def test_failed_rank_keeps_its_metrics_and_fails_the_run(tracking_uri):
     with pytest.raises(RankFailed, match="bad batch at step 30"):
-        HorovodRunner(np=-2, tracking=Tracking(all_ranks=True), progress=False).run(train, steps=100, lr=0.1, fail_at=30)
+        HorovodRunner(np=-2, tracking=Tracking(all_ranks=True),
+                      progress=False).run(train, steps=100, lr=0.1, fail_at=30)
     run = _only_run()
     assert run.info.status == "FAILED"
     assert "bad batch at step 30" in run.data.tags["spark_dl.error"]
@@ -331,7 +332,8 @@ def test_params_that_cannot_be_pickled_and_metrics_that_are_not_numbers(tracking
     errors = HorovodRunner(np=-2, progress=False).run(odd_values_main)
     assert "log_metrics: the value of 'loss' is a NoneType, not one number" in errors[0]
     assert "the value of 'loss' is a Tensor of shape (3,), not one number" in errors[1]
-    assert "the value of 'loss' is a str" in errors[2] and "log_metrics takes a dict {name: number}, got list" in errors[3]
+    assert ("the value of 'loss' is a str" in errors[2]
+            and "log_metrics takes a dict {name: number}, got list" in errors[3])
     assert "step must be an int, got 'abc'" in errors[4] and "step must be an int, got 1.7" in errors[5]
     run = _only_run()
     assert run.info.status == "FINISHED"
@@ -465,10 +467,10 @@ def test_a_run_short_enough_for_one_batch_still_has_its_speed(tracking_uri):
 
 
 def compressed_train(steps):
+    import spark_dl.horovod as hvd
     import torch
 
     import spark_dl
-    import spark_dl.horovod as hvd
     from spark_dl.compression import QSGD
 
     hvd.init()
@@ -521,9 +523,8 @@ def test_ray_train_reports_are_metrics_and_the_config_params(tracking_uri):
 def lightning_train(lr):
     import lightning as L
     import torch
-    from torch.utils.data import DataLoader, TensorDataset
-
     from spark_dl.tracking.lightning import SparkDLLogger
+    from torch.utils.data import DataLoader, TensorDataset
 
     class Net(L.LightningModule):
         def __init__(self, lr, hidden=4):
@@ -617,7 +618,8 @@ def test_log_model_refuses_a_bad_name_and_a_module_it_cannot_copy_or_pickle_at_t
                                 "or remove the attribute that cannot be copied"), errors[5]
     # copied, but not picklable: it was lost on the background sender thread with a traceback on stderr
     assert errors[6].startswith("log_model could not pickle the module Linear to send it to the driver (TypeError: "
-                                "cannot pickle 'weakref.ReferenceType' object). Log its state_dict() instead"), errors[6]
+                                "cannot pickle 'weakref.ReferenceType' object). "
+                                "Log its state_dict() instead"), errors[6]
     run = _only_run()
     assert run.info.status == "FINISHED"
     assert {a.path for a in MlflowClient().list_artifacts(run.info.run_id)} >= {"locked_weights", "models"}
@@ -772,7 +774,8 @@ def test_params_over_mlflows_limit_are_cut_visibly_with_one_warning_per_key(trac
     for key, length in (("notes", 7000), ("prompt", 9000)):
         mark = f"...[cut from {length} chars]"
         assert len(p[key]) == 6000 and p[key] == key[0] * (6000 - len(mark)) + mark
-        said = [str(w.message) for w in caught if issubclass(w.category, TrackingWarning) and f"'{key}'" in str(w.message)]
+        said = [str(w.message) for w in caught
+                if issubclass(w.category, TrackingWarning) and f"'{key}'" in str(w.message)]
         assert said == [f"param '{key}' is {length} characters, more than MLflow's limit of 6000: it was logged cut, "
                         f"ending '{mark}'. Log long text as an artifact instead, e.g. spark_dl.tracking."
                         f"log_artifact_bytes(text.encode(), '{key}.txt') or mlflow.log_text(text, '{key}.txt') on "

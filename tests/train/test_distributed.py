@@ -14,12 +14,12 @@ STEPS = 16
 def train_with_recipe(recipe_args, steps):
     import hashlib
 
+    import spark_dl.horovod as hvd
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import spark_dl.horovod as hvd
     from spark_dl.train import LARS, LargeBatchRecipe
 
     hvd.init()

@@ -179,7 +179,8 @@ class TorchEstimator(Estimator, MLWritable, MLReadable):
         as the constructor checks them. Returns self."""
         unknown = [name for name in values if name not in _SETTINGS]
         if unknown:
-            raise LaunchRefused(f"TorchEstimator has no setting {unknown[0]!r}; its settings are {', '.join(_SETTINGS)} "
+            raise LaunchRefused(f"TorchEstimator has no setting {unknown[0]!r}; "
+                                f"its settings are {', '.join(_SETTINGS)} "
                                 "(HorovodRunner's options are constructor arguments)")
         s = checked_settings({**self._values(), **values}, self.runner_options)
         return self._set(**{name: getattr(s, name) for name in values})
@@ -248,7 +249,8 @@ class TorchEstimator(Estimator, MLWritable, MLReadable):
             raise LaunchRefused(f"dataset_idx must be the int prepare_data yields (or None), got {dataset_idx!r}")
         train_path, val_path = s.store.get_train_data_path(dataset_idx), s.store.get_val_data_path(dataset_idx)
         if not s.store.exists(train_path):
-            raise LaunchRefused(f"fit_on_parquet(dataset_idx={dataset_idx!r}): no staged training data at {train_path}; "
+            raise LaunchRefused(f"fit_on_parquet(dataset_idx={dataset_idx!r}): "
+                                f"no staged training data at {train_path}; "
                                 "stage it first: with prepare_data(num_proc, store, df, label_columns=..., "
                                 "feature_columns=...) as idx: est.fit_on_parquet(dataset_idx=idx)")
         staged_val = s.store.exists(val_path)

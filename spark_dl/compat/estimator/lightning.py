@@ -102,7 +102,6 @@ def fit_lightning_on_each_rank(data, validation, model, feature_cols, label_cols
     import torch
 
     import spark_dl
-
     from spark_dl.rank.context import scratch_dir
 
     spark_dl.init()

@@ -150,7 +150,8 @@ class TorchModel(Model, MLWritable, MLReadable):
             return [col]
         if isinstance(col, (list, tuple)):
             if len(col) != len(widths) or not all(isinstance(c, str) and c for c in col):
-                raise LaunchRefused(f"the model returns {len(widths)} outputs: prediction_col must name each, got {col!r}")
+                raise LaunchRefused(f"the model returns {len(widths)} outputs: "
+                                    f"prediction_col must name each, got {col!r}")
             return list(col)
         if len(self.label_cols) == len(widths):
             return [f"{col}_{label}" for label in self.label_cols]

@@ -155,7 +155,8 @@ def _store(store: Any, run_id: Any, runner_options: dict[str, Any]) -> tuple[Any
                                 "(or checkpoint_dir= alone)")
         return None, None
     if "checkpoint_dir" in runner_options:
-        raise LaunchRefused("pass store= (its runs/<run_id>/checkpoint keeps the checkpoints) or checkpoint_dir=, not both")
+        raise LaunchRefused("pass store= (its runs/<run_id>/checkpoint keeps the checkpoints) "
+                            "or checkpoint_dir=, not both")
     if not isinstance(store, Store):
         if not isinstance(store, (str, os.PathLike)):
             raise LaunchRefused(f"store must be a Store (horovod.spark.common.store.Store.create(path)) or a path, "

@@ -51,7 +51,8 @@ def _names_class(name: str, cls: type) -> bool:
         return False
 
 
-_MODEL_PART = 64 << 20  # a pickled module or settings is saved in rows of at most this many bytes (Spark's 2 GB row limit)
+# a pickled module or settings is saved in rows of at most this many bytes (Spark's 2 GB row limit)
+_MODEL_PART = 64 << 20
 
 
 def _save_blob(spark, blob: bytes, path: str, mode: str | None = None) -> None:

@@ -138,7 +138,6 @@ def fit_on_each_rank(data, validation, model, optimizer, loss: Losses, feature_c
     import torch.distributed as dist
 
     import spark_dl
-
     from spark_dl.compat.estimator import callbacks as cbs
     from spark_dl.rank.prepare import prepare_model
 

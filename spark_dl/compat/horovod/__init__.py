@@ -4,6 +4,7 @@
 Collectives are matched across ranks by call order (not by ``name``); see docs/guide/horovod.md
 for what differs from Horovod.
 """
+from spark_dl.compat.horovod import elastic
 from spark_dl.compat.horovod.basics import (
     Adasum,
     Average,
@@ -51,7 +52,13 @@ from spark_dl.compat.horovod.exchange import (
     reducescatter_async,
     sparse_allreduce_async,
 )
-from spark_dl.compat.horovod.functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from spark_dl.compat.horovod.functions import (
+    allgather_object,
+    broadcast_object,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+)
+from spark_dl.compat.horovod.joining import join
 from spark_dl.compat.horovod.ops import (
     allgather,
     allgather_async,
@@ -67,10 +74,8 @@ from spark_dl.compat.horovod.ops import (
     poll,
     synchronize,
 )
-from spark_dl.compat.horovod import elastic
-from spark_dl.compat.horovod.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
-from spark_dl.compat.horovod.joining import join
 from spark_dl.compat.horovod.optimizer import DistributedOptimizer
+from spark_dl.compat.horovod.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from spark_dl.compat.horovod.sync_batch_norm import SyncBatchNorm
 from spark_dl.rank.context import log_to_driver  # Databricks' sparkdl.horovod.log_to_driver, under the same import
 

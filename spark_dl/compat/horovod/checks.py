@@ -30,9 +30,9 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from spark_dl.rank.tensors import comm_device
-from spark_dl.compat.horovod.process_sets import ProcessSet, group_of
 from spark_dl import protocol
+from spark_dl.compat.horovod.process_sets import ProcessSet, group_of
+from spark_dl.rank.tensors import comm_device
 
 SHAPES = "shape and dtype"
 ALL_SHAPES = "shapes and dtypes"  # of a list of tensors

@@ -261,7 +261,8 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
         if not isinstance(state, State):
-            raise TypeError(f"hvd.elastic.run: the first argument must be an hvd.elastic State, got {type(state).__name__}")
+            raise TypeError("hvd.elastic.run: the first argument must be an hvd.elastic State, "
+                            f"got {type(state).__name__}")
         saved = checkpoint.load_checkpoint() if context.in_rank_process() else None
         resumed = isinstance(saved, dict) and _KEY in saved
         if resumed:

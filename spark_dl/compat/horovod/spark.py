@@ -11,9 +11,9 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Iterable, Mapping, TextIO
 
+from spark_dl import HorovodRunner, protocol
 from spark_dl.driver import cluster
 from spark_dl.errors import LaunchRefused, as_int, env_number
-from spark_dl import HorovodRunner, protocol
 
 DEFAULT_START_TIMEOUT_S = 600.0  # Horovod's, unless HOROVOD_SPARK_START_TIMEOUT says otherwise
 DEFAULT_RESET_LIMIT = 3  # Horovod's reset_limit=None means no limit; a deterministic bug would loop forever
@@ -99,7 +99,8 @@ def run_elastic(
     limit = DEFAULT_RESET_LIMIT if reset_limit is None else reset_limit
     runner = _runner(high, start_timeout if elastic_timeout is None else elastic_timeout, None, None, env,
                      stdout, stderr, nics, prefix_output_with_timestamp, None, max_restarts=limit,
-                     min_np=low if low < high else None, grow_interval=RUN_ELASTIC_GROW_INTERVAL_S if low < high else None)
+                     min_np=low if low < high else None,
+                     grow_interval=RUN_ELASTIC_GROW_INTERVAL_S if low < high else None)
     return runner.run_all(fn, *pos, **kw)
 
 

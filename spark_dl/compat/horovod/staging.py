@@ -52,8 +52,8 @@ def prepare_data(num_processes: int, store: Any, df: Any, label_columns: Sequenc
     """Stage ``df``'s ``feature_columns + label_columns`` (and ``sample_weight_col``) as Parquet in
     ``store``, held-out rows apart (``validation``: a fraction, split with ``seed``, or a column of
     booleans); yield the data set's index for ``estimator.fit_on_parquet(dataset_idx=...)``."""
-    from spark_dl.driver.shards import check_dataframe, quoted
     from spark_dl.compat.horovod.store import Store
+    from spark_dl.driver.shards import check_dataframe, quoted
 
     check_dataframe(df, "prepare_data(df)")
     if not isinstance(store, Store):

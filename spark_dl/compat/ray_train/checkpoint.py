@@ -56,7 +56,8 @@ class Checkpoint:
         try:
             text = json.dumps(dict(metadata))
         except (TypeError, ValueError) as e:
-            raise TypeError(f"Checkpoint metadata must be JSON-serialisable (numbers, strings, lists, dicts): {e}") from e
+            raise TypeError("Checkpoint metadata must be JSON-serialisable (numbers, strings, lists, dicts): "
+                            f"{e}") from e
         with open(os.path.join(self.path, self._METADATA), "w") as f:
             f.write(text)
 

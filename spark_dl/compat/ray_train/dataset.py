@@ -30,9 +30,9 @@ class DataShard:
             raise ValueError("iter_torch_batches: collate_fn and dtypes cannot be combined (as in Ray): cast in "
                              "collate_fn")
         if local_shuffle_buffer_size is not None or local_shuffle_seed is not None:
-            raise ValueError("iter_torch_batches: local_shuffle_buffer_size/local_shuffle_seed are not supported: every "
-                             "epoch already shuffles the whole DataFrame across workers (shards(df, shuffle=True), the "
-                             "default; seed=... fixes it)")
+            raise ValueError("iter_torch_batches: local_shuffle_buffer_size/local_shuffle_seed are not supported: "
+                             "every epoch already shuffles the whole DataFrame across workers "
+                             "(shards(df, shuffle=True), the default; seed=... fixes it)")
         if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
                                        or batch_size < 1):
             raise ValueError(f"iter_torch_batches: batch_size must be an int >= 1 or None (all rows in one batch), "

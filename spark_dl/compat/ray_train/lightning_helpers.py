@@ -12,9 +12,9 @@ from typing import Any, Callable
 import torch
 
 from spark_dl import get_device
-from spark_dl.rank.context import scratch_dir
 from spark_dl.compat.ray_train.checkpoint import Checkpoint
 from spark_dl.compat.ray_train.session import get_context, report
+from spark_dl.rank.context import scratch_dir
 
 
 def build(pl: ModuleType, module: str) -> tuple[type, type, type, Callable]:

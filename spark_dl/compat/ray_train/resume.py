@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from spark_dl import LaunchRefused
+from spark_dl.compat.ray_train.archive import pack, unpack
 from spark_dl.rank import context as rank_api
 from spark_dl.rank.context import scratch_dir
-from spark_dl.compat.ray_train.archive import pack, unpack
 
 REQUEST = "request/ray_train_resume"
 CHUNK_BYTES = 32 << 20  # one reply: bounds what a fetch holds in memory on either side

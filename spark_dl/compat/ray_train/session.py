@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
 from spark_dl import log_metrics, save_checkpoint
-from spark_dl.rank.context import scratch_dir
 from spark_dl.compat.ray_train.checkpoint import Checkpoint, pack_checkpoint, unpack_checkpoint
 from spark_dl.compat.ray_train.dataset import DataShard
 from spark_dl.compat.ray_train.record import flatten
 from spark_dl.compat.ray_train.resume import Resume, fetched_directory
 from spark_dl.compat.ray_train.storage import Storage, publish, stage
+from spark_dl.rank.context import scratch_dir
 
 # a worker waiting this long in report() says why it may be stuck (get_checkpoint() gives up on a
 # checkpoint it cannot see after as long); read at each wait, so set it here to change it
@@ -406,9 +406,9 @@ def get_checkpoint() -> Checkpoint | None:
         deadline = time.monotonic() + REPORT_STALL_S
         while not os.path.isdir(w.checkpoint):  # on ranks other than 0, rank 0 may still be publishing it
             if time.monotonic() > deadline:
-                raise RuntimeError(f"train.get_checkpoint(): the latest checkpoint, {w.checkpoint}, is not readable on "
-                                   f"rank {get_context().world_rank} after {REPORT_STALL_S:g} s: storage_path must stay "
-                                   "mounted on every executor, and its checkpoints be left to the run")
+                raise RuntimeError(f"train.get_checkpoint(): the latest checkpoint, {w.checkpoint}, is not readable "
+                                   f"on rank {get_context().world_rank} after {REPORT_STALL_S:g} s: storage_path must "
+                                   "stay mounted on every executor, and its checkpoints be left to the run")
             time.sleep(0.05)
         return Checkpoint(w.checkpoint)
     if w.unpacked is not w.checkpoint:  # first call, or a checkpoint reported since

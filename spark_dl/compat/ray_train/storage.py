@@ -19,8 +19,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from spark_dl.errors import env_choice
 from spark_dl import protocol
+from spark_dl.errors import env_choice
 
 STORAGE_ENV = protocol.RAY_STORAGE_ENV
 STORAGE_MODES = ("auto", "shared", "driver")

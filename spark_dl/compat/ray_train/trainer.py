@@ -14,16 +14,23 @@ import uuid
 from typing import Any, Callable, Mapping
 
 from spark_dl import JobFailed, LaunchRefused, TorchDistributor, Tracking
-from spark_dl.data import DataFrameShards, shards
-from spark_dl.errors import as_int
 from spark_dl.compat.ray_train.checkpoint import Checkpoint, Result
-from spark_dl.compat.ray_train.config import (CheckpointConfig, FailureConfig, RunConfig, ScalingConfig,
-                                              check_torch_config, local_path, run_config_refusal)
+from spark_dl.compat.ray_train.config import (
+    CheckpointConfig,
+    FailureConfig,
+    RunConfig,
+    ScalingConfig,
+    check_torch_config,
+    local_path,
+    run_config_refusal,
+)
 from spark_dl.compat.ray_train.keeper import CheckpointKeeper
 from spark_dl.compat.ray_train.loop import TrainLoop
 from spark_dl.compat.ray_train.record import checkpoint_indices, latest_kept, read_record
 from spark_dl.compat.ray_train.resume import Resume, ResumeServer
 from spark_dl.compat.ray_train.storage import Storage, checkpoint_folder, storage_mode
+from spark_dl.data import DataFrameShards, shards
+from spark_dl.errors import as_int
 
 
 class TorchTrainer:
@@ -70,7 +77,8 @@ class TorchTrainer:
         keeping = self.run_config.checkpoint_config or CheckpointConfig()
         if keeping.num_to_keep is not None and (isinstance(keeping.num_to_keep, bool)
                                                 or not isinstance(keeping.num_to_keep, int) or keeping.num_to_keep < 1):
-            raise LaunchRefused(f"CheckpointConfig(num_to_keep={keeping.num_to_keep!r}): give an int >= 1, or None to keep all")
+            raise LaunchRefused(f"CheckpointConfig(num_to_keep={keeping.num_to_keep!r}): "
+                                "give an int >= 1, or None to keep all")
         if keeping.checkpoint_score_order not in ("max", "min"):
             raise LaunchRefused(f"CheckpointConfig(checkpoint_score_order={keeping.checkpoint_score_order!r}): "
                                 "'max' or 'min'")
@@ -99,7 +107,8 @@ class TorchTrainer:
                 out[name] = shards(value)
             else:
                 raise LaunchRefused(f"datasets[{name!r}] is a {type(value).__name__}; spark-dl shards Spark "
-                                    "DataFrames (ray.data Datasets: convert with ds.to_spark(spark) or load with Spark)")
+                                    "DataFrames (ray.data Datasets: convert with ds.to_spark(spark) "
+                                    "or load with Spark)")
         return out
 
     def _max_failures(self) -> int:
@@ -243,8 +252,8 @@ class TorchTrainer:
         if train_loop_config is None:
             train_loop_config = state["train_loop_config"]
         trainer = cls(train_loop_per_worker or state["train_loop_per_worker"], train_loop_config=train_loop_config,
-                      scaling_config=scaling_config or state["scaling_config"], run_config=run_config, datasets=datasets,
-                      resume_from_checkpoint=Checkpoint(latest) if latest is not None else None,
+                      scaling_config=scaling_config or state["scaling_config"], run_config=run_config,
+                      datasets=datasets, resume_from_checkpoint=Checkpoint(latest) if latest is not None else None,
                       local_mode=state["local_mode"], metadata=state.get("metadata"),
                       torch_config=state.get("torch_config"))
         trainer._restored = True

@@ -13,15 +13,14 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from spark_dl.errors import LaunchRefused
-from spark_dl.errors import TrackingWarning
+from spark_dl import protocol
+from spark_dl.errors import LaunchRefused, TrackingWarning
 from spark_dl.tracking.driver.mlflow_writer import MlflowWriter
-from spark_dl.tracking.settings import tracking_disabled_by_env
-from spark_dl.tracking.params import clean_name, cut_from, cut_warning, flatten, is_plain, param_value, redact
 from spark_dl.tracking.driver.progress import ProgressBar
 from spark_dl.tracking.driver.store_check import CheckedStore, check_store
+from spark_dl.tracking.params import clean_name, cut_from, cut_warning, flatten, is_plain, param_value, redact
+from spark_dl.tracking.settings import tracking_disabled_by_env
 from spark_dl.tracking.system import interval_s
-from spark_dl import protocol
 
 MAX_LOG_BYTES = 64 * 1024 * 1024
 # the params spark-dl logs itself (the launch's, rank 0's process group, the world's layout): a run()

@@ -9,7 +9,8 @@ from typing import Any, TextIO
 class ProgressBar:
     """Created on the first metrics from rank 0; updated from rank 0's channel thread only."""
 
-    def __init__(self, file: TextIO | None = None, total: int | None = None, samples_per_step: int | None = None) -> None:
+    def __init__(self, file: TextIO | None = None, total: int | None = None,
+                 samples_per_step: int | None = None) -> None:
         self.file = file
         self.total = total
         self.samples_per_step = samples_per_step

@@ -258,7 +258,8 @@ def _send_model(data: memoryview, meta: dict) -> None:
     for i in range(n):
         chunk = bytes(data[i * MODEL_CHUNK:(i + 1) * MODEL_CHUNK])
         rank_api.send_to_driver(
-            protocol.TRACKING_MODEL, {"id": model_id, "seq": i, "data": chunk, "last": i == n - 1, "meta": meta if i == 0 else None}
+            protocol.TRACKING_MODEL,
+            {"id": model_id, "seq": i, "data": chunk, "last": i == n - 1, "meta": meta if i == 0 else None}
         )
         if outbox is not None and n > 1:
             outbox.flush()  # one chunk in the queue at a time: metrics keep flowing between chunks

@@ -7,11 +7,11 @@ import os
 from argparse import Namespace
 from typing import Any, Mapping
 
+from spark_dl import protocol
 from spark_dl.compat.lightning_import import lightning_module
 from spark_dl.tracking.params import is_plain
 from spark_dl.tracking.rank.api import log_metrics, log_params
 from spark_dl.tracking.rank.buffer import flush_metrics
-from spark_dl import protocol
 
 Logger = lightning_module("spark_dl.tracking.lightning", "loggers").Logger
 rank_zero_only = lightning_module("spark_dl.tracking.lightning", "utilities").rank_zero_only
