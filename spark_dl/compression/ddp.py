@@ -27,6 +27,7 @@ then reduced through the rebuilt buckets' state they were reduced through before
 (the same collectives in the same order: training resumes as if uninterrupted), and the rebuilt
 buckets find their state again by their layout.
 """
+import atexit
 import contextlib
 import hashlib
 import queue
@@ -82,6 +83,7 @@ class _Worker:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="spark-dl-ddp-hook", daemon=True)
         self._thread.start()
+        _LIVE.add(self)  # released by close(), never by the thread itself (see _LIVE)
 
     def submit(self, work: Callable[[Any], torch.Tensor], device: torch.device) -> torch.futures.Future:
         """Queue ``work(group)``; call it on the thread (and CUDA stream) that produced the bucket."""
@@ -96,6 +98,17 @@ class _Worker:
     def stop(self) -> None:
         """End the thread once what is queued is done (the hook state it served is gone)."""
         self._queue.put(None)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """End the thread, wait for it, then let go of the worker and its process group here."""
+        self.stop()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        if not self._thread.is_alive():
+            _LIVE.discard(self)
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def _run(self) -> None:
         while True:
@@ -135,12 +148,37 @@ class _Worker:
             fut.set_exception(e)
 
 
+# Every worker whose thread may still run. A process group's destructor releases the GIL; run on
+# a daemon thread that the interpreter's finalization has begun to stop (the torchrun idiom:
+# destroy_process_group() at the end of main(), so the worker holds the last reference to its
+# group), taking the GIL back exits the thread mid-destructor and aborts the process ("terminate
+# called without an active exception"). So the thread never holds the last reference: this set
+# does, and lets go in close(), on another thread, once the thread has ended.
+_LIVE: set[_Worker] = set()
+
+
+def _reap() -> None:
+    """Let go of the workers whose threads have ended (their hook states were collected)."""
+    for worker in list(_LIVE):
+        if not worker.alive():
+            worker.close()
+
+
+@atexit.register
+def _close_workers() -> None:
+    # atexit runs on the main thread while the interpreter still works: every thread ends and its
+    # process group is freed here, not during finalization
+    for worker in list(_LIVE):
+        worker.close()
+
+
 def _worker(state: DDPHookState) -> _Worker | None:
     """The state's worker, started (with its process group) at the first bucket; None where
     buckets are reduced in the hook."""
     if state.worker is None and state.overlap and state.process_group is None \
             and dist.is_initialized() and dist.get_world_size() > 1:
         # every rank gets here at its first bucket, so the group is created on all of them alike
+        _reap()
         state.worker = _Worker(dist.new_group(backend=dist.get_backend()))
         weakref.finalize(state, state.worker.stop)  # a DDP model per trial must not pile up threads
     return state.worker

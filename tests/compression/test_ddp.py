@@ -336,3 +336,48 @@ def test_overlap_with_unused_parameters_and_buffers_keeps_the_ranks_in_step():
     (a, worker_a), (b, worker_b) = HorovodRunner(np=-2).run_all(unused_parameters_main)
     assert worker_a and worker_b
     assert all(torch.equal(p, q) for p, q in zip(a, b))
+
+
+TORCHRUN_IDIOM = """
+import sys, torch, torch.distributed as dist
+import spark_dl.compression as C
+
+def main():
+    dist.init_process_group("gloo")
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    model = torch.nn.parallel.DistributedDataParallel(net)
+    state, hook = C.make_ddp_hook(C.PowerSGD(), overlap=True)
+    model.register_comm_hook(state, hook)
+    for _ in range(3):
+        model(torch.randn(16, 64)).sum().backward()
+    dist.destroy_process_group()  # the hook state lives on: in a global below, or until main returns
+    return model
+
+kept = main() if sys.argv[1] == "global" else None
+if sys.argv[1] == "local":
+    main()
+print("returned", flush=True)
+"""
+
+
+@pytest.mark.parametrize("model", ["local", "global"])
+def test_an_overlap_hook_outliving_destroy_process_group_exits_cleanly(model, tmp_path):
+    # torchrun's idiom: destroy the process groups at the end of main(), the hook state freed after
+    # (or never, in a global): every rank exits 0, repeatedly (the abort came at random)
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(TORCHRUN_IDIOM)
+    for _ in range(4):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+        procs = [subprocess.Popen([sys.executable, str(script), model], env={**env, "RANK": str(r)},
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+        outs = [p.communicate(timeout=120) for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+        assert all(o[0].strip() == "returned" for o in outs)
