@@ -21,6 +21,8 @@ RENDEZVOUS = "rendezvous"
 TASKS = "tasks"
 # driver -> task, task -> rank: stop now (another rank failed, Ctrl-C, a time-out)
 ABORT = "abort"
+# task -> driver and driver -> task, every silence bound / 6: the other side is alive
+HEARTBEAT = "heartbeat"
 # task -> driver: [(rank, stream, line), ...], the ranks' stdout/stderr lines
 LOG = "log"
 # task -> driver: [{"rank", "host", "local_rank"}, ...] of the ranks it started
@@ -97,6 +99,7 @@ MESSAGES: dict[str, tuple[str, str]] = {
     RENDEZVOUS: ("task", "TaskInfo as a dict"),
     TASKS: ("driver", "list of TaskInfo dicts"),
     ABORT: ("driver, task", "None"),
+    HEARTBEAT: ("driver, task", "None"),
     LOG: ("task", "list of (rank, stream, line)"),
     LAYOUT: ("task", "list of {rank, host, local_rank}"),
     EXIT: ("task", "exit status dict"),
@@ -137,6 +140,9 @@ JOB_ENV = (JOB_ID_ENV, ATTEMPT_ENV, CUDA_DEVICE_ENV, SCRATCH_ENV, TASK_PID_ENV, 
 RESERVED_ENV = frozenset(RANK_ENV) | frozenset(TORCHELASTIC_ENV) | frozenset(JOB_ENV)
 
 # -- environment variables: a user's settings, read where they apply -------------------------------
+# seconds without a word from a task before the driver fails the attempt naming its host (and without
+# one from the driver before a task stops its ranks); 0 turns the bound off
+SILENCE_ENV = "SPARK_DL_SILENCE_TIMEOUT"
 CHANNEL_ENV = "SPARK_DL_CHANNEL"  # "relay": a Spark Connect client the executors cannot reach
 TRACKING_ENV = "SPARK_DL_TRACKING"  # "0": no MLflow tracking
 SYSTEM_METRICS_ENV = "SPARK_DL_SYSTEM_METRICS_INTERVAL"

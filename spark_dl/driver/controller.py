@@ -21,7 +21,7 @@ from spark_dl.driver.launchers import Launcher, make_launcher
 from spark_dl.driver.monitor import ABORT_GRACE_S, Failure, JobMonitor, Observer, notify, run_timeout_message
 from spark_dl.driver.shards import ShardSet
 from spark_dl.driver.spark_errors import spark_error_summary
-from spark_dl.errors import JobFailed, LaunchRefused
+from spark_dl.errors import JobFailed, LaunchRefused, env_number
 from spark_dl.task.barrier import JobSpec
 from spark_dl.tracking.driver.observer import TrackingObserver, make_observer
 from spark_dl.transport import channel
@@ -206,14 +206,22 @@ class Controller:
             relay_checkpoint=relayed,
             relay_observers=relay_observers,
             run_timeout=r.run_timeout if launcher.relay else None,
+            # a relay answers the tasks in the driver's place, and sends no heartbeats
+            silence_timeout=0.0 if launcher.relay else silence_timeout(),
         )
+        beating = threading.Event()
+        if spec.silence_timeout > 0:
+            threading.Thread(target=heartbeat, args=(server, spec.silence_timeout / 6, beating),
+                             name="spark-dl-heartbeat", daemon=True).start()
         try:
             launcher.start(spec, monitor)
-            self.wait(monitor, launcher)
+            self.wait(monitor, launcher, spec.silence_timeout)
         except BaseException as e:  # Ctrl-C, or a failure on the driver itself: stop every rank first
             monitor.fail(Failure(None, driver_failure(e)))
             self.finish(monitor, launcher, server)
             raise
+        finally:
+            beating.set()
         return monitor, self.finish(monitor, launcher, server)
 
     def relaunch(
@@ -283,7 +291,7 @@ class Controller:
             return Succeeded() if monitor.succeeded() else Grow(f.grow_to)
         return Failed(monitor.error())
 
-    def wait(self, monitor: JobMonitor, launcher: Launcher) -> None:
+    def wait(self, monitor: JobMonitor, launcher: Launcher, silence: float = 0.0) -> None:
         r = self.runner
         started = time.monotonic()
         grows = r.grow_interval is not None and launcher.world_size < r.np
@@ -294,6 +302,10 @@ class Controller:
                 self.look_for_slots(monitor, launcher)
             if monitor.all_exited() and launcher.finished():
                 monitor.settle()  # every rank is gone: a failure held for its root cause is final
+                return
+            silent = monitor.silent_task(silence) if silence > 0 else None
+            if silent is not None:
+                monitor.fail(silent)
                 return
             launcher_error = launcher.error()
             if launcher_error is not None:
@@ -321,6 +333,26 @@ class Controller:
             sys.stderr.write(f"[spark-dl] task slots for {target - launcher.world_size} more ranks are free: the run "
                              f"grows to {target} ranks at rank 0's next checkpoint\n")
             sys.stderr.flush()
+
+
+SILENCE_TIMEOUT_S = 30.0
+
+
+def silence_timeout() -> float:
+    """How long a task may stay silent before the attempt fails naming its host (``SPARK_DL_SILENCE_TIMEOUT``,
+    seconds; 0 turns the bound off)."""
+    return env_number(protocol.SILENCE_ENV, SILENCE_TIMEOUT_S, unit=" seconds")
+
+
+def heartbeat(server: channel.ControlServer, interval: float, done: threading.Event) -> None:
+    """Tell every task the driver is alive, every ``interval`` seconds, until ``done``."""
+    while not done.wait(interval):
+        for conn in server.connections():
+            if conn.info.get("role") == "task":
+                try:
+                    conn.send(protocol.HEARTBEAT)
+                except OSError:
+                    pass
 
 
 def drain(monitor: JobMonitor, launcher: Launcher) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import sys
 import threading
+import time
 import weakref
 from collections import deque
 from dataclasses import dataclass
@@ -106,6 +107,8 @@ class Failure:
     summary: str
     info: dict | None = None
     grow_to: int | None = None  # not a failure: a healthy attempt stopped at a checkpoint to run on more ranks
+    # seen by the driver itself (a silent task): what the rank reports afterwards is a consequence
+    observed: bool = False
 
 
 class JobMonitor:
@@ -158,7 +161,13 @@ class JobMonitor:
         """Every task and rank that connected has closed its link, and everything it sent has
         been handled (a task closes its link after reaping its ranks)."""
         with self.lock:
-            return self.tasks_closed >= len(self.task_conns) and self.ranks_closed >= self.ranks_connected
+            silent = [c for c in self.task_conns.values() if c.info.get("silent") and not c.info.get("closed")]
+            return (self.tasks_closed + len(silent) >= len(self.task_conns)
+                    and self.ranks_closed >= self.ranks_connected - self._ranks_of(silent))
+
+    def _ranks_of(self, conns: list[Connection]) -> set[int]:
+        partitions = {c.info.get("partition") for c in conns}
+        return {r for p, ranks in self.task_ranks.items() if p in partitions for r in ranks}
 
     def all_exited(self) -> bool:
         """Every rank has exited, and the ones that succeeded have had all their messages (the
@@ -218,6 +227,9 @@ class JobMonitor:
 
     # -- control server callbacks ----------------------------------------------------------------
     def on_message(self, conn: Connection, kind: str, data: Any) -> None:
+        conn.info["heard"] = time.monotonic()
+        if kind == protocol.HEARTBEAT:
+            return
         if kind == protocol.LOG:
             for rank, stream, line in data:
                 self._line(rank, stream, line)
@@ -309,7 +321,25 @@ class JobMonitor:
             reply["error"] = f"{type(e).__name__}: {e}"
         send_reply(conn, reply)
 
+    def silent_task(self, limit: float) -> Failure | None:
+        """The failure to report for the first task not heard from for ``limit`` seconds (its host
+        down, frozen or cut off the network: no close comes then either), or None."""
+        now = time.monotonic()
+        with self.lock:
+            for partition, conn in self.task_conns.items():
+                if conn.info.get("closed") or now - conn.info.get("heard", now) <= limit:
+                    continue
+                conn.info["silent"] = True  # it will not close its link: nobody waits for that
+                ranks = [r for r in self.task_ranks.get(partition, []) if r not in self.exits]
+                why = (f"went silent: it has sent nothing for {limit:g} s (the host is down, frozen or cut off the "
+                       f"network). {protocol.SILENCE_ENV} sets this bound.")
+                if ranks:  # RankFailed says "rank R on HOST failed: ..."
+                    return Failure(ranks[0], f"its barrier task {why}", observed=True)
+                return Failure(None, f"barrier task {partition} on {conn.info.get('host', '?')} {why}", observed=True)
+        return None
+
     def on_close(self, conn: Connection, error: BaseException | None) -> None:
+        conn.info["closed"] = True
         if conn.info.get("role") == "rank":
             with self.changed:
                 self.ranks_closed.add(conn.info["rank"])
@@ -365,7 +395,7 @@ class JobMonitor:
         assert f is not None
         if f.rank is None:
             return JobFailed(f.summary)
-        info = f.info or self.errors.get(f.rank)
+        info = f.info or (None if f.observed else self.errors.get(f.rank))
         host = self.hosts.get(f.rank, "?")
         tail = list(self.tails.get(f.rank, ()))
         code = self.exits.get(f.rank, {}).get("code")

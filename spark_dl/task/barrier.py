@@ -58,6 +58,7 @@ class JobSpec:
     relay_checkpoint: tuple[bytes, int | None, tuple[int, ...] | None] | None = None
     relay_observers: tuple = ()  # observers' stand-ins that answer the ranks' requests in the relay (for_relay())
     run_timeout: float | None = None  # enforced by the relay (the driver cannot see the ranks' output)
+    silence_timeout: float = 0.0  # heartbeats both ways; this long without the driver's: stop the ranks
 
 
 # the result rows of a Spark Connect stage: each task's status; with a relay, task 0's spool too
@@ -206,10 +207,13 @@ def run_task(spec: JobSpec, partition: int, host: str, rendezvous: Callable[[Gat
     aborted = threading.Event()
     gathered: queue.Queue = queue.Queue()
 
+    heard = [time.monotonic()]  # when the driver was last heard from
+
     def watch_driver() -> None:
         try:
             while True:
                 kind, data = conn.recv()
+                heard[0] = time.monotonic()
                 if kind == protocol.TASKS:
                     gathered.put(data)
                 elif kind == protocol.ABORT:
@@ -228,8 +232,22 @@ def run_task(spec: JobSpec, partition: int, host: str, rendezvous: Callable[[Gat
         tasks = gathered.get()
         return None if tasks is None else [TaskInfo(**{**t, "gpus": tuple(t["gpus"])}) for t in tasks]
 
+    def heartbeat() -> None:
+        # a driver (or a link to it) that went silent sends no close either: after the bound, stop
+        # the ranks as a closed link would, so nothing is left running on this host
+        while not all_done.wait(spec.silence_timeout / 6):
+            sender.q.put((protocol.HEARTBEAT, None))
+            if time.monotonic() - heard[0] > spec.silence_timeout:
+                gathered.put(None)
+                aborted.set()
+                _terminate(procs)
+                conn.close()
+                return
+
     all_done = threading.Event()
     threading.Thread(target=watch_driver, name="spark-dl-task-watch", daemon=True).start()
+    if spec.silence_timeout > 0:
+        threading.Thread(target=heartbeat, name="spark-dl-task-heartbeat", daemon=True).start()
 
     def stop() -> None:
         _terminate(procs, grace=0)

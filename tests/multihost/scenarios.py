@@ -178,6 +178,69 @@ def restart(spark) -> dict:
             "seconds": time.monotonic() - started}
 
 
+def all_reduces(marker: str) -> None:
+    import os
+    import time
+
+    import torch
+
+    import spark_dl
+
+    spark_dl.init()
+    open(f"{marker}.{os.environ['RANK']}", "w").close()
+    while True:
+        torch.distributed.all_reduce(torch.ones(1000))
+        time.sleep(0.01)
+
+
+def rank_processes(worker: int) -> list[int]:
+    out = []
+    for pid in namespace_pids(CLUSTER.workers[worker].namespace):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"spark_dl.rank.main" in f.read() or b"spark_dl.task.zygote" in f.read():
+                    out.append(pid)
+        except OSError:
+            pass
+    return out
+
+
+def cut(spark) -> dict:
+    """Worker 1's link cut while its ranks are in collectives: the run fails naming a rank on that
+    host within the silence bound, and once the link is back no rank is left running there."""
+    from spark_dl import HorovodRunner, JobFailed
+
+    os.environ["SPARK_DL_SILENCE_TIMEOUT"] = "10"
+    marker = os.path.join(tempfile.mkdtemp(), "started")
+    cut_at: list[float] = []
+
+    def cut_when_started() -> None:
+        deadline = time.monotonic() + 240
+        while not all(os.path.exists(f"{marker}.{r}") for r in range(4)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.0)
+        CLUSTER.cut(1)
+        cut_at.append(time.monotonic())
+
+    threading.Thread(target=cut_when_started, daemon=True).start()
+    error = None
+    try:
+        HorovodRunner(np=4).run(all_reduces, marker)
+    except JobFailed as e:
+        error = str(e)
+    to_error = time.monotonic() - cut_at[0] if cut_at else None
+    CLUSTER.restore(1)
+    restored = time.monotonic()
+    left = rank_processes(1)
+    while left and time.monotonic() - restored < 60:
+        time.sleep(0.5)
+        left = rank_processes(1)
+    del os.environ["SPARK_DL_SILENCE_TIMEOUT"]
+    return {"error": None, "failure": error, "to_error_s": to_error, "left_on_cut_host": left,
+            "left_on_other_host": rank_processes(0), "cut_host": CLUSTER.workers[1].address,
+            "gone_after_restore_s": time.monotonic() - restored}
+
+
 def main() -> None:
     spark = CLUSTER.session(**{"spark.executor.memory": "640m", "spark.ui.enabled": "false",
                                "spark.ui.showConsoleProgress": "false"})

@@ -18,7 +18,7 @@ from spark_dl.testing import cluster
 # one fixture starts the cluster and runs every scenario: about 6 minutes on 2 cores
 pytestmark = pytest.mark.timeout(1500)
 
-SCENARIOS = ["layout", "compression", "distributor", "horovod_spark", "shards", "restart"]
+SCENARIOS = ["layout", "compression", "distributor", "horovod_spark", "shards", "restart", "cut"]
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def results(hosts):
 def scenario(results, name: str) -> dict:
     r = results["by_name"].get(name)
     assert r is not None, f"{name} did not run:\n{results['stderr'][-3000:]}"
-    assert "error" not in r, r.get("traceback", r["error"])
+    assert r.get("error") is None, r.get("traceback", r.get("error"))
     return r
 
 
@@ -117,3 +117,11 @@ def test_a_run_restarts_from_its_checkpoint_after_a_hosts_executor_is_killed(res
     assert r["attempts"] == 2
     assert r["result"] == {"resumed_from": 2, "attempt": "1"}
     assert r["failure"] is not None
+
+
+def test_a_cut_link_fails_the_run_naming_the_silent_host_and_leaves_no_rank_behind(results):
+    r = scenario(results, "cut")
+    assert r["failure"] is not None, r
+    assert f" on {r['cut_host']} failed: its barrier task went silent: it has sent nothing for 10 s" in r["failure"]
+    assert r["to_error_s"] < 10 + 15 + 10, r  # the bound (10 s here), the Spark job's cancel (up to 15 s), polling
+    assert r["left_on_cut_host"] == [] and r["left_on_other_host"] == [], r
