@@ -178,7 +178,8 @@ def _clip(text: str) -> str:
     return f"{text[:half]}\n[... {len(text) - 2 * half} characters cut by spark-dl ...]\n{text[-half:]}"
 
 
-_CALLERS = (__file__, os.path.join(os.path.dirname(os.path.dirname(__file__)), "script.py"))
+# the calls into main (or the script) are ours: rank/main.py and rank/script.py
+_CALLERS = (__file__, os.path.join(os.path.dirname(__file__), "script.py"))
 
 
 def _error_info(exc: BaseException) -> dict:

@@ -103,6 +103,7 @@ KEYS = ["onebit", "qsgd", "powersgd", "topk_ef", "qsgd_overlap", "powersgd_overl
         "randomk_ef", "randomk_ef_overlap"]
 
 
+@pytest.mark.slow  # seconds each: the full suite runs it, the fast tier does not
 @pytest.mark.parametrize("key", KEYS)
 def test_ddp_hook_trains_with_identical_params(ranks, key):
     a, b = ranks[0][key], ranks[1][key]
@@ -360,6 +361,7 @@ print("returned", flush=True)
 """
 
 
+@pytest.mark.slow  # seconds each: the full suite runs it, the fast tier does not
 @pytest.mark.parametrize("model", ["local", "global"])
 def test_an_overlap_hook_outliving_destroy_process_group_exits_cleanly(model, tmp_path):
     # torchrun's idiom: destroy the process groups at the end of main(), the hook state freed after

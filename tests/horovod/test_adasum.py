@@ -131,6 +131,7 @@ def ranks(request):
     return HorovodRunner(np=-request.param).run_all(adasum_main)
 
 
+@pytest.mark.slow  # seconds each: the full suite runs it, the fast tier does not
 def test_allreduce_is_the_tree_of_every_ranks_input(ranks):
     for o in ranks:
         assert torch.equal(o["allreduce"], o["reference"])

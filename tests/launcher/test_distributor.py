@@ -65,6 +65,7 @@ def run_comparison(timeout: float) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+@pytest.mark.slow  # seconds each: the full suite runs it, the fast tier does not
 def test_same_parameters_as_pysparks_torch_distributor():
     """The drop-in claim: a function written for PySpark's class gives the same result under ours.
 
@@ -179,6 +180,7 @@ def test_use_gpu_without_spark_gpu_scheduling_is_refused(spark):
     assert isinstance(e.value, LaunchRefused)
 
 
+@pytest.mark.slow  # seconds each: the full suite runs it, the fast tier does not
 def test_gpus_per_task_decide_processes_per_task_only_with_use_gpu():
     """4 pretend GPUs, 2 per task, one executor: use_gpu=True starts both processes in one task (one
     per GPU, seeing that task's two), use_gpu=False one per task, as PySpark does, GPUs hidden. Each

@@ -60,6 +60,7 @@ def train_func(config):
                           "name": ctx.get_experiment_name()}, checkpoint=saved)
 
 
+@pytest.mark.slow  # seconds each: the full suite runs it, the fast tier does not
 @pytest.mark.parametrize("storage", ["auto", "driver"])  # written by the workers (storage seen by all) / by the driver
 def test_a_restarted_run_resumes_from_its_last_reported_checkpoint(tmp_path, monkeypatch, storage):
     monkeypatch.setenv("SPARK_DL_RAY_STORAGE", storage)
@@ -889,6 +890,7 @@ def lightning_loop(config):
                   "environment": type(trainer.strategy.cluster_environment).__name__})
 
 
+@pytest.mark.slow  # seconds each: the full suite runs it, the fast tier does not
 def test_lightning_with_rays_callback_resumes_after_a_restart(tmp_path):
     result = TorchTrainer(lightning_loop, train_loop_config={"epochs": 5}, local_mode=True,
                           scaling_config=ScalingConfig(num_workers=2),
@@ -921,6 +923,7 @@ def pytorch_lightning_loop(config):
     train.report({"mixed": mixed, "world": trainer.world_size})
 
 
+@pytest.mark.slow  # seconds each: the full suite runs it, the fast tier does not
 def test_pytorch_lightning_code_uses_helpers_built_on_its_own_package(tmp_path):
     result = TorchTrainer(pytorch_lightning_loop, train_loop_config={"epochs": 2}, local_mode=True,
                           scaling_config=ScalingConfig(num_workers=2),
@@ -949,6 +952,7 @@ def test_prepare_trainer_refuses_a_trainer_that_would_train_alone_on_each_worker
     assert "strategy=RayDDPStrategy()" in result.metrics["error"]
 
 
+@pytest.mark.slow  # seconds each: the full suite runs it, the fast tier does not
 def test_a_run_that_fails_for_good_keeps_its_latest_checkpoint_to_resume_from(tmp_path):
     config = {"lr": 0.05, "epochs": 4, "crash_at": 2}
     run = RunConfig(name="failing", storage_path=str(tmp_path))

@@ -484,6 +484,7 @@ def hangs_on_first_attempt(pid_dir):
     time.sleep(120)
 
 
+@pytest.mark.slow  # seconds each: the full suite runs it, the fast tier does not
 def test_a_hung_run_is_stopped_at_run_timeout_naming_each_ranks_last_line(tmp_path):
     t = time.monotonic()
     with pytest.raises(JobFailed, match=r"the run exceeded run_timeout=10 s and every rank was stopped") as e:
@@ -494,6 +495,7 @@ def test_a_hung_run_is_stopped_at_run_timeout_naming_each_ranks_last_line(tmp_pa
     assert wait_all_dead(recorded_pids(str(tmp_path)), timeout=3) == []
 
 
+@pytest.mark.slow  # seconds each: the full suite runs it, the fast tier does not
 def test_a_hung_attempt_is_restarted(tmp_path, capfd):
     assert HorovodRunner(np=-2, run_timeout=10, max_restarts=1).run(hangs_on_first_attempt, pid_dir=str(tmp_path)) \
         == "attempt 2 finished"

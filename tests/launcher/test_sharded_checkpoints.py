@@ -121,6 +121,7 @@ def fsdp_main(crash):
     return attempt, {k: v.tolist() for k, v in full.items()}
 
 
+@pytest.mark.slow  # seconds each: the full suite runs it, the fast tier does not
 def test_an_fsdp_model_restarted_from_its_shards_ends_as_an_uninterrupted_run_does(capfd):
     attempt, resumed = HorovodRunner(np=-2, max_restarts=1).run(fsdp_main, crash=True)
     assert attempt == 1 and "returns the one saved at step 4" in capfd.readouterr().err

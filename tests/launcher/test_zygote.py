@@ -56,7 +56,7 @@ def test_a_warm_run_forks_its_ranks_and_they_see_what_a_fresh_rank_would(tmp_pat
         assert o["cwd"] == str(tmp_path)
         assert o["var"] == "set after the zygote started"
         assert o["module"] == 7
-        assert o["argv0"].endswith(os.path.join("spark_dl", "launch", "rank_main.py"))
+        assert o["argv0"].endswith(os.path.join("spark_dl", "rank", "main.py"))
         assert o["stdout_unbuffered"]
     draws = [o["draw"] for o in outs + again]
     assert len(set(draws)) == 4, "numpy's global generator must be reseeded in every forked rank"
