@@ -118,6 +118,13 @@ def test_a_rank_process_never_imports_pyspark():
     assert out.strip() == "[]"
 
 
+def test_the_transport_imports_only_the_protocol_and_the_errors():
+    bad = [f"{m} imports {t}" for m in MODULES if m.startswith("spark_dl.transport")
+           for t, _, _ in _imports(m) if t.startswith("spark_dl") and t not in (
+               "spark_dl", "spark_dl.protocol", "spark_dl.errors") and not t.startswith("spark_dl.transport")]
+    assert bad == []
+
+
 def test_no_private_name_is_imported_from_another_module():
     bad = [f"{m} takes {name} from {target}" for m in MODULES for target, name, _ in _imports(m)
            if target.startswith("spark_dl") and target != m

@@ -16,6 +16,7 @@ from typing import Any
 
 from spark_dl import protocol
 from spark_dl.rank import context as rank_api
+from spark_dl.rank.context import cuda_index
 from spark_dl.transport import unpickle
 
 
@@ -106,7 +107,7 @@ def load_checkpoint(map_location: Any = None, *, shard: int | str | None = None)
         raise RuntimeError(f"the driver could not read the checkpoint: {reply['error']}")
     if reply["blob"] is None:
         return None
-    location = unpickle.rank_device if map_location is None else map_location
+    location = rank_device if map_location is None else map_location
     if "sizes" not in reply:
         return unpickle.loads(reply["blob"], location)
     view, states, at = memoryview(reply["blob"]), [], 0
@@ -131,3 +132,12 @@ def _in_rank_process(name: str) -> bool:
     return False
 
 
+def rank_device(storage: Any, location: str) -> Any:
+    """A map_location for a rank: a GPU-saved storage onto this rank's GPU, or the CPU without one."""
+    if not location.startswith("cuda"):
+        return None  # torch's own placement: CPU stays CPU
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        return storage.cuda(cuda_index())
+    return storage  # torch hands a map_location function the storage on the CPU

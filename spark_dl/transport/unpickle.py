@@ -35,19 +35,6 @@ class _Unpickler(pickle.Unpickler):
         return torch.load(io.BytesIO(data), weights_only=False, map_location=self.map_location)
 
 
-def rank_device(storage: Any, location: str) -> Any:
-    """A map_location for a rank: a GPU-saved storage onto this rank's GPU, or the CPU without one."""
-    if not location.startswith("cuda"):
-        return None  # torch's own placement: CPU stays CPU
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-        from spark_dl.rank.context import cuda_index
-
-        return storage.cuda(cuda_index())
-    return storage  # torch hands a map_location function the storage on the CPU
-
-
 def driver_device(storage: Any, location: str) -> Any:
     """A map_location for the driver: a GPU-saved storage stays on that GPU where the driver has it
     (local mode on a GPU host), else comes to the CPU (a CPU driver of GPU executors)."""
