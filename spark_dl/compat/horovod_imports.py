@@ -32,10 +32,12 @@ ALIASES: dict[str, str | None] = {
     "horovod.spark.torch": "spark_dl.estimator",
     "horovod.spark.lightning": "spark_dl.estimator",
     "horovod.spark.common": None,
+    "horovod.common": None,
+    "horovod.common.exceptions": "spark_dl.horovod.exceptions",
     "horovod.spark.common.store": "spark_dl.horovod.store",
     "horovod.spark.common.util": "spark_dl.horovod.staging",
 }
-_PACKAGES = {"horovod", "horovod.torch", "horovod.spark", "horovod.spark.common"}
+_PACKAGES = {"horovod", "horovod.torch", "horovod.spark", "horovod.spark.common", "horovod.common"}
 _NOTE = ("[spark-dl] `import {name}` gives {target} (Horovod's API on torch.distributed), not the installed "
          "horovod, which cannot join spark-dl's ranks; set SPARK_DL_HOROVOD_IMPORTS=0 to import it instead\n")
 

@@ -174,12 +174,7 @@ class Controller:
         server = channel.ControlServer(secret, monitor.on_message, monitor.on_close, host=launcher.bind_host)
 
         def abort(_: Failure) -> None:
-            for conn in server.connections():
-                if conn.info.get("role") == "task":
-                    try:
-                        conn.send(protocol.ABORT)
-                    except OSError:
-                        pass
+            tell_tasks(server, protocol.ABORT)
             launcher.cancel()
 
         relayed, relay_observers = None, ()
@@ -344,15 +339,20 @@ def silence_timeout() -> float:
     return env_number(protocol.SILENCE_ENV, SILENCE_TIMEOUT_S, unit=" seconds")
 
 
+def tell_tasks(server: channel.ControlServer, kind: str) -> None:
+    """Send ``kind`` to every barrier task connected (one gone meanwhile is skipped)."""
+    for conn in server.connections():
+        if conn.info.get("role") == "task":
+            try:
+                conn.send(kind)
+            except OSError:
+                pass
+
+
 def heartbeat(server: channel.ControlServer, interval: float, done: threading.Event) -> None:
     """Tell every task the driver is alive, every ``interval`` seconds, until ``done``."""
     while not done.wait(interval):
-        for conn in server.connections():
-            if conn.info.get("role") == "task":
-                try:
-                    conn.send(protocol.HEARTBEAT)
-                except OSError:
-                    pass
+        tell_tasks(server, protocol.HEARTBEAT)
 
 
 def drain(monitor: JobMonitor, launcher: Launcher) -> None:

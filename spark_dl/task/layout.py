@@ -57,6 +57,14 @@ class RankSpec:
             "ROLE_NAME": "default",
             "ROLE_RANK": str(self.rank),
             "ROLE_WORLD_SIZE": str(self.world_size),
+            # what horovodrun sets in its Gloo mode, read by Horovod scripts and tests
+            "HOROVOD_RANK": str(self.rank),
+            "HOROVOD_SIZE": str(self.world_size),
+            "HOROVOD_LOCAL_RANK": str(self.local_rank),
+            "HOROVOD_LOCAL_SIZE": str(self.local_size),
+            "HOROVOD_CROSS_RANK": str(self.cross_rank),
+            "HOROVOD_CROSS_SIZE": str(self.cross_size),
+            "HOROVOD_HOSTNAME": self.host,
         }
         if self.gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpus)

@@ -37,6 +37,7 @@ from spark_dl.compat.horovod.basics import (
     stop_timeline,
 )
 from spark_dl.compat.horovod.compression import Compression
+from spark_dl.compat.horovod.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from spark_dl.compat.horovod.exchange import (
     alltoall,
     alltoall_async,
@@ -94,5 +95,5 @@ __all__ = [
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
     "poll", "synchronize", "barrier", "join",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
-    "DistributedOptimizer", "SyncBatchNorm", "log_to_driver",
+    "DistributedOptimizer", "SyncBatchNorm", "log_to_driver", "HorovodInternalError", "HostsUpdatedInterrupt",
 ]
