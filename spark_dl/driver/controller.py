@@ -75,6 +75,7 @@ class Controller:
     def __init__(self, runner: HorovodRunner) -> None:
         self.runner = runner
         self.grow_wait = runner.grow_interval or 0.0  # doubled after each grow that got no more ranks
+        self.silence = silence_timeout()  # read before anything starts: a bad value is refused at once
 
     def run(self, main: Any, payload: bytes, kwargs: dict[str, Any], args: tuple[Any, ...],
             data: ShardSet | None, all_results: bool) -> Any:
@@ -202,7 +203,7 @@ class Controller:
             relay_observers=relay_observers,
             run_timeout=r.run_timeout if launcher.relay else None,
             # a relay answers the tasks in the driver's place, and sends no heartbeats
-            silence_timeout=0.0 if launcher.relay else silence_timeout(),
+            silence_timeout=0.0 if launcher.relay else self.silence,
         )
         beating = threading.Event()
         if spec.silence_timeout > 0:

@@ -71,3 +71,9 @@ def test_the_silence_bound_is_read_from_the_environment(monkeypatch):
     monkeypatch.setenv("SPARK_DL_SILENCE_TIMEOUT", "soon")
     with pytest.raises(Exception, match="SPARK_DL_SILENCE_TIMEOUT='soon' is not a number"):
         silence_timeout()
+
+
+def test_a_bad_silence_bound_is_refused_before_anything_starts(monkeypatch):
+    monkeypatch.setenv("SPARK_DL_SILENCE_TIMEOUT", "-1")
+    with pytest.raises(Exception, match="SPARK_DL_SILENCE_TIMEOUT='-1' is not a number >= 0"):
+        HorovodRunner(np=-2).run(time.sleep, 0)
