@@ -62,15 +62,10 @@ class Hello(TypedDict, total=False):
     pid: int
 
 
-class Log(TypedDict):
-    rank: int
-    stream: str
-    line: str
-
-
-class TrackingMetrics(TypedDict):
-    step: int
-    metrics: dict[str, float]
+# LOG: one line of a rank's output
+LogLine = tuple[int, str, str]  # (rank, "stdout" or "stderr", line)
+# TRACKING_METRICS: one log_metrics call
+MetricRecord = tuple[float, int, dict[str, float], bool]  # (time.time(), step, {name: value}, all_ranks)
 
 
 class TrackingSystem(TypedDict):
@@ -100,7 +95,7 @@ MESSAGES: dict[str, tuple[str, str]] = {
     TASKS: ("driver", "list of TaskInfo dicts"),
     ABORT: ("driver, task", "None"),
     HEARTBEAT: ("driver, task", "None"),
-    LOG: ("task", "list of (rank, stream, line)"),
+    LOG: ("task", "list of LogLine"),
     LAYOUT: ("task", "list of {rank, host, local_rank}"),
     EXIT: ("task", "exit status dict"),
     USER_LOG: ("rank", "str"),
@@ -109,7 +104,7 @@ MESSAGES: dict[str, tuple[str, str]] = {
     REPLY: ("driver", "dict"),
     CHECKPOINT_SAVE: ("rank", "checkpoint dict"),
     CHECKPOINT_LOAD: ("rank", "{shard, world}"),
-    TRACKING_METRICS: ("rank", "list of TrackingMetrics"),
+    TRACKING_METRICS: ("rank", "list of MetricRecord"),
     TRACKING_PARAMS: ("rank", "dict"),
     TRACKING_TAGS: ("rank", "dict[str, str]"),
     TRACKING_MODEL: ("rank", "ModelChunk"),

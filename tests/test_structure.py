@@ -158,6 +158,12 @@ def test_message_kinds_and_variable_names_are_written_only_in_the_protocol():
     assert found == []
 
 
+def test_every_message_kind_is_declared_with_its_sender_and_payload():
+    kinds = {v for k, v in vars(protocol).items()
+             if k.isupper() and isinstance(v, str) and not k.endswith(("_ENV", "_PREFIX"))}
+    assert kinds == set(protocol.MESSAGES)
+
+
 def test_every_variable_a_task_sets_in_a_rank_is_reserved():
     from spark_dl.task.layout import RankSpec
 

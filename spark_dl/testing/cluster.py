@@ -124,10 +124,6 @@ class Cluster:
                 os.kill(pid, signal.SIGKILL)
         return pids
 
-    def processes(self) -> dict[str, list[int]]:
-        """The live processes of each worker host, by namespace."""
-        return {w.namespace: namespace_pids(w.namespace) for w in self.workers}
-
     def save(self) -> None:
         with open(os.path.join(self.log_dir, "state.json"), "w") as f:
             json.dump(asdict(self), f, indent=1)

@@ -193,15 +193,32 @@ def all_reduces(marker: str) -> None:
         time.sleep(0.01)
 
 
+def cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def rank_processes(worker: int) -> list[int]:
+    """The rank processes on worker ``worker``'s host: started fresh (``-m spark_dl.rank.main``) or
+    forked from a zygote (a zygote's command line, under a zygote); not the zygotes themselves,
+    which wait for the next run by design and die with their task process."""
+    zygote = b"spark_dl.task.zygote"
     out = []
     for pid in namespace_pids(CLUSTER.workers[worker].namespace):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"spark_dl.rank.main" in f.read() or b"spark_dl.task.zygote" in f.read():
-                    out.append(pid)
-        except OSError:
-            pass
+        cmd = cmdline(pid)
+        if b"spark_dl.rank.main" in cmd or (zygote in cmd and zygote in cmdline(parent(pid))):
+            out.append(pid)
     return out
 
 
