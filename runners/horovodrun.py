@@ -20,7 +20,7 @@ from typing import Sequence
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import run_script  # noqa: E402  (the runner next to this one)
-from spark_dl.submit import nonzero_int, seconds  # noqa: E402
+from spark_dl.submit import non_negative_int, nonzero_int, seconds  # noqa: E402
 
 PROG = "horovodrun.py"
 HARMLESS_INTERPRETER_FLAGS = ("-u", "-B", "-O", "-OO", "-s", "-E")
@@ -47,6 +47,14 @@ def translate(argv: Sequence[str]) -> list[str]:
     parser.add_argument("--gloo", action="store_true",
                         help="accepted (collectives always go through torch.distributed)")
     parser.add_argument("--verbose", action="store_true", help="accepted")
+    parser.add_argument("--no-stall-check", action="store_true",
+                        help="no stall warnings or stall time-out (as horovodrun's)")
+    parser.add_argument("--stall-check-warning-time-seconds", type=non_negative_int, default=None,
+                        help="warn when ranks have waited this long for one that has not joined a collective "
+                             "(default 60)")
+    parser.add_argument("--stall-check-shutdown-time-seconds", type=non_negative_int, default=None,
+                        help="fail the run, with every rank's stack, when such a wait lasts this long (0: never; "
+                             "default 300)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="python script.py [args...]")
     args = parser.parse_args(argv)
     if args.hosts or args.hostfile:
@@ -82,6 +90,12 @@ def translate(argv: Sequence[str]) -> list[str]:
         out += ["--start-timeout", str(args.start_timeout)]
     if not args.tracking:
         out.append("--no-tracking")
+    warning, shutdown = args.stall_check_warning_time_seconds, args.stall_check_shutdown_time_seconds
+    if args.no_stall_check:
+        warning = shutdown = 0
+    for flag, value in (("--stall-warning", warning), ("--stall-timeout", shutdown)):
+        if value is not None:  # horovodrun's 0 is "never"
+            out += [flag, str(value) if value > 0 else "off"]
     return out + command
 
 

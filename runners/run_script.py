@@ -21,6 +21,7 @@ from spark_dl.submit import (
     EXIT_FAILED,
     EXIT_OK,
     add_cluster_options,
+    add_stall_options,
     env_pair,
     launch,
     non_negative_int,
@@ -63,6 +64,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="show only what ranks send with spark_dl.log_to_driver, not their stdout/stderr")
     parser.add_argument("--no-tracking", dest="tracking", action="store_false",
                         help="do not log the run to MLflow (default: the current MLflow experiment)")
+    add_stall_options(parser)
     parser.add_argument("script", help="the training script (read on the driver and shipped to the ranks)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
     return parser.parse_args(argv)
@@ -82,7 +84,7 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
             np=args.np, driver_log_verbosity="log_callback_only" if args.quiet else "all",
             start_timeout=args.start_timeout, tracking=None if args.tracking else False,
             max_restarts=args.max_restarts, checkpoint_dir=args.checkpoint_dir, run_timeout=args.run_timeout,
-            env=dict(args.env), nodes=args.nodes,
+            env=dict(args.env), nodes=args.nodes, stall_warning=args.stall_warning, stall_timeout=args.stall_timeout,
         )
         read_script(args.script)  # a missing or broken script is refused before Spark starts
     except LaunchRefused as e:  # the arguments alone are wrong

@@ -11,7 +11,7 @@ function: :func:`init`,
 from spark_dl import import_paths
 from spark_dl.compat.distributor import TorchDistributor
 from spark_dl.driver.runner import HorovodRunner, RunInfo
-from spark_dl.errors import JobFailed, LaunchRefused, RankFailed, SparkDLError
+from spark_dl.errors import JobFailed, LaunchRefused, RankFailed, RankStalled, SparkDLError
 from spark_dl.rank.checkpoint import load_checkpoint, save_checkpoint
 from spark_dl.rank.context import RankContext, get_context, init, log_to_driver
 from spark_dl.rank.prepare import get_device, prepare_data_loader, prepare_model
@@ -43,4 +43,5 @@ __all__ = [
     "LaunchRefused",
     "JobFailed",
     "RankFailed",
+    "RankStalled",
 ]

@@ -81,6 +81,9 @@ class JobFailed(SparkDLError, RuntimeError):
     """
 
     previous_failures: tuple["JobFailed", ...] = ()
+    # rank -> every thread's stack, as faulthandler prints them, where the driver asked the ranks
+    # before stopping them (a stall, a run_timeout); empty otherwise
+    stacks: dict[int, str] = {}
 
 
 class RankFailed(JobFailed):
@@ -129,6 +132,26 @@ class RankFailed(JobFailed):
             (self.rank, self.host, self.summary, self.remote_traceback, self.last_lines,
              self.exit_code, self.exc_type, self.hint),
         )
+
+
+class RankStalled(JobFailed):
+    """Ranks waited in a collective for longer than ``stall_timeout`` for ranks that never joined it.
+
+    ``waiting``: the ranks inside the collective; ``stalled``: the ranks they waited for (empty when
+    every rank waited, in different collectives); ``stacks``: every rank's threads' stacks.
+    """
+
+    def __init__(self, summary: str, waiting: Sequence[int] = (), stalled: Sequence[int] = (),
+                 stacks: dict[int, str] | None = None, shown: str = "") -> None:
+        self.summary = summary
+        self.waiting = tuple(waiting)
+        self.stalled = tuple(stalled)
+        self.stacks = dict(stacks or {})
+        self.shown = shown  # the stacks as the message shows them
+        super().__init__(f"{summary}\n\n{shown}" if shown else summary)
+
+    def __reduce__(self):
+        return (type(self), (self.summary, self.waiting, self.stalled, self.stacks, self.shown))
 
 
 class ResultNotPicklable(TypeError):

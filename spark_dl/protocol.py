@@ -23,6 +23,10 @@ TASKS = "tasks"
 ABORT = "abort"
 # task -> driver and driver -> task, every silence bound / 6: the other side is alive
 HEARTBEAT = "heartbeat"
+# rank -> driver, every second it changed (else every silence bound / 6): Progress, where the rank is
+PROGRESS = "progress"
+# driver -> rank: {"id"}, asking for every thread's stack; rank -> driver: {"id", "text"}, the answer
+STACKS = "stacks"
 # task -> driver: [(rank, stream, line), ...], the ranks' stdout/stderr lines
 LOG = "log"
 # task -> driver: [{"rank", "host", "local_rank"}, ...] of the ranks it started
@@ -88,6 +92,13 @@ class ModelChunk(TypedDict):
     meta: dict | None
 
 
+class Progress(TypedDict):
+    seq: dict[str, int]  # process group name -> collectives launched on it (torch's sequence number)
+    age: float  # seconds since ``seq`` last changed, on the rank's clock when sent
+    op: str | None  # the collective the main thread is inside, if any ("all_reduce", "hvd.allreduce")
+    site: str | None  # the user's line that called it, or where the main thread is ("train.py:42 in step")
+
+
 # kind -> (who sends it, what it carries): what the docs and the protocol test read
 MESSAGES: dict[str, tuple[str, str]] = {
     HELLO: ("task, rank", "Hello"),
@@ -95,6 +106,8 @@ MESSAGES: dict[str, tuple[str, str]] = {
     TASKS: ("driver", "list of TaskInfo dicts"),
     ABORT: ("driver, task", "None"),
     HEARTBEAT: ("driver, task", "None"),
+    PROGRESS: ("rank", "Progress"),
+    STACKS: ("driver, rank", "{id} asked, {id, text} answered"),
     LOG: ("task", "list of LogLine"),
     LAYOUT: ("task", "list of {rank, host, local_rank}"),
     EXIT: ("task", "exit status dict"),
@@ -140,6 +153,11 @@ RESERVED_ENV = frozenset(RANK_ENV) | frozenset(TORCHELASTIC_ENV) | frozenset(JOB
 # seconds without a word from a task before the driver fails the attempt naming its host (and without
 # one from the driver before a task stops its ranks); 0 turns the bound off
 SILENCE_ENV = "SPARK_DL_SILENCE_TIMEOUT"
+# Horovod's stall inspector settings, read on the driver (and from env=): seconds before the warning,
+# seconds before the attempt fails (0: never), and "1" to turn the inspector off
+STALL_WARNING_ENV = "HOROVOD_STALL_CHECK_TIME_SECONDS"
+STALL_TIMEOUT_ENV = "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"
+STALL_DISABLE_ENV = "HOROVOD_STALL_CHECK_DISABLE"
 CHANNEL_ENV = "SPARK_DL_CHANNEL"  # "relay": a Spark Connect client the executors cannot reach
 TRACKING_ENV = "SPARK_DL_TRACKING"  # "0": no MLflow tracking
 SYSTEM_METRICS_ENV = "SPARK_DL_SYSTEM_METRICS_INTERVAL"

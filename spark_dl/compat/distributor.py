@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping
 from spark_dl.driver import cluster
 from spark_dl.driver.options import START_TIMEOUT_S, rank_env
 from spark_dl.driver.runner import HorovodRunner, RunInfo
+from spark_dl.driver.stalls import DEFAULT, Default
 from spark_dl.errors import LaunchRefused, NoGPUs, as_int
 from spark_dl.tracking.driver.observer import Tracking
 
@@ -50,6 +51,8 @@ class TorchDistributor:
         checkpoint_dir: str | os.PathLike | None = None,
         run_timeout: float | None = None,
         env: Mapping[str, str] | None = None,
+        stall_warning: float | None | Default = DEFAULT,
+        stall_timeout: float | None | Default = DEFAULT,
     ) -> None:
         if as_int(num_processes) is None or num_processes < 1:
             raise LaunchRefused(f"num_processes must be an int >= 1 (how many processes train), got {num_processes!r}")
@@ -63,7 +66,7 @@ class TorchDistributor:
         self._options: dict[str, Any] = dict(
             driver_log_verbosity=driver_log_verbosity, start_timeout=start_timeout, tracking=tracking,
             progress=progress, max_restarts=max_restarts, checkpoint_dir=checkpoint_dir, run_timeout=run_timeout,
-            env={**gpu_env, **rank_env(env)},
+            env={**gpu_env, **rank_env(env)}, stall_warning=stall_warning, stall_timeout=stall_timeout,
         )
         self._observers: list[Any] = []  # driver-side Observers for each run (spark_dl.ray_train's)
         self._runner(num_processes)  # every option checked now, not at run()

@@ -18,10 +18,13 @@ from typing import TYPE_CHECKING, Any
 from spark_dl import protocol
 from spark_dl.driver.checkpoint_store import CheckpointStore
 from spark_dl.driver.launchers import Launcher, make_launcher
-from spark_dl.driver.monitor import ABORT_GRACE_S, Failure, JobMonitor, Observer, notify, run_timeout_message
+from spark_dl.driver.monitor import ABORT_GRACE_S, Failure, JobMonitor, Observer, notify
 from spark_dl.driver.shards import ShardSet
+from spark_dl.driver.silence import silence_timeout
+from spark_dl.driver.silence import silent as silence_check
 from spark_dl.driver.spark_errors import spark_error_summary
-from spark_dl.errors import JobFailed, LaunchRefused, env_number
+from spark_dl.driver.stalls import StallInspector, run_timeout_message, stall_settings
+from spark_dl.errors import JobFailed, LaunchRefused
 from spark_dl.task.barrier import JobSpec
 from spark_dl.tracking.driver.observer import TrackingObserver, make_observer
 from spark_dl.transport import channel
@@ -76,6 +79,8 @@ class Controller:
         self.runner = runner
         self.grow_wait = runner.grow_interval or 0.0  # doubled after each grow that got no more ranks
         self.silence = silence_timeout()  # read before anything starts: a bad value is refused at once
+        self.stall_warning, self.stall_timeout = stall_settings(runner.stall_warning, runner.stall_timeout, runner.env)
+        self.inspector: StallInspector | None = None  # the running attempt's
 
     def run(self, main: Any, payload: bytes, kwargs: dict[str, Any], args: tuple[Any, ...],
             data: ShardSet | None, all_results: bool) -> Any:
@@ -162,6 +167,7 @@ class Controller:
         """Launch the job once and wait until every rank is gone."""
         r = self.runner
         secret = channel.new_secret()
+        inspector = StallInspector(launcher.world_size, self.stall_warning, self.stall_timeout, say)
         monitor = JobMonitor(
             world_size=launcher.world_size,
             num_tasks=launcher.num_tasks,
@@ -171,8 +177,11 @@ class Controller:
             out=r.stdout,
             err=r.stderr,
             checkpoints=store,
+            stalls=inspector,
         )
         server = channel.ControlServer(secret, monitor.on_message, monitor.on_close, host=launcher.bind_host)
+        inspector.connections = server.connections
+        self.inspector = inspector
 
         def abort(_: Failure) -> None:
             tell_tasks(server, protocol.ABORT)
@@ -204,6 +213,9 @@ class Controller:
             run_timeout=r.run_timeout if launcher.relay else None,
             # a relay answers the tasks in the driver's place, and sends no heartbeats
             silence_timeout=0.0 if launcher.relay else self.silence,
+            # the stall inspector and the ranks' silence bound read them; a relay has neither
+            progress_s=0.0 if launcher.relay or not (self.silence or self.stall_warning or self.stall_timeout)
+            else PROGRESS_S,
         )
         beating = threading.Event()
         if spec.silence_timeout > 0:
@@ -218,6 +230,7 @@ class Controller:
             raise
         finally:
             beating.set()
+            self.inspector = None
         return monitor, self.finish(monitor, launcher, server)
 
     def relaunch(
@@ -292,6 +305,7 @@ class Controller:
         started = time.monotonic()
         grows = r.grow_interval is not None and launcher.world_size < r.np
         next_look = started + self.grow_wait
+        next_check = started + 1.0
         while monitor.failure is None:
             if grows and time.monotonic() >= next_look:
                 next_look = time.monotonic() + self.grow_wait
@@ -299,10 +313,17 @@ class Controller:
             if monitor.all_exited() and launcher.finished():
                 monitor.settle()  # every rank is gone: a failure held for its root cause is final
                 return
-            silent = monitor.silent_task(silence) if silence > 0 else None
+            silent = silence_check(monitor, silence) if silence > 0 else None
             if silent is not None:
-                monitor.fail(silent)
+                monitor.fail(with_stacks(silent, monitor))
                 return
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + 1.0
+                stall = monitor.stalls.check(monitor.done_ranks(), monitor.hosts) if monitor.stalls else None
+                if stall is not None:
+                    culprit = stall.culprits[0] if stall.culprits else None
+                    monitor.fail(with_stacks(Failure(culprit, stall.summary, stall=stall), monitor))
+                    return
             launcher_error = launcher.error()
             if launcher_error is not None:
                 monitor.fail(Failure(None, launcher_error))
@@ -313,7 +334,7 @@ class Controller:
                 return
             if (r.run_timeout is not None
                     and time.monotonic() - started > r.run_timeout + launcher.run_timeout_slack):
-                monitor.fail(Failure(None, run_timeout_message(r.run_timeout, monitor)))
+                monitor.fail(with_stacks(Failure(None, run_timeout_message(r.run_timeout, monitor)), monitor))
                 return
             monitor.wait(0.2)
 
@@ -331,13 +352,20 @@ class Controller:
             sys.stderr.flush()
 
 
-SILENCE_TIMEOUT_S = 30.0
+PROGRESS_S = 1.0  # how often each rank says where it is
 
 
-def silence_timeout() -> float:
-    """How long a task may stay silent before the attempt fails naming its host (``SPARK_DL_SILENCE_TIMEOUT``,
-    seconds; 0 turns the bound off)."""
-    return env_number(protocol.SILENCE_ENV, SILENCE_TIMEOUT_S, unit=" seconds")
+def say(text: str) -> None:
+    """A line from the driver itself, on its stderr."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
+def with_stacks(failure: Failure, monitor: JobMonitor) -> Failure:
+    """``failure`` with every rank's stacks, asked for before the abort stops the ranks."""
+    if monitor.stalls is not None and failure.stacks is None:
+        failure.stacks = monitor.stalls.ask_stacks()
+    return failure
 
 
 def tell_tasks(server: channel.ControlServer, kind: str) -> None:

@@ -19,7 +19,8 @@ import cloudpickle
 
 from spark_dl import protocol
 from spark_dl.driver.checkpoint_store import CheckpointStore
-from spark_dl.errors import JobFailed, RankFailed
+from spark_dl.driver.stalls import Stall, StallInspector, format_stacks
+from spark_dl.errors import JobFailed, RankFailed, RankStalled
 from spark_dl.transport import unpickle
 from spark_dl.transport.channel import Connection, send_reply
 
@@ -109,6 +110,8 @@ class Failure:
     grow_to: int | None = None  # not a failure: a healthy attempt stopped at a checkpoint to run on more ranks
     # seen by the driver itself (a silent task): what the rank reports afterwards is a consequence
     observed: bool = False
+    stacks: dict[int, str] | None = None  # every rank's, asked for before the ranks were stopped
+    stall: Stall | None = None  # a stall past stall_timeout
 
 
 class JobMonitor:
@@ -122,6 +125,7 @@ class JobMonitor:
         out: TextIO | None = None,
         err: TextIO | None = None,
         checkpoints: "CheckpointStore | None" = None,
+        stalls: StallInspector | None = None,
     ) -> None:
         self.world_size = world_size
         self.num_tasks = num_tasks
@@ -131,6 +135,7 @@ class JobMonitor:
         self._out = out
         self._err = err
         self.checkpoints = checkpoints
+        self.stalls = stalls
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
         self.task_conns: dict[int, Connection] = {}
@@ -227,8 +232,12 @@ class JobMonitor:
 
     # -- control server callbacks ----------------------------------------------------------------
     def on_message(self, conn: Connection, kind: str, data: Any) -> None:
-        conn.info["heard"] = time.monotonic()
         if kind == protocol.HEARTBEAT:
+            return
+        if kind in (protocol.PROGRESS, protocol.STACKS):
+            if self.stalls is not None:
+                take = self.stalls.on_progress if kind == protocol.PROGRESS else self.stalls.on_stacks
+                take(conn.info["rank"], data)
             return
         if kind == protocol.LOG:
             for rank, stream, line in data:
@@ -237,6 +246,7 @@ class JobMonitor:
         if kind == protocol.HELLO:
             conn.info.update(data)
             if data["role"] == "task":
+                conn.info["connected"] = time.monotonic()
                 with self.changed:
                     self.task_conns[data["partition"]] = conn
                     self.changed.notify_all()
@@ -321,22 +331,10 @@ class JobMonitor:
             reply["error"] = f"{type(e).__name__}: {e}"
         send_reply(conn, reply)
 
-    def silent_task(self, limit: float) -> Failure | None:
-        """The failure to report for the first task not heard from for ``limit`` seconds (its host
-        down, frozen or cut off the network: no close comes then either), or None."""
-        now = time.monotonic()
+    def done_ranks(self) -> set[int]:
+        """Ranks that returned, failed or exited: no longer expected in a collective."""
         with self.lock:
-            for partition, conn in self.task_conns.items():
-                if conn.info.get("closed") or now - conn.info.get("heard", now) <= limit:
-                    continue
-                conn.info["silent"] = True  # it will not close its link: nobody waits for that
-                ranks = [r for r in self.task_ranks.get(partition, []) if r not in self.exits]
-                why = (f"went silent: it has sent nothing for {limit:g} s (the host is down, frozen or cut off the "
-                       f"network). {protocol.SILENCE_ENV} sets this bound.")
-                if ranks:  # RankFailed says "rank R on HOST failed: ..."
-                    return Failure(ranks[0], f"its barrier task {why}", observed=True)
-                return Failure(None, f"barrier task {partition} on {conn.info.get('host', '?')} {why}", observed=True)
-        return None
+            return set(self.exits) | set(self.results) | set(self.errors) | self.ranks_closed
 
     def on_close(self, conn: Connection, error: BaseException | None) -> None:
         conn.info["closed"] = True
@@ -393,14 +391,22 @@ class JobMonitor:
         """The error to raise for the recorded failure."""
         f = self.failure
         assert f is not None
+        shown = format_stacks(f.stacks, self.hosts) if f.stacks else ""
+        if f.stall is not None:
+            return RankStalled(f.summary, f.stall.waiting, f.stall.culprits, f.stacks, shown)
         if f.rank is None:
-            return JobFailed(f.summary)
+            err = JobFailed(f"{f.summary}\n\nEvery rank's stack:\n{shown}" if shown else f.summary)
+            err.stacks = dict(f.stacks or {})
+            return err
         info = f.info or (None if f.observed else self.errors.get(f.rank))
         host = self.hosts.get(f.rank, "?")
         tail = list(self.tails.get(f.rank, ()))
         code = self.exits.get(f.rank, {}).get("code")
         if info is None:
-            return RankFailed(f.rank, host, f.summary, "", tail, code)
+            err = RankFailed(f.rank, host, f.summary, "", tail, code,
+                             hint=f"Every rank's stack:\n{shown}" if shown else "")
+            err.stacks = dict(f.stacks or {})
+            return err
         if code is None or code < 0:  # a rank that reported its error exits 1 (the abort may kill it first)
             code = 1
         summary = f"{info['exc_type']}: {info['message']}"
@@ -444,18 +450,6 @@ class JobMonitor:
                 f"rank {rank}'s return value could not be unpickled on the driver ({type(e).__name__}: {e}); "
                 "return types the driver can import (plain data, numpy, torch tensors)."
             ) from e
-
-
-def run_timeout_message(limit: float, monitor: JobMonitor) -> str:
-    """Why the attempt was stopped, with each rank's last output line: where a hang sits."""
-    lines = [f"the run exceeded run_timeout={limit:g} s and every rank was stopped (a hung collective, a rank "
-             "waiting for one that is stuck, or a run that needs more time: raise run_timeout). "
-             "Last line of each rank:"]
-    with monitor.lock:
-        tails = {r: t[-1] if t else "" for r, t in monitor.tails.items()}
-    for r in range(monitor.world_size):
-        lines.append(f"  {tails.get(r) or f'[{r}] (no output)'}")
-    return "\n".join(lines)
 
 
 def _signal_name(code: int) -> str:

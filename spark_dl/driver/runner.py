@@ -13,6 +13,7 @@ from spark_dl.driver.monitor import VERBOSITIES, Observer
 from spark_dl.driver.options import NODES, START_TIMEOUT_S, rank_env, seconds
 from spark_dl.driver.serialize import serialize_job
 from spark_dl.driver.shards import DataFrameShards, ShardSet
+from spark_dl.driver.stalls import DEFAULT, Default, stall_settings
 from spark_dl.errors import LaunchRefused, as_int
 from spark_dl.rank.script import Script, read_script
 from spark_dl.tracking.driver.observer import Tracking
@@ -58,6 +59,13 @@ class HorovodRunner:
         nodes: what a "node" is for ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``/``GROUP_RANK`` and the GPUs a
             rank sees: ``"hosts"`` (default, Horovod's local ranks) or ``"tasks"`` (one torchrun-style
             node per Spark task, as PySpark's TorchDistributor: each task sees only its own GPUs).
+        stall_warning: seconds a rank may wait in a collective for ranks that have not joined it
+            before the driver warns, naming both sides and their lines (default 60, or Horovod's
+            ``HOROVOD_STALL_CHECK_TIME_SECONDS``; None: no warning). See docs/guide/errors.md.
+        stall_timeout: seconds of such a wait before the attempt fails with
+            :class:`spark_dl.RankStalled`, carrying every rank's stack (default 300, or
+            ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``; None: never). ``HOROVOD_STALL_CHECK_DISABLE=1``
+            turns both off unless given here.
 
     The signature matches Databricks' ``sparkdl.HorovodRunner``, so notebooks switch by
     changing one import.
@@ -78,6 +86,8 @@ class HorovodRunner:
         nodes: str = "hosts",
         min_np: int | None = None,
         grow_interval: float | None = None,
+        stall_warning: float | None | Default = DEFAULT,
+        stall_timeout: float | None | Default = DEFAULT,
     ) -> None:
         if as_int(np) is None:
             raise LaunchRefused(f"np must be an int (ranks on Spark if > 0, local processes if < 0), got {np!r}")
@@ -118,6 +128,9 @@ class HorovodRunner:
         self.start_timeout = seconds("start_timeout", start_timeout)
         self.run_timeout = None if run_timeout is None else seconds("run_timeout", run_timeout, "no limit")
         self.env = rank_env(env)
+        stall_settings(stall_warning, stall_timeout, self.env)  # a bad value is refused here, not at run()
+        self.stall_warning = stall_warning
+        self.stall_timeout = stall_timeout
         if nodes not in NODES:
             raise LaunchRefused(f"nodes must be one of {NODES} (what LOCAL_RANK counts within), got {nodes!r}")
         self.nodes = nodes
@@ -135,6 +148,7 @@ class HorovodRunner:
         self.stdout: TextIO | None = None
         self.stderr: TextIO | None = None
         self.last_run: RunInfo | None = None  # set by every run(), run_all() and run_script()
+        self._controller: Controller | None = None  # the run in progress
 
     def run(self, main: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """Run ``main(*args, **kwargs)`` on every rank; return rank 0's return value.
@@ -172,7 +186,22 @@ class HorovodRunner:
                                 "not a positional one: its name is how main receives its rows")
         kwargs, data = take_dataframe(kwargs, self.np)
         payload = serialize_job(main, kwargs, args)
-        return Controller(self).run(main, payload, kwargs, args, data, all_results)
+        controller = self._controller = Controller(self)
+        try:
+            return controller.run(main, payload, kwargs, args, data, all_results)
+        finally:
+            self._controller = None
+
+    def stacks(self, wait: float = 3.0) -> dict[int, str]:
+        """Every rank's threads' stacks, as ``faulthandler`` prints them, from the run in progress
+        (call it from another thread, e.g. while ``run()`` seems stuck); the run goes on. A rank
+        that does not answer within ``wait`` seconds (stopped, frozen) is said to be so."""
+        controller = self._controller
+        inspector = controller.inspector if controller is not None else None
+        if inspector is None:
+            raise RuntimeError("no run of this HorovodRunner is in progress: stacks() asks the ranks of a running "
+                               "run() from another thread")
+        return inspector.ask_stacks(wait)
 
 
 def take_dataframe(kwargs: dict[str, Any], np: int) -> tuple[dict[str, Any], ShardSet | None]:

@@ -7,6 +7,7 @@ import os
 import sys
 from typing import Any, Callable
 
+from spark_dl.driver.stalls import DEFAULT
 from spark_dl.errors import in_range
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -57,6 +58,23 @@ def seconds(unset: str) -> Callable[[str], float]:
 
     parse.__name__ = "seconds"  # argparse names the type in some messages
     return parse
+
+
+def stall_seconds(text: str) -> float | None:
+    """An argparse type for ``--stall-warning``/``--stall-timeout``: seconds > 0, or ``off``."""
+    if text.strip().lower() in ("off", "none"):
+        return None
+    return seconds("the default")(text)
+
+
+def add_stall_options(parser: argparse.ArgumentParser) -> None:
+    """``--stall-warning`` and ``--stall-timeout``: ``HorovodRunner``'s stall inspector."""
+    parser.add_argument("--stall-warning", type=stall_seconds, default=DEFAULT, metavar="SECONDS",
+                        help="warn when ranks have waited this long in a collective for a rank that has not joined "
+                             "it, naming both (default: 60, or HOROVOD_STALL_CHECK_TIME_SECONDS; 'off': never)")
+    parser.add_argument("--stall-timeout", type=stall_seconds, default=DEFAULT, metavar="SECONDS",
+                        help="fail the attempt, with every rank's stack, when such a wait lasts this long (default: "
+                             "300, or HOROVOD_STALL_SHUTDOWN_TIME_SECONDS; 'off': never)")
 
 
 def fraction(text: str) -> float:

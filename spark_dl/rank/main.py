@@ -85,6 +85,10 @@ def _watch_driver(conn, finishing: threading.Event) -> None:
                 break
             if kind == protocol.REPLY:
                 rank_api._deliver(data)
+            elif kind == protocol.STACKS:  # answered from this thread: the main one may be stuck
+                from spark_dl.rank.progress import stacks
+
+                conn.send(protocol.STACKS, {"id": data["id"], "text": stacks()})
     except BaseException:  # noqa: BLE001 - any failure of the link means the driver is gone
         pass
     if not finishing.is_set():
@@ -262,6 +266,11 @@ def main(task_pid: int | None = None) -> int:
     tracking.install(boot["tracking"])
     finishing = threading.Event()
     threading.Thread(target=_watch_driver, args=(conn, finishing), name="spark-dl-watchdog", daemon=True).start()
+    from spark_dl.rank.progress import Reporter
+
+    reporter = Reporter(outbox.put, boot.get("progress_s") or 0.0)  # the stall inspector's input, and a heartbeat
+    if boot.get("progress_s"):
+        reporter.start()
 
     code = 0
     me = os.getpid()
@@ -308,6 +317,7 @@ def main(task_pid: int | None = None) -> int:
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()
+    reporter.stop()
     finishing.set()
     outbox.flush(timeout=60)
     if code == 0:

@@ -59,6 +59,7 @@ class JobSpec:
     relay_observers: tuple = ()  # observers' stand-ins that answer the ranks' requests in the relay (for_relay())
     run_timeout: float | None = None  # enforced by the relay (the driver cannot see the ranks' output)
     silence_timeout: float = 0.0  # heartbeats both ways; this long without the driver's: stop the ranks
+    progress_s: float = 0.0  # each rank reports where it is this often (the stall inspector); 0: never
 
 
 # the result rows of a Spark Connect stage: each task's status; with a relay, task 0's spool too
@@ -300,6 +301,7 @@ def run_task(spec: JobSpec, partition: int, host: str, rendezvous: Callable[[Gat
                 "secret": spec.secret,
                 "want_result": r.rank == 0 or spec.want_all_results,
                 "tracking": spec.tracking,
+                "progress_s": spec.progress_s,
             }
             try:
                 proc.stdin.write(pickle.dumps(boot, protocol=pickle.HIGHEST_PROTOCOL))

@@ -24,7 +24,8 @@ from typing import Any, Iterable, Iterator
 
 from spark_dl import protocol
 from spark_dl.driver.checkpoint_store import CheckpointStore
-from spark_dl.driver.monitor import ABORT_GRACE_S, Failure, JobMonitor, run_timeout_message
+from spark_dl.driver.monitor import ABORT_GRACE_S, Failure, JobMonitor
+from spark_dl.driver.stalls import run_timeout_message
 from spark_dl.transport import channel
 
 CHUNK_BYTES = 1 << 20  # one result row: Spark Connect ships results in Arrow batches of about 4 MiB
@@ -98,8 +99,8 @@ class Relay:
             return self._ids.setdefault(id(conn), len(self._ids))
 
     def _on_message(self, conn: channel.Connection, kind: str, data: Any) -> None:
-        # requests are answered here, from the observers' stand-ins: nothing to replay
-        if not kind.startswith(protocol.REQUEST_PREFIX):
+        # requests are answered here, from the observers' stand-ins, and progress reports serve no replay
+        if not kind.startswith(protocol.REQUEST_PREFIX) and kind != protocol.PROGRESS:
             self._record(("message", self._id(conn), kind, data))
         self.monitor.on_message(conn, kind, data)
 

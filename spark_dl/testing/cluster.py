@@ -68,6 +68,8 @@ class Cluster:
     loss_pct: float | None = None
     master_pid: int = 0
     workers: list[Worker] = field(default_factory=list)
+    cores: int = 1
+    memory_mb: int = 1024
 
     @property
     def master_url(self) -> str:
@@ -123,6 +125,17 @@ class Cluster:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         return pids
+
+    def start_worker(self, worker: int) -> None:
+        """Start worker ``worker``'s Worker daemon again (after :meth:`kill_worker`: a host back from
+        the dead) and wait until it has registered with the master."""
+        w = self.workers[worker]
+        log = os.path.join(self.log_dir, f"worker{w.index}.log")
+        with contextlib.suppress(FileNotFoundError):
+            os.replace(log, f"{log}.{int(time.time())}")  # registration is read from the new log
+        _start_worker(self, w)
+        self.save()
+        _wait_for_workers(self, [worker])
 
     def save(self) -> None:
         with open(os.path.join(self.log_dir, "state.json"), "w") as f:
@@ -187,7 +200,7 @@ def up(workers: int = 2, *, cores: int = 1, memory_mb: int = 1024, rate_mbit: fl
     os.makedirs(log_dir, exist_ok=True)
     c = Cluster(tag=tag, subnet=subnet, bridge=f"sdlbr{tag}", driver_host=f"10.213.{subnet}.1",
                 master_port=_free_port(), log_dir=log_dir, rate_mbit=rate_mbit, delay_ms=delay_ms,
-                loss_pct=loss_pct)
+                loss_pct=loss_pct, cores=cores, memory_mb=memory_mb)
     try:
         _make_network(c, workers)
         c.save()
@@ -197,17 +210,20 @@ def up(workers: int = 2, *, cores: int = 1, memory_mb: int = 1024, rate_mbit: fl
         c.save()
         _wait_for_port(c.driver_host, c.master_port, os.path.join(log_dir, "master.log"))
         for w in c.workers:
-            w.pid = _spark_daemon(
-                ["org.apache.spark.deploy.worker.Worker", "--host", w.address, "--cores", str(cores),
-                 "--memory", f"{memory_mb}m", "--webui-port", "0",
-                 "--work-dir", os.path.join(log_dir, f"work{w.index}"),
-                 c.master_url], os.path.join(log_dir, f"worker{w.index}.log"), namespace=w.namespace)
+            _start_worker(c, w)
             c.save()
         _wait_for_workers(c)
         return c
     except BaseException:
         c.down()
         raise
+
+
+def _start_worker(c: Cluster, w: Worker) -> None:
+    w.pid = _spark_daemon(
+        ["org.apache.spark.deploy.worker.Worker", "--host", w.address, "--cores", str(c.cores),
+         "--memory", f"{c.memory_mb}m", "--webui-port", "0", "--work-dir", os.path.join(c.log_dir, f"work{w.index}"),
+         c.master_url], os.path.join(c.log_dir, f"worker{w.index}.log"), namespace=w.namespace)
 
 
 def _make_network(c: Cluster, workers: int) -> None:
@@ -289,10 +305,10 @@ def _wait_for_port(host: str, port: int, log: str) -> None:
                              f"(see {log})")
 
 
-def _wait_for_workers(c: Cluster) -> None:
-    """Until every worker's log says it registered with the master."""
+def _wait_for_workers(c: Cluster, which: list[int] | None = None) -> None:
+    """Until every worker's log (or those of ``which``) says it registered with the master."""
     deadline = time.monotonic() + START_TIMEOUT_S
-    pending = set(range(len(c.workers)))
+    pending = set(range(len(c.workers)) if which is None else which)
     while pending and time.monotonic() < deadline:
         for i in list(pending):
             with contextlib.suppress(OSError), open(os.path.join(c.log_dir, f"worker{i}.log"), errors="replace") as f:

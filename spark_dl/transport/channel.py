@@ -22,6 +22,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 from typing import Any, Callable
 
 from spark_dl import protocol
@@ -60,7 +61,7 @@ def _mac(key: bytes, *parts: bytes) -> bytes:
     return h.digest()
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+def _recv_exact(sock: socket.socket, n: int, conn: "Connection | None" = None) -> bytearray:
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
@@ -69,6 +70,8 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
         if k == 0:
             raise EOFError("connection closed")
         got += k
+        if conn is not None:
+            conn.heard = time.monotonic()
     return buf
 
 
@@ -84,6 +87,9 @@ class Connection:
         self._recv_seq = 0
         self.closed = False
         self.info: dict[str, Any] = {}
+        # time.monotonic() of the last bytes received: a peer sending one large frame over a slow
+        # link is not silent, although no whole message arrives for a while
+        self.heard = time.monotonic()
 
     def send(self, kind: str, data: Any = None) -> None:
         buffers: list[pickle.PickleBuffer] = []
@@ -104,9 +110,9 @@ class Connection:
         self.sock.sendall(mac)
 
     def _recv_frame(self) -> bytearray:
-        (n,) = _LEN.unpack(_recv_exact(self.sock, _LEN.size))
-        body = _recv_exact(self.sock, n)
-        mac = _recv_exact(self.sock, _MAC)
+        (n,) = _LEN.unpack(_recv_exact(self.sock, _LEN.size, self))
+        body = _recv_exact(self.sock, n, self)
+        mac = _recv_exact(self.sock, _MAC, self)
         expected = _mac(self._key, _SEQ.pack(self._recv_seq), body)
         if not hmac.compare_digest(mac, expected):
             raise ChannelError(f"frame from {self.peer} failed authentication; dropping the connection")

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from spark_dl import HorovodRunner, JobFailed
-from spark_dl.driver.controller import SILENCE_TIMEOUT_S, silence_timeout
+from spark_dl.driver.silence import SILENCE_TIMEOUT_S, silence_timeout
 
 
 def busy_main(marker_dir: str) -> None:
