@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from spark_dl import HorovodRunner, JobFailed, RankFailed, RankStalled
+from spark_dl import HorovodRunner, JobFailed, RankFailed, RankStalled, TorchDistributor
 from spark_dl.driver.stalls import STALL_TIMEOUT_S, STALL_WARNING_S, StallInspector, stall_settings
 from spark_dl.errors import LaunchRefused
 
@@ -288,6 +288,8 @@ def test_stall_settings_come_from_the_options_then_horovods_variables_then_the_d
 def test_bad_stall_settings_are_refused_when_the_runner_is_made(kwargs, needle):
     with pytest.raises(LaunchRefused, match=needle):
         HorovodRunner(np=-2, **kwargs)
+    with pytest.raises(LaunchRefused, match=needle):  # TorchDistributor takes them too
+        TorchDistributor(num_processes=2, use_gpu=False, **kwargs)
 
 
 def report(seq: dict[str, int], age: float, op: str | None = None, site: str | None = None) -> dict:

@@ -91,3 +91,39 @@ def test_a_start_timeout_that_is_not_a_finite_number_above_0_is_refused_under_ho
     assert proc.returncode == 2, proc.stderr
     assert ("horovodrun.py: error: argument --start-timeout: must be a finite number of seconds > 0, got 'inf'"
             in proc.stderr), proc.stderr
+
+
+STALLING_SCRIPT = """
+import time
+import torch
+import horovod.torch as hvd
+hvd.init()
+if hvd.rank() == 1:
+    time.sleep(600)
+hvd.allreduce(torch.ones(1), name="never_joined")
+"""
+
+
+def test_horovodruns_stall_check_options_reach_the_stall_inspector(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(STALLING_SCRIPT)
+    proc = _run("-np", "-2", "--stall-check-warning-time-seconds", "1", "--stall-check-shutdown-time-seconds", "3",
+                "python", str(script))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "[spark-dl] stalled: rank 0" in proc.stderr
+    failed = next(line for line in proc.stderr.splitlines() if line.startswith("horovodrun.py: "))
+    assert "train.py failed: rank 0 (localhost) has waited" in failed
+    assert "in hvd.allreduce at train.py:8 in <module> for rank 1 (localhost)" in failed
+    assert "--- rank 1 on localhost ---" in proc.stderr  # every rank's stack follows
+
+
+def test_no_stall_check_turns_both_bounds_off():
+    sys.path.insert(0, str(ROOT / "runners"))
+    try:
+        import horovodrun
+    finally:
+        sys.path.pop(0)
+    assert horovodrun.translate(["-np", "2", "--no-stall-check", "python", "t.py"])[-5:] == [
+        "--stall-warning", "off", "--stall-timeout", "off", "t.py"]
+    assert horovodrun.translate(["-np", "2", "--stall-check-shutdown-time-seconds", "0", "t.py"])[-3:] == [
+        "--stall-timeout", "off", "t.py"]
