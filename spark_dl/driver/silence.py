@@ -52,10 +52,13 @@ def silent_rank(monitor: JobMonitor, limit: float) -> Failure | None:
         return None
     now = time.monotonic()
     done = monitor.done_ranks()
+    with monitor.lock:  # a rank whose task has gone quiet too is on a silent host: silent_task says so
+        quiet = {r for p, ranks in monitor.task_ranks.items() for r in ranks
+                 if p in monitor.task_conns and now - monitor.task_conns[p].heard > limit / 2}
     for conn in monitor.stalls.connections():
         rank = conn.info.get("rank")
-        if (conn.info.get("role") == "rank" and rank not in done and not conn.info.get("closed")
-                and now - conn.heard > limit):
+        if (conn.info.get("role") == "rank" and rank not in done and rank not in quiet
+                and not conn.info.get("closed") and now - conn.heard > limit):
             return Failure(rank, f"went silent: it has sent nothing for {limit:g} s while its task is alive (the "
                            f"process is stopped, e.g. SIGSTOP, or frozen). {protocol.SILENCE_ENV} sets this bound.",
                            observed=True)

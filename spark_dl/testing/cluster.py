@@ -271,8 +271,9 @@ def _shape(device: str, namespace: str | None, rate_mbit: float | None, delay_ms
         except subprocess.CalledProcessError as e:
             if "unknown" in (e.stderr or ""):
                 raise ClusterUnavailable("this kernel has no netem qdisc (module sch_netem): a link's delay and "
-                                         "loss cannot be shaped here, its rate can "
-                                         "(leave out delay_ms and loss_pct)") from None
+                                         "loss cannot be shaped here, its rate can (leave out delay_ms and "
+                                         "loss_pct); spark_dl.testing.lossy.lossy(cluster, worker, pct) loses "
+                                         "packets in user space instead") from None
             raise
         parent = ["parent", "1:"]
     if rate_mbit:

@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -258,11 +259,198 @@ def cut(spark) -> dict:
             "gone_after_restore_s": time.monotonic() - restored}
 
 
+def wait_gone(started: float, limit: float = 60.0) -> tuple[list[int], float]:
+    """Ranks still running on any worker host once they are all gone or ``limit`` s have passed, and
+    when that was (seconds after ``started``)."""
+    left = [p for w in range(len(CLUSTER.workers)) for p in rank_processes(w)]
+    while left and time.monotonic() - started < limit:
+        time.sleep(0.2)
+        left = [p for w in range(len(CLUSTER.workers)) for p in rank_processes(w)]
+    return left, time.monotonic() - started
+
+
+def cut_rendezvous(spark) -> dict:
+    """Worker 1's link cut as its tasks start their ranks, during the rendezvous: the start fails
+    within the silence bound instead of waiting out start_timeout, and nothing is left running."""
+    from spark_dl import HorovodRunner, JobFailed
+
+    os.environ["SPARK_DL_SILENCE_TIMEOUT"] = "10"
+    cut_at: list[float] = []
+
+    def cut_now() -> None:  # once worker 1's tasks start their ranks, which happens while they rendezvous
+        deadline = time.monotonic() + 120
+        while not any(b"spark_dl.rank.main" in cmdline(p) or b"spark_dl.task.zygote" in cmdline(p)
+                      for p in namespace_pids(CLUSTER.workers[1].namespace)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        CLUSTER.cut(1)
+        cut_at.append(time.monotonic())
+
+    threading.Thread(target=cut_now, daemon=True).start()
+    error = None
+    try:
+        HorovodRunner(np=4, start_timeout=300).run(all_reduces, os.path.join(tempfile.mkdtemp(), "started"))
+    except JobFailed as e:
+        error = str(e)
+    finally:
+        to_error = time.monotonic() - cut_at[0] if cut_at else None
+        time.sleep(0.5)  # the cut has happened, whatever ended the run
+        CLUSTER.restore(1)
+    left, gone = wait_gone(time.monotonic())
+    del os.environ["SPARK_DL_SILENCE_TIMEOUT"]
+    return {"failure": error, "to_error_s": to_error, "left": left, "gone_after_restore_s": gone}
+
+
+def counted_all_reduces(marker: str, steps: int) -> int:
+    import os
+    import time
+
+    import torch
+
+    import spark_dl
+
+    spark_dl.init()
+    open(f"{marker}.{os.environ['RANK']}", "w").close()
+    t = torch.ones(1000)
+    for _ in range(steps):
+        torch.distributed.all_reduce(t)
+        time.sleep(0.02)
+    return steps
+
+
+def flap(spark) -> dict:
+    """Worker 1's link down for 2 s, three times, while the ranks all-reduce: TCP and Gloo ride it
+    out (the silence bound, 10 s here, is longer than each outage), and the run finishes."""
+    from spark_dl import HorovodRunner, JobFailed
+
+    os.environ["SPARK_DL_SILENCE_TIMEOUT"] = "10"
+    marker = os.path.join(tempfile.mkdtemp(), "started")
+    flaps: list[float] = []
+
+    def flap_when_started() -> None:
+        deadline = time.monotonic() + 240
+        while not all(os.path.exists(f"{marker}.{r}") for r in range(4)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for _ in range(3):
+            time.sleep(2.0)
+            if not marker:
+                return
+            CLUSTER.cut(1)
+            flaps.append(time.monotonic())
+            time.sleep(2.0)
+            CLUSTER.restore(1)
+
+    threading.Thread(target=flap_when_started, daemon=True).start()
+    started = time.monotonic()
+    result, error = None, None
+    try:
+        result = HorovodRunner(np=4).run(counted_all_reduces, marker, 600)
+    except JobFailed as e:
+        error = str(e)[:3000]
+    finally:
+        marker = ""  # the flapping thread stops at its next check
+        time.sleep(4.5)
+        CLUSTER.restore(1)
+    del os.environ["SPARK_DL_SILENCE_TIMEOUT"]
+    return {"result": result, "failure": error, "flaps": len(flaps), "seconds": time.monotonic() - started,
+            "left": wait_gone(time.monotonic(), 30)[0]}
+
+
+def loss(spark) -> dict:
+    """5% of worker 1's frames lost each way while the ranks all-reduce: TCP retransmits, the run
+    finishes. The kernel here may lack netem: the loss is made in user space (spark_dl.testing.lossy)."""
+    from spark_dl import HorovodRunner, JobFailed
+    from spark_dl.testing.lossy import lossy
+
+    marker = os.path.join(tempfile.mkdtemp(), "started")
+    started = time.monotonic()
+    result, error = None, None
+    with lossy(CLUSTER, 1, 5.0):
+        try:
+            result = HorovodRunner(np=4).run(counted_all_reduces, marker, 150)
+        except JobFailed as e:
+            error = str(e)[:3000]
+    return {"result": result, "failure": error, "seconds": time.monotonic() - started,
+            "left": wait_gone(time.monotonic(), 30)[0]}
+
+
+def kill_host(spark) -> dict:
+    """Every process of worker 1's host killed (its Worker and executor JVMs, Python workers, ranks)
+    mid-collective: the run fails naming a rank of that host, the ranks of the other host go, and the
+    host is started again for what follows."""
+    from spark_dl import HorovodRunner, JobFailed
+
+    marker = os.path.join(tempfile.mkdtemp(), "started")
+    killed_at: list[float] = []
+
+    def kill_when_started() -> None:
+        deadline = time.monotonic() + 240
+        while not all(os.path.exists(f"{marker}.{r}") for r in range(4)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.0)
+        CLUSTER.kill_worker(1)
+        killed_at.append(time.monotonic())
+
+    threading.Thread(target=kill_when_started, daemon=True).start()
+    error = None
+    try:
+        HorovodRunner(np=4).run(all_reduces, marker)
+    except JobFailed as e:
+        error = str(e)[:3000]
+    to_error = time.monotonic() - killed_at[0] if killed_at else None
+    left, _ = wait_gone(time.monotonic(), 30)
+    CLUSTER.start_worker(1)
+    return {"failure": error, "to_error_s": to_error, "left": left, "killed_host": CLUSTER.workers[1].address}
+
+
+def driver_killed(spark) -> dict:
+    """The driver process killed (SIGKILL) while ranks on both hosts all-reduce: no rank outlives it.
+    Runs a second driver (this script, ``victim``) after this one's session is stopped: the
+    standalone master gives one application the cores at a time."""
+    spark.stop()
+    marker = os.path.join(tempfile.mkdtemp(), "started")
+    env = {**os.environ, "SPARK_DL_TRACKING": "0"}
+    victim = subprocess.Popen([sys.executable, __file__, sys.argv[1], "--victim", marker], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 240
+    while not all(os.path.exists(f"{marker}.{r}") for r in range(4)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    started = all(os.path.exists(f"{marker}.{r}") for r in range(4))
+    time.sleep(1.0)
+    victim.kill()
+    killed = time.monotonic()
+    victim.wait()
+    left, gone = wait_gone(killed, 60)
+    return {"started": started, "left": left, "gone_s": gone}
+
+
+def victim(marker: str) -> None:
+    """A driver to be killed: four ranks all-reducing until it dies."""
+    from spark_dl import HorovodRunner
+
+    spark = CLUSTER.session(**{"spark.executor.memory": "640m", "spark.ui.enabled": "false"})
+    spark.sparkContext.setLogLevel("ERROR")
+    wait_for_executors(spark)
+    HorovodRunner(np=4).run(all_reduces, marker)
+
+
+def wait_for_executors(spark, limit: float = 180.0) -> None:
+    """Until every worker host has an executor: on a loaded machine the second one registers late."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if spark.sparkContext._jsc.sc().getExecutorMemoryStatus().size() - 1 >= len(CLUSTER.workers):
+            return
+        time.sleep(0.5)
+
+
 def main() -> None:
+    if sys.argv[2:3] == ["--victim"]:
+        victim(sys.argv[3])
+        return
     spark = CLUSTER.session(**{"spark.executor.memory": "640m", "spark.ui.enabled": "false",
                                "spark.ui.showConsoleProgress": "false"})
     spark.sparkContext.setLogLevel("ERROR")
     for name in sys.argv[2:]:
+        wait_for_executors(spark)  # a host killed or cut before loses its executor for a while
         started = time.monotonic()
         try:
             out = {"scenario": name, **globals()[name](spark)}
@@ -271,7 +459,7 @@ def main() -> None:
         out["seconds"] = out.get("seconds", time.monotonic() - started)
         out["driver"] = {"host": CLUSTER.driver_host, "hostname": socket.gethostname()}
         print("RESULT " + json.dumps(out), flush=True)
-    spark.stop()
+    spark.stop()  # a second time after driver_killed: nothing happens
 
 
 if __name__ == "__main__":

@@ -18,7 +18,9 @@ from spark_dl.testing import cluster
 # one fixture starts the cluster and runs every scenario: about 6 minutes on 2 cores
 pytestmark = pytest.mark.timeout(1500)
 
-SCENARIOS = ["layout", "compression", "distributor", "horovod_spark", "shards", "restart", "cut"]
+# kill_host starts its host again; driver_killed stops the scenarios' session, so it comes last
+SCENARIOS = ["layout", "compression", "distributor", "horovod_spark", "shards", "restart", "cut", "cut_rendezvous",
+             "flap", "loss", "kill_host", "driver_killed"]
 
 
 @pytest.fixture(scope="module")
@@ -125,3 +127,41 @@ def test_a_cut_link_fails_the_run_naming_the_silent_host_and_leaves_no_rank_behi
     assert f" on {r['cut_host']} failed: its barrier task went silent: it has sent nothing for 10 s" in r["failure"]
     assert r["to_error_s"] < 10 + 15 + 10, r  # the bound (10 s here), the Spark job's cancel (up to 15 s), polling
     assert r["left_on_cut_host"] == [] and r["left_on_other_host"] == [], r
+
+
+def test_a_link_cut_during_the_rendezvous_fails_the_start_within_the_silence_bound(results):
+    r = scenario(results, "cut_rendezvous")
+    assert r["failure"] is not None, r
+    # either the cut host's tasks never reached the driver, or they did and then went silent
+    assert ("never reached the driver, 10 s after the tasks on" in r["failure"]
+            or "went silent: it has sent nothing for 10 s" in r["failure"]), r["failure"]
+    assert r["to_error_s"] < 10 + 15 + 10, r  # not start_timeout (300 s)
+    assert r["left"] == [], r
+
+
+def test_a_flapping_link_is_ridden_out(results):
+    r = scenario(results, "flap")
+    assert r["flaps"] == 3, r
+    assert r["failure"] is None and r["result"] == 600, r
+    assert r["left"] == [], r
+
+
+def test_five_percent_packet_loss_slows_the_run_but_it_finishes(results):
+    r = scenario(results, "loss")
+    assert r["failure"] is None and r["result"] == 150, r
+    assert r["left"] == [], r
+
+
+def test_a_killed_host_fails_the_run_naming_its_rank_and_the_other_hosts_ranks_go(results):
+    r = scenario(results, "kill_host")
+    assert r["failure"] is not None, r
+    assert f" on {r['killed_host']} failed: " in r["failure"], r["failure"]
+    assert r["to_error_s"] < 10 + 15 + 5, r
+    assert r["left"] == [], r
+
+
+def test_no_rank_outlives_a_killed_driver_on_any_host(results):
+    r = scenario(results, "driver_killed")
+    assert r["started"], r
+    assert r["left"] == [], r
+    assert r["gone_s"] < 10, r
