@@ -51,7 +51,14 @@ def rank_main(width: int, seconds: float) -> tuple[float, int, bool]:
                 break
     elapsed = time.perf_counter() - start
     reporting = any(t.name == "spark-dl-progress" for t in threading.enumerate())
-    return elapsed / (steps - 20), steps - 20, reporting
+    # what one report costs the rank, timed alone: the thread makes one a second
+    from spark_dl.rank.progress import Reporter
+
+    reporter = Reporter(lambda kind, data: None)
+    t0 = time.perf_counter()
+    for _ in range(1000):
+        reporter.report()
+    return elapsed / (steps - 20), steps - 20, reporting, (time.perf_counter() - t0) / 1000
 
 
 def main() -> None:
@@ -67,7 +74,7 @@ def main() -> None:
         for on in (False, True):
             os.environ["SPARK_DL_SILENCE_TIMEOUT"] = "30" if on else "0"
             runner = HorovodRunner(np=-2, stall_warning=60 if on else None, stall_timeout=300 if on else None)
-            per_step, steps, reporting = runner.run(rank_main, args.width, args.seconds)
+            per_step, steps, reporting, report_s = runner.run(rank_main, args.width, args.seconds)
             assert reporting == on, "the variant did not switch the reporting thread"
             times[on].append(per_step)
             print(f"  inspector {'on ' if on else 'off'}: {per_step * 1e3:.3f} ms a step over {steps} steps",
@@ -75,7 +82,11 @@ def main() -> None:
     off, on = statistics.median(times[False]), statistics.median(times[True])
     print(f"DDP step on 2 ranks (Gloo), MLP {args.width}-{args.width}-{args.width}-1, medians of {args.rounds} "
           f"launches of {args.seconds:g} s")
-    print(f"inspector off {off * 1e3:.3f} ms, on {on * 1e3:.3f} ms: ratio on/off {on / off:.4f}")
+    print(f"inspector off {off * 1e3:.3f} ms, on {on * 1e3:.3f} ms: ratio on/off {on / off:.4f} "
+          f"(launch-to-launch spread: off {min(times[False]) * 1e3:.2f}-{max(times[False]) * 1e3:.2f} ms, "
+          f"on {min(times[True]) * 1e3:.2f}-{max(times[True]) * 1e3:.2f} ms)")
+    print(f"one progress report, timed alone in a rank: {report_s * 1e6:.0f} us; at one a second that is "
+          f"{report_s * 100:.4f}% of one core")
 
 
 if __name__ == "__main__":

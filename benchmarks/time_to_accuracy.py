@@ -1,0 +1,172 @@
+"""Time to a target test accuracy, launch included, as a user lives it: PySpark's own
+``TorchDistributor`` with DDP fp32 (the peer) against spark-dl's ``HorovodRunner`` with DDP fp32 and
+with each compressor's DDP hook, on two hosts joined by a shaped link and on loopback.
+
+    sudo python benchmarks/time_to_accuracy.py [--links 1000,100,loopback] [--configs peer,fp32,fp16,powersgd,qsgd]
+                                               [--target 0.85] [--hidden 2304] [--max-seconds 900]
+
+Two ranks, one per host: ``spark_dl.testing.cluster`` (two workers in network namespaces of their
+own, one task slot each, links shaped to the rate) or, for ``loopback``, ``local[2]``. The model is
+an MLP (``--d-in`` -> ``--hidden`` -> ``--hidden`` -> 10; 11.2M parameters at the defaults) on
+generated data with a learnable signal (labels: the argmax of a fixed random linear map of the
+inputs); nothing is downloaded. SGD with momentum 0.9, the same hyperparameters for every
+configuration. Every ``--eval-every`` steps rank 0 measures the test accuracy; a run stops at the
+target (or ``--max-seconds``). The clock runs from the ``run()`` call to its return. Ratios are
+against the peer on the same link, measured in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+os.environ.setdefault("SPARK_DL_TRACKING", "0")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+CONFIGS = ("peer", "fp32", "fp16", "powersgd", "qsgd", "onebit")
+
+
+def train(cfg: dict) -> dict:
+    """One rank's training until the target accuracy: under spark-dl or under PySpark's torchrun."""
+    import os
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    started = time.time()
+    if "SPARK_DL_JOB_ID" in os.environ:
+        import spark_dl
+
+        spark_dl.init()
+    elif not dist.is_initialized():
+        dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.set_num_threads(cfg["threads"])
+    torch.manual_seed(cfg["seed"])
+    g = torch.Generator().manual_seed(1234)  # the task: the same on every rank and in every run
+    d_in, hidden = cfg["d_in"], cfg["hidden"]
+    teacher = torch.randn(d_in, 10, generator=g)
+    x_test = torch.randn(2000, d_in, generator=g)
+    y_test = (x_test @ teacher).argmax(1)
+    model = torch.nn.Sequential(torch.nn.Linear(d_in, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, hidden),
+                                torch.nn.ReLU(), torch.nn.Linear(hidden, 10))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    name = cfg["compression"]
+    if name != "fp32":
+        from spark_dl.compression import FP16, QSGD, OneBit, PowerSGD, make_ddp_hook
+
+        compressor = {"fp16": FP16, "powersgd": lambda: PowerSGD(rank=4), "qsgd": QSGD, "onebit": OneBit}[name]()
+        ddp.register_comm_hook(*make_ddp_hook(compressor))
+    opt = torch.optim.SGD(ddp.parameters(), lr=cfg["lr"], momentum=0.9)
+    data = torch.Generator().manual_seed(100 + rank)
+    steps, accuracy, flag = 0, 0.0, torch.zeros(1)
+    while True:
+        x = torch.randn(cfg["batch"], d_in, generator=data)
+        loss = torch.nn.functional.cross_entropy(ddp(x), (x @ teacher).argmax(1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        steps += 1
+        if steps % cfg["eval_every"] == 0:
+            if rank == 0:
+                with torch.no_grad():
+                    accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
+                flag.fill_(float(accuracy >= cfg["target"] or time.time() - started > cfg["max_seconds"]))
+            dist.broadcast(flag, 0)
+            if flag.item():
+                break
+    return {"steps": steps, "accuracy": accuracy, "train_s": time.time() - started}
+
+
+def run_config(config: str, cfg: dict) -> tuple[float, dict]:
+    started = time.monotonic()
+    if config == "peer":
+        from pyspark.ml.torch.distributor import TorchDistributor
+
+        out = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(train, {**cfg,
+                                                                                            "compression": "fp32"})
+    else:
+        from spark_dl import HorovodRunner
+
+        out = HorovodRunner(np=2).run(train, {**cfg, "compression": config})
+    return time.monotonic() - started, out
+
+
+def measure(link: str, configs: list[str], cfg: dict) -> list[tuple[str, float, dict]]:
+    from pyspark.sql import SparkSession
+
+    rows = []
+    if link == "loopback":
+        spark = (SparkSession.builder.master("local[2]").appName("time-to-accuracy")
+                 .config("spark.ui.enabled", "false").getOrCreate())
+        for c in configs:
+            rows.append((c, *run_config(c, cfg)))
+        spark.stop()
+        return rows
+    from spark_dl.testing import cluster
+
+    with cluster.running(workers=2, cores=1, memory_mb=2000, rate_mbit=float(link)) as c:
+        # PySpark's ranks resolve the hostname to pick their interface (a loopback address here): as a
+        # user of it would, name the interface; spark-dl's ranks find it themselves and keep it
+        spark = c.session(**{"spark.executorEnv.GLOO_SOCKET_IFNAME": "eth0", "spark.executor.memory": "1200m",
+                             "spark.ui.enabled": "false"})
+        spark.sparkContext.setLogLevel("ERROR")
+        deadline = time.monotonic() + 120
+        while spark.sparkContext._jsc.sc().getExecutorMemoryStatus().size() - 1 < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        for conf in configs:
+            rows.append((conf, *run_config(conf, cfg)))
+        spark.stop()
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--links", default="1000,100,loopback", help="Mbit/s of the shaped link, or loopback")
+    parser.add_argument("--configs", default="peer,fp32,fp16,powersgd,qsgd", help=f"of {','.join(CONFIGS)}")
+    parser.add_argument("--target", type=float, default=0.85)
+    parser.add_argument("--d-in", type=int, default=256)
+    parser.add_argument("--hidden", type=int, default=2304)
+    parser.add_argument("--batch", type=int, default=64, help="per rank")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--max-seconds", type=float, default=900.0)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    configs = [c for c in args.configs.split(",") if c]
+    if set(configs) - set(CONFIGS):
+        parser.error(f"unknown configs {sorted(set(configs) - set(CONFIGS))}; known: {CONFIGS}")
+    params = args.d_in * args.hidden + args.hidden * args.hidden + args.hidden * 10 + 2 * args.hidden + 10
+    cfg = {"d_in": args.d_in, "hidden": args.hidden, "batch": args.batch, "lr": args.lr, "target": args.target,
+           "eval_every": args.eval_every, "max_seconds": args.max_seconds, "seed": args.seed, "threads": 1}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    print(f"{platform.node()}, {os.cpu_count()} cores, {datetime.date.today()}, commit {commit or '?'}; 2 ranks, "
+          f"MLP {args.d_in}-{args.hidden}-{args.hidden}-10 ({params / 1e6:.1f}M parameters), batch {args.batch} "
+          "a rank, "
+          f"SGD lr {args.lr} momentum 0.9, target test accuracy {args.target}", flush=True)
+    for link in [x for x in args.links.split(",") if x]:
+        rows = measure(link, configs, cfg)
+        peer = next((t for c, t, _ in rows if c == "peer"), None)
+        fp32 = next((t for c, t, _ in rows if c == "fp32"), None)
+        print(f"\n{link if link == 'loopback' else link + ' Mbit/s'}:")
+        print(f"{'configuration':<28}{'to target':>11}{'steps':>7}{'accuracy':>10}{'vs peer':>9}{'vs fp32':>9}")
+        for c, t, out in rows:
+            label = "PySpark TorchDistributor" if c == "peer" else f"spark-dl DDP {c}"
+            reached = "" if out["accuracy"] >= args.target else " (not reached)"
+            print(f"{label:<28}{t:>9.1f} s{out['steps']:>7}{out['accuracy']:>10.3f}"
+                  f"{(peer / t if peer else float('nan')):>8.2f}x{(t / fp32 if fp32 else float('nan')):>9.2f}"
+                  f"{reached}", flush=True)
+    print("\nvs peer: how many times sooner than PySpark's TorchDistributor; vs fp32: time over spark-dl's DDP fp32")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
