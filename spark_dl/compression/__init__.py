@@ -8,7 +8,7 @@ compressor      summable   bits / element      error feedback
 ==============  =========  ==================  ==========================
 NoneCompressor  yes        32                  no
 FP16, BF16      yes        16                  no
-OneBit          no         1 (+64 per tensor)  built in
+OneBit          no         2 (1 + 64 / 64)     built in
 EFSign          no         1 (+32 per tensor)  built in
 QSGD            no         4.06 (s=7, d=512)   no (unbiased)
 TopK            no         64 * ratio          wrap in ErrorFeedback
@@ -25,11 +25,12 @@ from spark_dl.compression.powersgd import PowerSGD
 from spark_dl.compression.qsgd import QSGD
 from spark_dl.compression.sign import EFSign, OneBit, ScaledSign, SignMeans
 from spark_dl.compression.sparse import RandomK, TopK
-from spark_dl.compression.stats import CompressionStats, stats
+from spark_dl.compression.stats import CompressionStats, CompressionWarning, stats
+from spark_dl.compression.training import TrainingFeedback
 
 __all__ = [
     "Compressor", "Payload", "ErrorFeedback", "allreduce", "stats", "CompressionStats",
     "NoneCompressor", "FP16", "BF16", "OneBit", "SignMeans", "EFSign", "ScaledSign", "QSGD",
     "TopK", "RandomK", "PowerSGD", "make_ddp_hook", "ddp_hook", "compressed_hook",
-    "DDPHookState",
+    "DDPHookState", "CompressionWarning", "TrainingFeedback",
 ]

@@ -18,6 +18,7 @@ from typing import Any, Hashable
 
 import torch
 
+from spark_dl.compression.training import optimizer_settings
 from spark_dl.errors import as_int, in_range
 
 Key = Hashable
@@ -62,6 +63,24 @@ class Compressor:
     """
 
     summable: bool = False
+    # Warm-up, momentum compression and lr rescaling (spark_dl.compression.training), for the
+    # compressors with error feedback; None: told nothing, changes nothing.
+    feedback: Any = None
+
+    def observe(self, *, lr: float | None = None, momentum: float = 0.0) -> None:
+        """The optimizer's lr and (SGD) momentum for the step about to be reduced; call before the
+        step's first reduction. Error-feedback compressors rescale their residuals when the lr
+        moves and compress each rank's velocity under momentum (see
+        :mod:`spark_dl.compression.training`); the others ignore it."""
+        if self.feedback is not None:
+            self.feedback.observe(getattr(self, "residuals", None), lr=lr, momentum=momentum)
+
+    def observe_optimizer(self, optimizer: Any) -> None:
+        """:meth:`observe` with the lr and momentum of ``optimizer``'s first param group (momentum:
+        SGD's; Adam's betas are not compressed as a velocity)."""
+        if self.feedback is not None:
+            lr, momentum = optimizer_settings(optimizer)
+            self.observe(lr=lr, momentum=momentum)
 
     def compress(self, tensor: torch.Tensor, key: Key = None) -> Payload:
         raise NotImplementedError

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from spark_dl.compression.base import Compressor, Payload, as_compressor
 from spark_dl.compression.fp import Cast, NoneCompressor
 from spark_dl.compression.powersgd import PowerSGD
-from spark_dl.compression.stats import stats
+from spark_dl.compression.stats import stats, watch
 from spark_dl.errors import as_int
 
 OPS = ("average", "sum")
@@ -200,6 +200,31 @@ def _scatter_reduce_allgather(x: torch.Tensor, c: Compressor, name: Any, group: 
     return out.to(x.dtype).reshape(x.shape)
 
 
+def _allgather_sum(x: torch.Tensor, c: Compressor, name: Any, group: Any, world: int,
+                   into: torch.Tensor | None = None, average: bool = False) -> torch.Tensor:
+    """One compression stage: every rank compresses its whole tensor (error-feedback memory
+    ``(name, "worker")``), an ``all_gather`` brings every payload to every rank, and each sums the
+    W decompressions in rank order (the same bits everywhere). Each rank sends (W-1) compressed
+    copies, against 2(W-1)/W for the scatter-reduce, whose second compression of the reduced chunk
+    (with its own error feedback) doubles the delay error feedback puts on the update."""
+    flat = x.reshape(-1)
+    key = (name, "worker")
+    payload = c.compress_averaged(flat, world, key=key) if average else c.compress(flat, key=key)
+    mine = to_bytes(payload)
+    out = into if into is not None else torch.empty(x.numel(), dtype=torch.float32, device=x.device)
+    if world == 1:
+        c.decompress_into(payload, out)
+        return out.to(x.dtype).reshape(x.shape)
+    wire = torch.device("cpu") if _through_host(x, group) else x.device
+    gathered = torch.empty(world, mine.numel(), dtype=torch.uint8, device=wire)
+    _all_gather(gathered.view(-1), mine.to(wire), group).wait()
+    stats.add_bytes((world - 1) * mine.numel())
+    gathered = gathered.to(x.device)
+    for i in range(world):
+        c.decompress_into(from_bytes(gathered[i], payload), out, accumulate=i > 0)
+    return out.to(x.dtype).reshape(x.shape)
+
+
 def _dims(layout: Any) -> list[list[int]] | None:
     """``layout`` as lists of Python ints, or None where it is not a list of sequences of ints."""
     try:
@@ -220,6 +245,24 @@ def _check_layout(layout: Sequence[Sequence[int]], tensor: torch.Tensor) -> None
             f"layout describes {sum(sizes)} elements in {len(sizes)} tensors but the tensor has "
             f"{tensor.numel()}: pass the shapes of exactly the tensors packed in it, in order."
         )
+
+
+def _reduce(tensor: torch.Tensor, c: Compressor, name: Any, group: Any, world: int, layout: Any,
+            into: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """``allreduce``'s exchange: the path that fits ``c``'s payload."""
+    if isinstance(c, PowerSGD):
+        # the 1/W scale rides PowerSGD's own pass that adds the residual: no pass of its own
+        return c.round_layers(tensor, layout, name, lambda t: _start_all_reduce(t, group, world), scale=scale,
+                              into=into)
+    if isinstance(c, Cast) and scale != 1.0:
+        # divide before the sum (no fp16 overflow) inside the cast: no pass of its own
+        return _summable(tensor, c, name, group, world, scale=scale, into=into)
+    # the division by the world size happens in the compressors' calls (compress_averaged)
+    if c.summable:
+        return _summable(tensor, c, name, group, world, into=into, average=scale != 1.0)
+    if c.feedback is not None and c.feedback.single_stage(world):
+        return _allgather_sum(tensor, c, name, group, world, into=into, average=scale != 1.0)
+    return _scatter_reduce_allgather(tensor, c, name, group, world, into=into, average=scale != 1.0)
 
 
 def allreduce(tensor: torch.Tensor, compression: Compressor | None = None, *,
@@ -264,19 +307,17 @@ def allreduce(tensor: torch.Tensor, compression: Compressor | None = None, *,
     average = op == "average"
     integer = not (tensor.is_floating_point() or tensor.is_complex())
     scale = 1.0 / world if average and not integer else 1.0
+    fb = c.feedback if name is not None and tensor.is_floating_point() and tensor.numel() else None
     if tensor.numel() == 0:
         result = tensor * scale if scale != 1.0 else tensor.clone()
-    elif isinstance(c, PowerSGD):
-        # the 1/W scale rides PowerSGD's own pass that adds the residual: no pass of its own
-        result = c.round_layers(tensor, layout, name, lambda t: _start_all_reduce(t, group, world), scale=scale,
-                                into=into)
-    elif isinstance(c, Cast) and scale != 1.0:
-        # divide before the sum (no fp16 overflow) inside the cast: no pass of its own
-        result = _summable(tensor, c, name, group, world, scale=scale, into=into)
-    else:
-        # the division by the world size happens in the compressors' calls (compress_averaged)
-        result = _summable(tensor, c, name, group, world, into=into, average=scale != 1.0) if c.summable else \
-            _scatter_reduce_allgather(tensor, c, name, group, world, into=into, average=scale != 1.0)
+    elif fb is None:
+        result = _reduce(tensor, c, name, group, world, layout, into, scale)
+    else:  # warm-up, momentum compression (spark_dl.compression.training)
+        x = fb.before(tensor, name)
+        now = NoneCompressor() if fb.warming(name) else c
+        result = fb.after(_reduce(x, now, name, group, world, layout, into, scale), name)
+        if now is c:
+            watch(c, name, x, result, world)
     if average and integer:
         result = torch.div(result, world, rounding_mode="trunc")
     result = result.to(tensor.dtype).reshape(tensor.shape)
@@ -290,7 +331,8 @@ def allreduce(tensor: torch.Tensor, compression: Compressor | None = None, *,
 def summable_in_flight(tensor: torch.Tensor, compression: Compressor) -> bool:
     """Whether :func:`start_summable` takes this tensor: a contiguous float32 CPU tensor and a
     summable compressor (one all-reduce per payload tensor)."""
-    return (compression.summable and not isinstance(compression, PowerSGD) and tensor.device.type == "cpu"
+    return (compression.summable and compression.feedback is None and not isinstance(compression, PowerSGD)
+            and tensor.device.type == "cpu"
             and tensor.dtype == torch.float32 and tensor.is_contiguous())
 
 

@@ -32,6 +32,7 @@ import contextlib
 import hashlib
 import queue
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -39,9 +40,11 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from spark_dl.compression.advice import warn_if_known_worse
 from spark_dl.compression.base import Compressor, as_compressor
 from spark_dl.compression.collectives import OPS, allreduce, start_summable, summable_in_flight
 from spark_dl.compression.fp import NoneCompressor
+from spark_dl.compression.stats import CompressionWarning
 
 
 @dataclass
@@ -61,17 +64,19 @@ class DDPHookState:
     members: dict[str, tuple[int, list[int], bool]] = field(default_factory=dict, repr=False)
     overlap: bool = False
     worker: Any = field(default=None, repr=False)  # the _Worker reducing buckets, once started
+    optimizer: Any = field(default=None, repr=False)  # told to the compressor before each step's first bucket
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["process_group"] = None  # a process group is a live connection, not data
+        state["optimizer"] = None  # checkpointed on its own; pass it again to make_ddp_hook
         state["owners"], state["members"] = {}, {}  # addresses of this process's parameters
         state["worker"] = None  # a thread and its process group: started again by the first bucket
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update({"routes": {}, "owners": {}, "members": {}, "overlap": False, **state,
-                              "worker": None})
+                              "worker": None, "optimizer": None})
 
 
 class _Worker:
@@ -282,6 +287,8 @@ def compressed_hook(state: DDPHookState, bucket: dist.GradBucket) -> torch.futur
     # what the reduction needs, read here: the GradBucket is DDP's to reuse once this returns
     args = (bucket.index(), _layout(bucket), _shapes(bucket), buffer, list(bucket.gradients()),
             [p.data_ptr() for p in bucket.parameters()])
+    if args[0] == 0 and state.optimizer is not None:  # the step's first bucket: its lr and momentum
+        state.compressor.observe_optimizer(state.optimizer)
     worker = _worker(state)
     if worker is not None:
         return worker.submit(lambda group: _reduce(state, *args, group, in_flight=True), buffer.device)
@@ -291,17 +298,33 @@ def compressed_hook(state: DDPHookState, bucket: dist.GradBucket) -> torch.futur
 
 
 def make_ddp_hook(compressor: Compressor | None = None, *, op: str = "average",
-                  process_group: Any = None, overlap: bool = False) -> tuple[DDPHookState, Callable]:
+                  process_group: Any = None, overlap: bool = False,
+                  optimizer: Any = None) -> tuple[DDPHookState, Callable]:
     """``(state, hook)`` for ``DistributedDataParallel.register_comm_hook(state, hook)``. ``compressor``:
     an instance, or a compressor class that takes no arguments (instantiated once, here).
     ``overlap``: reduce buckets on a background thread while backward runs (default process
-    group only; see the module docstring)."""
+    group only; see the module docstring). ``optimizer``: the optimizer that steps the model;
+    before each step's first bucket its lr and momentum are told to the compressor
+    (:meth:`Compressor.observe_optimizer`), so error feedback rescales its residuals when the lr
+    moves and compresses the velocity under momentum SGD. A compressor that compresses the
+    velocity (OneBit, EFSign, ErrorFeedback) warns without ``optimizer``: without it 1-bit SGD
+    under momentum diverges."""
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     if not isinstance(overlap, bool):
         raise TypeError(f"overlap must be True or False, got {overlap!r}")
+    if optimizer is not None and not hasattr(optimizer, "param_groups"):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     c = NoneCompressor() if compressor is None else as_compressor(compressor, "make_ddp_hook")
-    state = DDPHookState(c, op, process_group, overlap=overlap)
+    if optimizer is None and c.feedback is not None and c.feedback.compress_momentum:
+        warnings.warn(
+            f"make_ddp_hook({c!r}) without optimizer=: the hook cannot see the lr or the momentum, so its error "
+            "feedback neither compresses the velocity under momentum SGD (which 1-bit and sign compression need "
+            "to converge) nor rescales its residuals when the lr changes. Pass make_ddp_hook(c, optimizer=opt), "
+            "or call c.observe_optimizer(opt) before each backward.", CompressionWarning, stacklevel=2)
+    if optimizer is not None:
+        warn_if_known_worse(c, optimizer)
+    state = DDPHookState(c, op, process_group, overlap=overlap, optimizer=optimizer)
     return state, compressed_hook
 
 

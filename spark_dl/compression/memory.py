@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from spark_dl.compression.base import Compressor, Key, Payload, as_compressor, check_float
+from spark_dl.compression.base import Compressor, Key, Payload, as_compressor, check_float, int_param
+from spark_dl.compression.training import TrainingFeedback
 
 
 def key_matches(key: Key, prefix: Key) -> bool:
@@ -77,6 +78,10 @@ class Residuals:
             for k in [k for k in self.memory if key_matches(k, key)]:
                 del self.memory[k]
 
+    def keys(self) -> list[Key]:
+        """The keys that hold a residual (reads none of them)."""
+        return list(self.memory)
+
     def __len__(self) -> int:
         return len(self.memory)
 
@@ -129,6 +134,9 @@ class PendingResiduals(Residuals):
             for k in [k for k in d if key is None or key_matches(k, key)]:
                 del d[k]
 
+    def keys(self) -> list[Key]:
+        return list(self._memory)
+
     def __len__(self) -> int:
         return len(self._memory)
 
@@ -143,12 +151,31 @@ class EFMeta:
     dtype: torch.dtype
 
 
-class ErrorFeedback(Compressor):
-    """Wraps any compressor with error-feedback memory keyed by tensor name (see module doc)."""
+# Uncompressed reductions per tensor before a biased compressor starts (measured on digits and a
+# 1.6M-parameter MLP: see docs/guide/compression.md, "What each compressor needs to converge").
+WARMUP_STEPS = 0
+# Up to this many ranks, error-feedback compressors exchange whole compressed tensors (one
+# compression stage, (W-1) compressed copies sent per rank); above it, the scatter-reduce (about
+# 2 copies, a second compression stage).
+SINGLE_STAGE_UP_TO = 8
 
-    def __init__(self, compressor: Compressor) -> None:
+
+class ErrorFeedback(Compressor):
+    """Wraps any compressor with error-feedback memory keyed by tensor name (see module doc).
+
+    ``warmup_steps``: reductions of each tensor that go uncompressed first.
+    ``compress_momentum``: under momentum SGD (as told by :meth:`Compressor.observe`), compress
+    each rank's velocity rather than its gradient. ``single_stage_up_to``: up to this many ranks,
+    a non-summable compressor's payloads are all-gathered and summed (one compression stage)
+    rather than scatter-reduced and compressed again. All three, and the residuals' rescaling
+    when the lr moves, are described in :mod:`spark_dl.compression.training`.
+    """
+
+    def __init__(self, compressor: Compressor, warmup_steps: int = WARMUP_STEPS,
+                 compress_momentum: bool = True, single_stage_up_to: int = SINGLE_STAGE_UP_TO) -> None:
         self.compressor = as_compressor(compressor, "ErrorFeedback")
         self.residuals = Residuals()
+        self.feedback = feedback_for(type(self).__name__, warmup_steps, compress_momentum, single_stage_up_to)
 
     @property
     def summable(self) -> bool:  # type: ignore[override]
@@ -196,6 +223,20 @@ class ErrorFeedback(Compressor):
     def reset(self, key: Key = None) -> None:
         self.residuals.reset(key)
         self.compressor.reset(key)
+        self.feedback.reset(key)
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if "feedback" not in state:  # pickled before training feedback existed: as before
+            self.feedback = TrainingFeedback(0, compress_momentum=False, rescale_lr=False)
 
     def __repr__(self) -> str:
         return f"ErrorFeedback({self.compressor!r})"
+
+
+def feedback_for(who: str, warmup_steps: Any, compress_momentum: Any, single_stage_up_to: Any) -> TrainingFeedback:
+    """A compressor's :class:`TrainingFeedback`, its arguments checked."""
+    if not isinstance(compress_momentum, bool):
+        raise TypeError(f"{who} compress_momentum must be True or False, got {compress_momentum!r}")
+    return TrainingFeedback(int_param(warmup_steps, who, "warmup_steps", 0), compress_momentum,
+                            single_stage_up_to=int_param(single_stage_up_to, who, "single_stage_up_to", 0))

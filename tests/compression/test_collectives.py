@@ -22,10 +22,13 @@ def grad(rank: int, shape=SHAPE) -> torch.Tensor:
 
 def compressors() -> dict:
     return {
-        "none": C.NoneCompressor(), "fp16": C.FP16(), "bf16": C.BF16(), "onebit": C.OneBit(),
-        "efsign": C.EFSign(), "qsgd": C.QSGD(), "topk": C.TopK(0.1),
-        "topk_ef": C.ErrorFeedback(C.TopK(0.1)), "randomk": C.RandomK(0.1),
-        "powersgd": C.PowerSGD(rank=2, start_iter=0),
+        # the error-feedback compressors through the scatter-reduce (single_stage_up_to=0), 1-bit with
+        # one pair of means per 204-element chunk; "onebit_1stage" is the default, all-gathered
+        "none": C.NoneCompressor(), "fp16": C.FP16(), "bf16": C.BF16(),
+        "onebit": C.OneBit(1024, single_stage_up_to=0), "efsign": C.EFSign(single_stage_up_to=0),
+        "qsgd": C.QSGD(), "topk": C.TopK(0.1),
+        "topk_ef": C.ErrorFeedback(C.TopK(0.1), single_stage_up_to=0), "randomk": C.RandomK(0.1),
+        "powersgd": C.PowerSGD(rank=2, start_iter=0), "onebit_1stage": C.OneBit(),
     }
 
 
@@ -43,8 +46,8 @@ def collective_main():
     before = g.clone()
     for key, c in compressors().items():
         out[key] = C.allreduce(g, c, name="g").tolist()
-        out[key + "_sum"] = C.allreduce(g, type(c)() if key not in ("topk", "topk_ef", "randomk", "powersgd") else c,
-                                        op="sum", name="gs").tolist()
+        fresh = compressors()[key] if key not in ("topk", "topk_ef", "randomk", "powersgd") else c
+        out[key + "_sum"] = C.allreduce(g, fresh, op="sum", name="gs").tolist()
     out["input_untouched"] = torch.equal(g, before)
     # out=: the result lands in the given tensor, the input itself included, and is the same
     into = {}
@@ -69,12 +72,18 @@ def collective_main():
 
     # Error feedback through the collective: the running mean converges to the exact average.
     for key, make in [("onebit", C.OneBit), ("efsign", C.EFSign)]:
-        c = make()
+        c = make(single_stage_up_to=0)
         outs = [C.allreduce(g, c, name="ef") for _ in range(100)]
         out[key + "_ef_mean"] = torch.stack(outs).mean(0).tolist()
         memory = c.residuals.memory
         out[key + "_worker_memory"] = torch.cat([memory["ef", "worker", j] for j in (0, 1)]).tolist()
         out[key + "_server_memory"] = memory["ef", "server"].tolist()  # this rank's chunk
+    # One stage (the default up to 8 ranks): the whole tensor, one memory per rank.
+    c = C.OneBit()
+    outs = [C.allreduce(g, c, name="ef1") for _ in range(100)]
+    out["onebit_1stage_ef_mean"] = torch.stack(outs).mean(0).tolist()
+    out["onebit_1stage_memory"] = c.residuals.memory["ef1", "worker"].tolist()
+    out["onebit_1stage_keys"] = sorted(c.residuals.memory)
 
     # PowerSGD: a shared column space makes rank 2 exact; before start_iter it is uncompressed.
     u = torch.randn(20, 2, generator=torch.Generator().manual_seed(7))
@@ -125,8 +134,8 @@ def collective_main():
     before_stats = C.stats.snapshot()
     out["pieces_exact"] = C.allreduce(piecewise, C.TopK(1.0)).tolist()
     out["pieces_bytes"] = C.stats.snapshot()["bytes_sent"] - before_stats["bytes_sent"]
-    out["pieces_onebit"] = C.allreduce(piecewise, C.OneBit(), name="p").tolist()
-    ob = C.OneBit()
+    out["pieces_onebit"] = C.allreduce(piecewise, C.OneBit(single_stage_up_to=0), name="p").tolist()
+    ob = C.OneBit(single_stage_up_to=0)
     C.allreduce(piecewise, ob, name="p")
     out["pieces_onebit_keys"] = sorted(k[1:] for k in ob.residuals.memory)
     q = C.QSGD(seed=r)
@@ -228,6 +237,19 @@ def test_error_feedback_through_the_collective_loses_nothing(ranks):
         assert (mean - want).norm() < 0.15 * (first - want).norm(), key
 
 
+def test_one_stage_error_feedback_loses_nothing_and_keeps_one_memory_per_rank(ranks):
+    want, T = exact(), 100
+    mean = torch.tensor(ranks[0]["onebit_1stage_ef_mean"])
+    assert mean.tolist() == ranks[1]["onebit_1stage_ef_mean"]
+    held = sum(torch.tensor(r["onebit_1stage_memory"]) for r in ranks)
+    assert torch.allclose(T * mean + held.reshape(want.shape), T * want, atol=2e-3)
+    assert ranks[0]["onebit_1stage_keys"] == [("ef1", "worker")]
+    # one compression of each rank's whole tensor, summed: each decoded with 64-element buckets
+    codec = C.SignMeans(64)
+    first = sum(codec.decompress(codec.compress(grad(r) / 2)) for r in (0, 1))
+    assert torch.allclose(torch.tensor(ranks[0]["onebit_1stage"]), first, atol=1e-5)
+
+
 def test_qsgd_is_unbiased_through_the_collective(ranks):
     samples = torch.tensor(ranks[0]["qsgd_samples"])
     assert samples.tolist() == ranks[1]["qsgd_samples"]
@@ -268,8 +290,9 @@ def test_bytes_on_the_wire(ranks):
     n = 1 << 16
     assert out["bytes_none"] == out["dense_none"] == 4 * n  # ring: 2 (W-1)/W * 4n
     assert out["dense_onebit"] == out["dense_qsgd"] == 4 * n
-    # 1 bit per element + two float32 means per 1024-element bucket: 32 / 1.0625 = 30.1x fewer
-    assert out["bytes_none"] / out["bytes_onebit"] == pytest.approx(32 / 1.0625, rel=0.01)
+    # 1 bit per element + two float32 means per 64-element bucket: 32 / 2 = 16x fewer (on 2 ranks
+    # the one-stage all-gather sends one copy, as the scatter-reduce's 2 (W-1)/W does)
+    assert out["bytes_none"] / out["bytes_onebit"] == pytest.approx(32 / 2, rel=0.01)
     assert out["bytes_none"] / out["bytes_qsgd"] == pytest.approx(8, rel=0.02)
     assert out["bytes_none"] / out["bytes_fp16"] == 2
     # P (256 x 4) and Q (256 x 4) in float32; a 2-rank ring sends each once.

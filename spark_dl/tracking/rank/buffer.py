@@ -79,6 +79,10 @@ class CommSampler:
         out["comm/allreduce_calls_per_step"] = (now[1] - last[1]) / steps
         if now[3] >= 0 and sent > 0:
             out["comm/compression_ratio"] = (now[3] - last[3]) / sent
+        # error feedback's residual norm over the gradient's, per compressor ("OneBit",
+        # "ErrorFeedback(TopK)" as comm/ef_residual_ratio/ErrorFeedback.TopK: MLflow names take no brackets)
+        for who, ratio in dict(getattr(s, "residual_ratios", None) or {}).items():
+            out[f"comm/ef_residual_ratio/{who.replace('(', '.').rstrip(')')}"] = float(ratio)
 
 
 class MetricBuffer:

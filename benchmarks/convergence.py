@@ -1,0 +1,274 @@
+"""Does compressed training reach the accuracy of uncompressed training, with the same settings?
+
+Trains one model per (compressor, optimizer, path, seed) on --ranks local Gloo processes (plain
+``torch.multiprocessing``: no Spark, no MLflow; torch, numpy and scikit-learn only) and prints,
+per compressor x optimizer x path, the final test accuracy (mean and std over the seeds), the
+bytes each rank sent per step, and the steps it took to reach the uncompressed run's mean final
+accuracy (``-``: never within --steps). Every compressor runs at its defaults with the
+hyperparameters of the uncompressed run.
+
+Paths: ``hvd`` is ``spark_dl.horovod.DistributedOptimizer(opt, compression=c)``; ``ddp`` and
+``ddp-overlap`` are ``DistributedDataParallel`` with ``make_ddp_hook(c, optimizer=opt)`` (with
+``overlap=True`` for the second). Optimizers (lr scaled by the world size, as the linear
+scaling rule has it): ``sgd`` (momentum 0.9), ``nesterov``, ``adam``, ``adamw``, ``recipe``
+(``LargeBatchRecipe``: SGD with momentum, warmup, then cosine decay).
+
+Models: ``digits`` (scikit-learn's 8x8 digits, a 64-64-10 MLP, 4,810 parameters) and ``teacher``
+(a 512-1024-1024-10 MLP, 1.6M parameters, on Gaussian inputs labelled by a fixed random
+teacher network: generated, nothing downloaded).
+
+    python benchmarks/convergence.py                      # digits, 2 ranks, 3 seeds, 150 steps
+    python benchmarks/convergence.py --model teacher --ranks 2 --threads 4 --seeds 3 --steps 300 \
+        --paths ddp --optimizers nesterov,adam --lr-sgd 0.02 --compressors none,onebit,powersgd,qsgd \
+        --time-limit 470                                  # about 15 s a run on a 16-core host
+
+``--time-limit`` stops the runs there and prints the rows that finished. The settings, the machine,
+the date and the git commit are printed above the table.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from queue import Empty
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import spark_dl.compression as C  # noqa: E402
+
+COMPRESSORS = {
+    "none": C.NoneCompressor, "fp16": C.FP16, "bf16": C.BF16, "qsgd": C.QSGD, "powersgd": C.PowerSGD,
+    "onebit": C.OneBit, "efsign": C.EFSign, "topk": lambda: C.ErrorFeedback(C.TopK()),
+    "randomk": lambda: C.ErrorFeedback(C.RandomK()),
+}
+OPTIMIZERS = ("sgd", "nesterov", "adam", "adamw", "recipe")
+PATHS = ("hvd", "ddp", "ddp-overlap")
+
+
+def dataset(model: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x_train, y_train, x_test, y_test), the same in every process."""
+    if model == "digits":
+        from sklearn.datasets import load_digits
+
+        x, y = load_digits(return_X_y=True)
+        x = torch.tensor(x, dtype=torch.float32) / 16.0
+        y = torch.tensor(y, dtype=torch.long)
+        perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+        x, y = x[perm], y[perm]
+        cut = int(0.8 * len(y))
+        return x[:cut], y[:cut], x[cut:], y[cut:]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(24000, 512, generator=gen)
+    w1 = torch.randn(512, 64, generator=gen) / math.sqrt(512)
+    w2 = torch.randn(64, 10, generator=gen) / math.sqrt(64)
+    y = (torch.tanh(x @ w1) @ w2).argmax(1)
+    return x[:20000], y[:20000], x[20000:], y[20000:]
+
+
+def network(model: str) -> nn.Module:
+    if model == "digits":
+        return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    return nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+
+
+def optimizer(name: str, params, world: int, args):
+    """(optimizer, the recipe whose scheduler drives it or None): the same settings whatever the compressor."""
+    lr_sgd, lr_adam = args.lr_sgd, args.lr_adam
+    if name in ("sgd", "nesterov"):
+        return torch.optim.SGD(params, lr=lr_sgd * world, momentum=0.9, nesterov=name == "nesterov"), None
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr_adam * world), None
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr_adam * world, weight_decay=0.01), None
+    from spark_dl.train import LargeBatchRecipe
+
+    # warm up from the per-rank lr over the first fifth of the run, then cosine decay to 0
+    recipe = LargeBatchRecipe(lr_sgd, args.batch, per_rank_batch=args.batch, world_size=world, steps_per_epoch=10,
+                              warmup_epochs=args.steps / 50, epochs=args.steps / 10, decay="cosine")
+    return torch.optim.SGD(params, lr=recipe.peak_lr, momentum=0.9), recipe
+
+
+def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    with torch.no_grad():
+        return float((model(x).argmax(1) == y).float().mean())
+
+
+def train(args, data, comp_name: str, opt_name: str, path: str, seed: int) -> tuple[float, list[float], float]:
+    """Final test accuracy, accuracy every --eval-every steps, bytes sent per step (this rank)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    xtr, ytr, xte, yte = data
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(seed)  # the same initial weights on every rank
+    net = network(args.model)
+    compressor = COMPRESSORS[comp_name]()
+    if path == "hvd":
+        import spark_dl.horovod as hvd
+
+        model = net
+        opt, recipe = optimizer(opt_name, net.parameters(), world, args)
+        opt = hvd.DistributedOptimizer(opt, named_parameters=net.named_parameters(), compression=compressor)
+    else:
+        model = DDP(net)
+        opt, recipe = optimizer(opt_name, model.parameters(), world, args)
+        state, hook = C.make_ddp_hook(compressor, overlap=path == "ddp-overlap", optimizer=opt)
+        model.register_comm_hook(state, hook)
+    sched = None if recipe is None else recipe.scheduler(opt)  # on the optimizer that steps
+    shard = torch.arange(rank, len(ytr), world)
+    gen = torch.Generator().manual_seed(1000 * seed + rank)
+    curve, sent0 = [], C.stats.bytes_sent
+    for step in range(args.steps):
+        idx = shard[torch.randint(len(shard), (args.batch,), generator=gen)]
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+        if (step + 1) % args.eval_every == 0:
+            curve.append(accuracy(net, xte, yte))
+    return accuracy(net, xte, yte), curve, (C.stats.bytes_sent - sent0) / args.steps
+
+
+def rank_main(rank: int, args, port: int, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, args.threads))
+    dist.init_process_group("gloo", rank=rank, world_size=args.ranks)
+    import warnings
+
+    warnings.simplefilter("once")
+    if "hvd" in args.paths:
+        import spark_dl.horovod as hvd
+
+        hvd.init()
+    data = dataset(args.model)
+    for comp in args.compressors:
+        for opt in args.optimizers:
+            for path in args.paths:
+                for seed in range(args.seeds):
+                    t0 = time.perf_counter()
+                    result = train(args, data, comp, opt, path, seed)
+                    if rank == 0:
+                        queue.put((comp, opt, path, seed, *result, time.perf_counter() - t0))
+    queue.put(None) if rank == 0 else None
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _commit() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=Path(__file__).parent, timeout=10).stdout.strip()
+        return (head + (" (with local changes)" if dirty else "")) or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def summarize(results: list[tuple], args) -> None:
+    """Print the table: one row per compressor x optimizer x path."""
+    runs: dict[tuple, list[tuple]] = {}
+    for comp, opt, path, _seed, acc, curve, sent, _s in results:
+        runs.setdefault((comp, opt, path), []).append((acc, curve, sent))
+    print(f"{'compressor':<11}{'optimizer':<10}{'path':<12}{'accuracy':>16}{'vs none':>9}"
+          f"{'bytes/step':>12}{'steps to none':>15}")
+    for (comp, opt, path), rs in runs.items():
+        accs = torch.tensor([r[0] for r in rs], dtype=torch.float64)
+        std = float(accs.std()) if len(rs) > 1 else 0.0
+        base = runs.get(("none", opt, path))
+        target = float(torch.tensor([r[0] for r in base]).mean()) if base else float("nan")
+        reach = []
+        for _, curve, _ in rs:
+            hit = next((i for i, a in enumerate(curve) if a >= target - 1e-9), None)
+            reach.append(None if hit is None else (hit + 1) * args.eval_every)
+        done = [r for r in reach if r is not None]
+        steps = f"{sum(done) / len(done):.0f}" + ("" if len(done) == len(reach) else f" ({len(done)}/{len(reach)})") \
+            if done else "-"
+        gap = 100 * (float(accs.mean()) - target)
+        print(f"{comp:<11}{opt:<10}{path:<12}{float(accs.mean()):>9.3f} ±{std:.3f}{gap:>+8.1f}p"
+              f"{sum(r[2] for r in rs) / len(rs):>12,.0f}{steps:>15}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=("digits", "teacher"), default="digits")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--batch", type=int, default=32, help="per rank")
+    p.add_argument("--eval-every", type=int, default=0, help="test accuracy every this many steps (0: steps / 15)")
+    p.add_argument("--lr-sgd", type=float, default=0.1, help="per rank (times --ranks)")
+    p.add_argument("--lr-adam", type=float, default=0.002, help="per rank (times --ranks)")
+    p.add_argument("--compressors", default=",".join(COMPRESSORS))
+    p.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    p.add_argument("--paths", default=",".join(PATHS))
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--time-limit", type=float, default=0, help="seconds; stop there and print the runs done (0: none)")
+    args = p.parse_args()
+    for field, known in (("compressors", COMPRESSORS), ("optimizers", OPTIMIZERS), ("paths", PATHS)):
+        values = [v for v in getattr(args, field).split(",") if v]
+        bad = [v for v in values if v not in known]
+        if bad:
+            p.error(f"--{field}: unknown {bad}; choose from {', '.join(known)}")
+        setattr(args, field, values)
+    args.eval_every = args.eval_every or max(1, args.steps // 15)
+    if "none" not in args.compressors:
+        args.compressors.insert(0, "none")  # the reference every row is compared with
+    print(f"convergence: model={args.model} ranks={args.ranks} seeds={args.seeds} steps={args.steps} "
+          f"batch={args.batch}/rank lr_sgd={args.lr_sgd}x{args.ranks} lr_adam={args.lr_adam}x{args.ranks} "
+          f"threads/rank={args.threads}")
+    print(f"machine: {platform.node()} {platform.processor() or platform.machine()} {os.cpu_count()} cores, "
+          f"torch {torch.__version__}; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
+          f"commit {_commit()}")
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=rank_main, args=(r, args, port, queue)) for r in range(args.ranks)]
+    for proc in procs:
+        proc.start()
+    results, t0 = [], time.perf_counter()
+    while True:
+        if args.time_limit and time.perf_counter() - t0 > args.time_limit:
+            for proc in procs:
+                proc.kill()
+            print(f"stopped at --time-limit {args.time_limit:.0f} s: the rows below are the runs that finished")
+            break
+        try:
+            item = queue.get(timeout=5)
+        except Empty:
+            if any(proc.exitcode for proc in procs):  # a rank died: its peers would wait for ever
+                for proc in procs:
+                    proc.kill()
+                sys.exit("a rank failed (its traceback is above)")
+            continue
+        if item is None:
+            break
+        results.append(item)
+        print(f"[{time.perf_counter() - t0:.0f} s] {' '.join(map(str, item[:4]))}: {item[4]:.3f}", file=sys.stderr)
+    for proc in procs:
+        proc.join()
+        if proc.exitcode and not args.time_limit:
+            sys.exit(f"a rank exited with {proc.exitcode}")
+    summarize(results, args)
+    print(f"{len(results)} runs in {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""What a compressor with error feedback is told about the training it serves, and what it does with it.
+
+Three measures keep a biased compressor (1-bit, EF-sign, top-k or random-k with error feedback)
+within reach of uncompressed training with the same optimizer and hyperparameters:
+
+* **warm-up**: the first ``warmup_steps`` reductions of each tensor go uncompressed. Early
+  gradients are large and change fast, and a biased compressor's delayed error hurts most there
+  (PowerSGD's ``start_iter`` and DeepSpeed's 1-bit Adam warm up the same way).
+* **momentum compression** (Lin et al. 2018's momentum correction): under momentum SGD each
+  rank keeps its own velocity ``u_k <- m u_k + g_k`` and compresses ``u_k``, not ``g_k``. The
+  reduced velocity ``v_t`` (the same on every rank) is handed to the optimizer as
+  ``g~_t = v_t - m v_{t-1}``, so the optimizer's own buffer ``u <- m u + g~`` equals ``v_t``:
+  compression error enters each update once instead of being summed by the momentum
+  ``1 / (1 - m)`` times. With exact compression ``g~_t`` is the averaged gradient.
+* **learning-rate rescaling**: error feedback's residual ``e`` (gradient or velocity units) is
+  an update of ``eta e`` not yet applied. When the lr moves from ``eta`` to ``eta'`` (warm-up,
+  decay), ``e <- e * eta / eta'`` keeps that update the same (EF-SGD defines the residual on
+  ``eta g``).
+
+:class:`TrainingFeedback` holds these per compressor. ``DistributedOptimizer`` and
+``make_ddp_hook(c, optimizer=opt)`` call :meth:`TrainingFeedback.observe` with the optimizer's lr
+and momentum before each step's first bucket; code that calls ``allreduce`` itself calls
+``compressor.observe_optimizer(opt)`` (or ``compressor.feedback.observe(lr=..., momentum=...)``)
+once per step, before its reductions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Hashable
+
+import torch
+
+Key = Hashable
+
+
+def optimizer_settings(optimizer: Any) -> tuple[float | None, float]:
+    """``(lr, momentum)`` of ``optimizer``'s first param group. ``momentum`` is that of optimizers
+    whose buffer is the velocity ``u <- m u + g`` (``torch.optim.SGD`` without dampening, Nesterov
+    included, and ``spark_dl.train.VFormSGD``); 0 for the others (Adam's moments, RMSprop's or
+    LARS's momentum over a rescaled gradient), whose updates are not linear in the gradient."""
+    groups = getattr(optimizer, "param_groups", None)
+    if not groups:
+        return None, 0.0
+    group = groups[0]
+    lr = group.get("lr")
+    velocity = (isinstance(optimizer, torch.optim.SGD) and not group.get("dampening", 0.0)) \
+        or "momentum_correction" in group
+    momentum = float(group.get("momentum", 0.0) or 0.0) if velocity else 0.0
+    return (None if lr is None else float(lr)), momentum
+
+
+@dataclass
+class TrainingFeedback:
+    """Warm-up, momentum compression and lr rescaling for one compressor (see the module doc).
+
+    ``warmup_steps``: uncompressed reductions per tensor name before compression starts.
+    ``compress_momentum``: compress each rank's velocity when told a momentum > 0.
+    ``rescale_lr``: rescale the residuals by ``eta / eta'`` when told a new lr.
+    """
+
+    warmup_steps: int = 0
+    compress_momentum: bool = True
+    rescale_lr: bool = True
+    single_stage_up_to: int = 0
+    momentum: float = 0.0
+    lr: float | None = None
+    steps: dict[Key, int] = field(default_factory=dict)
+    velocity: dict[Key, torch.Tensor] = field(default_factory=dict, repr=False)
+    reduced: dict[Key, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def observe(self, residuals: Any = None, *, lr: float | None = None, momentum: float = 0.0) -> None:
+        """The optimizer's ``lr`` and ``momentum`` for the step about to be reduced. A changed lr
+        (both old and new > 0) rescales every residual in ``residuals`` (a residual memory with
+        a ``memory`` dict) by old / new; a changed momentum restarts the velocities."""
+        if lr is not None and lr > 0:
+            if self.rescale_lr and residuals is not None and self.lr and lr != self.lr:
+                rescale(residuals, self.lr / lr)
+            self.lr = float(lr)
+        m = float(momentum) if self.compress_momentum else 0.0
+        if m != self.momentum:
+            self.momentum = m
+            self.velocity.clear()
+            self.reduced.clear()
+
+    def single_stage(self, world: int) -> bool:
+        """Whether ``world`` ranks exchange whole compressed tensors (one compression stage, an
+        all-gather) rather than compressed chunks reduced and compressed again."""
+        return world <= self.single_stage_up_to
+
+    def warming(self, name: Key) -> bool:
+        """Count a reduction of ``name``; True while it is one of the first ``warmup_steps``."""
+        n = self.steps.get(name, 0)
+        self.steps[name] = n + 1
+        return n < self.warmup_steps
+
+    def before(self, tensor: torch.Tensor, name: Key) -> torch.Tensor:
+        """What is compressed for ``tensor``: this rank's velocity under momentum, else ``tensor``."""
+        if not self.momentum:
+            return tensor
+        u = self.velocity.get(name)
+        if u is None or u.shape != tensor.shape or u.device != tensor.device:
+            u = self.velocity[name] = tensor.to(torch.float32, copy=True)
+        else:
+            u.mul_(self.momentum).add_(tensor)
+        return u
+
+    def after(self, result: torch.Tensor, name: Key) -> torch.Tensor:
+        """The reduced velocity ``v_t`` as the gradient ``v_t - m v_{t-1}`` (in ``result``'s memory);
+        a non-finite ``v_t`` (a step a GradScaler skips) restarts this tensor's velocities."""
+        if not self.momentum:
+            return result
+        prev = self.reduced.get(name)
+        v = result.to(torch.float32, copy=True)
+        if not torch.isfinite(v).all():
+            self.velocity.pop(name, None)
+            self.reduced.pop(name, None)
+            return result
+        self.reduced[name] = v
+        if prev is not None and prev.shape == v.shape:
+            result.sub_(prev.to(result.dtype), alpha=self.momentum)
+        return result
+
+    def reset(self, key: Key = None) -> None:
+        """Forget the counters and velocities of ``key`` (every key when None)."""
+        for d in (self.steps, self.velocity, self.reduced):
+            for k in [k for k in d if key is None or k == key or (isinstance(k, tuple) and k[:1] == (key,))]:
+                del d[k]
+
+
+def rescale(residuals: Any, ratio: float) -> None:
+    """Multiply every residual in ``residuals`` (its ``memory`` dict settles pending parts first) by ``ratio``."""
+    for e in residuals.memory.values():
+        e.mul_(ratio)

@@ -1,0 +1,222 @@
+"""Compressed training reaches uncompressed accuracy with the same hyperparameters; error feedback
+follows the lr; combinations known to fall short are warned about. Real Gloo ranks, one launch."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import spark_dl.compression as C
+from spark_dl import HorovodRunner
+from spark_dl.compression.advice import advice
+from spark_dl.compression.stats import watch
+
+# One seed per run, scored by the mean test accuracy over its last 50 steps (five evaluations):
+# benchmarks/convergence.py measures the mean over seeds (within a point of uncompressed but where
+# MARGINS says); a single run moves by about 2 points with the seed, and QSGD draws its noise afresh
+# in every run unless seeded (here it is, so the test is repeatable).
+MARGIN = 0.04
+# OneBit under heavy-ball momentum: 2.2 points below over 10 seeds, warned about (see advice)
+MARGINS = {("onebit", "sgd"): 0.05}
+# One per family: casts, unbiased quantization, low rank, signs, sparsification (EFSign and top-k
+# at 1% are known to fall short under some optimizers and warn: see the advice tests below).
+FAMILIES = {
+    "fp16": "C.FP16()", "qsgd": "C.QSGD(seed=0)", "powersgd": "C.PowerSGD()", "onebit": "C.OneBit()",
+    "topk": "C.ErrorFeedback(C.TopK(0.1))",
+}
+
+
+def digits_main(families: dict[str, str]):
+    import warnings
+
+    import spark_dl.horovod as hvd
+    import torch
+    import torch.distributed as dist
+    from sklearn.datasets import load_digits
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import spark_dl
+    import spark_dl.compression as C
+
+    spark_dl.init()
+    hvd.init()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = load_digits(return_X_y=True)
+    x, y = torch.tensor(x, dtype=torch.float32) / 16, torch.tensor(y)
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+    x, y = x[perm], y[perm]
+    xtr, ytr, xte, yte = x[:1437], y[:1437], x[1437:], y[1437:]
+
+    def make_opt(kind, params):
+        if kind == "sgd":
+            return torch.optim.SGD(params, lr=0.1 * world, momentum=0.9)
+        return torch.optim.Adam(params, lr=0.002 * world)
+
+    def train(compressor, kind, path="ddp"):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+        if path == "hvd":
+            model, opt = net, hvd.DistributedOptimizer(make_opt(kind, net.parameters()),
+                                                       named_parameters=net.named_parameters(), compression=compressor)
+        else:
+            model = DDP(net)
+            opt = make_opt(kind, model.parameters())
+            model.register_comm_hook(*C.make_ddp_hook(compressor, optimizer=opt))
+        shard = torch.arange(rank, len(ytr), world)
+        gen = torch.Generator().manual_seed(rank)
+        scores = []
+        for step in range(150):
+            idx = shard[torch.randint(len(shard), (32,), generator=gen)]
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
+            opt.step()
+            if step >= 100 and step % 10 == 9:
+                with torch.no_grad():
+                    scores.append(float((net(xte).argmax(1) == yte).float().mean()))
+        return sum(scores) / len(scores)
+
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for kind in ("sgd", "adam"):
+            out["none", kind] = train(C.NoneCompressor(), kind)
+            for family, make in families.items():
+                out[family, kind] = train(eval(make), kind)
+        # the configuration that diverged: 1-bit under momentum SGD through DistributedOptimizer
+        out["none", "sgd", "hvd"] = train(C.NoneCompressor(), "sgd", "hvd")
+        out["onebit", "sgd", "hvd"] = train(C.OneBit(), "sgd", "hvd")
+        # without momentum compression, with the scatter-reduce's second stage and 1,024-element buckets
+        out["onebit-unaided", "sgd"] = train(C.OneBit(1024, compress_momentum=False, single_stage_up_to=0), "sgd")
+    # momentum compression: with an exact compressor the optimizer gets the averaged gradient back
+    c, g = C.ErrorFeedback(C.TopK(1.0)), []
+    for step in range(3):
+        c.observe(lr=0.1, momentum=0.9)
+        grad = torch.arange(6, dtype=torch.float32) * (rank + 1) + step
+        g.append(C.allreduce(grad, c, name="exact").tolist())
+    out["exact"] = g
+    return out
+
+
+@pytest.fixture(scope="module")
+def accuracies():
+    return HorovodRunner(np=-2).run_all(digits_main, families=FAMILIES)[0]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_each_compressor_family_trains_digits_as_well_as_uncompressed(accuracies, family, kind):
+    margin = MARGINS.get((family, kind), MARGIN)
+    assert accuracies[family, kind] >= accuracies["none", kind] - margin, (family, kind, accuracies)
+
+
+def test_one_bit_under_momentum_sgd_through_distributed_optimizer_converges(accuracies):
+    assert accuracies["onebit", "sgd", "hvd"] >= accuracies["none", "sgd", "hvd"] - MARGINS["onebit", "sgd"], accuracies
+    # what momentum compression and the single compression stage are for
+    assert accuracies["onebit-unaided", "sgd"] < accuracies["none", "sgd"] - 0.1, accuracies
+
+
+def test_momentum_compression_hands_back_the_averaged_gradient_when_compression_is_exact(accuracies):
+    for step, got in enumerate(accuracies["exact"]):
+        want = [(i * 3 + 2 * step) / 2 for i in range(6)]  # mean over ranks of i*(r+1)+step
+        assert got == pytest.approx(want, abs=1e-5)
+
+
+@pytest.mark.parametrize("make", [lambda: C.ErrorFeedback(C.TopK(0.5)), lambda: C.OneBit(), lambda: C.EFSign()])
+def test_residuals_are_rescaled_by_old_lr_over_new_lr(make):
+    c = make()
+    c.observe(lr=0.1)
+    g = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    c.compress(g, key="w")
+    e = c.residuals.get("w").clone()
+    assert e.abs().sum() > 0
+    c.observe(lr=0.1)  # unchanged: untouched
+    assert torch.equal(c.residuals.get("w"), e)
+    c.observe(lr=0.4)  # warm-up: the residual is an update of 0.1 e, now sent at lr 0.4
+    assert torch.allclose(c.residuals.get("w"), e * 0.1 / 0.4)
+    c.observe(lr=0.0)  # a step at lr 0 applies nothing: the residual waits, unscaled
+    c.observe(lr=0.04)  # decay: from the last lr that applied something
+    assert torch.allclose(c.residuals.get("w"), e * 0.1 / 0.04)
+
+
+def test_powersgd_residuals_follow_the_lr_too():
+    c = C.PowerSGD(rank=1, start_iter=0)
+    c.compress(torch.randn(16, 16), key="w")
+    c.observe(lr=0.1)
+    e = c.residuals.get("w").clone()
+    c.observe(lr=0.2)
+    assert torch.allclose(c.residuals.get("w"), e / 2)
+
+
+def test_known_shortfalls_are_warned_with_the_fix_and_working_pairs_are_not():
+    sgd = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1, momentum=0.9)
+    nesterov = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1, momentum=0.9, nesterov=True)
+    adam = torch.optim.Adam([torch.zeros(1, requires_grad=True)])
+    assert "OneBit()" in advice(C.EFSign(), sgd) and "OneBit()" in advice(C.EFSign(), adam)
+    assert advice(C.EFSign(), nesterov) is None
+    assert "ratio >= 0.1" in advice(C.ErrorFeedback(C.TopK()), adam)
+    assert "ErrorFeedback(...)" in advice(C.TopK(), sgd)
+    assert "nesterov=True" in advice(C.OneBit(), sgd) and "PowerSGD()" in advice(C.OneBit(), adam)
+    assert advice(C.OneBit(), nesterov) is None
+    for ok in (C.QSGD(), C.PowerSGD(), C.FP16(), C.ErrorFeedback(C.TopK(0.1))):
+        for opt in (sgd, nesterov, adam):
+            assert advice(ok, opt) is None, (ok, opt)
+    with pytest.warns(C.CompressionWarning, match="EFSign"):
+        C.make_ddp_hook(C.EFSign(), optimizer=sgd)
+    with pytest.warns(C.CompressionWarning, match="without optimizer="):
+        C.make_ddp_hook(C.OneBit())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        C.make_ddp_hook(C.OneBit(), optimizer=nesterov)
+        C.make_ddp_hook(C.QSGD())
+
+
+def test_a_residual_growing_without_bound_warns_once_naming_compressor_and_tensor():
+    c = C.OneBit()
+    g = torch.randn(4096, generator=torch.Generator().manual_seed(1))
+    with pytest.warns(C.CompressionWarning, match=r"OneBit: the error-feedback residual of 'layer.w'") as got:
+        for step in range(60):  # the gradient shrinks 2x a step; what compression dropped does not
+            x = g * 0.5 ** step
+            c.compress(x, key=("layer.w", "worker"))
+            watch(c, "layer.w", x, x, 1)
+    assert len([w for w in got if "residual" in str(w.message)]) == 1
+    assert C.stats.residual_ratios["OneBit"] > 100
+
+
+def test_a_non_finite_gradient_warns_once():
+    c = C.ErrorFeedback(C.TopK(0.5))
+    bad = torch.tensor([1.0, float("inf"), 2.0, 3.0])
+    match = r"ErrorFeedback\(TopK\) reduced a non-finite gradient for 'fc'"
+    with pytest.warns(C.CompressionWarning, match=match) as got:
+        for _ in range(30):
+            watch(c, "fc", bad, bad, 2)
+    assert len(got) == 1
+
+
+def test_residual_ratios_reach_the_comm_metrics():
+    from types import SimpleNamespace
+
+    from spark_dl.tracking.rank.buffer import CommSampler
+
+    stats = SimpleNamespace(bytes_sent=0, calls=0, seconds=0.0, bytes_dense=0, residual_ratios={})
+    sampler, out = CommSampler(SimpleNamespace(stats=stats)), {}
+    sampler.sample(0, out)
+    stats.bytes_sent, stats.calls, stats.bytes_dense = 100, 2, 3200
+    stats.residual_ratios = {"OneBit": 2.5, "ErrorFeedback(TopK)": 7.0}
+    sampler.sample(1, out)
+    assert out["comm/ef_residual_ratio/OneBit"] == 2.5
+    assert out["comm/ef_residual_ratio/ErrorFeedback.TopK"] == 7.0
+
+
+def test_the_velocity_is_compressed_only_where_the_optimizer_buffer_is_that_velocity():
+    from spark_dl.compression.training import optimizer_settings
+    from spark_dl.train import VFormSGD
+
+    w = [torch.zeros(1, requires_grad=True)]
+    assert optimizer_settings(torch.optim.SGD(w, lr=0.1, momentum=0.9)) == (0.1, 0.9)
+    assert optimizer_settings(torch.optim.SGD(w, lr=0.1, momentum=0.9, nesterov=True)) == (0.1, 0.9)
+    assert optimizer_settings(VFormSGD(w, lr=0.1, momentum=0.9)) == (0.1, 0.9)
+    for other in (torch.optim.SGD(w, lr=0.1, momentum=0.9, dampening=0.5), torch.optim.Adam(w, lr=0.01),
+                  torch.optim.RMSprop(w, lr=0.01, momentum=0.9)):
+        assert optimizer_settings(other)[1] == 0.0, other
