@@ -63,6 +63,9 @@ class _Loader(importlib.abc.Loader):
             return getattr(target, name)
 
         module.__getattr__ = __getattr__  # type: ignore[attr-defined]
+        if module.__name__ == "horovod.torch":
+            # as importing Horovod's package does: hvd.mpi_ops is there without an import of its own
+            importlib.import_module("horovod.torch.mpi_ops")
         if module.__name__ in ("horovod.torch", "horovod.spark") and _real_horovod():
             sys.stderr.write(_NOTE.format(name=module.__name__, target=target_name))
 

@@ -68,7 +68,9 @@ def api_main():
     h = hvd.allreduce_async(t)
     out["async"] = hvd.synchronize(h).tolist()
     h = hvd.allreduce_async_(t.clone(), op=hvd.Sum)
-    hvd.barrier()
+    hvd.barrier()  # does not start the pending op (Horovod matches it by name, not by order)
+    out["poll_before_start"] = hvd.poll(h)  # False, and starts it
+    hvd.barrier()  # after the all-reduce on the same group
     out["poll_after_barrier"] = hvd.poll(h)
     out["async_"] = hvd.synchronize(h).tolist()
 
@@ -172,6 +174,7 @@ def test_allreduce(ranks):
         assert o["int_fp16"][3] == [[3] if o["rank"] == 0 else [15]]
         assert o["max_fp16"] == torch.tensor([2.001, 4.001, 6.001]).half().float().tolist()
         assert o["async"] == [1.5, 3.0, 4.5]
+        assert o["poll_before_start"] is False
         assert o["poll_after_barrier"] is True and o["async_"] == [3.0, 6.0, 9.0]
         assert o["error_op_and_average"] == "ValueError"
         assert o["error_bad_compression"] == "TypeError"
@@ -187,9 +190,9 @@ def test_allgather_with_different_first_dims(ranks):
     for o in ranks:
         assert o["allgather"] == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
         assert o["allgather_async"] == o["allgather"]
-    # Row weights 0, 1, 2 across the gathered rows, summed over both ranks' losses.
+    # Row weights 0, 1, 2 across the gathered rows, averaged over both ranks' losses (Horovod's rule).
     assert ranks[0]["allgather_grad"] == [[0.0, 0.0]]
-    assert ranks[1]["allgather_grad"] == [[2.0, 2.0], [4.0, 4.0]]
+    assert ranks[1]["allgather_grad"] == [[1.0, 1.0], [2.0, 2.0]]
 
 
 def test_allgather_of_tensors_that_differ_beyond_the_first_dimension_is_refused_on_every_rank(ranks):

@@ -37,7 +37,7 @@ from spark_dl.compat.horovod.basics import (
     stop_timeline,
 )
 from spark_dl.compat.horovod.compression import Compression
-from spark_dl.compat.horovod.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+from spark_dl.compat.horovod.exceptions import CollectiveError, HorovodInternalError, HostsUpdatedInterrupt
 from spark_dl.compat.horovod.exchange import (
     alltoall,
     alltoall_async,
@@ -59,7 +59,7 @@ from spark_dl.compat.horovod.functions import (
     broadcast_optimizer_state,
     broadcast_parameters,
 )
-from spark_dl.compat.horovod.joining import join
+from spark_dl.compat.horovod.handles import poll, synchronize
 from spark_dl.compat.horovod.ops import (
     allgather,
     allgather_async,
@@ -72,13 +72,27 @@ from spark_dl.compat.horovod.ops import (
     broadcast_,
     broadcast_async,
     broadcast_async_,
-    poll,
-    synchronize,
+    join,
 )
 from spark_dl.compat.horovod.optimizer import DistributedOptimizer
-from spark_dl.compat.horovod.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from spark_dl.compat.horovod.process_sets import (
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    ids_and_ranks,
+    remove_process_set,
+)
 from spark_dl.compat.horovod.sync_batch_norm import SyncBatchNorm
 from spark_dl.rank.context import log_to_driver  # Databricks' sparkdl.horovod.log_to_driver, under the same import
+
+
+class _Basics:
+    """Horovod's ``mpi_ops._basics``, for code that reaches into it (Horovod's process-set tests do)."""
+
+    _get_process_set_ids_and_ranks = staticmethod(ids_and_ranks)
+
+
+_basics = _Basics()
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
@@ -96,4 +110,5 @@ __all__ = [
     "poll", "synchronize", "barrier", "join",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
     "DistributedOptimizer", "SyncBatchNorm", "log_to_driver", "HorovodInternalError", "HostsUpdatedInterrupt",
+    "CollectiveError",
 ]

@@ -14,7 +14,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from spark_dl.compat.horovod.joining import setup as setup_join
+from spark_dl.compat.horovod.handles import clear as clear_handles
+from spark_dl.compat.horovod.joining import start as start_join
+from spark_dl.compat.horovod.joining import stop as stop_join
+from spark_dl.compat.horovod.process_sets import forget as forget_process_sets
 from spark_dl.compat.horovod.process_sets import setup as setup_process_sets
 from spark_dl.compat.horovod.state import check, is_initialized, set_initialized
 
@@ -63,23 +66,32 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             from spark_dl.rank.context import init as spark_dl_init
 
+            # kept by shutdown(): a second world would meet through the launcher's store, which
+            # still holds the first one's addresses (a rank reading them connects to nothing)
             spark_dl_init()
         else:
             # Outside a launcher Horovod runs as a world of one; an in-memory store needs no ports.
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        _owns_group = True
+            _owns_group = True
     set_initialized(True)
     try:
-        setup_join()  # first: registering the sets gives each its join control
+        stop_join()  # first: registering the sets gives each its join control (a failed init() left some)
         setup_process_sets(process_sets)
+        start_join()
     except BaseException:
         set_initialized(False)  # a bad process_sets= argument: init() may be called again
         raise
 
 
 def shutdown() -> None:
-    """Leave Horovod; destroys the process group if :func:`init` created it. Safe to repeat."""
+    """Leave Horovod: unregister the process sets (their groups are destroyed) and forget pending
+    async ops. The launcher's process group stays for the next :func:`init`; a world of one that
+    :func:`init` made is destroyed. Safe to repeat."""
     global _owns_group
+    if is_initialized() and dist.is_initialized():
+        forget_process_sets(destroy=True)
+        stop_join()
+        clear_handles()
     if _owns_group and dist.is_initialized():
         dist.destroy_process_group()
     set_initialized(False)

@@ -7,14 +7,48 @@ compressor of that package (``QSGD()``, ``PowerSGD()``, ``OneBit()``, ...) is ac
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
-from spark_dl.compression import FP16, Compressor, NoneCompressor
+from spark_dl import compression
+from spark_dl.compression import Compressor
 from spark_dl.compression import allreduce as compressed_allreduce
-from spark_dl.compression.base import as_compressor
+from spark_dl.compression.base import Meta, Payload, as_compressor
 from spark_dl.compression.fp import Cast
+
+
+class HorovodPayload(Payload):
+    """A :class:`~spark_dl.compression.base.Payload` that also unpacks as Horovod's
+    ``(tensor_compressed, ctx)``."""
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.tensors[0].view(self.meta.shape), self))
+
+
+class _TupleProtocol:
+    """Horovod's ``compress(tensor) -> (tensor, ctx)`` and ``decompress(tensor, ctx)`` next to
+    spark-dl's payload protocol (what the collectives call): a tensor that is not floating point
+    passes through uncast, as in Horovod."""
+
+    def compress(self, tensor: torch.Tensor, key: Any = None) -> Payload:
+        if not tensor.is_floating_point():  # a copy, as the collectives reduce wire tensors in place
+            return HorovodPayload([tensor.reshape(-1).clone()], Meta(tensor.shape, tensor.dtype))
+        p = super().compress(tensor, key)  # type: ignore[misc]
+        return HorovodPayload(p.tensors, p.meta)
+
+    def decompress(self, payload: Any, ctx: Any = None) -> torch.Tensor:
+        if ctx is None:
+            return super().decompress(payload)  # type: ignore[misc]
+        return payload.to(ctx.meta.dtype).view(ctx.meta.shape)
+
+
+class NoneCompressor(_TupleProtocol, compression.NoneCompressor):
+    """:class:`spark_dl.compression.NoneCompressor`, also with Horovod's tuple protocol."""
+
+
+class FP16(_TupleProtocol, compression.FP16):
+    """:class:`spark_dl.compression.FP16`, also with Horovod's tuple protocol."""
 
 
 class Compression:
@@ -49,7 +83,7 @@ def is_cast(compressor: Compressor) -> bool:
 
 
 def is_none(compressor: Compressor) -> bool:
-    return isinstance(compressor, NoneCompressor)
+    return isinstance(compressor, compression.NoneCompressor)
 
 
 def reduce(tensor: torch.Tensor, compressor: Compressor, *, average: bool, name: str | None,

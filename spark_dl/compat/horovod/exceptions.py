@@ -8,6 +8,13 @@ class HorovodInternalError(RuntimeError):
     Horovod restores the last committed state on it)."""
 
 
+class CollectiveError(ValueError, RuntimeError):
+    """A collective refused before any data travelled: the ranks passed different shapes, dtypes,
+    ops, roots or collectives, or something no rank can do (``reducescatter`` with Adasum). A
+    ``ValueError`` (how spark-dl refuses arguments) and a ``RuntimeError`` (what Horovod raises for
+    these), so code written for either catches it."""
+
+
 class HostsUpdatedInterrupt(RuntimeError):
     """The set of hosts changed (elastic Horovod); ``skip_sync`` says whether state must be synced."""
 
@@ -16,4 +23,4 @@ class HostsUpdatedInterrupt(RuntimeError):
         self.skip_sync = skip_sync
 
 
-__all__ = ["HorovodInternalError", "HostsUpdatedInterrupt"]
+__all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "CollectiveError"]

@@ -15,20 +15,25 @@ from spark_dl.compat.horovod.basics import Adasum, Average, ReduceOp, Sum
 from spark_dl.compat.horovod.checks import SHAPES, check_same, describe
 from spark_dl.compat.horovod.compression import Compression, for_tensor, is_none
 from spark_dl.compat.horovod.compression import resolve as resolve_compression
+from spark_dl.compat.horovod.exceptions import CollectiveError
+from spark_dl.compat.horovod.handles import CallableHandle, begin, deferred
 from spark_dl.compat.horovod.ops import (
     AllreduceFunction,
     allgather,
     allgather_parts,
     check_layouts,
+    follower,
     fused_inplace,
     gather_counts,
     gather_rows,
     on_comm_device,
     reduce_fields,
     reduce_into,
-    register_handle,
     resolve_op,
+    scale_,
     tensor_layout,
+    to_wire,
+    with_name,
 )
 from spark_dl.compat.horovod.process_sets import ProcessSet, global_process_set, group_of
 from spark_dl.compat.horovod.process_sets import resolve as resolve_set
@@ -44,7 +49,11 @@ def _splits_list(splits: Any, rows: int, world: int) -> list[int]:
                 f"has {rows} rows: pass splits=[rows for rank 0, rank 1, ...] summing to {rows}."
             )
         return [rows // world] * world
-    out = [int(s) for s in (splits.tolist() if torch.is_tensor(splits) else splits)]
+    values = splits.tolist() if torch.is_tensor(splits) else list(splits)
+    if (torch.is_tensor(splits) and (splits.is_floating_point() or splits.is_complex())) or any(
+            isinstance(v, bool) or not isinstance(v, int) for v in values):
+        raise ValueError(f"alltoall splits must be integers (row counts), got {splits!r}")
+    out = [int(v) for v in values]
     if len(out) != world or any(s < 0 for s in out) or sum(out) != rows:
         raise ValueError(
             f"alltoall splits must be {world} non-negative row counts (one per rank) summing to "
@@ -57,8 +66,8 @@ def _alltoall(tensor: torch.Tensor, splits: list[int], ps: ProcessSet) -> tuple[
     """Exchange the row counts, then the rows; returns (received rows, rows from each rank).
     Each count travels with the sender's layout, so every rank checks every rank's at no extra
     cost: Gloo aborts a rank whose rows are longer than another's, or mixes dtypes into garbage."""
-    x = on_comm_device(tensor.detach()).contiguous()
-    rest = tensor_layout(x)[1:]
+    x = to_wire(on_comm_device(tensor.detach()).contiguous())
+    rest = tensor_layout(tensor)[1:]
     sent = torch.tensor([[n] + rest for n in splits], dtype=torch.int64, device=x.device)
     got = torch.empty_like(sent)
     group = group_of(ps)
@@ -68,7 +77,7 @@ def _alltoall(tensor: torch.Tensor, splits: list[int], ps: ProcessSet) -> tuple[
     received = [lay[0] for lay in layouts]
     out = x.new_empty((sum(received),) + tuple(x.shape[1:]))
     dist.all_to_all_single(out, x, output_split_sizes=received, input_split_sizes=splits, group=group)
-    return out.to(tensor.device), received
+    return out.to(device=tensor.device, dtype=tensor.dtype), received
 
 
 class _Alltoall(torch.autograd.Function):
@@ -93,11 +102,13 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
     with the int32 row counts that came from each rank, as Horovod does. Ranks may send
     different numbers of rows; the other dimensions must agree.
     """
-    check()
+    begin()
     ps = resolve_set(process_set)
     if tensor.dim() == 0:
         raise ValueError("alltoall needs a tensor with at least one dimension (it slices dimension 0)")
-    out, received = _Alltoall.apply(tensor, _splits_list(splits, tensor.shape[0], ps.size()), ps)
+    split_list = _splits_list(splits, tensor.shape[0], ps.size())
+    check_same("alltoall", ps, with_name({}, name))
+    out, received = _Alltoall.apply(tensor, split_list, ps)
     return out if splits is None else (out, received)
 
 
@@ -106,10 +117,10 @@ def _reducescatter(tensor: torch.Tensor, op: ReduceOp, half: bool, prescale: flo
     world, me = ps.size(), ps.rank()
     x = on_comm_device(tensor.detach())
     if prescale != 1.0:
-        x = x * prescale
+        x = scale_(x.clone(), prescale)
     n = x.shape[0]
     rows = [n // world + (1 if r < n % world else 0) for r in range(world)]  # torch.tensor_split's cut
-    wire = x.to(torch.float16) if half else x
+    wire = x.to(torch.float16) if half else to_wire(x)
     mine = rows[me]
     got = wire.new_empty((world * mine,) + tuple(x.shape[1:]))
     # every rank sends each rank that rank's slice and receives W copies of its own: the
@@ -118,7 +129,7 @@ def _reducescatter(tensor: torch.Tensor, op: ReduceOp, half: bool, prescale: flo
                            group=group_of(ps))
     parts = got.view((world, mine) + tuple(x.shape[1:])).to(x.dtype)
     if op in (Average, Sum):
-        out = parts.sum(0)
+        out = parts.sum(0, dtype=x.dtype)  # torch sums small integers and bools into int64
         if op == Average:
             out = out / world if out.is_floating_point() else torch.div(out, world, rounding_mode="trunc")
     elif op == ReduceOp.Min:
@@ -128,7 +139,7 @@ def _reducescatter(tensor: torch.Tensor, op: ReduceOp, half: bool, prescale: flo
     else:
         out = parts.prod(0)
     if postscale != 1.0:
-        out = out * postscale
+        out = scale_(out, postscale)
     return out.to(tensor.device)
 
 
@@ -144,7 +155,9 @@ class _Reducescatter(torch.autograd.Function):
         if op not in (Average, Sum):
             raise RuntimeError(f"reducescatter with op={op.name} has no gradient (Horovod defines Average and Sum)")
         full = torch.cat(allgather_parts(grad, ps)).to(grad.device)
-        scale = prescale * postscale / (ps.size() if op == Average else 1)
+        # Horovod's rule: the slices' gradients gathered, times the set's size for Sum (not divided
+        # by it for Average), times both scale factors
+        scale = prescale * postscale * (ps.size() if op == Sum else 1)
         return full * scale if scale != 1.0 else full, None, None, None, None, None
 
 
@@ -159,19 +172,19 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: An
     ``compression``: ``Compression.none`` or ``Compression.fp16`` (slices travel as float16 and
     are reduced in the tensor's dtype). Differentiable for Average and Sum.
     """
-    check()
+    begin()
     op = resolve_op(op)
     ps = resolve_set(process_set)
     compressor = resolve_compression(compression, per_call=True)
     half = _half(tensor, op, compressor)
-    check_same("reducescatter", ps, reduce_fields(tensor, op, compressor, prescale_factor, postscale_factor))
+    check_same("reducescatter", ps, reduce_fields(tensor, op, compressor, prescale_factor, postscale_factor, name))
     return _Reducescatter.apply(tensor, op, half, prescale_factor, postscale_factor, ps)
 
 
 def _half(tensor: torch.Tensor, op: ReduceOp, compressor: Any) -> bool:
     """Refuse what reducescatter cannot do; whether ``tensor``'s slices travel as float16."""
     if op == Adasum:
-        raise ValueError("reducescatter does not take op=hvd.Adasum (nor does Horovod's): use Average or Sum")
+        raise CollectiveError("reducescatter does not take op=hvd.Adasum (nor does Horovod's): use Average or Sum")
     if tensor.dim() == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension (it slices dimension 0)")
     compressor = for_tensor(compressor, tensor)
@@ -189,15 +202,17 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
     tensors of one dtype and device travel fused in a single collective. Returns new tensors;
     differentiable (then each tensor is reduced on its own, as the autograd graph needs, so every
     rank's tensors must require grad, or none's)."""
-    check()
+    begin()
     op = resolve_op(op, average)
     ps = resolve_set(process_set)
     compressor = resolve_compression(compression, per_call=True)
     tensors = list(tensors)
     _check_items(tensors, "grouped_allreduce")
     differentiable = any(t.requires_grad for t in tensors)
-    check_same("grouped_allreduce", ps, {**reduce_fields(tensors, op, compressor, prescale_factor, postscale_factor),
-                                         "requires_grad": str(differentiable)})
+    check_same("grouped_allreduce", ps,
+               {**reduce_fields(tensors, op, compressor, prescale_factor, postscale_factor, name),
+                "requires_grad": str(differentiable)},
+               follow=follower(tensors, op, compressor, fused=not differentiable))
     if differentiable:
         return [AllreduceFunction.apply(t, op, None if name is None else f"{name}.{i}", compressor, prescale_factor,
                                         postscale_factor, ps)
@@ -213,14 +228,16 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
                        process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """In-place :func:`grouped_allreduce`: one fused collective per dtype and device; returns
     ``tensors``."""
-    check()
+    begin()
     op = resolve_op(op, average)
     ps = resolve_set(process_set)
     compressor = resolve_compression(compression, per_call=True)
     tensors = list(tensors)
     _check_items(tensors, "grouped_allreduce")
-    check_same("grouped_allreduce", ps, {**reduce_fields(tensors, op, compressor, prescale_factor, postscale_factor),
-                                         "requires_grad": "False"})
+    check_same("grouped_allreduce", ps,
+               {**reduce_fields(tensors, op, compressor, prescale_factor, postscale_factor, name),
+                "requires_grad": "False"},
+               follow=follower(tensors, op, compressor, fused=True))
     _fused_reduce(tensors, op, name, compressor, prescale_factor, postscale_factor, ps)
     return tensors
 
@@ -238,7 +255,7 @@ def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """:func:`~spark_dl.horovod.allgather` of every tensor in ``tensors``, in order (first
     dimensions may differ between ranks); returns the gathered tensors. Differentiable."""
-    check()
+    begin()
     tensors = _tensor_list(tensors, "grouped_allgather")
     return [allgather(t, None if name is None else f"{name}.{i}", process_set) for i, t in enumerate(tensors)]
 
@@ -249,13 +266,14 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
                           process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """:func:`reducescatter` of every tensor in ``tensors``, in order; returns this rank's slice
     of each. Differentiable for Average and Sum."""
-    check()
+    begin()
     tensors = _tensor_list(tensors, "grouped_reducescatter")
     op = resolve_op(op)
     ps = resolve_set(process_set)
     compressor = resolve_compression(compression, per_call=True)
     halves = [_half(t, op, compressor) for t in tensors]
-    check_same("grouped_reducescatter", ps, reduce_fields(tensors, op, compressor, prescale_factor, postscale_factor))
+    check_same("grouped_reducescatter", ps,
+               reduce_fields(tensors, op, compressor, prescale_factor, postscale_factor, name))
     return [_Reducescatter.apply(t, op, half, prescale_factor, postscale_factor, ps)
             for t, half in zip(tensors, halves)]
 
@@ -277,10 +295,10 @@ def sparse_sum(tensor: torch.Tensor, group: Any, average: bool) -> torch.Tensor:
 
 
 def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: Any = Average,
-                           process_set: ProcessSet = global_process_set) -> int:
+                           process_set: ProcessSet = global_process_set) -> CallableHandle:
     """Start an all-reduce of a sparse COO tensor (``nn.Embedding(sparse=True)``'s gradient, say):
-    ``synchronize(handle)`` returns the coalesced sparse sum (``op=Sum``) or average of every
-    rank's tensor. Only the entries travel (an allgather of indices and values), as in Horovod."""
+    ``handle()`` (or ``synchronize(handle)``) returns the coalesced sparse sum (``op=Sum``) or
+    average of every rank's tensor. Only the entries travel (an allgather of indices and values), as in Horovod."""
     check()
     ps = resolve_set(process_set)
     op = resolve_op(op)
@@ -291,9 +309,12 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: An
         raise ValueError(f"sparse_allreduce_async supports op=Average or Sum, got {op.name}")
     # the entries' counts travel anyway, but not the dense size, the dtype nor the op: unchecked,
     # another dtype's values are garbage and another op mixes sums with averages
-    check_same("sparse_allreduce_async", ps, {SHAPES: describe(tensor), "op": op.name})
-    result = sparse_sum(tensor.detach(), group_of(ps), average=op == Average)
-    return register_handle(None, lambda: result)
+    def reduce() -> torch.Tensor:
+        check_same("sparse_allreduce_async", ps, with_name({SHAPES: describe(tensor), "op": op.name}, name))
+        return sparse_sum(tensor.detach(), group_of(ps), average=op == Average)
+
+    # Horovod's handle for it is a function returning the result; this one works with synchronize() too
+    return CallableHandle(deferred(name, reduce))
 
 
 def _check_items(tensors: Any, who: str) -> None:
@@ -311,23 +332,24 @@ def _tensor_list(tensors: Any, who: str) -> list[torch.Tensor]:
 
 
 # ---- asynchronous forms -------------------------------------------------------------------------
-# Handles for poll()/synchronize() like Horovod's. These complete before they return (the row
-# counts must be exchanged before the rows can be), so poll() is True at once.
+# Handles for poll()/synchronize() like Horovod's. Each runs to completion when it starts (the row
+# counts must be exchanged before the rows can be); see .handles for when that is.
 
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
                    process_set: ProcessSet = global_process_set) -> int:
     """Start an :func:`alltoall`; ``synchronize(handle)`` returns what :func:`alltoall` would
     (``(tensor, received_splits)`` when ``splits`` is given)."""
-    result = alltoall(tensor.detach(), splits, name, process_set)
-    return register_handle(None, lambda: result)
+    check()
+    return deferred(name, lambda: alltoall(tensor.detach(), splits, name, process_set))
 
 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, compression: Any = Compression.none,
                         op: Any = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                         process_set: ProcessSet = global_process_set) -> int:
     """Start a :func:`reducescatter`; ``synchronize(handle)`` returns this rank's slice."""
-    result = reducescatter(tensor.detach(), name, compression, op, prescale_factor, postscale_factor, process_set)
-    return register_handle(None, lambda: result)
+    check()
+    return deferred(name, lambda: reducescatter(tensor.detach(), name, compression, op, prescale_factor,
+                                                postscale_factor, process_set))
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
@@ -335,9 +357,10 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | Non
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             process_set: ProcessSet = global_process_set) -> int:
     """Start a :func:`grouped_allreduce`; ``synchronize(handle)`` returns the list of results."""
-    result = grouped_allreduce([t.detach() for t in tensors], average, name, compression, op,
-                               prescale_factor, postscale_factor, process_set)
-    return register_handle(None, lambda: result)
+    check()
+    tensors = [t.detach() for t in tensors]
+    return deferred(name, lambda: grouped_allreduce(tensors, average, name, compression, op, prescale_factor,
+                                                    postscale_factor, process_set))
 
 
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
@@ -345,16 +368,17 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                              process_set: ProcessSet = global_process_set) -> int:
     """Start a :func:`grouped_allreduce_`; ``synchronize(handle)`` returns ``tensors``, reduced."""
-    result = grouped_allreduce_(tensors, average, name, compression, op, prescale_factor, postscale_factor,
-                                process_set)
-    return register_handle(None, lambda: result)
+    check()
+    return deferred(name, lambda: grouped_allreduce_(tensors, average, name, compression, op, prescale_factor,
+                                                     postscale_factor, process_set))
 
 
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
                             process_set: ProcessSet = global_process_set) -> int:
     """Start a :func:`grouped_allgather`; ``synchronize(handle)`` returns the gathered tensors."""
-    result = grouped_allgather([t.detach() for t in tensors], name, process_set)
-    return register_handle(None, lambda: result)
+    check()
+    tensors = [t.detach() for t in tensors]
+    return deferred(name, lambda: grouped_allgather(tensors, name, process_set))
 
 
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
@@ -362,6 +386,7 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
                                 prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                                 process_set: ProcessSet = global_process_set) -> int:
     """Start a :func:`grouped_reducescatter`; ``synchronize(handle)`` returns this rank's slices."""
-    result = grouped_reducescatter([t.detach() for t in tensors], name, compression, op, prescale_factor,
-                                   postscale_factor, process_set)
-    return register_handle(None, lambda: result)
+    check()
+    tensors = [t.detach() for t in tensors]
+    return deferred(name, lambda: grouped_reducescatter(tensors, name, compression, op, prescale_factor,
+                                                        postscale_factor, process_set))

@@ -9,11 +9,12 @@ import torch
 import torch.distributed as dist
 
 from spark_dl.compat.horovod.basics import rank
-from spark_dl.compat.horovod.checks import agree, check_same
-from spark_dl.compat.horovod.ops import allgather_parts, fused_inplace
+from spark_dl.compat.horovod.checks import check_same, disagreement
+from spark_dl.compat.horovod.exceptions import CollectiveError
+from spark_dl.compat.horovod.handles import begin
+from spark_dl.compat.horovod.ops import allgather_parts, fused_inplace, to_wire, with_name
 from spark_dl.compat.horovod.process_sets import ProcessSet, check_root, global_process_set, group_of
 from spark_dl.compat.horovod.process_sets import resolve as resolve_set
-from spark_dl.compat.horovod.state import check
 from spark_dl.rank.tensors import comm_device, map_tensors
 
 
@@ -26,7 +27,7 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any], roo
     rank must pass the same names, shapes and dtypes in the same order (checked first: otherwise
     a ``ValueError`` on every rank names the first difference).
     """
-    check()
+    begin()
     ps = resolve_set(process_set)
     check_root(ps, root_rank)
     if isinstance(params, Mapping):
@@ -42,8 +43,9 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any], roo
     tensors = [t for _, t in named]
 
     def broadcast(_j: int, flat: torch.Tensor, _sizes: list[int]) -> torch.Tensor:
-        dist.broadcast(flat, src=root_rank, group=group_of(ps))
-        return flat
+        sent = to_wire(flat)
+        dist.broadcast(sent, src=root_rank, group=group_of(ps))
+        return sent.to(flat.dtype)
 
     fused_inplace(tensors, broadcast)
 
@@ -51,11 +53,11 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any], roo
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Any:
     """Return ``root_rank``'s ``obj`` on every rank (of ``process_set``; serialized with cloudpickle)."""
-    check()
+    begin()
     ps = resolve_set(process_set)
     check_root(ps, root_rank)
     # unchecked, ranks naming different roots hang in the length's broadcast
-    check_same("broadcast_object", ps, {"root_rank": str(root_rank)})
+    check_same("broadcast_object", ps, with_name({"root_rank": str(root_rank)}, name))
     group = group_of(ps)
     dev = comm_device()
     is_root = rank() == root_rank
@@ -74,10 +76,11 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
 def allgather_object(obj: Any, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> list[Any]:
     """Every rank's (of ``process_set``) ``obj``, in rank order (serialized with cloudpickle)."""
-    check()
+    begin()
     ps = resolve_set(process_set)
     data = torch.frombuffer(bytearray(cloudpickle.dumps(obj)), dtype=torch.uint8).to(comm_device())
-    return [cloudpickle.loads(part.cpu().numpy().tobytes()) for part in allgather_parts(data, ps)]
+    return [cloudpickle.loads(part.cpu().numpy().tobytes())
+            for part in allgather_parts(data, ps, name, collective="allgather_object")]
 
 
 _SAME_MODEL = ("every rank must build the same model (a size such as a vocabulary or a number of classes, "
@@ -90,19 +93,19 @@ def _check_same_tensors(who: str, noun: str, named: list[tuple[str, torch.Tensor
     """Raise on every member of ``ps`` unless all pass ``root_rank``'s labels, shapes and dtypes,
     in order. Mismatched broadcasts fail badly on Gloo: a shorter receiver aborts the job, a longer
     one silently keeps a prefix of the root's bytes, another dtype gets garbage, one more dtype
-    (one more fused broadcast) hangs. Costs one all-reduce of two int64 (:func:`.checks.agree`);
-    the layouts themselves are gathered only to word the error."""
+    (one more fused broadcast) hangs. Costs one all-reduce of five int64
+    (:func:`.checks.disagreement`); the layouts themselves are gathered only to word the error."""
     layout = [(label, list(t.shape), str(t.dtype).removeprefix("torch.")) for label, t in named]
-    if agree(layout, ps):
+    layouts = disagreement(who, layout, ps)
+    if layouts is None:
         return
-    layouts = allgather_object(layout, process_set=ps)
     root = ps.ranks.index(root_rank)
     r = next(i for i, lay in enumerate(layouts) if lay != layouts[root])
     where = _first_difference(layouts[r], ps.ranks[r], layouts[root], root_rank)
     if len(layouts[r]) != len(layouts[root]):
         where = (f"rank {ps.ranks[r]} has {len(layouts[r])} {noun} but rank {root_rank} has "
                  f"{len(layouts[root])}, and {where}")
-    raise ValueError(f"{who}: {where}: {_SAME_MODEL}")
+    raise CollectiveError(f"{who}: {where}: {_SAME_MODEL}")
 
 
 def _first_difference(layout: list[tuple], r: int, root_layout: list[tuple], root: int) -> str:
@@ -137,12 +140,18 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     optimizer must hold parameters of the same shapes and dtypes, in the same groups (checked
     first: otherwise a ``ValueError`` on every rank names the first difference).
     """
-    check()
+    begin()
     ps = resolve_set(process_set)
     check_root(ps, root_rank)
-    named = [(f"param_groups[{g}]['params'][{j}]", p)
-             for g, group in enumerate(optimizer.param_groups) for j, p in enumerate(group["params"])]
-    _check_same_tensors("broadcast_optimizer_state", "parameters", named, root_rank, ps)
+    labelled = [(f"param_groups[{g}]['params'][{j}]", p)
+                for g, group in enumerate(optimizer.param_groups) for j, p in enumerate(group["params"])]
+    _check_same_tensors("broadcast_optimizer_state", "parameters", labelled, root_rank, ps)
+    if not optimizer.state:
+        # as Horovod, which initialises a fresh optimizer's state with a step on zero gradients,
+        # leaves them: parameters that take gradients have one afterwards
+        for _, p in labelled:
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
     state = broadcast_object(to_cpu(optimizer.state_dict()), root_rank, process_set=ps)
     if rank() != root_rank:
         optimizer.load_state_dict(state)

@@ -13,7 +13,9 @@ independently. Then, set by set (the job first, then the sets in registration or
 on every rank), the members take the last joiner's parameters and optimizer state, so all ranks
 leave ``join()`` with the same models whatever the loop did between steps (LR schedules,
 clipping). Averages divide by the set's size (the joined ranks' zeros count, as in DDP's join by
-default).
+default). Whole-job all-reduces outside the optimizers are followed too, on one more thread,
+through the check every collective starts with (:func:`.checks.follow`). The last joiner is the
+rank that took part in the most steps and checked collectives since the previous ``join()``.
 
 The agreement costs one tiny all-reduce per step, started with the step's first bucket so it
 overlaps backward; ``SPARK_DL_HVD_JOIN=0`` leaves it out (and ``join()`` then refuses to run).
@@ -52,17 +54,39 @@ def enabled() -> bool:
     return os.environ.get(protocol.HVD_JOIN_ENV, "1") != "0"
 
 
+_collectives = 0  # checked whole-job collectives this rank took part in as a training rank since the last join()
+
+
 def setup() -> None:
-    """Called by ``init()`` on every rank: a fresh registry (the job's control group comes with the
-    first optimizer or join(), so code using neither never builds it)."""
-    global _job
+    """Called by ``init()`` and ``shutdown()`` on every rank: a fresh registry."""
+    global _job, _collectives
     _job = None
+    _collectives = 0
     _sets.clear()
 
 
+def start() -> None:
+    """Called by ``init()`` on every rank: the job's control group, made where every rank is (a
+    rank that joins early must not be creating it while the others run a collective)."""
+    _job_control()
+
+
+def stop() -> None:
+    """Called by ``shutdown()``: destroy the controls' groups and start afresh."""
+    for c in [_job, *_sets.values()]:
+        if c is not None and c.group not in (None, dist.GroupMember.NON_GROUP_MEMBER):
+            dist.destroy_process_group(c.group)
+    setup()
+
+
+def note_collective() -> None:
+    """A checked collective on the whole job ran with this rank training (for who joined last)."""
+    global _collectives
+    _collectives += 1
+
+
 def _job_control() -> _Control:
-    # Collective over the job: called where every rank is (building a whole-job optimizer, which
-    # is collective itself, or join()), the first time only.
+    # Collective over the job: init() makes it on every rank, so later calls find it made.
     global _job
     if _job is None:
         world = dist.get_world_size()
@@ -116,8 +140,11 @@ def control(ticket: tuple[_Control, int]) -> None:
 
 
 def check_collective(set_id: int = 0) -> None:
-    """Refuse a collective while a rank is known to be joined: it would wait for that rank forever."""
-    joined = _job is not None and _job.someone_joined
+    """Refuse a collective while a rank is known to be joined: it would wait for that rank forever.
+    With the collectives' checks on, the whole job's are left to them (a joined rank follows
+    all-reduces; :mod:`.checks`)."""
+    checked = os.environ.get(protocol.HVD_CHECKS_ENV, "1") != "0"
+    joined = _job is not None and _job.someone_joined and not checked
     if set_id and set_id in _sets:
         joined = joined or _sets[set_id].someone_joined
     if joined:
@@ -128,13 +155,15 @@ def check_collective(set_id: int = 0) -> None:
         )
 
 
-def join(device: int = -1) -> int:
+def join(device: int = -1, follow: Any = None) -> int:
     """Mark this rank as out of data and take part in the other ranks' ``DistributedOptimizer``
     steps (on the whole job and on this rank's process sets) with zero gradients until every rank
     has joined; then the members of each set take its last joiner's parameters and optimizer state.
 
     Returns the rank that joined last (the highest such rank when several joined at the same
     step). ``device`` is accepted for Horovod's signature; zeros go where each gradient lives.
+    ``follow``: run on a thread of its own meanwhile, taking part in the other ranks' collectives
+    until every rank has joined (:func:`.checks.follow`).
     """
     check()
     job = _job_control() if dist.get_world_size() > 1 else None
@@ -156,7 +185,15 @@ def join(device: int = -1) -> int:
         except BaseException as e:  # noqa: BLE001 - raised on the calling thread below
             errors.append(e)
 
+    def follow_collectives() -> None:
+        try:
+            follow()
+        except BaseException as e:  # noqa: BLE001 - raised on the calling thread below
+            errors.append(e)
+
     threads = [threading.Thread(target=follow_set, args=(c,), name="hvd-join-set", daemon=True) for c in mine]
+    if follow is not None:
+        threads.append(threading.Thread(target=follow_collectives, name="hvd-join-collectives", daemon=True))
     for t in threads:
         t.start()
     _follow(job)
@@ -194,10 +231,13 @@ def _follow(c: _Control) -> None:
 
 def _settle(c: _Control) -> int:
     """Every member takes the set's last joiner's optimizers; returns that (global) rank."""
-    rounds = torch.tensor([c.active_rounds], dtype=torch.int64)
+    global _collectives
+    rounds = torch.tensor([c.active_rounds + (_collectives if c is _job else 0)], dtype=torch.int64)
     every = [torch.empty_like(rounds) for _ in c.ranks]
     dist.all_gather(every, rounds, group=c.group)
     c.active_rounds = 0
+    if c is _job:
+        _collectives = 0
     counts = [int(n) for n in every]
     last = c.ranks[max(range(len(counts)), key=lambda i: (counts[i], i))]
     # an optimizer collected on one rank only must not leave the ranks broadcasting different lists

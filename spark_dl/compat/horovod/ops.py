@@ -8,21 +8,24 @@ The out-of-place forms are differentiable, as in Horovod.
 """
 from __future__ import annotations
 
-import itertools
 import warnings
 import zlib
-from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from spark_dl.compat.horovod import adasum
+from spark_dl.compat.horovod import adasum, joining
 from spark_dl.compat.horovod.basics import Adasum, Average, ReduceOp, Sum, rank
 from spark_dl.compat.horovod.checks import ALL_SHAPES, SHAPES, check_same, describe, setting
+from spark_dl.compat.horovod.checks import enabled as checks_enabled
+from spark_dl.compat.horovod.checks import follow as follow_collectives
 from spark_dl.compat.horovod.compression import Compression, for_tensor, is_cast, is_none
 from spark_dl.compat.horovod.compression import reduce as reduce_compressed
 from spark_dl.compat.horovod.compression import resolve as resolve_compression
+from spark_dl.compat.horovod.exceptions import CollectiveError
+from spark_dl.compat.horovod.handles import begin, deferred, submit, synchronize
 from spark_dl.compat.horovod.process_sets import ProcessSet, check_root, global_process_set, group_of
 from spark_dl.compat.horovod.process_sets import resolve as resolve_set
 from spark_dl.compat.horovod.state import check
@@ -43,6 +46,12 @@ def resolve_op(op: Any, average: bool | None = None) -> ReduceOp:
         warnings.warn("average= is deprecated, use op=hvd.Average or op=hvd.Sum", DeprecationWarning, stacklevel=3)
         return Average if average else Sum
     return Average if op is None else ReduceOp(op)
+
+
+def to_wire(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or a copy in a dtype Gloo carries: it has no int16 (``Invalid scalar type``),
+    whose values int32 holds exactly."""
+    return tensor.to(torch.int32) if tensor.dtype == torch.int16 else tensor
 
 
 def on_comm_device(tensor: torch.Tensor) -> torch.Tensor:
@@ -69,15 +78,27 @@ def fused_inplace(tensors: list[torch.Tensor], run: Callable[..., torch.Tensor])
                 offset += t.numel()
 
 
+def scale_(tensor: torch.Tensor, factor: Any) -> torch.Tensor:
+    """Multiply ``tensor`` by ``factor`` in place, as Horovod scales: integers in float64 and
+    truncated back, float16/bfloat16 in float32."""
+    if tensor.is_floating_point() and tensor.element_size() >= 4 or tensor.is_complex():
+        return tensor.mul_(factor)
+    wide = torch.float64 if not tensor.is_floating_point() else torch.float32
+    return tensor.copy_(tensor.to(wide) * float(factor))
+
+
 def reduce_into(work: torch.Tensor, op: ReduceOp, name: str | None, compressor: Any,
                  prescale_factor: float, postscale_factor: float,
                  sizes: list[int] | None = None, ps: ProcessSet = global_process_set) -> torch.Tensor:
     """Reduce ``work`` (a private buffer on the comm device; may be modified) over ``ps``.
     Returns the result. ``sizes``: the tensors fused in ``work``, for Adasum's per-tensor
     coefficients."""
+    wire = to_wire(work)
+    if wire is not work:
+        return reduce_into(wire, op, name, compressor, prescale_factor, postscale_factor, sizes, ps).to(work.dtype)
     compressor = for_tensor(compressor, work)
     if prescale_factor != 1.0:
-        work.mul_(prescale_factor)
+        scale_(work, prescale_factor)
     if op == Adasum:
         if not is_none(compressor):
             raise ValueError("op=hvd.Adasum combines full-precision tensors: pass compression=hvd.Compression.none")
@@ -94,7 +115,7 @@ def reduce_into(work: torch.Tensor, op: ReduceOp, name: str | None, compressor: 
                              f"not {op.name}")
         dist.all_reduce(work, op=_TORCH_OPS[op], group=group_of(ps))
     if postscale_factor != 1.0:
-        work.mul_(postscale_factor)
+        scale_(work, postscale_factor)
     return work
 
 
@@ -133,22 +154,56 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     ``postscale_factor * op(prescale_factor * tensor)``. ``compression`` applies to Average/Sum.
     The input is not modified; gradients flow back through an all-reduce with the same op.
     """
-    check()
+    begin()
     op = resolve_op(op, average)
     ps = resolve_set(process_set)
     compressor = resolve_compression(compression, per_call=True)
-    check_same("allreduce", ps, reduce_fields(tensor, op, compressor, prescale_factor, postscale_factor))
+    check_same("allreduce", ps, reduce_fields(tensor, op, compressor, prescale_factor, postscale_factor, name),
+               follow=follower([tensor], op, compressor))
     return AllreduceFunction.apply(tensor, op, name, compressor, prescale_factor, postscale_factor, ps)
 
 
 def reduce_fields(tensors: torch.Tensor | list[torch.Tensor], op: ReduceOp, compressor: Any,
-                  prescale_factor: Any = 1.0, postscale_factor: Any = 1.0) -> dict[str, str]:
+                  prescale_factor: Any = 1.0, postscale_factor: Any = 1.0, name: str | None = None) -> dict[str, str]:
     """What every rank's reduction of ``tensors`` (one, or a group) must agree on, for
-    :func:`~.checks.check_same`: the compressor with its settings (``QSGD(levels=7, ...)``), and
-    the scale factors (ranks scaling differently would sum numbers of different meanings)."""
-    return {SHAPES if torch.is_tensor(tensors) else ALL_SHAPES: describe(tensors), "op": op.name,
-            "compression": setting(compressor), "prescale_factor": setting(prescale_factor),
-            "postscale_factor": setting(postscale_factor)}
+    :func:`~.checks.check_same`: the compressor with its settings (``QSGD(levels=7, ...)``), the
+    scale factors (ranks scaling differently would sum numbers of different meanings) and the name."""
+    fields = {SHAPES if torch.is_tensor(tensors) else ALL_SHAPES: describe(tensors), "op": op.name,
+              "compression": setting(compressor), "prescale_factor": setting(prescale_factor),
+              "postscale_factor": setting(postscale_factor)}
+    return with_name(fields, name)
+
+
+def with_name(fields: dict[str, str], name: str | None) -> dict[str, str]:
+    """``fields`` with the collective's ``name``, when given (ranks naming an op differently would
+    wait for each other forever in Horovod; here they are told)."""
+    return fields if name is None else {**fields, "name": repr(name)}
+
+
+def follower(tensors: list[torch.Tensor], op: ReduceOp, compressor: Any, fused: bool = False) -> Any:
+    """How a rank in ``join()`` takes part in this all-reduce (:func:`.checks.check_same`'s
+    ``follow``): None where it cannot (Adasum, compressors other than a cast)."""
+    if op == Adasum or not (is_none(compressor) or is_cast(compressor)):
+        return None
+    return partial(follow_reduce, [(tuple(t.shape), t.dtype) for t in tensors], op, compressor, fused)
+
+
+def follow_reduce(specs: list[tuple[tuple[int, ...], torch.dtype]], op: ReduceOp, compressor: Any,
+                  fused: bool) -> None:
+    """A joined rank's part in the others' all-reduce of tensors like ``specs``: the same
+    collectives, with zeros."""
+    zeros = [torch.zeros(shape, dtype=dtype, device=comm_device()) for shape, dtype in specs]
+    if fused:
+        fused_inplace(zeros, lambda _j, flat, sizes: reduce_into(flat, op, None, compressor, 1.0, 1.0, sizes))
+    else:
+        for z in zeros:
+            reduce_into(z, op, None, compressor, 1.0, 1.0)
+
+
+def follow_async_reduce(shape: tuple[int, ...], dtype: torch.dtype, op: ReduceOp) -> None:
+    """A joined rank's part in the others' ``allreduce_async``: the same all-reduce, with zeros."""
+    torch_op = dist.ReduceOp.SUM if op in (Average, Sum) else _TORCH_OPS[op]
+    dist.all_reduce(to_wire(torch.zeros(shape, dtype=dtype, device=comm_device())), op=torch_op)
 
 
 def sum_unchecked(tensor: torch.Tensor) -> torch.Tensor:
@@ -171,7 +226,7 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
 
     Shapes must agree except for the first dimension, which may differ between ranks.
     """
-    check()
+    begin()
     return _Allgather.apply(tensor, name, resolve_set(process_set))
 
 
@@ -179,7 +234,7 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Return a copy of ``root_rank``'s ``tensor`` on every rank (of ``process_set``; ``root_rank``
     is a global rank); the input is not modified."""
-    check()
+    begin()
     return _Broadcast.apply(tensor, root_rank, name, resolve_set(process_set))
 
 
@@ -190,84 +245,74 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
-    """Block until every rank (of ``process_set``) reaches this call."""
+    """Block until every rank (of ``process_set``) reaches this call. Async ops submitted before it
+    need not have started (as in Horovod, where they are matched by name, not order)."""
     check()
-    dist.barrier(group=group_of(resolve_set(process_set)))
+    ps = resolve_set(process_set)
+    check_same("barrier", ps, {})
+    dist.barrier(group=group_of(ps))
 
 
-# ---- asynchronous forms: a handle now, the result from synchronize(handle) ------------------------
-
-@dataclass
-class _Pending:
-    work: Any  # a torch.distributed Work, or None when the op already completed
-    finish: Callable[[], torch.Tensor]
-
-
-_pending: dict[int, _Pending] = {}
-_next_handle = itertools.count(1)
-
-
-def register_handle(work: Any, finish: Callable[[], torch.Tensor]) -> int:
-    """A handle for :func:`poll` and :func:`synchronize`: ``work`` (a torch.distributed Work, or
-    None when done already) is waited for, then ``finish()`` gives the result."""
-    handle = next(_next_handle)
-    _pending[handle] = _Pending(work, finish)
-    return handle
+def join(device: int = -1) -> int:
+    """Mark this rank as out of data: until every rank has joined, take part in the other ranks'
+    all-reduces (``allreduce``, ``grouped_allreduce`` and their async forms) and
+    ``DistributedOptimizer`` steps with zeros (other collectives are refused meanwhile, as in
+    Horovod). Returns the rank that joined last, the same on every rank; see
+    :func:`.joining.join` for the optimizers' part. ``device`` is accepted for Horovod's signature.
+    """
+    begin()
+    follow = partial(follow_collectives, global_process_set) if checks_enabled() else None
+    return joining.join(device, follow=follow)
 
 
-def poll(handle: int) -> bool:
-    """Whether the operation behind ``handle`` has finished (then :func:`synchronize` won't block)."""
-    p = _pending[handle]
-    return p.work is None or p.work.is_completed()
-
-
-def synchronize(handle: int) -> torch.Tensor:
-    """Wait for the operation behind ``handle`` and return its output tensor."""
-    try:
-        p = _pending.pop(handle)
-    except KeyError:
-        raise ValueError(f"unknown or already synchronized handle {handle!r}") from None
-    if p.work is not None:
-        p.work.wait()
-    return p.finish()
-
+# ---- asynchronous forms: a handle now, the result from synchronize(handle) (see .handles) ------
 
 def _async_reduce(tensor: torch.Tensor, output: torch.Tensor, op: ReduceOp, name: str | None,
                   prescale_factor: float, postscale_factor: float, process_set: ProcessSet) -> int:
     check()
     ps = resolve_set(process_set)
-    check_same("allreduce", ps, reduce_fields(tensor, op, Compression.none, prescale_factor, postscale_factor))
+    fields = reduce_fields(tensor, op, Compression.none, prescale_factor, postscale_factor, name)
     if op == Adasum:
-        # point-to-point rounds, each depending on the last: done before the handle is returned
-        result = _allreduce_copy(tensor, op, name, Compression.none, prescale_factor, postscale_factor, ps)
-        with torch.no_grad():
-            output.copy_(result)
-        return register_handle(None, lambda: output)
-    inplace_ok = output is tensor and tensor.device == comm_device() and tensor.is_contiguous()
-    work_t = tensor if inplace_ok else on_comm_device(tensor.detach()).clone()
-    if prescale_factor != 1.0:
-        work_t.mul_(prescale_factor)
-    # floating point averages divide before the sum, as allreduce() does: the same numbers travel,
-    # so a rank calling one form meets a rank calling the other
-    divide_first = op == Average and (work_t.is_floating_point() or work_t.is_complex())
-    if divide_first:
-        work_t.div_(ps.size())
-    torch_op = dist.ReduceOp.SUM if op in (Average, Sum) else _TORCH_OPS[op]
-    work = dist.all_reduce(work_t, op=torch_op, async_op=True, group=group_of(ps))
-
-    def finish() -> torch.Tensor:
-        scale = postscale_factor / ps.size() if op == Average and not divide_first else postscale_factor
-        if scale != 1.0:
-            if work_t.is_floating_point() or work_t.is_complex():
-                work_t.mul_(scale)
-            else:
-                work_t.copy_(torch.div(work_t, 1.0 / scale, rounding_mode="trunc"))
-        if work_t is not output:
+        # point-to-point rounds, each depending on the last: done when it starts
+        def adasum_now() -> torch.Tensor:
+            check_same("allreduce", ps, fields)
+            result = _allreduce_copy(tensor, op, name, Compression.none, prescale_factor, postscale_factor, ps)
             with torch.no_grad():
-                output.copy_(work_t)
-        return output
+                output.copy_(result)
+            return output
 
-    return register_handle(work, finish)
+        return deferred(name, adasum_now)
+
+    def start() -> tuple[Any, Callable[[], torch.Tensor]]:
+        check_same("allreduce", ps, fields, follow=partial(follow_async_reduce, tuple(tensor.shape), tensor.dtype, op))
+        inplace_ok = output is tensor and tensor.device == comm_device() and tensor.is_contiguous()
+        work_t = tensor if inplace_ok else on_comm_device(tensor.detach()).clone()
+        if prescale_factor != 1.0:
+            scale_(work_t, prescale_factor)
+        # floating point averages divide before the sum, as allreduce() does: the same numbers
+        # travel, so a rank calling one form meets a rank calling the other
+        floating = work_t.is_floating_point() or work_t.is_complex()
+        if op == Average and floating:
+            work_t.div_(ps.size())
+        torch_op = dist.ReduceOp.SUM if op in (Average, Sum) else _TORCH_OPS[op]
+        sent = to_wire(work_t)
+        work = dist.all_reduce(sent, op=torch_op, async_op=True, group=group_of(ps))
+
+        def finish() -> torch.Tensor:
+            if sent is not work_t:
+                work_t.copy_(sent)
+            if op == Average and not floating:
+                work_t.copy_(torch.div(work_t, ps.size(), rounding_mode="trunc"))
+            if postscale_factor != 1.0:
+                scale_(work_t, postscale_factor)
+            if work_t is not output:
+                with torch.no_grad():
+                    output.copy_(work_t)
+            return output
+
+        return work, finish
+
+    return submit(name, start)
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -286,42 +331,50 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
     return _async_reduce(tensor, tensor, op, name, prescale_factor, postscale_factor, process_set)
 
 
-def _async_broadcast(tensor: torch.Tensor, output: torch.Tensor, root_rank: int, process_set: ProcessSet) -> int:
+def _async_broadcast(tensor: torch.Tensor, output: torch.Tensor, root_rank: int, name: str | None,
+                     process_set: ProcessSet) -> int:
     check()
     ps = resolve_set(process_set)
     check_root(ps, root_rank)
-    check_same("broadcast", ps, {SHAPES: describe(tensor), "root_rank": str(root_rank)})
-    inplace_ok = output is tensor and tensor.device == comm_device() and tensor.is_contiguous()
-    work_t = tensor if inplace_ok else on_comm_device(tensor.detach()).clone()
-    work = dist.broadcast(work_t, src=root_rank, async_op=True, group=group_of(ps))
 
-    def finish() -> torch.Tensor:
-        if work_t is not output:
-            with torch.no_grad():
-                output.copy_(work_t)
-        return output
+    def start() -> tuple[Any, Callable[[], torch.Tensor]]:
+        check_same("broadcast", ps, with_name({SHAPES: describe(tensor), "root_rank": str(root_rank)}, name))
+        inplace_ok = output is tensor and tensor.device == comm_device() and tensor.is_contiguous()
+        work_t = tensor if inplace_ok else on_comm_device(tensor.detach()).clone()
+        sent = to_wire(work_t)
+        work = dist.broadcast(sent, src=root_rank, async_op=True, group=group_of(ps))
 
-    return register_handle(work, finish)
+        def finish() -> torch.Tensor:
+            if sent is not work_t:
+                work_t.copy_(sent)
+            if work_t is not output:
+                with torch.no_grad():
+                    output.copy_(work_t)
+            return output
+
+        return work, finish
+
+    return submit(name, start)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> int:
     """Start an out-of-place :func:`broadcast`."""
-    return _async_broadcast(tensor, torch.empty_like(tensor), root_rank, process_set)
+    return _async_broadcast(tensor, torch.empty_like(tensor), root_rank, name, process_set)
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> int:
     """Start an in-place :func:`broadcast_`."""
-    return _async_broadcast(tensor, tensor, root_rank, process_set)
+    return _async_broadcast(tensor, tensor, root_rank, name, process_set)
 
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> int:
-    """Start an :func:`allgather`. The first-dimension sizes are exchanged before this returns."""
+    """Start an :func:`allgather`; ``synchronize(handle)`` returns the gathered tensor."""
     check()
-    out = _allgather_sync(tensor, resolve_set(process_set))
-    return register_handle(None, lambda: out)
+    ps = resolve_set(process_set)
+    return deferred(name, lambda: _allgather_sync(tensor, ps, name))
 
 
 # ---- allgather / broadcast with gradients -------------------------------------------------------
@@ -342,14 +395,14 @@ def gather_counts(n: int, group: Any) -> list[int]:
 def gather_rows(tensor: torch.Tensor, counts: list[int], group: Any) -> list[torch.Tensor]:
     """Every member's ``tensor`` (``counts[r]`` rows from rank r, the other dimensions equal), in
     rank order, on the comm device."""
-    t = on_comm_device(tensor.detach()).contiguous()
+    t = to_wire(on_comm_device(tensor.detach()).contiguous())
     longest = max(counts)
     if t.shape[0] < longest:
         # torch.distributed gathers equal shapes only: pad, then trim each rank's part.
         t = torch.cat([t, t.new_zeros((longest - t.shape[0],) + tuple(t.shape[1:]))])
     parts = [torch.empty_like(t) for _ in counts]
     dist.all_gather(parts, t, group=group)
-    return [p[:n] for p, n in zip(parts, counts)]
+    return [p[:n].to(tensor.dtype) for p, n in zip(parts, counts)]
 
 
 _LAYOUT_DIMS = 8  # the other dimensions sent as they are; a tensor with more sends their hash
@@ -372,11 +425,13 @@ def _describe_layout(layout: list[int]) -> str:
     return f"{names.get(layout[1], 'dtype?')} [{', '.join(map(str, ['rows'] + rest))}]"
 
 
-def allgather_parts(tensor: torch.Tensor, ps: ProcessSet = global_process_set) -> list[torch.Tensor]:
+def allgather_parts(tensor: torch.Tensor, ps: ProcessSet = global_process_set, name: str | None = None,
+                    collective: str = "allgather") -> list[torch.Tensor]:
     """Every rank's (of ``ps``) ``tensor`` (first dimensions may differ), in rank order, on the
     comm device."""
     if tensor.dim() == 0:
         raise ValueError("allgather needs a tensor with at least one dimension (it concatenates along dim 0)")
+    check_same(collective, ps, with_name({}, name))
     group = group_of(ps)
     # The row counts travel with the rest of the layout, so a mismatch costs no extra collective:
     # torch would gather mismatched tensors into garbage or break the connection (Horovod refuses).
@@ -390,14 +445,14 @@ def check_layouts(who: str, layouts: list[list[int]], ps: ProcessSet) -> None:
     order) is the same but for the rows."""
     if any(lay[1:] != layouts[0][1:] for lay in layouts):
         members = ps.ranks or range(len(layouts))
-        raise ValueError(
+        raise CollectiveError(
             f"{who}: every rank must pass the same dtype and the same sizes of every dimension but the first, "
             "got " + ", ".join(f"rank {r}: {_describe_layout(lay)}" for r, lay in zip(members, layouts))
         )
 
 
-def _allgather_sync(tensor: torch.Tensor, ps: ProcessSet = global_process_set) -> torch.Tensor:
-    return torch.cat(allgather_parts(tensor, ps)).to(tensor.device)
+def _allgather_sync(tensor: torch.Tensor, ps: ProcessSet = global_process_set, name: str | None = None) -> torch.Tensor:
+    return torch.cat(allgather_parts(tensor, ps, name)).to(tensor.device)
 
 
 class _Allgather(torch.autograd.Function):
@@ -405,13 +460,14 @@ class _Allgather(torch.autograd.Function):
     def forward(ctx, tensor, name, ps):
         ctx.rows = tensor.shape[0] if tensor.dim() else 0
         ctx.ps = ps
-        return _allgather_sync(tensor, ps)
+        return _allgather_sync(tensor, ps, name)
 
     @staticmethod
     def backward(ctx, grad):
-        summed = _allreduce_copy(grad, Sum, None, Compression.none, 1.0, 1.0, ctx.ps)
+        # Horovod's rule: the ranks' output gradients are averaged, then each takes its rows
+        averaged = _allreduce_copy(grad, Average, None, Compression.none, 1.0, 1.0, ctx.ps)
         offset = sum(gather_counts(ctx.rows, group_of(ctx.ps))[: ctx.ps.rank()])
-        return summed.narrow(0, offset, ctx.rows), None, None
+        return averaged.narrow(0, offset, ctx.rows), None, None
 
 
 class _Broadcast(torch.autograd.Function):
@@ -422,7 +478,8 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        summed = _allreduce_copy(grad, Sum, None, Compression.none, 1.0, 1.0, ctx.ps)
+        # Horovod's rule: the root gets the average of the ranks' output gradients, the others zeros
+        averaged = _allreduce_copy(grad, Average, None, Compression.none, 1.0, 1.0, ctx.ps)
         if rank() != ctx.root_rank:
-            summed.zero_()
-        return summed, None, None, None
+            averaged.zero_()
+        return averaged, None, None, None

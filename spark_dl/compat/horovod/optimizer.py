@@ -30,6 +30,7 @@ from spark_dl.compat.horovod.ops import fused_inplace
 from spark_dl.compat.horovod.process_sets import ProcessSet, global_process_set, optimizer_group_of
 from spark_dl.compat.horovod.process_sets import resolve as resolve_set
 from spark_dl.compat.horovod.state import check
+from spark_dl.compression.advice import warn_if_known_worse
 from spark_dl.rank.tensors import comm_device
 
 # id(parameter) -> (the parameter, the DistributedOptimizer whose hooks are on it), both weak
@@ -133,6 +134,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _hvd_launch(self, i: int) -> None:
         if i == 0:
             self._hvd_control = joining.start_control(self._hvd_join)
+            # lr and momentum of this step: error feedback rescales, compresses the velocity
+            self._hvd_compressor.observe_optimizer(self)
         self._hvd_next = i + 1
         self._hvd_reducer.submit(i, partial(self._hvd_prepare, i), self._hvd_buckets[i][0].device)
 
@@ -142,7 +145,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         kinds = self._hvd_kinds[i]
         if kinds is None:
             kinds = self._hvd_agree(i, [p.grad is not None and p.grad.is_sparse for p in bucket])
-        grads, sparse = [], []
+        grads, sparse, densified = [], [], []
         for p, is_sparse in zip(bucket, kinds):
             if is_sparse:
                 # entries only; a rank with no gradient here sends none
@@ -153,9 +156,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 # Another rank may have a gradient here (a branch it took): send zeros to match it.
                 p.grad = torch.zeros_like(p)
             elif p.grad.is_sparse:
+                densified.append((p, p.grad.sparse_dim()))
                 p.grad = p.grad.to_dense()  # as Horovod's sparse_as_dense: reduced like any gradient
             grads.append(p.grad)
-        return grads, (partial(self._hvd_reduce_sparse, sparse) if sparse else None)
+        return grads, (partial(self._hvd_after_dense, sparse, densified) if sparse or densified else None)
+
+    def _hvd_after_dense(self, sparse: list[torch.Tensor], densified: list[tuple[torch.Tensor, int]]) -> None:
+        if sparse:
+            self._hvd_reduce_sparse(sparse)
+        for p, sparse_dim in densified:
+            # sparse again once reduced, for optimizers that take sparse gradients only (SparseAdam)
+            p.grad = p.grad.to_sparse(sparse_dim)
 
     def _hvd_reduce_sparse(self, params: list[torch.Tensor]) -> None:
         for p in params:
@@ -192,6 +203,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _hvd_take_from(self, root: int) -> None:
         _take_from(self, root, self._hvd_ps)
+
+    @property
+    def _parameter_names(self) -> dict[torch.Tensor, str]:
+        """Horovod's name of this attribute (parameter -> name), which code written for it reads."""
+        return self._hvd_names
 
     # ---- Horovod's public optimizer API ---------------------------------------------------------
 
@@ -321,6 +337,30 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = passes
 
 
+class _NonMemberOptimizer(torch.optim.Optimizer):
+    """A ``DistributedOptimizer`` on a process set this rank is not in: as in Horovod, it steps on
+    this rank's own gradients, with nothing to reduce."""
+
+    def _hvd_setup(self, named_parameters: Any, compressor: Any, backward_passes_per_step: int, *args: Any) -> None:
+        _parameter_names([p for group in self.param_groups for p in group["params"]], named_parameters)
+        self.backward_passes_per_step = backward_passes_per_step
+        self._hvd_retired = False
+
+    def synchronize(self) -> None:
+        """Nothing to reduce: this rank is not in the optimizer's process set."""
+
+    @contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Accepted for code written for members; ``synchronize()`` does nothing here."""
+        yield
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Kept for Horovod's API; gradients accumulate locally until ``step()``."""
+        if passes < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")
+        self.backward_passes_per_step = passes
+
+
 def _no_entries(p: torch.Tensor) -> torch.Tensor:
     """A sparse gradient of ``p``'s shape with no entries (rows of an embedding, say)."""
     return torch.sparse_coo_tensor(torch.empty(1, 0, dtype=torch.long, device=p.device),
@@ -405,7 +445,9 @@ def DistributedOptimizer(
     bucket size.
     """
     check()
-    ps = resolve_set(process_set)
+    member = not (isinstance(process_set, ProcessSet) and process_set is not global_process_set
+                  and process_set.included() is False)
+    ps = resolve_set(process_set) if member else process_set
     op = ReduceOp(op)
     if op not in (Average, Sum, Adasum):
         raise ValueError(f"DistributedOptimizer supports op=Average, Sum or Adasum, got {op.name}")
@@ -419,13 +461,16 @@ def DistributedOptimizer(
             groups = num_groups
     if isinstance(groups, int) and not isinstance(groups, bool) and groups == 0:
         groups = None  # Horovod's "no explicit groups"
-    if isinstance(optimizer, (_DistributedOptimizer, _DistributedAdasumOptimizer)):
+    if isinstance(optimizer, (_DistributedOptimizer, _DistributedAdasumOptimizer, _NonMemberOptimizer)):
         raise ValueError("optimizer is already a DistributedOptimizer")
     compressor = resolve_compression(compression)
+    warn_if_known_worse(compressor, optimizer)
     if op == Adasum and not is_none(compressor):
         raise ValueError("op=hvd.Adasum combines full-precision updates: pass compression=hvd.Compression.none")
     base = type(optimizer)
     mixin = _DistributedAdasumOptimizer if op == Adasum else _DistributedOptimizer
+    if not member:
+        mixin = _NonMemberOptimizer
     cls = type(base.__name__, (mixin, base), {"__module__": __name__})
     wrapped = cls.__new__(cls)
     # Share the wrapped optimizer's param groups, state and hooks; an instance-level `step`

@@ -69,9 +69,7 @@ _next_id = 1
 
 def _check_ranks(ranks: Sequence[int]) -> None:
     world = dist.get_world_size()
-    if not ranks:
-        raise ValueError("a process set needs at least one rank")
-    if len(set(ranks)) != len(ranks) or ranks[0] < 0 or ranks[-1] >= world:
+    if ranks and (len(set(ranks)) != len(ranks) or ranks[0] < 0 or ranks[-1] >= world):
         raise ValueError(f"process set ranks {list(ranks)} must be distinct ranks of the job, 0..{world - 1}")
 
 
@@ -79,12 +77,10 @@ def setup(process_sets: Any) -> None:
     """Called by ``init()``: reset the registry and register ``process_sets`` (a list of sets,
     ``"dynamic"``, or None)."""
     global _next_id
-    for ps in list(_registered.values()):
-        ps.process_set_id = None
-    _registered.clear()
+    forget(destroy=True)  # sets a failed init() registered
     _next_id = 1
     global_process_set.ranks = list(range(dist.get_world_size()))
-    global_process_set._group = global_process_set._opt_group = None
+    global_process_set.process_set_id = 0
     _registered[0] = global_process_set
     if process_sets is None or process_sets == "dynamic":
         return
@@ -92,6 +88,26 @@ def setup(process_sets: Any) -> None:
         raise ValueError(f'init(process_sets=...) takes a list of ProcessSet or "dynamic", got {process_sets!r}')
     for ps in process_sets:
         add_process_set(ps)
+
+
+def forget(destroy: bool = False) -> None:
+    """Unregister every set but the global one (``shutdown()``, a new ``init()``); ``destroy``: also
+    destroy their groups (when the default group, which takes every group with it, stays)."""
+    for ps in list(_registered.values()):
+        if ps is global_process_set:
+            continue
+        if destroy:
+            _destroy_groups(ps)
+        ps.process_set_id = None
+        ps._group = ps._opt_group = None
+    _registered.clear()
+    global_process_set._group = global_process_set._opt_group = None
+
+
+def _destroy_groups(ps: ProcessSet) -> None:
+    for group in (ps._group, ps._opt_group):
+        if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
+            dist.destroy_process_group(group)
 
 
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
@@ -106,11 +122,13 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
         raise ValueError(f"{ps} is already registered")
     _check_ranks(ps.ranks)
     for other in _registered.values():
+        # the whole job's ranks may form a set of their own (a one-rank job's "even ranks"), as in Horovod
         if other is not global_process_set and other.ranks == ps.ranks:
             raise ValueError(f"a process set with ranks {ps.ranks} is already registered: {other}")
-    # new_group is collective over the whole job: members and non-members alike call it
-    ps._group = dist.new_group(ps.ranks)
-    ps._opt_group = dist.new_group(ps.ranks)
+    if ps.ranks:  # a set of no ranks (an odd set of a one-rank job) has no collectives to run
+        # new_group is collective over the whole job: members and non-members alike call it
+        ps._group = dist.new_group(ps.ranks)
+        ps._opt_group = dist.new_group(ps.ranks)
     joining.add_set(_next_id, ps.ranks)  # hvd.join()'s per-step agreement among its members
     ps.process_set_id = _next_id
     _registered[_next_id] = ps
@@ -125,9 +143,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     del _registered[process_set.process_set_id]
     joining.remove_set(process_set.process_set_id)
     process_set.process_set_id = None
-    for group in (process_set._group, process_set._opt_group):
-        if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
-            dist.destroy_process_group(group)
+    _destroy_groups(process_set)
     process_set._group = process_set._opt_group = None
     return True
 
@@ -135,6 +151,11 @@ def remove_process_set(process_set: ProcessSet) -> bool:
 def process_sets() -> list[ProcessSet]:
     """Every registered set, the global one first."""
     return [_registered[i] for i in sorted(_registered)]
+
+
+def ids_and_ranks() -> dict[int, list[int]]:
+    """Every registered set's id and ranks (Horovod's ``_get_process_set_ids_and_ranks``)."""
+    return {i: list(_registered[i].ranks) for i in sorted(_registered)}
 
 
 def resolve(process_set: Any) -> ProcessSet:
