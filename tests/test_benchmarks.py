@@ -148,3 +148,34 @@ def test_ddp_hooks_benchmark_compares_with_torchs_hooks():
                          "torch powerSGD_hook r4", "spark-dl PowerSGD r4", "spark-dl PowerSGD r4 overlap=True",
                          "spark-dl QSGD 4-bit", "spark-dl top-k 1% + EF", "compute only (no communication)"}, rows
     assert "spark-dl PowerSGD r4 against torch powerSGD_hook r4: " in out
+
+
+def test_convergence_benchmark_prints_a_row_per_compressor_optimizer_and_path():
+    done = _run("benchmarks/convergence.py", "--seeds", "2", "--steps", "6", "--eval-every", "3",
+                "--compressors", "onebit,powersgd", "--optimizers", "sgd,recipe", "--paths", "hvd,ddp-overlap")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("convergence: model=digits ranks=2 seeds=2 steps=6")
+    assert lines[1].startswith("machine: ") and " UTC; commit " in lines[1]
+    for comp in ("none", "onebit", "powersgd"):  # the uncompressed reference is always run
+        for opt in ("sgd", "recipe"):
+            for path in ("hvd", "ddp-overlap"):
+                row = next(line for line in lines if line.split()[:3] == [comp, opt, path])
+                assert "±" in row, row
+    assert lines[-1] == "24 runs in " + lines[-1].split(" runs in ")[1]
+
+
+def test_stall_inspector_benchmark_prints_both_variants_and_a_reports_cost():
+    done = _run("benchmarks/stall_inspector.py", "--seconds", "0.5", "--rounds", "1", "--width", "8")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert re.search(r"inspector off [\d.]+ ms, on [\d.]+ ms: ratio on/off [\d.]+", done.stdout), done.stdout
+    assert re.search(r"one progress report, timed alone in a rank: \d+ us", done.stdout), done.stdout
+
+
+def test_time_to_accuracy_benchmark_prints_a_row_per_configuration():
+    done = _run("benchmarks/time_to_accuracy.py", "--links", "loopback", "--configs", "fp32,fp16", "--hidden", "16",
+                "--d-in", "8", "--target", "0.3", "--eval-every", "2", "--max-seconds", "60")
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("spark-dl DDP ")]
+    assert [r.split()[2] for r in rows] == ["fp32", "fp16"], done.stdout
+    assert all(" s " in r for r in rows)

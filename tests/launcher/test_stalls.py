@@ -331,3 +331,26 @@ def test_the_rule_a_rank_that_has_returned_is_what_the_others_wait_for():
     stall = s.check({2}, {})
     assert stall is not None and stall.culprits == (2,)
     assert "rank 2 has already returned from main or exited" in stall.summary
+
+
+def stalls_once() -> str:
+    import os
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import spark_dl
+
+    spark_dl.init()
+    if os.environ["SPARK_DL_ATTEMPT"] == "0" and dist.get_rank() == 1:
+        time.sleep(600)  # the first attempt stalls here
+    dist.all_reduce(torch.ones(1))
+    return os.environ["SPARK_DL_ATTEMPT"]
+
+
+def test_a_stalled_attempt_is_restarted_with_max_restarts():
+    runner = HorovodRunner(np=-2, max_restarts=1, **FAST)
+    assert runner.run(stalls_once) == "1"
+    assert runner.last_run.attempts == 2
+    assert isinstance(runner.last_run.failures[0], RankStalled) and runner.last_run.failures[0].stalled == (1,)

@@ -194,3 +194,25 @@ def test_a_spark_master_no_one_answers_at_is_one_line_before_spark_starts(tmp_pa
     assert f"run_script.py: could not start Spark: no Spark master answers at {master} (" in proc.stderr
     assert "ConnectionRefusedError" in proc.stderr and "sbin/start-master.sh" in proc.stderr
     assert "Traceback" not in proc.stderr and time.monotonic() - t0 < 30
+
+
+STALLING = """
+import time
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo")
+if dist.get_rank() == 1:
+    time.sleep(600)
+dist.all_reduce(torch.ones(1))
+"""
+
+
+def test_stall_options_end_a_stalled_script_and_off_turns_one_off(tmp_path):
+    script = tmp_path / "stalls.py"
+    script.write_text(STALLING)
+    proc = _python("--np", "-2", "--stall-warning", "off", "--stall-timeout", "3", str(script))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "[spark-dl] stalled:" not in proc.stderr  # no warning: it is off
+    assert "failed: rank 0 (localhost) has waited" in proc.stderr and "in dist.all_reduce at stalls.py:8" in proc.stderr
+    bad = _python("--np", "-2", "--stall-timeout", "soon", str(script))
+    assert bad.returncode == 2 and "--stall-timeout: must be a finite number of seconds > 0" in bad.stderr
