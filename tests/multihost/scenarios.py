@@ -277,10 +277,11 @@ def cut_rendezvous(spark) -> dict:
     os.environ["SPARK_DL_SILENCE_TIMEOUT"] = "10"
     cut_at: list[float] = []
 
+    before = set(rank_processes(1))  # a zygote's ranks of an earlier run may still be going
+
     def cut_now() -> None:  # once worker 1's tasks start their ranks, which happens while they rendezvous
         deadline = time.monotonic() + 120
-        while not any(b"spark_dl.rank.main" in cmdline(p) or b"spark_dl.task.zygote" in cmdline(p)
-                      for p in namespace_pids(CLUSTER.workers[1].namespace)) and time.monotonic() < deadline:
+        while not set(rank_processes(1)) - before and time.monotonic() < deadline:
             time.sleep(0.02)
         CLUSTER.cut(1)
         cut_at.append(time.monotonic())
