@@ -194,6 +194,17 @@ def all_reduces(marker: str) -> None:
         time.sleep(0.01)
 
 
+def all_started(marker: str, ranks: int = 4, limit: float = 240.0) -> bool:
+    """Wait until every rank has left its marker (``all_reduces`` and the like write one), at most
+    ``limit`` seconds; whether they all did."""
+    deadline = time.monotonic() + limit
+    while not all(os.path.exists(f"{marker}.{r}") for r in range(ranks)):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
 def cmdline(pid: int) -> bytes:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -233,9 +244,7 @@ def cut(spark) -> dict:
     cut_at: list[float] = []
 
     def cut_when_started() -> None:
-        deadline = time.monotonic() + 240
-        while not all(os.path.exists(f"{marker}.{r}") for r in range(4)) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        all_started(marker)
         time.sleep(1.0)
         CLUSTER.cut(1)
         cut_at.append(time.monotonic())
@@ -328,9 +337,7 @@ def flap(spark) -> dict:
     flaps: list[float] = []
 
     def flap_when_started() -> None:
-        deadline = time.monotonic() + 240
-        while not all(os.path.exists(f"{marker}.{r}") for r in range(4)) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        all_started(marker)
         for _ in range(3):
             time.sleep(2.0)
             if not marker:
@@ -384,9 +391,7 @@ def kill_host(spark) -> dict:
     killed_at: list[float] = []
 
     def kill_when_started() -> None:
-        deadline = time.monotonic() + 240
-        while not all(os.path.exists(f"{marker}.{r}") for r in range(4)) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        all_started(marker)
         time.sleep(1.0)
         CLUSTER.kill_worker(1)
         killed_at.append(time.monotonic())
@@ -412,10 +417,7 @@ def driver_killed(spark) -> dict:
     env = {**os.environ, "SPARK_DL_TRACKING": "0"}
     victim = subprocess.Popen([sys.executable, __file__, sys.argv[1], "--victim", marker], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 240
-    while not all(os.path.exists(f"{marker}.{r}") for r in range(4)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    started = all(os.path.exists(f"{marker}.{r}") for r in range(4))
+    started = all_started(marker)
     time.sleep(1.0)
     victim.kill()
     killed = time.monotonic()

@@ -274,7 +274,26 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvd_reset()
 
 
-class _DistributedAdasumOptimizer(torch.optim.Optimizer):
+class _LocalGradients(torch.optim.Optimizer):
+    """An optimizer whose gradients are never reduced (Adasum combines updates in ``step()``; a rank
+    outside the process set has nothing to reduce): Horovod's gradient API accepted, doing nothing."""
+
+    def synchronize(self) -> None:
+        """Nothing to wait for: gradients stay local."""
+
+    @contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Accepted for code written for the reducing optimizers; ``synchronize()`` does nothing here."""
+        yield
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Gradients accumulate locally until ``step()``; the count is kept for Horovod's API."""
+        if passes < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")
+        self.backward_passes_per_step = passes
+
+
+class _DistributedAdasumOptimizer(_LocalGradients):
     """``op=Adasum``, as Horovod does it: every rank steps its optimizer on its own gradients,
     then the ranks' parameter updates (not gradients) are combined by Adasum and applied from
     where the step started. Optimizer state (momentum, Adam's moments) stays per rank."""
@@ -322,22 +341,8 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
     def _hvd_take_from(self, root: int) -> None:
         _take_from(self, root, self._hvd_ps)
 
-    def synchronize(self) -> None:
-        """Nothing to wait for: with Adasum, gradients stay local and ``step()`` combines updates."""
 
-    @contextmanager
-    def skip_synchronize(self) -> Iterator[None]:
-        """Accepted for code written for the other ops; ``synchronize()`` does nothing here."""
-        yield
-
-    def set_backward_passes_per_step(self, passes: int) -> None:
-        """Gradients accumulate locally until ``step()``; the count is kept for Horovod's API."""
-        if passes < 1:
-            raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")
-        self.backward_passes_per_step = passes
-
-
-class _NonMemberOptimizer(torch.optim.Optimizer):
+class _NonMemberOptimizer(_LocalGradients):
     """A ``DistributedOptimizer`` on a process set this rank is not in: as in Horovod, it steps on
     this rank's own gradients, with nothing to reduce."""
 
@@ -345,20 +350,6 @@ class _NonMemberOptimizer(torch.optim.Optimizer):
         _parameter_names([p for group in self.param_groups for p in group["params"]], named_parameters)
         self.backward_passes_per_step = backward_passes_per_step
         self._hvd_retired = False
-
-    def synchronize(self) -> None:
-        """Nothing to reduce: this rank is not in the optimizer's process set."""
-
-    @contextmanager
-    def skip_synchronize(self) -> Iterator[None]:
-        """Accepted for code written for members; ``synchronize()`` does nothing here."""
-        yield
-
-    def set_backward_passes_per_step(self, passes: int) -> None:
-        """Kept for Horovod's API; gradients accumulate locally until ``step()``."""
-        if passes < 1:
-            raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")
-        self.backward_passes_per_step = passes
 
 
 def _no_entries(p: torch.Tensor) -> torch.Tensor:
@@ -461,7 +452,7 @@ def DistributedOptimizer(
             groups = num_groups
     if isinstance(groups, int) and not isinstance(groups, bool) and groups == 0:
         groups = None  # Horovod's "no explicit groups"
-    if isinstance(optimizer, (_DistributedOptimizer, _DistributedAdasumOptimizer, _NonMemberOptimizer)):
+    if isinstance(optimizer, (_DistributedOptimizer, _LocalGradients)):
         raise ValueError("optimizer is already a DistributedOptimizer")
     compressor = resolve_compression(compression)
     warn_if_known_worse(compressor, optimizer)
