@@ -25,6 +25,7 @@ ABORT = "abort"
 HEARTBEAT = "heartbeat"
 # rank -> driver, every second it changed (else every silence bound / 6): Progress, where the rank is
 PROGRESS = "progress"
+PROGRESS_INTERVAL_S = 1.0  # how often each rank says where it is (the driver sends it in the rank's bootstrap)
 # driver -> rank: {"id"}, asking for every thread's stack; rank -> driver: {"id", "text"}, the answer
 STACKS = "stacks"
 # task -> driver: [(rank, stream, line), ...], the ranks' stdout/stderr lines

@@ -215,7 +215,7 @@ class Controller:
             silence_timeout=0.0 if launcher.relay else self.silence,
             # the stall inspector and the ranks' silence bound read them; a relay has neither
             progress_s=0.0 if launcher.relay or not (self.silence or self.stall_warning or self.stall_timeout)
-            else PROGRESS_S,
+            else protocol.PROGRESS_INTERVAL_S,
         )
         beating = threading.Event()
         if spec.silence_timeout > 0:
@@ -350,9 +350,6 @@ class Controller:
             sys.stderr.write(f"[spark-dl] task slots for {target - launcher.world_size} more ranks are free: the run "
                              f"grows to {target} ranks at rank 0's next checkpoint\n")
             sys.stderr.flush()
-
-
-PROGRESS_S = 1.0  # how often each rank says where it is
 
 
 def say(text: str) -> None:

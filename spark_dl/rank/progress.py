@@ -24,8 +24,6 @@ from typing import Callable
 
 from spark_dl import protocol
 
-INTERVAL_S = 1.0
-
 _SPARK_DL = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _EXAMPLES = os.path.join(_SPARK_DL, "examples") + os.sep
 _STDLIB = tuple({os.path.abspath(sysconfig.get_paths()[k]) + os.sep for k in ("stdlib", "platstdlib")})
@@ -129,7 +127,7 @@ def stacks() -> str:
 class Reporter:
     """The rank's reporting thread: a :class:`~spark_dl.protocol.Progress` every ``interval``."""
 
-    def __init__(self, send: Callable[[str, object], None], interval: float = INTERVAL_S) -> None:
+    def __init__(self, send: Callable[[str, object], None], interval: float = protocol.PROGRESS_INTERVAL_S) -> None:
         self._send = send
         self._interval = interval
         self._stop = threading.Event()
