@@ -292,6 +292,10 @@ def run_task(spec: JobSpec, partition: int, host: str, rendezvous: Callable[[Gat
                 env.pop(protocol.CUDA_DEVICE_ENV, None)
             env.setdefault("OMP_NUM_THREADS",
                            os.environ.get("OMP_NUM_THREADS") or omp_threads(r.host_size or r.local_size))
+            # torch no longer waits for every rank at the end of init_process_group: a rank whose main
+            # returns right after it can close its sockets while a peer is still connecting to it, and
+            # that peer fails with Gloo's "Connection closed by peer". A store barrier (a few ms) fixes it.
+            env.setdefault("TORCH_DIST_INIT_BARRIER", os.environ.get("TORCH_DIST_INIT_BARRIER") or "1")
             boot = {
                 "rank": r.rank,
                 "env": env,

@@ -22,7 +22,7 @@ def world_main(tag):
     t = torch.tensor([float(dist.get_rank())])
     dist.all_reduce(t)
     keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "CROSS_RANK", "CROSS_SIZE", "MASTER_ADDR",
-            "OMP_NUM_THREADS", "THP_MEM_ALLOC_ENABLE")
+            "OMP_NUM_THREADS", "THP_MEM_ALLOC_ENABLE", "TORCH_DIST_INIT_BARRIER")
     return {"tag": tag, "sum": t.item(), "pid": os.getpid(), "task_pid": int(os.environ["SPARK_DL_TASK_PID"]),
             "env": {k: os.environ.get(k) for k in keys}, "host": socket.gethostname()}
 
@@ -46,6 +46,7 @@ def test_barrier_stage_runs_np_ranks_with_one_process_group(spark):
     # four ranks share the host's cores instead of each spawning one thread per core
     assert {o["env"]["OMP_NUM_THREADS"] for o in outs} == {str(max(1, len(os.sched_getaffinity(0)) // 4))}
     assert {o["env"]["THP_MEM_ALLOC_ENABLE"] for o in outs} == {"1"}  # huge pages for big CPU tensors
+    assert {o["env"]["TORCH_DIST_INIT_BARRIER"] for o in outs} == {"1"}  # no rank leaves a peer connecting
     assert len({o["pid"] for o in outs}) == 4
     assert os.getpid() not in {o["task_pid"] for o in outs}, "ranks must run under Spark tasks, not the driver"
 
