@@ -50,7 +50,7 @@ import spark_dl.compression as C  # noqa: E402
 COMPRESSORS = {
     "none": C.NoneCompressor, "fp16": C.FP16, "bf16": C.BF16, "qsgd": C.QSGD, "powersgd": C.PowerSGD,
     "onebit": C.OneBit, "efsign": C.EFSign, "topk": lambda: C.ErrorFeedback(C.TopK()),
-    "randomk": lambda: C.ErrorFeedback(C.RandomK()),
+    "randomk": lambda: C.ErrorFeedback(C.RandomK()), "auto": C.Auto,
 }
 OPTIMIZERS = ("sgd", "nesterov", "adam", "adamw", "recipe")
 PATHS = ("hvd", "ddp", "ddp-overlap")

@@ -29,7 +29,7 @@ os.environ.setdefault("SPARK_DL_TRACKING", "0")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-CONFIGS = ("peer", "fp32", "fp16", "powersgd", "qsgd", "onebit")
+CONFIGS = ("peer", "fp32", "fp16", "powersgd", "qsgd", "onebit", "auto")
 
 
 def train(cfg: dict) -> dict:
@@ -63,7 +63,8 @@ def train(cfg: dict) -> dict:
     if name != "fp32":
         from spark_dl.compression import FP16, QSGD, OneBit, PowerSGD, make_ddp_hook
 
-        compressor = {"fp16": FP16, "powersgd": lambda: PowerSGD(rank=4), "qsgd": QSGD, "onebit": OneBit}[name]()
+        compressor = {"fp16": FP16, "powersgd": lambda: PowerSGD(rank=4), "qsgd": QSGD, "onebit": OneBit,
+                      "auto": lambda: "auto"}[name]()
         ddp.register_comm_hook(*make_ddp_hook(compressor, optimizer=opt))
     data = torch.Generator().manual_seed(100 + rank)
     steps, accuracy, flag = 0, 0.0, torch.zeros(1)
@@ -82,7 +83,12 @@ def train(cfg: dict) -> dict:
             dist.broadcast(flag, 0)
             if flag.item():
                 break
-    return {"steps": steps, "accuracy": accuracy, "train_s": time.time() - started}
+    out = {"steps": steps, "accuracy": accuracy, "train_s": time.time() - started}
+    if name == "auto":  # what it picked per bucket (and its size)
+        from spark_dl.compression import stats
+
+        out["picks"] = {k: (row["compressor"], row["elements"]) for k, row in stats.choices.items()}
+    return out
 
 
 def run_config(config: str, cfg: dict) -> tuple[float, dict]:

@@ -36,6 +36,7 @@ EXAMPLES = [
     ("docs/guide/horovod-spark.md", "## Elastic Horovod (`hvd.elastic`)", 0),
     ("docs/guide/horovod-spark.md", "## Horovod on Spark: `horovod.spark.run`", 0),
     ("docs/guide/compression.md", "# Gradient compression", 0),
+    ("docs/guide/compression.md", "## Let spark-dl pick: `\"auto\"`", 0),
     ("docs/guide/tracking.md", "# Tracking with MLflow", 0),
     ("docs/guide/tracking.md", "## Options", 0),
 ]

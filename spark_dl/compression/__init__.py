@@ -14,8 +14,10 @@ QSGD            no         4.06 (s=7, d=512)   no (unbiased)
 TopK            no         64 * ratio          wrap in ErrorFeedback
 RandomK         yes        32 * ratio          wrap in ErrorFeedback
 PowerSGD        own rounds 32 r (n+m) / (n m)  built in
+Auto            per tensor, the fastest of the above that is safe for the optimizer, measured
 ==============  =========  ==================  ==========================
 """
+from spark_dl.compression.auto import Auto
 from spark_dl.compression.base import Compressor, Payload
 from spark_dl.compression.collectives import allreduce
 from spark_dl.compression.ddp import DDPHookState, compressed_hook, ddp_hook, make_ddp_hook
@@ -32,5 +34,5 @@ __all__ = [
     "Compressor", "Payload", "ErrorFeedback", "allreduce", "stats", "CompressionStats",
     "NoneCompressor", "FP16", "BF16", "OneBit", "SignMeans", "EFSign", "ScaledSign", "QSGD",
     "TopK", "RandomK", "PowerSGD", "make_ddp_hook", "ddp_hook", "compressed_hook",
-    "DDPHookState", "CompressionWarning", "TrainingFeedback",
+    "DDPHookState", "CompressionWarning", "TrainingFeedback", "Auto",
 ]

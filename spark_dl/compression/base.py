@@ -63,6 +63,8 @@ class Compressor:
     """
 
     summable: bool = False
+    # True for a compressor that picks another per reduction (Auto): allreduce hands it the call
+    chooses: bool = False
     # Warm-up, momentum compression and lr rescaling (spark_dl.compression.training), for the
     # compressors with error feedback; None: told nothing, changes nothing.
     feedback: Any = None
@@ -180,6 +182,8 @@ def as_compressor(value: Any, who: str, *, instances_only: bool = False) -> Comp
     """
     if isinstance(value, Compressor):
         return value
+    if isinstance(value, str) and value.lower() == "auto":  # the one name taken: Auto needs no choosing
+        return _public_compressors()["auto"]()  # Auto, found as a subclass: auto.py builds on this module
     if isinstance(value, type) and issubclass(value, Compressor):
         name = value.__name__
         if _needs_arguments(value):

@@ -300,6 +300,8 @@ def allreduce(tensor: torch.Tensor, compression: Compressor | None = None, *,
         got = f"{out.dtype} {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor) else type(out).__name__
         raise ValueError(f"out must be a contiguous tensor of {tensor.numel()} {tensor.dtype} elements on "
                          f"{tensor.device}, got {got}")
+    if c.chooses:  # Auto: the compressor picked for this tensor reduces it, through this function
+        return c.allreduce(tensor, op=op, name=name, group=group, layout=layout, out=out)
     # where the float32 paths may write the result directly
     into = out.view(-1) if out is not None and out.dtype == torch.float32 else None
     world = dist.get_world_size(group)

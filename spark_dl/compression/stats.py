@@ -37,7 +37,10 @@ class CompressionStats:
     ``"ErrorFeedback(TopK)"``), the error-feedback residual's norm relative to the norm of what
     each rank compresses (its averaged share of the gradient, or of its velocity under momentum
     compression), the largest over its tensors at their latest measurement (every
-    ``WATCH_EVERY``-th compressed reduction of a tensor).
+    ``WATCH_EVERY``-th compressed reduction of a tensor). ``choices``: what
+    :class:`~spark_dl.compression.auto.Auto` picked per tensor name (``compressor``, ``elements``,
+    ``predicted_s`` and ``measured_s`` per call, ``bytes`` per call, every candidate's ``times``,
+    ``reason``, ``excluded``); ``switches``: how many times it changed its mind after a first decision.
     """
 
     bytes_sent: int = 0
@@ -46,6 +49,8 @@ class CompressionStats:
     calls: int = 0
     seconds: float = 0.0
     residual_ratios: dict[str, float] = field(default_factory=dict)
+    choices: dict[str, dict] = field(default_factory=dict)
+    switches: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add_bytes(self, n: int) -> None:
@@ -58,6 +63,14 @@ class CompressionStats:
             self.elements += int(elements)
             self.bytes_dense += int(dense_bytes)
             self.seconds += seconds
+
+    def set_choice(self, name: str, row: dict) -> None:
+        with self._lock:
+            self.choices[name] = row
+
+    def note_switch(self) -> None:
+        with self._lock:
+            self.switches += 1
 
     @property
     def ratio(self) -> float:
@@ -74,9 +87,12 @@ class CompressionStats:
             self.bytes_sent = self.bytes_dense = self.elements = self.calls = 0
             self.seconds = 0.0
             self.residual_ratios = {}
+            self.choices = {}
+            self.switches = 0
 
     def __getstate__(self) -> dict:
-        return {**self.snapshot(), "residual_ratios": dict(self.residual_ratios)}
+        return {**self.snapshot(), "residual_ratios": dict(self.residual_ratios), "choices": dict(self.choices),
+                "switches": self.switches}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(**state)  # type: ignore[misc]
@@ -106,7 +122,7 @@ def _norm(t: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(t.detach().reshape(-1), dtype=torch.float64))
 
 
-def _residual_norm(residuals: Any, name: Any) -> float:
+def residual_norm(residuals: Any, name: Any) -> float:
     """The norm of every residual kept for ``name`` (its chunks' and pieces' keys included)."""
     total = 0.0
     for k in residuals.keys():
@@ -135,7 +151,7 @@ def watch(c: Any, name: Any, x: torch.Tensor, result: torch.Tensor, world: int) 
     residuals = getattr(c, "residuals", None)
     if residuals is None or g == 0:
         return
-    ratio = _residual_norm(residuals, name) / g
+    ratio = residual_norm(residuals, name) / g
     with _watch_lock:
         w.ratios = (w.ratios + [ratio])[-RISING - 1:]
         latest = max(v.ratios[-1] for (who2, _), v in _watched.items() if who2 == who and v.ratios)

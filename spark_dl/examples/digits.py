@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 # Gradient compressors by command-line name (see make_compressor).
 COMPRESSIONS: tuple[str, ...] = (
-    "none", "fp16", "bf16", "onebit", "qsgd", "topk", "randomk", "powersgd", "efsign",
+    "none", "fp16", "bf16", "onebit", "qsgd", "topk", "randomk", "powersgd", "efsign", "auto",
 )
 
 TEST_SIZE = 360
@@ -30,6 +30,7 @@ def make_compressor(name: str) -> Any:
     # library's 1%: this CNN has only ~14k parameters, and 1% learns too little in a few epochs.
     factories: dict[str, Callable[[], Any]] = {
         "none": C.NoneCompressor,
+        "auto": C.Auto,
         "fp16": C.FP16,
         "bf16": C.BF16,
         "onebit": C.OneBit,

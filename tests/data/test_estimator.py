@@ -68,7 +68,9 @@ def test_regression_with_two_feature_columns_and_an_optimizer_factory(spark):
     torch.manual_seed(0)
     fitted = TorchEstimator(model=TwoInputs(), optimizer=functools.partial(torch.optim.SGD, lr=0.1),
                             loss=torch.nn.functional.mse_loss, feature_cols=["a", "b"], label_cols=["y"],
-                            batch_size=16, epochs=20, num_proc=2, prediction_col="y_hat").fit(df)
+                            batch_size=16, epochs=20, num_proc=2, prediction_col="y_hat",
+                            # "auto" is taken as any compressor is (3 parameters: too few to compress)
+                            gradient_compression="auto").fit(df)
     w, bias = fitted.getModel().w.weight.detach()[0].tolist(), fitted.getModel().w.bias.item()
     assert w == pytest.approx([3, -2], abs=0.05) and bias == pytest.approx(0.5, abs=0.05)
     predicted = fitted.transform(df)
@@ -228,7 +230,8 @@ def test_bad_estimators_and_inputs_are_refused(spark, digits):
         ({"backward_passes_per_step": 0}, "backward_passes_per_step must be an int >= 1, got 0"),
         ({"val_batch_size": 2.5}, "val_batch_size must be an int >= 1, got 2.5"),
         ({"train_steps_per_epoch": 0}, "train_steps_per_epoch must be an int >= 1"),
-        ({"gradient_compression": "fp16"}, "gradient_compression must be a compressor from spark_dl.compression"),
+        ({"gradient_compression": "fp16"}, "gradient_compression must be a compressor from spark_dl.compression "
+                                            r"\(FP16\(\), QSGD\(\), PowerSGD\(\), ...\), 'auto' or None, got 'fp16'"),
         ({"loss": torch.nn.MSELoss}, r"loss is the class torch.nn.modules.loss.MSELoss, not a loss: pass an instance"),
         ({"feature_cols": None}, "feature_cols must be a column name or a non-empty list of them, got None"),
         ({"seed": "a"}, "seed must be an int"),

@@ -88,6 +88,73 @@ def compression(spark) -> dict:
     return {c: HorovodRunner(np=4).run(train_digits, c) for c in ("none", "qsgd", "powersgd")}
 
 
+def auto_trains(marker: str, steps: int) -> dict:
+    """DDP with compression="auto" (checks every 10 reductions, so a run of a few hundred steps
+    sees them): per step, what rank 0 reduces each bucket with; a marker once every bucket has its
+    first pick and that pick's time on the link."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import spark_dl
+    from spark_dl.compression import Auto, make_ddp_hook, stats
+
+    spark_dl.init()
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    state, hook = make_ddp_hook(Auto(check_every=10, sample_every=2), optimizer=opt)
+    model.register_comm_hook(state, hook)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    picks, told = [], False
+    for _ in range(steps):
+        x, y = torch.randn(32, 256, generator=g), torch.randint(0, 10, (32,), generator=g)
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        buckets = state.compressor.buckets
+        picks.append({k: (b.phase, type(state.compressor.candidates[b.chosen]).__name__) for k, b in buckets.items()})
+        # every bucket picked, and its time on this link known (what a slower link is compared with)
+        if not told and buckets and all(b.phase == "chosen" and b.baseline for b in buckets.values()):
+            told = True
+            open(f"{marker}.{os.environ['RANK']}", "w").close()
+    return {"picks": picks, "choices": dict(stats.choices), "switches": stats.switches}
+
+
+def auto(spark) -> dict:
+    """compression="auto" across hosts: on 100 Mbit/s links from the start; then a run that starts
+    on 1 Gbit/s links, slowed to 100 Mbit/s once every bucket has its first pick and its time."""
+    from spark_dl import HorovodRunner
+
+    out = {}
+    try:
+        for i in range(len(CLUSTER.workers)):
+            CLUSTER.shape(i, rate_mbit=100)
+        out["slow"] = HorovodRunner(np=4).run_all(auto_trains, os.path.join(tempfile.mkdtemp(), "m"), 60)
+        for i in range(len(CLUSTER.workers)):
+            CLUSTER.shape(i, rate_mbit=1000)
+        marker = os.path.join(tempfile.mkdtemp(), "decided")
+        slowed: list[float] = []
+
+        def slow_down() -> None:
+            if all_started(marker, limit=600):
+                for i in range(len(CLUSTER.workers)):
+                    CLUSTER.shape(i, rate_mbit=100)
+                slowed.append(time.monotonic())
+
+        threading.Thread(target=slow_down, daemon=True).start()
+        out["slowed"] = HorovodRunner(np=4).run(auto_trains, marker, 160)
+        out["was_slowed"] = bool(slowed)
+    finally:
+        for i in range(len(CLUSTER.workers)):
+            CLUSTER.shape(i, rate_mbit=CLUSTER.rate_mbit)
+    return out
+
+
 def distributor(spark) -> dict:
     from spark_dl import TorchDistributor
 

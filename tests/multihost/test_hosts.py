@@ -19,8 +19,8 @@ from spark_dl.testing import cluster
 pytestmark = pytest.mark.timeout(1500)
 
 # kill_host starts its host again; driver_killed stops the scenarios' session, so it comes last
-SCENARIOS = ["layout", "compression", "distributor", "horovod_spark", "shards", "restart", "cut", "cut_rendezvous",
-             "flap", "loss", "kill_host", "driver_killed"]
+SCENARIOS = ["layout", "compression", "auto", "distributor", "horovod_spark", "shards", "restart", "cut",
+             "cut_rendezvous", "flap", "loss", "kill_host", "driver_killed"]
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +94,30 @@ def test_training_with_compression_reaches_the_uncompressed_accuracy(results):
     assert acc["none"] > 0.9, acc
     for c in ("qsgd", "powersgd"):
         assert acc[c] > acc["none"] - 0.03, acc
+
+
+def test_compression_auto_compresses_on_a_slow_link_and_measures_again_when_the_link_slows(results):
+    r = scenario(results, "auto")
+    slow = r["slow"]
+    assert slow[0]["choices"] and all(o["choices"] == slow[0]["choices"] for o in slow)  # every rank alike
+    # 100 Mbit/s between hosts: the buckets of a million gradients and more are compressed
+    big = {k: row for k, row in slow[0]["choices"].items() if row["elements"] >= 500_000}
+    assert big and all(row["compressor"] != "NoneCompressor" for row in big.values()), slow[0]["choices"]
+    for row in big.values():
+        assert row["times"][row["compressor"]] < row["times"]["NoneCompressor"] * 0.95  # measured faster there
+    slowed = r["slowed"]
+    assert r["was_slowed"]
+    picks = slowed["picks"]
+    first = next(p for p in picks if p and all(phase == "chosen" for phase, _ in p.values()))  # on 1 Gbit/s
+    last = slowed["choices"]
+    big = [k for k, row in last.items() if row["elements"] >= 500_000]
+    assert big and all(last[k]["compressor"] != "NoneCompressor" for k in big), last
+    # a bucket left uncompressed on 1 Gbit/s took several times longer once the link slowed: measured
+    # again, and compressed
+    uncompressed = [k for k, (_, c) in first.items() if c == "NoneCompressor"]
+    for k in uncompressed:
+        assert last[k]["compressor"] != "NoneCompressor" and last[k]["reason"].startswith("re-measured"), last[k]
+    assert slowed["switches"] >= len(uncompressed)
 
 
 def test_torch_distributor_runs_across_hosts(results):

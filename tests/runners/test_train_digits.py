@@ -76,9 +76,10 @@ def test_bad_arguments_exit_2_with_argparse_message():
 
 
 def test_accuracy_below_minimum_exits_3_without_spark():
-    proc = _python("--np", "-2", "--epochs", "1", "--no-tracking", "--min-accuracy", "0.999")
+    # (with --compression auto: the runner takes it as it takes a compressor's name)
+    proc = _python("--np", "-2", "--epochs", "1", "--no-tracking", "--min-accuracy", "0.999", "--compression", "auto")
     assert proc.returncode == 3, proc.stderr
-    assert 0.0 < _accuracy(proc.stdout) < 0.999
+    assert 0.0 < _accuracy(proc.stdout) < 0.999 and "compression=auto" in proc.stdout
     assert "below --min-accuracy 0.999" in proc.stderr
 
 

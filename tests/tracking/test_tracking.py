@@ -497,6 +497,37 @@ def test_communication_metrics_of_a_compressed_run(tracking_uri):
     assert run.data.metrics["comm/bytes_sent_per_step"] > 0
 
 
+def auto_train(steps):
+    import spark_dl.horovod as hvd
+    import torch
+
+    import spark_dl
+
+    hvd.init()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1000, 10)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters(), compression="auto")
+    for step in range(steps):
+        loss = model(torch.randn(8, 1000)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        spark_dl.log_metrics({"loss": loss.item()}, step=step)
+
+
+def test_compression_auto_logs_each_buckets_pick_time_and_bytes(tracking_uri):
+    HorovodRunner(np=-2, progress=False).run(auto_train, steps=25)
+    metrics = _only_run().data.metrics
+    picked = [k for k in metrics if k.startswith("comm/auto/") and k.endswith("/choice")]
+    assert len(picked) == 1  # one fusion bucket: the weight and the bias
+    bucket = picked[0][len("comm/auto/"):-len("/choice")]
+    assert bucket.startswith("DistributedOptimizer.bucket0.")
+    assert metrics[picked[0]] in (0.0, 1.0, 2.0, 3.0)  # an index into Auto.candidates (none, fp16, PowerSGD, OneBit)
+    assert metrics[f"comm/auto/{bucket}/seconds"] > 0 and metrics[f"comm/auto/{bucket}/bytes"] > 0
+    assert metrics["comm/auto_switches"] == 0
+
+
 def ray_style_loop(config):
     import spark_dl.ray_train as ray_train
 

@@ -54,7 +54,7 @@ _SETTINGS: dict[str, tuple[Any, str]] = {
     "sample_weight_col": (None, "a column of per-row loss weights"),
     "input_shapes": (None, "each feature column's batch shape, -1 for the batch"),
     "metrics": (None, "{name: fn(output, *labels) -> number}, averaged each epoch"),
-    "gradient_compression": (None, "a compressor from spark_dl.compression for the gradients' all-reduce"),
+    "gradient_compression": (None, "a compressor from spark_dl.compression for the gradients' all-reduce, or 'auto'"),
     "backward_passes_per_step": (1, "batches accumulated per optimizer step"),
     "val_batch_size": (None, "rows per rank per held-out batch (default batch_size)"),
     "train_steps_per_epoch": (None, "at most this many batches per rank per epoch"),
@@ -121,7 +121,8 @@ class TorchEstimator(Estimator, MLWritable, MLReadable):
             ``TorchModel.metric_history[name]``, and ``["val_" + name]`` on the held-out rows.
         gradient_compression: a compressor from :mod:`spark_dl.compression` (``FP16()``, ``QSGD()``,
             ``PowerSGD()``, ...; Horovod's ``hvd.Compression.fp16``) for the gradients' all-reduce,
-            as a DDP communication hook.
+            as a DDP communication hook; ``"auto"`` picks one per bucket on the measured link
+            (:class:`spark_dl.compression.Auto`).
         backward_passes_per_step: batches whose gradients are accumulated (averaged) before each
             optimizer step and all-reduce (Horovod's); 1 steps every batch.
         val_batch_size: rows per rank per held-out batch (default ``batch_size``).

@@ -184,7 +184,7 @@ def checked_settings(v: Mapping[str, Any], runner_options: dict[str, Any]) -> Si
     import torch
 
     from spark_dl.compat.estimator import callbacks as _callbacks
-    from spark_dl.compression import Compressor
+    from spark_dl.compression import Auto, Compressor
 
     s = SimpleNamespace(**v)
     model, optimizer = s.model, s.optimizer
@@ -222,9 +222,11 @@ def checked_settings(v: Mapping[str, Any], runner_options: dict[str, Any]) -> Si
         if as_int(value) is None or value < 1:
             raise LaunchRefused(f"{name} must be an int >= 1, got {value!r}")
         setattr(s, name, as_int(value))
+    if isinstance(s.gradient_compression, str) and s.gradient_compression.lower() == "auto":
+        s.gradient_compression = Auto()
     if s.gradient_compression is not None and not isinstance(s.gradient_compression, Compressor):
         raise LaunchRefused(f"gradient_compression must be a compressor from spark_dl.compression (FP16(), QSGD(), "
-                            f"PowerSGD(), ...) or None, got {type(s.gradient_compression).__name__}")
+                            f"PowerSGD(), ...), 'auto' or None, got {s.gradient_compression!r}")
     s.feature_cols = column_list(s.feature_cols, "feature_cols")
     s.label_cols = column_list(s.label_cols, "label_cols")
     s.losses = None if s.lightning else _losses(s.loss, s.loss_constructors, s.loss_weights, s.label_cols)

@@ -157,7 +157,8 @@ def fit_on_each_rank(data, validation, model, optimizer, loss: Losses, feature_c
     if options.compression is not None and isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
         from spark_dl.compression.ddp import make_ddp_hook
 
-        ddp.register_comm_hook(*make_ddp_hook(options.compression))
+        # the optimizer: error feedback follows its lr and momentum, and "auto" picks what is safe for it
+        ddp.register_comm_hook(*make_ddp_hook(options.compression, optimizer=opt))
     loss = loss.built()
     device = spark_dl.get_device()
     dtype = float_dtype(model)

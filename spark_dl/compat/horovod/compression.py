@@ -52,10 +52,13 @@ class FP16(_TupleProtocol, compression.FP16):
 
 
 class Compression:
-    """Horovod's compression namespace: ``Compression.none`` and ``Compression.fp16``."""
+    """Horovod's compression namespace: ``Compression.none`` and ``Compression.fp16``, and
+    ``Compression.auto`` (:class:`spark_dl.compression.Auto`: a class, so each
+    ``DistributedOptimizer`` gets its own, with its own measurements and decisions)."""
 
     none = NoneCompressor()
     fp16 = FP16()
+    auto = compression.Auto
 
 
 def resolve(compression: Any, per_call: bool = False) -> Compressor:

@@ -83,6 +83,17 @@ class CommSampler:
         # "ErrorFeedback(TopK)" as comm/ef_residual_ratio/ErrorFeedback.TopK: MLflow names take no brackets)
         for who, ratio in dict(getattr(s, "residual_ratios", None) or {}).items():
             out[f"comm/ef_residual_ratio/{who.replace('(', '.').rstrip(')')}"] = float(ratio)
+        # compression="auto": per tensor, the chosen compressor (its index in Auto.candidates), its
+        # time per call (measured, else as probed) and bytes per call; and the switches so far
+        for name, row in dict(getattr(s, "choices", None) or {}).items():
+            out[f"comm/auto/{name}/choice"] = float(row["index"])
+            seconds = row["measured_s"] if row["measured_s"] is not None else row["predicted_s"]
+            if seconds is not None:
+                out[f"comm/auto/{name}/seconds"] = float(seconds)
+            if row["bytes"] is not None:
+                out[f"comm/auto/{name}/bytes"] = float(row["bytes"])
+        if getattr(s, "choices", None):
+            out["comm/auto_switches"] = float(s.switches)
 
 
 class MetricBuffer:

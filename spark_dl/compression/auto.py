@@ -1,0 +1,420 @@
+"""``compression="auto"``: per tensor (a DDP bucket, a fusion bucket), the compressor that makes the
+reduction fastest on this link among those known to converge with the optimizer in use, and a
+guard that falls back to a safer one when compressed training goes wrong.
+
+For each tensor name, on every rank alike:
+
+1. **warm-up**: the first ``warmup_steps`` reductions go uncompressed (early gradients are large
+   and change fast; PowerSGD's ``start_iter`` and 1-bit Adam warm up the same way). Each after the
+   first (which pays one-time costs: allocations, connections) is timed as NoneCompressor's.
+2. **probe**, in rounds: each eligible candidate reduces the tensor once a round, until each has
+   ``probe_calls`` timed calls. A call's time is the wall time of its whole all-reduce (encoding,
+   the transfer, decoding). After each round the ranks agree on each candidate's time so far (one
+   all-reduce of a few numbers: the lowest over the ranks of their fastest call; the rank that
+   reached the collective last waited for no other, so its time is the reduction's own, and noise
+   only adds time), and a candidate ``ELIMINATE`` times slower than the fastest is not probed
+   again (NoneCompressor: ``ELIMINATE_NONE`` times, so that on a slow link the uncompressed
+   reduction is not repeated, and elsewhere one noisy sample does not drop the safe choice). Stateful candidates start
+   each probe call from fresh state, so one that is not picked leaves nothing behind.
+3. **decision**, from the agreed times, the same on every rank: candidates are ordered safest
+   first (``NoneCompressor`` always first), and a less safe one replaces the pick so far only when
+   it is at least ``margin`` faster. On a link where compression saves nothing the answer is
+   "don't compress".
+4. **watch**: every ``check_every`` reductions the ranks agree (again one small all-reduce) on the
+   chosen compressor's recent time per call, its error-feedback residual relative to what was
+   compressed, whether the result was finite, and the loss told to :meth:`Auto.observe_loss` (the
+   worst rank's). A residual past ``guard_ratio`` that grew three checks running, a non-finite
+   result or loss, or a loss that doubled and still rises falls back, for good, to the fastest
+   safer candidate. A pick whose time moved by more than ``drift`` two checks running (the link
+   got slower or faster), and every bucket every ``recheck_every`` reductions, is probed again.
+
+Eligible: the candidates :func:`spark_dl.compression.advice.advice` has nothing against for the
+optimizer told to :meth:`Compressor.observe_optimizer` (``DistributedOptimizer`` and
+``make_ddp_hook(..., optimizer=opt)`` tell it); told none, those safe under heavy-ball momentum SGD.
+The decisions are in ``spark_dl.compression.stats.choices`` (and MLflow's ``comm/auto/...``); rank 0
+prints the table once every tensor has its first decision, and says each later switch on the driver.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from spark_dl.compression import collectives
+from spark_dl.compression.advice import advice
+from spark_dl.compression.base import Compressor, Key, Payload, real_param
+from spark_dl.compression.base import int_param as _int
+from spark_dl.compression.fp import FP16, NoneCompressor
+from spark_dl.compression.powersgd import PowerSGD
+from spark_dl.compression.sign import OneBit
+from spark_dl.compression.stats import RISING, label, residual_norm, stats
+
+WARMUP, PROBE, CHOSEN = "warm-up", "probe", "chosen"
+# A candidate this many times slower than the fastest after a probe round is not probed again; the
+# uncompressed reduction only when ELIMINATE_NONE times slower (the safe choice is not dropped on one
+# noisy sample): on a slow link it is not repeated (100 Mbit/s: 40x PowerSGD's time, measured).
+ELIMINATE = 3.0
+ELIMINATE_NONE = 10.0
+
+
+def default_candidates() -> list[Compressor]:
+    """Safest first: no compression, fp16 (2x, exact up to rounding), PowerSGD rank 4 (low-rank with
+    error feedback), OneBit (1-bit with error feedback; eligible under plain or Nesterov SGD)."""
+    return [NoneCompressor(), FP16(), PowerSGD(start_iter=0), OneBit(warmup_steps=0)]
+
+
+def _assume_momentum() -> torch.optim.Optimizer:
+    # told no optimizer: judge the candidates as for heavy-ball momentum SGD, the strictest case
+    return torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1, momentum=0.9)
+
+
+@dataclass
+class _Bucket:
+    """One tensor name's state (see the module docstring)."""
+
+    elements: int
+    calls: int = 0
+    phase: str = WARMUP
+    queue: list[int] = field(default_factory=list)  # the candidates still to reduce in this probe round
+    samples: dict[int, list[float]] = field(default_factory=dict)
+    sent: dict[int, int] = field(default_factory=dict)  # bytes one call of each candidate sent
+    times: dict[int, float] = field(default_factory=dict)  # agreed seconds per call
+    chosen: int = 0
+    since: int = 0  # reductions since the decision
+    window: list[float] = field(default_factory=list)  # the chosen one's sampled times since the last check
+    baseline: float | None = None  # its agreed time at the first check after the decision
+    drifted: int = 0  # checks running whose time was outside baseline's band
+    hinted: bool = False  # NoneCompressor's samples are the warm-up's (first probe round only)
+    measured: float | None = None
+    excluded: dict[int, str] = field(default_factory=dict)  # by the guard, for good
+    ratios: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)  # told since the last check
+    loss_means: list[float] = field(default_factory=list)  # one per check since the decision
+    reason: str = ""
+    decided: bool = False  # a first decision was made (a later one that differs is a switch)
+
+
+class Auto(Compressor):
+    """Picks per tensor the fastest safe compressor on the measured link; see the module docstring.
+
+    ``candidates``: compressors to choose from, safest first (default :func:`default_candidates`);
+    ``NoneCompressor()`` is put first when missing, as the fallback of last resort. Their own
+    warm-ups (``warmup_steps``, PowerSGD's ``start_iter``) are set to 0: this warm-up replaces them.
+    ``min_elements``: smaller tensors go uncompressed, unmeasured (latency dominates them).
+    ``sample_every``: in the chosen phase, every how many reductions one is timed (on CUDA a timed
+    call synchronizes the device).
+
+        hook_state, hook = make_ddp_hook("auto", optimizer=opt)
+        opt = hvd.DistributedOptimizer(opt, compression=hvd.Compression.auto)
+    """
+
+    chooses = True
+
+    def __init__(self, candidates: Sequence[Compressor] | None = None, *, warmup_steps: int = 5,
+                 probe_calls: int = 4, margin: float = 0.05, check_every: int = 50, sample_every: int = 5,
+                 recheck_every: int = 2000, drift: float = 0.5, guard_ratio: float = 100.0,
+                 min_elements: int = 4096) -> None:
+        cands = default_candidates() if candidates is None else list(candidates)
+        for c in cands:
+            if not isinstance(c, Compressor) or isinstance(c, Auto):
+                raise TypeError(f"Auto candidates must be compressor instances (not Auto), got {c!r}")
+        if not any(type(c) is NoneCompressor for c in cands):
+            cands.insert(0, NoneCompressor())
+        for c in cands:  # Auto warms up once for all of them; a probe must time the real encoding
+            if c.feedback is not None:
+                c.feedback.warmup_steps = 0
+            if isinstance(c, PowerSGD):
+                c.start_iter = 0
+        self.candidates = cands
+        self.warmup_steps = _int(warmup_steps, "Auto", "warmup_steps", 0)
+        self.probe_calls = _int(probe_calls, "Auto", "probe_calls", 1)
+        self.margin = real_param(margin, "Auto", "margin", 0.0, 1.0)
+        self.check_every = _int(check_every, "Auto", "check_every", 1)
+        self.sample_every = _int(sample_every, "Auto", "sample_every", 1)
+        self.recheck_every = _int(recheck_every, "Auto", "recheck_every", 1)
+        self.drift = real_param(drift, "Auto", "drift", 0.0, open_low=True)
+        self.guard_ratio = real_param(guard_ratio, "Auto", "guard_ratio", 0.0, open_low=True)
+        self.min_elements = _int(min_elements, "Auto", "min_elements", 0)
+        self.buckets: dict[Key, _Bucket] = {}
+        self.unsafe = self._judge(_assume_momentum())
+        self.switches = 0
+        self._none = NoneCompressor()
+        self._printed = False
+
+    # -- the Compressor surface ------------------------------------------------------------------
+    @property
+    def stateful(self) -> bool:
+        return True
+
+    def bits_per_element(self) -> float:
+        """Bits per element of the chosen compressors, weighted by their tensors' sizes (32 before any choice)."""
+        decided = [(b.elements, self.candidates[b.chosen].bits_per_element()) for b in self.buckets.values()
+                   if b.phase == CHOSEN]
+        total = sum(n for n, _ in decided)
+        return sum(n * bits for n, bits in decided) / total if total else 32.0
+
+    def compress(self, tensor: torch.Tensor, key: Key = None) -> Payload:
+        raise TypeError("Auto picks a compressor per reduction: reduce through spark_dl.compression.allreduce(t, auto, "
+                        "name=...), DistributedOptimizer or make_ddp_hook, not compress()/decompress()")
+
+    decompress = compress  # type: ignore[assignment]
+
+    def observe(self, *, lr: float | None = None, momentum: float = 0.0) -> None:
+        for c in self.candidates:
+            c.observe(lr=lr, momentum=momentum)
+
+    def observe_optimizer(self, optimizer: Any) -> None:
+        """Tell every candidate the optimizer's lr and momentum, and keep as eligible only the
+        candidates known to converge with this optimizer."""
+        for c in self.candidates:
+            c.observe_optimizer(optimizer)
+        self.unsafe = self._judge(optimizer)
+
+    def observe_loss(self, loss: Any) -> None:
+        """This step's training loss (a number or a 1-element tensor), for the guard: a loss that
+        is not finite, or that doubled and keeps rising, makes every tensor fall back."""
+        value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+        for b in self.buckets.values():
+            b.losses.append(value)
+
+    def reset(self, key: Key = None) -> None:
+        for c in self.candidates:
+            c.reset(key)
+        if key is None:
+            self.buckets.clear()
+        else:
+            self.buckets.pop(key, None)
+
+    def _params(self) -> dict[str, Any]:
+        return {"candidates": [label(c) for c in self.candidates]}
+
+    def _judge(self, optimizer: Any) -> dict[int, str]:
+        return {i: why for i, c in enumerate(self.candidates) if (why := advice(c, optimizer)) is not None}
+
+    # -- the reduction ---------------------------------------------------------------------------
+    def allreduce(self, tensor: torch.Tensor, *, op: str, name: Key, group: Any, layout: Any,
+                  out: torch.Tensor | None) -> torch.Tensor:
+        """:func:`spark_dl.compression.allreduce` through the compressor picked for ``name``."""
+        if not tensor.is_floating_point() or tensor.numel() < self.min_elements:
+            return collectives.allreduce(tensor, self._none, op=op, name=name, group=group, layout=layout, out=out)
+        b = self.buckets.get(name)
+        if b is None or b.elements != tensor.numel():
+            b = self.buckets[name] = _Bucket(tensor.numel())
+        b.calls += 1
+        index = self._next(b, name, tensor, group)
+        c = self.candidates[index]
+        # the warm-up's reductions after its first are uncompressed ones: NoneCompressor's samples
+        timed = b.phase == PROBE or (b.phase == WARMUP and b.calls > 1) or (
+            b.phase == CHOSEN and b.since % self.sample_every == 0)
+        checking = b.phase == CHOSEN and (b.since + 1) % self.check_every == 0
+        # read before the reduction: with out=tensor (the DDP hook's bucket) the result overwrites it
+        grad = _norm(tensor) if checking else 0.0
+        if timed:
+            _sync(tensor)
+            sent, start = stats.bytes_sent, time.perf_counter()
+        result = collectives.allreduce(tensor, c, op=op, name=name, group=group, layout=layout, out=out)
+        if timed:
+            _sync(tensor)
+            seconds = time.perf_counter() - start
+            (b.window if b.phase == CHOSEN else b.samples.setdefault(index, [])).append(seconds)
+            b.sent[index] = stats.bytes_sent - sent
+        if b.phase == PROBE:
+            c.reset(name)  # the next probe of this candidate, or its turn once picked, starts clean
+            if not b.queue:
+                self._end_round(b, name, tensor, group)
+        elif b.phase == CHOSEN:
+            b.since += 1
+            if checking:
+                world = dist.get_world_size(group) if dist.is_initialized() and op == "average" else 1
+                self._check(b, name, grad, world, tensor, result, group)
+        return result
+
+    def _next(self, b: _Bucket, name: Key, tensor: torch.Tensor, group: Any) -> int:
+        """The candidate that reduces this call (and moves the bucket through its phases)."""
+        if b.phase == WARMUP:
+            if b.calls <= self.warmup_steps:
+                return 0
+            self._start_probe(b)
+            if not b.queue:  # the warm-up measured all there was to measure
+                self._end_round(b, name, tensor, group)
+        if b.phase == PROBE:
+            return b.queue.pop(0)
+        return b.chosen
+
+    def _eligible(self, b: _Bucket) -> list[int]:
+        return [i for i in range(len(self.candidates)) if i not in self.unsafe and i not in b.excluded]
+
+    def _start_probe(self, b: _Bucket) -> None:
+        """Probe rounds: each round reduces once with every candidate still in the running."""
+        # The warm-up's uncompressed times stand in for NoneCompressor's in the first round, only to
+        # drop it there when it is far slower; taken early, they are not compared with the others'.
+        b.hinted = b.phase == WARMUP and bool(b.samples.get(0))
+        if not b.hinted:
+            b.samples, b.sent = {}, {}
+        b.phase, b.window = PROBE, []
+        b.queue = [i for i in self._eligible(b) if not (b.hinted and i == 0)]
+
+    def _end_round(self, b: _Bucket, name: Key, tensor: torch.Tensor, group: Any) -> None:
+        """Agree on each candidate's time so far; drop those ``ELIMINATE`` times slower than the
+        fastest (on a slow link, no more uncompressed probes); decide once none needs samples."""
+        n = len(self.candidates)
+        local = [min(b.samples[i]) if b.samples.get(i) else math.inf for i in range(n)]
+        agreed = _agree(local, tensor, group, lowest=n)
+        b.times = {i: t for i, t in enumerate(agreed) if math.isfinite(t)}
+        fastest = min(b.times.values(), default=math.inf)
+
+        def running(i: int) -> bool:
+            return b.times.get(i, math.inf) <= (ELIMINATE_NONE if i == 0 else ELIMINATE) * fastest
+        if b.hinted and running(0):
+            b.samples[0] = []  # close enough to matter: measured afresh, alongside the others
+        b.hinted = False
+        b.queue = [i for i in self._eligible(b) if len(b.samples.get(i, ())) < self.probe_calls and running(i)]
+        if not b.queue:
+            self._choose(b, name, self._pick(b, self._eligible(b)), b.reason or "fastest measured")
+
+    def _pick(self, b: _Bucket, among: list[int]) -> int:
+        """Safest first; a later candidate wins only when ``margin`` faster than the pick so far."""
+        best = None
+        for i in among:
+            if i not in b.times:
+                continue
+            if best is None or b.times[i] < b.times[best] * (1.0 - self.margin):
+                best = i
+        return 0 if best is None else best
+
+    def _choose(self, b: _Bucket, name: Key, index: int, reason: str) -> None:
+        before = b.chosen if b.decided else None
+        b.phase, b.chosen, b.since, b.reason, b.decided = CHOSEN, index, 0, reason, True
+        b.window, b.ratios, b.loss_means, b.losses, b.baseline, b.measured = [], [], [], [], None, None
+        b.drifted = 0
+        self._publish(name, b)
+        if before is not None and before != index:
+            self.switches += 1
+            stats.note_switch()
+            _say(f"compression auto: '{name}' switched from {label(self.candidates[before])} to "
+                 f"{label(self.candidates[index])}: {reason}")
+        elif not self._printed and all(x.phase == CHOSEN for x in self.buckets.values()):
+            self._printed = True
+            _show(format_choices(stats.choices))
+
+    def _check(self, b: _Bucket, name: Key, grad: float, world: int, tensor: torch.Tensor, result: torch.Tensor,
+               group: Any) -> None:
+        """``grad``: the norm of this rank's gradient before the reduction; the residual is compared
+        with this rank's share of what it compressed (over ``world`` when averaging), as
+        :func:`spark_dl.compression.stats.watch` does."""
+        c = self.candidates[b.chosen]
+        residuals = getattr(c, "residuals", None)
+        velocity = c.feedback.velocity.get(name) if c.feedback is not None else None
+        # under momentum compression the residual is in the velocity's units: compare it with that
+        share = (_norm(velocity) if velocity is not None else grad) / world
+        ratio = residual_norm(residuals, name) / share if residuals is not None and share > 0 else 0.0
+        bad = 0.0 if bool(torch.isfinite(result).all()) and math.isfinite(ratio) else 1.0
+        loss = statistics.fmean(b.losses) if b.losses else -math.inf
+        if b.losses and not math.isfinite(loss):
+            bad, loss = 1.0, -math.inf
+        recent = statistics.median(b.window) if b.window else math.inf
+        recent, ratio, bad, loss = _agree([recent, ratio if math.isfinite(ratio) else 0.0, bad, loss], tensor, group,
+                                          lowest=1)
+        b.window, b.losses = [], []
+        b.measured = recent if math.isfinite(recent) else b.measured
+        b.ratios = (b.ratios + [ratio])[-RISING - 1:]
+        if math.isfinite(loss):
+            b.loss_means.append(loss)
+        why = None
+        if bad:
+            why = "a non-finite gradient or loss"
+        elif ratio > self.guard_ratio and len(b.ratios) > RISING and all(x < y for x, y in zip(b.ratios, b.ratios[1:])):
+            why = f"its error-feedback residual grew to {ratio:.0f}x the gradient"
+        elif (len(b.loss_means) > RISING and b.loss_means[-1] > 2 * min(b.loss_means)
+              and all(x < y for x, y in zip(b.loss_means[-RISING - 1:], b.loss_means[-RISING:]))):
+            why = f"the loss rose from {min(b.loss_means):.4g} to {b.loss_means[-1]:.4g}"
+        if why is not None and b.chosen != 0:
+            b.excluded[b.chosen] = why
+            safer = [i for i in self._eligible(b) if i < b.chosen]
+            c.reset(name)
+            self._choose(b, name, self._pick(b, safer), f"guard: {why}")
+            return
+        moved = b.measured is not None and b.baseline is not None and not (
+            b.baseline / (1 + self.drift) <= b.measured <= b.baseline * (1 + self.drift))
+        b.drifted = b.drifted + 1 if moved else 0
+        if b.measured is not None and b.baseline is None:
+            b.baseline = b.measured
+        elif b.drifted >= 2:  # two checks running: one slow window is noise, not a new link
+            b.reason = f"re-measured: {label(c)} took {b.measured * 1e3:.1f} ms per call, {b.baseline * 1e3:.1f} before"
+            c.reset(name)
+            self._start_probe(b)
+        elif b.since >= self.recheck_every:
+            b.reason = f"re-measured after {b.since} reductions"
+            c.reset(name)
+            self._start_probe(b)
+        self._publish(name, b)
+
+    def _publish(self, name: Key, b: _Bucket) -> None:
+        c = self.candidates[b.chosen]
+        stats.set_choice(str(name), {
+            "elements": b.elements, "compressor": label(c), "index": b.chosen,
+            "predicted_s": b.times.get(b.chosen), "measured_s": b.measured, "bytes": b.sent.get(b.chosen),
+            "times": {label(self.candidates[i]): t for i, t in sorted(b.times.items())},
+            "reason": b.reason, "excluded": {label(self.candidates[i]): why for i, why in b.excluded.items()},
+        })
+
+
+def _norm(t: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(t.detach().reshape(-1), dtype=torch.float64))
+
+
+def _sync(tensor: torch.Tensor) -> None:
+    if tensor.is_cuda:  # a timed call waits for the device, or it times only the launches
+        torch.cuda.synchronize(tensor.device)
+
+
+def _agree(values: list[float], like: torch.Tensor, group: Any, lowest: int = 0) -> list[float]:
+    """``values`` agreed over the ranks of ``group`` (the same list on every rank, one small
+    all-reduce): the minimum of the first ``lowest`` (times: the rank that reached a collective last
+    waited for no one, so its time is the reduction's own, without the others' skew), the maximum
+    of the rest (the guard's alarms: one rank's is enough)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return list(values)
+    device = like.device if like.is_cuda and dist.get_backend(group) == "nccl" else torch.device("cpu")
+    t = torch.tensor([-v for v in values[:lowest]] + list(values[lowest:]), dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    out = [float(v) for v in t.cpu()]
+    return [-v for v in out[:lowest]] + out[lowest:]
+
+
+def _rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _say(text: str) -> None:
+    """A line on the driver whatever its log verbosity (rank 0 only: every rank decides the same)."""
+    if _rank0():
+        from spark_dl.rank.context import log_to_driver  # the rank's public API; prints where there is no driver
+
+        log_to_driver(text)
+
+
+def _show(text: str) -> None:
+    """Rank 0's stdout: on the driver with ``driver_log_verbosity="all"``."""
+    if _rank0():
+        print(text, flush=True)
+
+
+def format_choices(choices: dict[str, dict]) -> str:
+    """The decision table: one line per tensor with its size, the chosen compressor, its predicted
+    (probed) and measured time per call, the bytes it sends per call, and every candidate's time."""
+    lines = ["compression auto: per tensor, the compressor picked on this link",
+             f"  {'tensor':<40} {'elements':>10} {'chosen':<16} {'predicted':>10} {'measured':>10} {'bytes':>11}  "
+             "candidates (ms per call)"]
+    for name, row in choices.items():
+        def ms(v: float | None) -> str:
+            return "-" if v is None else f"{v * 1e3:.2f} ms"
+        cands = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in row["times"].items())
+        lines.append(f"  {name[:40]:<40} {row['elements']:>10} {row['compressor']:<16} {ms(row['predicted_s']):>10} "
+                     f"{ms(row['measured_s']):>10} {row['bytes'] if row['bytes'] is not None else '-':>11}  {cands}")
+    return "\n".join(lines)
