@@ -23,7 +23,10 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import cloudpickle  # noqa: E402
 import time_to_accuracy as tta  # noqa: E402  (the same runs, model and clock)
+
+cloudpickle.register_pickle_by_value(tta)  # its train() runs on ranks that cannot import this folder
 
 
 def main() -> int:

@@ -179,3 +179,14 @@ def test_time_to_accuracy_benchmark_prints_a_row_per_configuration():
     rows = [line for line in done.stdout.splitlines() if line.startswith("spark-dl DDP ")]
     assert [r.split()[2] for r in rows] == ["fp32", "fp16"], done.stdout
     assert all(" s " in r for r in rows)
+
+
+def test_auto_compression_benchmark_compares_auto_with_fp32_and_the_hand_picked_ones():
+    done = _run("benchmarks/auto_compression.py", "--links", "loopback", "--hand-picked", "fp16", "--hidden", "80",
+                "--d-in", "8", "--target", "0.3", "--eval-every", "2", "--max-seconds", "60")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert [line.split()[1] for line in lines if line.startswith("DDP ")] == ["fp32", "fp16", "auto"], done.stdout
+    assert any(line.startswith("auto picked: ddp.bucket") for line in lines), done.stdout  # 8k gradients: one bucket
+    summary = next(line for line in lines if line.startswith("loopback "))
+    assert summary.split()[2] == "fp16", summary  # the best hand-picked one, and auto's ratios to it and to fp32

@@ -24,9 +24,10 @@ For each tensor name, on every rank alike:
    chosen compressor's recent time per call, its error-feedback residual relative to what was
    compressed, whether the result was finite, and the loss told to :meth:`Auto.observe_loss` (the
    worst rank's). A residual past ``guard_ratio`` that grew three checks running, a non-finite
-   result or loss, or a loss that doubled and still rises falls back, for good, to the fastest
-   safer candidate. A pick whose time moved by more than ``drift`` two checks running (the link
-   got slower or faster), and every bucket every ``recheck_every`` reductions, is probed again.
+   result or loss two checks running (once is a step a GradScaler skips), or a loss that doubled
+   and still rises falls back, for good, to the fastest safer candidate. A pick whose time moved
+   by more than ``drift`` two checks running (the link got slower or faster), and every bucket
+   every ``recheck_every`` reductions, is probed again.
 
 Eligible: the candidates :func:`spark_dl.compression.advice.advice` has nothing against for the
 optimizer told to :meth:`Compressor.observe_optimizer` (``DistributedOptimizer`` and
@@ -90,6 +91,7 @@ class _Bucket:
     baseline: float | None = None  # its agreed time at the first check after the decision
     drifted: int = 0  # checks running whose time was outside baseline's band
     hinted: bool = False  # NoneCompressor's samples are the warm-up's (first probe round only)
+    bad: int = 0  # checks running that saw a non-finite result or loss
     measured: float | None = None
     excluded: dict[int, str] = field(default_factory=dict)  # by the guard, for good
     ratios: list[float] = field(default_factory=list)
@@ -291,7 +293,7 @@ class Auto(Compressor):
         before = b.chosen if b.decided else None
         b.phase, b.chosen, b.since, b.reason, b.decided = CHOSEN, index, 0, reason, True
         b.window, b.ratios, b.loss_means, b.losses, b.baseline, b.measured = [], [], [], [], None, None
-        b.drifted = 0
+        b.drifted = b.bad = 0
         self._publish(name, b)
         if before is not None and before != index:
             self.switches += 1
@@ -325,9 +327,10 @@ class Auto(Compressor):
         b.ratios = (b.ratios + [ratio])[-RISING - 1:]
         if math.isfinite(loss):
             b.loss_means.append(loss)
+        b.bad = b.bad + 1 if bad else 0
         why = None
-        if bad:
-            why = "a non-finite gradient or loss"
+        if b.bad >= 2:  # once is a step a GradScaler skips; two checks running, training has diverged
+            why = "a non-finite gradient or loss, two checks running"
         elif ratio > self.guard_ratio and len(b.ratios) > RISING and all(x < y for x, y in zip(b.ratios, b.ratios[1:])):
             why = f"its error-feedback residual grew to {ratio:.0f}x the gradient"
         elif (len(b.loss_means) > RISING and b.loss_means[-1] > 2 * min(b.loss_means)

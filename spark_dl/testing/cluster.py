@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -160,6 +161,8 @@ class Cluster:
         for w in self.workers:
             if w.pid:
                 _kill_group(w.pid)
+            # the host end first: a namespace's devices go only once the kernel has freed it, later
+            subprocess.run(["ip", "link", "del", w.host_device], capture_output=True)
             subprocess.run(["ip", "netns", "del", w.namespace], capture_output=True)
             shutil.rmtree(f"/etc/netns/{w.namespace}", ignore_errors=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
@@ -186,6 +189,9 @@ def running(workers: int = 2, **kwargs: Any) -> Iterator[Cluster]:
         c.down()
 
 
+_CLUSTERS = itertools.count()
+
+
 def up(workers: int = 2, *, cores: int = 1, memory_mb: int = 1024, rate_mbit: float | None = None,
        delay_ms: float | None = None, loss_pct: float | None = None, log_dir: str | None = None,
        subnet: int | None = None) -> Cluster:
@@ -194,8 +200,10 @@ def up(workers: int = 2, *, cores: int = 1, memory_mb: int = 1024, rate_mbit: fl
     check_can_run()
     if not 1 <= workers <= 200:
         raise ValueError(f"workers must be from 1 to 200, got {workers}")
-    tag = f"{os.getpid() % 100000}"
-    subnet = subnet if subnet is not None else 100 + os.getpid() % 150
+    # unique per cluster: a process may bring up several in turn (a benchmark, one per link)
+    n = next(_CLUSTERS)
+    tag = f"{os.getpid() % 100000}{n % 10}"
+    subnet = subnet if subnet is not None else 100 + (os.getpid() + n) % 150
     log_dir = log_dir or tempfile.mkdtemp(prefix="spark-dl-cluster-")
     os.makedirs(log_dir, exist_ok=True)
     c = Cluster(tag=tag, subnet=subnet, bridge=f"sdlbr{tag}", driver_host=f"10.213.{subnet}.1",
