@@ -110,7 +110,9 @@ def measure(link: str, configs: list[str], cfg: dict) -> list[tuple[str, float, 
 
     rows = []
     if link == "loopback":
+        # the driver's own address: a cluster's session before (another link) left its bridge's in the conf
         spark = (SparkSession.builder.master("local[2]").appName("time-to-accuracy")
+                 .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
                  .config("spark.ui.enabled", "false").getOrCreate())
         for c in configs:
             rows.append((c, *run_config(c, cfg)))

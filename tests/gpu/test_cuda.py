@@ -1,7 +1,7 @@
 """CUDA and NCCL paths on a real GPU: compressors on device tensors, ``spark_dl.init`` choosing
 NCCL and binding the rank's GPU, the Horovod optimizer's reducer thread and CUDA streams, the
-compressed collectives and the DDP hook on NCCL, GPU system metrics, and the clear error when
-more ranks than GPUs would share one under NCCL.
+compressed collectives and the DDP hook on NCCL, compression="auto" on CUDA gradients, GPU system
+metrics, and the clear error when more ranks than GPUs would share one under NCCL.
 """
 from __future__ import annotations
 
@@ -331,3 +331,43 @@ def test_a_rank_forked_from_the_zygote_initialises_cuda_and_nccl():
     assert zygote.wait_ready(60)
     out = HorovodRunner(np=-1).run(_forked_rank_on_gpu)
     assert out == {"forked": True, "backend": "nccl", "sum": 8.0, "device": "cuda:0"}
+
+
+def auto_on_gpu_main(backend):
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import spark_dl
+    import spark_dl.compression as C
+
+    spark_dl.init(backend=backend)
+    torch.manual_seed(0)
+    net = DDP(nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)).cuda(),
+              device_ids=[torch.cuda.current_device()])
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, nesterov=True)
+    state, hook = C.make_ddp_hook("auto", optimizer=opt)
+    net.register_comm_hook(state, hook)
+    g = torch.Generator(device="cuda").manual_seed(dist.get_rank())
+    for _ in range(40):
+        x = torch.randn(32, 64, device="cuda", generator=g)
+        loss = nn.functional.cross_entropy(net(x), (x[:, 0] > 0).long())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        state.compressor.observe_loss(loss)
+    params = torch.cat([p.detach().reshape(-1) for p in net.parameters()]).cpu()
+    return {k: row["compressor"] for k, row in C.stats.choices.items()}, params
+
+
+@pytest.mark.parametrize("backend, np", [("nccl", -1), ("gloo", -2)])
+def test_compression_auto_on_cuda_gradients(backend, np):
+    # NCCL: one rank (one GPU), the timed calls synchronize the device; Gloo: two ranks share it and
+    # agree through a CPU all-reduce
+    outs = HorovodRunner(np=np).run_all(auto_on_gpu_main, backend=backend)
+    choices, params = outs[0]
+    assert choices and all(c in ("NoneCompressor", "FP16", "PowerSGD", "OneBit") for c in choices.values())
+    assert bool(params.isfinite().all())
+    for other_choices, other_params in outs[1:]:
+        assert other_choices == choices and torch.equal(other_params, params)
