@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import _thread
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -62,6 +63,11 @@ def wait_all_dead(pids: list[int], timeout: float = 5.0) -> list[int]:
 
 def interrupt_main_when_recorded(pid_dir: str, ranks: int = 2) -> None:
     """Ctrl-C for the test's main thread once ``ranks`` ranks have recorded their pids."""
+    # interrupt_main() does nothing where SIGINT is not handled by Python (SIG_IGN or SIG_DFL): a
+    # process a terminal's Ctrl-C reaches has Python's handler, so this test's process gets it too,
+    # whatever an earlier test in the same worker left
+    if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL, None):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def interrupt() -> None:
         deadline = time.monotonic() + 60
