@@ -16,10 +16,7 @@ bucket. Final accuracy after a fixed number of steps, with seeds, is ``benchmark
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -33,28 +30,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--links", default="10000,1000,100,loopback", help="Mbit/s of the shaped link, or loopback")
     parser.add_argument("--hand-picked", default="fp16,powersgd", help="compressors to compare auto with")
-    parser.add_argument("--target", type=float, default=0.75)
-    parser.add_argument("--d-in", type=int, default=256)
-    parser.add_argument("--hidden", type=int, default=3072)
-    parser.add_argument("--batch", type=int, default=64, help="per rank")
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--eval-every", type=int, default=10)
-    parser.add_argument("--max-seconds", type=float, default=900.0)
-    parser.add_argument("--seed", type=int, default=0)
+    tta.add_run_arguments(parser)
     args = parser.parse_args()
     hand = [c for c in args.hand_picked.split(",") if c]
     unknown = set(hand) - (set(tta.CONFIGS) - {"peer", "fp32", "auto"})
     if unknown or not hand:
         parser.error(f"--hand-picked takes compressors of {sorted(set(tta.CONFIGS) - {'peer', 'fp32', 'auto'})}, "
                      f"got {args.hand_picked!r}")
-    cfg = {"d_in": args.d_in, "hidden": args.hidden, "batch": args.batch, "lr": args.lr, "target": args.target,
-           "eval_every": args.eval_every, "max_seconds": args.max_seconds, "seed": args.seed, "threads": 1}
-    params = args.d_in * args.hidden + args.hidden * args.hidden + args.hidden * 10 + 2 * args.hidden + 10
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tta.ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    print(f"{platform.node()}, {os.cpu_count()} cores, {datetime.date.today()}, commit {commit or '?'}; 2 ranks, "
-          f"MLP {args.d_in}-{args.hidden}-{args.hidden}-10 ({params / 1e6:.1f}M parameters), batch {args.batch} "
-          f"a rank, SGD lr {args.lr} momentum 0.9, target test accuracy {args.target}", flush=True)
+    cfg = tta.run_settings(args)
     summary = []
     for link in [x for x in args.links.split(",") if x]:
         rows = tta.measure(link, ["fp32", *hand, "auto"], cfg)

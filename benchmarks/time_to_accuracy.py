@@ -135,10 +135,8 @@ def measure(link: str, configs: list[str], cfg: dict) -> list[tuple[str, float, 
     return rows
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--links", default="1000,100,loopback", help="Mbit/s of the shaped link, or loopback")
-    parser.add_argument("--configs", default="peer,fp32,fp16,powersgd,qsgd", help=f"of {','.join(CONFIGS)}")
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model, data and stopping options every time-to-accuracy run takes."""
     parser.add_argument("--target", type=float, default=0.75)
     parser.add_argument("--d-in", type=int, default=256)
     parser.add_argument("--hidden", type=int, default=3072)
@@ -147,19 +145,30 @@ def main() -> int:
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--max-seconds", type=float, default=900.0)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    configs = [c for c in args.configs.split(",") if c]
-    if set(configs) - set(CONFIGS):
-        parser.error(f"unknown configs {sorted(set(configs) - set(CONFIGS))}; known: {CONFIGS}")
+
+
+def run_settings(args: argparse.Namespace) -> dict:
+    """The ranks' settings from those options; prints the header line (machine, date, commit, model)."""
     params = args.d_in * args.hidden + args.hidden * args.hidden + args.hidden * 10 + 2 * args.hidden + 10
-    cfg = {"d_in": args.d_in, "hidden": args.hidden, "batch": args.batch, "lr": args.lr, "target": args.target,
-           "eval_every": args.eval_every, "max_seconds": args.max_seconds, "seed": args.seed, "threads": 1}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     print(f"{platform.node()}, {os.cpu_count()} cores, {datetime.date.today()}, commit {commit or '?'}; 2 ranks, "
           f"MLP {args.d_in}-{args.hidden}-{args.hidden}-10 ({params / 1e6:.1f}M parameters), batch {args.batch} "
-          "a rank, "
-          f"SGD lr {args.lr} momentum 0.9, target test accuracy {args.target}", flush=True)
+          f"a rank, SGD lr {args.lr} momentum 0.9, target test accuracy {args.target}", flush=True)
+    return {"d_in": args.d_in, "hidden": args.hidden, "batch": args.batch, "lr": args.lr, "target": args.target,
+            "eval_every": args.eval_every, "max_seconds": args.max_seconds, "seed": args.seed, "threads": 1}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--links", default="1000,100,loopback", help="Mbit/s of the shaped link, or loopback")
+    parser.add_argument("--configs", default="peer,fp32,fp16,powersgd,qsgd", help=f"of {','.join(CONFIGS)}")
+    add_run_arguments(parser)
+    args = parser.parse_args()
+    configs = [c for c in args.configs.split(",") if c]
+    if set(configs) - set(CONFIGS):
+        parser.error(f"unknown configs {sorted(set(configs) - set(CONFIGS))}; known: {CONFIGS}")
+    cfg = run_settings(args)
     for link in [x for x in args.links.split(",") if x]:
         rows = measure(link, configs, cfg)
         peer = next((t for c, t, _ in rows if c == "peer"), None)

@@ -466,7 +466,8 @@ def test_a_run_short_enough_for_one_batch_still_has_its_speed(tracking_uri):
     assert run.data.metrics["perf/step_time_s"] > 0
 
 
-def compressed_train(steps):
+def compressed_train(steps, compression=None):
+    """``compression``: what DistributedOptimizer takes (None: ``QSGD()``)."""
     import spark_dl.horovod as hvd
     import torch
 
@@ -477,7 +478,8 @@ def compressed_train(steps):
     torch.manual_seed(hvd.rank())
     model = torch.nn.Linear(1000, 10)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                   named_parameters=model.named_parameters(), compression=QSGD())
+                                   named_parameters=model.named_parameters(),
+                                   compression=QSGD() if compression is None else compression)
     for step in range(steps):
         loss = model(torch.randn(8, 1000)).pow(2).mean()
         opt.zero_grad()
@@ -497,27 +499,8 @@ def test_communication_metrics_of_a_compressed_run(tracking_uri):
     assert run.data.metrics["comm/bytes_sent_per_step"] > 0
 
 
-def auto_train(steps):
-    import spark_dl.horovod as hvd
-    import torch
-
-    import spark_dl
-
-    hvd.init()
-    torch.manual_seed(0)
-    model = torch.nn.Linear(1000, 10)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                   named_parameters=model.named_parameters(), compression="auto")
-    for step in range(steps):
-        loss = model(torch.randn(8, 1000)).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        spark_dl.log_metrics({"loss": loss.item()}, step=step)
-
-
 def test_compression_auto_logs_each_buckets_pick_time_and_bytes(tracking_uri):
-    HorovodRunner(np=-2, progress=False).run(auto_train, steps=25)
+    HorovodRunner(np=-2, progress=False).run(compressed_train, steps=25, compression="auto")
     metrics = _only_run().data.metrics
     picked = [k for k in metrics if k.startswith("comm/auto/") and k.endswith("/choice")]
     assert len(picked) == 1  # one fusion bucket: the weight and the bias
