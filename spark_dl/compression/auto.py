@@ -53,7 +53,7 @@ from spark_dl.compression.base import int_param as _int
 from spark_dl.compression.fp import FP16, NoneCompressor
 from spark_dl.compression.powersgd import PowerSGD
 from spark_dl.compression.sign import OneBit
-from spark_dl.compression.stats import RISING, label, residual_norm, stats
+from spark_dl.compression.stats import RISING, label, norm, residual_norm, stats
 
 WARMUP, PROBE, CHOSEN = "warm-up", "probe", "chosen"
 # A candidate this many times slower than the fastest after a probe round is not probed again; the
@@ -215,7 +215,7 @@ class Auto(Compressor):
             b.phase == CHOSEN and b.since % self.sample_every == 0)
         checking = b.phase == CHOSEN and (b.since + 1) % self.check_every == 0
         # read before the reduction: with out=tensor (the DDP hook's bucket) the result overwrites it
-        grad = _norm(tensor) if checking else 0.0
+        grad = norm(tensor) if checking else 0.0
         if timed:
             _sync(tensor)
             sent, start = stats.bytes_sent, time.perf_counter()
@@ -313,7 +313,7 @@ class Auto(Compressor):
         residuals = getattr(c, "residuals", None)
         velocity = c.feedback.velocity.get(name) if c.feedback is not None else None
         # under momentum compression the residual is in the velocity's units: compare it with that
-        share = (_norm(velocity) if velocity is not None else grad) / world
+        share = (norm(velocity) if velocity is not None else grad) / world
         ratio = residual_norm(residuals, name) / share if residuals is not None and share > 0 else 0.0
         bad = 0.0 if bool(torch.isfinite(result).all()) and math.isfinite(ratio) else 1.0
         loss = statistics.fmean(b.losses) if b.losses else -math.inf
@@ -365,10 +365,6 @@ class Auto(Compressor):
             "times": {label(self.candidates[i]): t for i, t in sorted(b.times.items())},
             "reason": b.reason, "excluded": {label(self.candidates[i]): why for i, why in b.excluded.items()},
         })
-
-
-def _norm(t: torch.Tensor) -> float:
-    return float(torch.linalg.vector_norm(t.detach().reshape(-1), dtype=torch.float64))
 
 
 def _sync(tensor: torch.Tensor) -> None:

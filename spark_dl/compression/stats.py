@@ -118,7 +118,8 @@ _watched: dict[tuple[str, Any], _Watched] = {}
 _watch_lock = threading.Lock()
 
 
-def _norm(t: torch.Tensor) -> float:
+def norm(t: torch.Tensor) -> float:
+    """The tensor's 2-norm as a Python float, summed in float64."""
     return float(torch.linalg.vector_norm(t.detach().reshape(-1), dtype=torch.float64))
 
 
@@ -127,7 +128,7 @@ def residual_norm(residuals: Any, name: Any) -> float:
     total = 0.0
     for k in residuals.keys():
         if k == name or (isinstance(k, tuple) and k[:1] == (name,)):
-            total += _norm(residuals.get(k)) ** 2
+            total += norm(residuals.get(k)) ** 2
     return math.sqrt(total)
 
 
@@ -142,7 +143,7 @@ def watch(c: Any, name: Any, x: torch.Tensor, result: torch.Tensor, world: int) 
         w.calls += 1
         if (w.calls - 1) % WATCH_EVERY:
             return
-    g, out = _norm(x) / max(world, 1), _norm(result)
+    g, out = norm(x) / max(world, 1), norm(result)
     if not (math.isfinite(g) and math.isfinite(out)):
         _warn_once(w, "nonfinite", f"{who} reduced a non-finite gradient for '{name}' (inf or NaN). Once, under "
                    "a GradScaler, that is a skipped step; if the loss is not finite either, training has diverged: "
