@@ -2,7 +2,7 @@
 test accuracy (launch included), on each link: two hosts joined by a shaped link at 10 Gbit/s,
 1 Gbit/s and 100 Mbit/s, and loopback.
 
-    sudo python benchmarks/auto_compression.py [--links 10000,1000,100,loopback]
+    sudo python benchmarks/auto_compression.py [--links 10000,1000,100,loopback] [--seeds 0,1,2]
                                                [--hand-picked fp16,powersgd] [--target 0.75] [--hidden 3072]
 
 The runs, the model (an MLP, 10.3M parameters at the defaults, SGD with momentum 0.9) and the clock
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -30,6 +31,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--links", default="10000,1000,100,loopback", help="Mbit/s of the shaped link, or loopback")
     parser.add_argument("--hand-picked", default="fp16,powersgd", help="compressors to compare auto with")
+    parser.add_argument("--seeds", default=None, help="model seeds, e.g. 0,1,2: each runs every configuration "
+                        "(default: --seed alone)")
     tta.add_run_arguments(parser)
     args = parser.parse_args()
     hand = [c for c in args.hand_picked.split(",") if c]
@@ -37,28 +40,51 @@ def main() -> int:
     if unknown or not hand:
         parser.error(f"--hand-picked takes compressors of {sorted(set(tta.CONFIGS) - {'peer', 'fp32', 'auto'})}, "
                      f"got {args.hand_picked!r}")
+    try:
+        seeds = [int(x) for x in args.seeds.split(",") if x] if args.seeds else [args.seed]
+    except ValueError:
+        parser.error(f"--seeds takes integers separated by commas, got {args.seeds!r}")
     cfg = tta.run_settings(args)
     summary = []
     for link in [x for x in args.links.split(",") if x]:
-        rows = tta.measure(link, ["fp32", *hand, "auto"], cfg)
         name = link if link == "loopback" else f"{link} Mbit/s"
-        print(f"\n{name}:")
-        print(f"{'configuration':<22}{'to target':>11}{'steps':>7}{'accuracy':>10}{'vs fp32':>9}")
-        times = {}
-        for c, t, out in rows:
-            reached = out["accuracy"] >= args.target
-            times[c] = t if reached else float("inf")
-            print(f"{'DDP ' + c:<22}{t:>9.1f} s{out['steps']:>7}{out['accuracy']:>10.3f}"
-                  f"{t / rows[0][1]:>8.2f}x{'' if reached else ' (not reached)'}", flush=True)
-        picks = next(out for c, _, out in rows if c == "auto").get("picks", {})
-        print("auto picked: " + ", ".join(f"{k} ({n / 1e6:.2f}M) {c}" for k, (c, n) in picks.items()))
-        best = min(hand, key=lambda c: times[c])
-        summary.append((name, times["auto"] / times["fp32"], best, times["auto"] / times[best]))
-    print(f"\n{'link':<16}{'auto / fp32':>12}{'best hand-picked':>18}{'auto / best':>13}")
-    for name, vs_fp32, best, vs_best in summary:
-        print(f"{name:<16}{vs_fp32:>12.2f}{best:>18}{vs_best:>13.2f}")
-    print("\nratios of time to the target accuracy, measured in this run; below 1: auto was sooner")
+        vs_fp32, vs_best, accuracy, per_step = [], [], [], {}
+        for seed in seeds:
+            rows = tta.measure(link, ["fp32", *hand, "auto"], {**cfg, "seed": seed})
+            print(f"\n{name}, seed {seed}:")
+            print(f"{'configuration':<22}{'to target':>11}{'steps':>7}{'accuracy':>10}{'s a step':>10}{'vs fp32':>9}")
+            times = {}
+            for c, t, out in rows:
+                reached = out["accuracy"] >= args.target
+                times[c] = t if reached else float("inf")
+                # the ranks' own time over their steps: what the choice changes, without the launch
+                step = out["train_s"] / out["steps"]
+                per_step.setdefault(c, []).append(step)
+                print(f"{'DDP ' + c:<22}{t:>9.1f} s{out['steps']:>7}{out['accuracy']:>10.3f}{step:>10.3f}"
+                      f"{t / rows[0][1]:>8.2f}x{'' if reached else ' (not reached)'}", flush=True)
+            auto = next(out for c, _, out in rows if c == "auto")
+            picks = auto.get("picks", {})
+            print("auto picked: " + ", ".join(f"{k} ({n / 1e6:.2f}M) {c}" for k, (c, n) in picks.items()))
+            best = min(hand, key=lambda c: times[c])
+            vs_fp32.append(times["auto"] / times["fp32"])
+            vs_best.append((best, times["auto"] / times[best]))
+            accuracy.append(auto["accuracy"])
+        summary.append((name, vs_fp32, vs_best, {c: statistics.median(v) for c, v in per_step.items()}))
+    print(f"\n{'link':<16}{'auto / fp32':>22}{'auto / best hand-picked':>34}")
+    for name, vs_fp32, vs_best, _ in summary:
+        print(f"{name:<16}{_spread(vs_fp32):>22}{_spread([r for _, r in vs_best]):>22}  "
+              f"({', '.join(b for b, _ in vs_best)})")
+    print(f"\nratios of time to the target accuracy (launch included), measured in the same run per link and seed "
+          f"(seeds {','.join(map(str, seeds))}: median [lowest, highest]); below 1: auto was sooner")
+    print("median seconds a step over the seeds (the ranks' time over their steps): " + "; ".join(
+        f"{name}: " + ", ".join(f"{c} {s:.3f}" for c, s in steps.items()) for name, _, _, steps in summary))
     return 0
+
+
+def _spread(values: list[float]) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.2f}"
+    return f"{statistics.median(values):.2f} [{min(values):.2f}, {max(values):.2f}]"
 
 
 if __name__ == "__main__":

@@ -104,8 +104,10 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
         return float((model(x).argmax(1) == y).float().mean())
 
 
-def train(args, data, comp_name: str, opt_name: str, path: str, seed: int) -> tuple[float, list[float], float]:
-    """Final test accuracy, accuracy every --eval-every steps, bytes sent per step (this rank)."""
+def train(args, data, comp_name: str, opt_name: str, path: str,
+          seed: int) -> tuple[float, list[float], float, list[str]]:
+    """Final test accuracy, accuracy every --eval-every steps, bytes sent per step (this rank), and
+    what ``auto`` picked per tensor at the end (empty for the others)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     xtr, ytr, xte, yte = data
@@ -137,7 +139,11 @@ def train(args, data, comp_name: str, opt_name: str, path: str, seed: int) -> tu
             sched.step()
         if (step + 1) % args.eval_every == 0:
             curve.append(accuracy(net, xte, yte))
-    return accuracy(net, xte, yte), curve, (C.stats.bytes_sent - sent0) / args.steps
+    from spark_dl.compression.stats import label
+
+    picks = sorted({label(compressor.candidates[b.chosen]) for b in compressor.buckets.values()
+                    if b.phase == "chosen"}) if isinstance(compressor, C.Auto) else []
+    return accuracy(net, xte, yte), curve, (C.stats.bytes_sent - sent0) / args.steps, picks
 
 
 def rank_main(rank: int, args, port: int, queue) -> None:
@@ -185,8 +191,11 @@ def _commit() -> str:
 def summarize(results: list[tuple], args) -> None:
     """Print the table: one row per compressor x optimizer x path."""
     runs: dict[tuple, list[tuple]] = {}
-    for comp, opt, path, _seed, acc, curve, sent, _s in results:
+    picked: list[str] = []
+    for comp, opt, path, seed, acc, curve, sent, picks, _s in results:
         runs.setdefault((comp, opt, path), []).append((acc, curve, sent))
+        if comp == "auto":
+            picked.append(f"  {opt} {path} seed {seed}: {', '.join(picks) or 'nothing yet'}")
     print(f"{'compressor':<11}{'optimizer':<10}{'path':<12}{'accuracy':>16}{'vs none':>9}"
           f"{'bytes/step':>12}{'steps to none':>15}")
     for (comp, opt, path), rs in runs.items():
@@ -204,6 +213,8 @@ def summarize(results: list[tuple], args) -> None:
         gap = 100 * (float(accs.mean()) - target)
         print(f"{comp:<11}{opt:<10}{path:<12}{float(accs.mean()):>9.3f} ±{std:.3f}{gap:>+8.1f}p"
               f"{sum(r[2] for r in rs) / len(rs):>12,.0f}{steps:>15}")
+    if picked:
+        print("auto's picks at the end (over the tensors it decides):\n" + "\n".join(picked))
 
 
 def main() -> None:

@@ -165,6 +165,18 @@ def test_convergence_benchmark_prints_a_row_per_compressor_optimizer_and_path():
     assert lines[-1] == "24 runs in " + lines[-1].split(" runs in ")[1]
 
 
+def test_convergence_benchmark_says_what_auto_picked_in_each_run():
+    done = _run("benchmarks/convergence.py", "--seeds", "1", "--steps", "40", "--compressors", "auto",
+                "--optimizers", "sgd", "--paths", "ddp")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert any(line.split()[:3] == ["auto", "sgd", "ddp"] for line in lines), done.stdout
+    at = lines.index("auto's picks at the end (over the tensors it decides):")
+    # 40 steps: past the warm-up and the probe, so a pick of the candidates safe under momentum SGD
+    assert lines[at + 1].startswith("  sgd ddp seed 0: "), done.stdout
+    assert lines[at + 1].split(": ")[1] in ("NoneCompressor", "FP16", "PowerSGD"), done.stdout
+
+
 def test_stall_inspector_benchmark_prints_both_variants_and_a_reports_cost():
     done = _run("benchmarks/stall_inspector.py", "--seconds", "0.5", "--rounds", "1", "--width", "8")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -182,12 +194,16 @@ def test_time_to_accuracy_benchmark_prints_a_row_per_configuration():
 
 
 def test_auto_compression_benchmark_compares_auto_with_fp32_and_the_hand_picked_ones():
-    # a target out of reach: every configuration trains its 8 s, long enough for auto to decide
+    # a target out of reach: every configuration trains its 5 s, long enough for auto to decide
     done = _run("benchmarks/auto_compression.py", "--links", "loopback", "--hand-picked", "fp16", "--hidden", "80",
-                "--d-in", "8", "--target", "0.99", "--eval-every", "2", "--max-seconds", "8")
+                "--d-in", "8", "--target", "0.99", "--eval-every", "2", "--max-seconds", "5", "--seeds", "0,1")
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
-    assert [line.split()[1] for line in lines if line.startswith("DDP ")] == ["fp32", "fp16", "auto"], done.stdout
-    assert any(line.startswith("auto picked: ddp.bucket") for line in lines), done.stdout  # 8k gradients: one bucket
+    assert [line.split()[1] for line in lines if line.startswith("DDP ")] == ["fp32", "fp16", "auto"] * 2, done.stdout
+    # 8k gradients: one bucket, picked once per seed
+    assert sum(line.startswith("auto picked: ddp.bucket") for line in lines) == 2, done.stdout
+    assert [line for line in lines if line.startswith("loopback, seed ")] == ["loopback, seed 0:", "loopback, seed 1:"]
     summary = next(line for line in lines if line.startswith("loopback "))
-    assert summary.split()[2] == "fp16", summary  # the best hand-picked one, and auto's ratios to it and to fp32
+    assert summary.endswith("(fp16, fp16)"), summary  # auto's ratios to fp32 and to the best hand-picked, per seed
+    assert "seeds 0,1: median [lowest, highest]" in done.stdout
+    assert any(line.startswith("median seconds a step") and "auto " in line for line in lines), done.stdout

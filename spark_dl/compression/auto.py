@@ -4,30 +4,41 @@ guard that falls back to a safer one when compressed training goes wrong.
 
 For each tensor name, on every rank alike:
 
+A candidate is timed by the **step** it is used in: from the start of its call to the start of
+the tensor's next reduction, a step later. That is what the choice changes: the reduction itself,
+and what it costs the rest of the step (an encoding competing with backward for the cores, an
+uncompressed bucket that stays on the wire while backward goes on, as DDP's own all-reduce does,
+where a compressed one would hold backward up). Timing the reduction alone would pick fp16 on
+loopback, whose whole step is slower than fp32's.
+
 1. **warm-up**: the first ``warmup_steps`` reductions go uncompressed (early gradients are large
-   and change fast; PowerSGD's ``start_iter`` and 1-bit Adam warm up the same way). Each after the
-   first (which pays one-time costs: allocations, connections) is timed as NoneCompressor's.
+   and change fast; PowerSGD's ``start_iter`` and 1-bit Adam warm up the same way). Each step after
+   the first (which pays one-time costs: allocations, connections) is timed as NoneCompressor's.
 2. **probe**, in rounds: each eligible candidate reduces the tensor once a round, until each has
-   ``probe_calls`` timed calls. A call's time is the wall time of its whole all-reduce (encoding,
-   the transfer, decoding). After each round the ranks agree on each candidate's time so far (one
-   all-reduce of a few numbers: the lowest over the ranks of their fastest call; the rank that
-   reached the collective last waited for no other, so its time is the reduction's own, and noise
-   only adds time), and a candidate ``ELIMINATE`` times slower than the fastest is not probed
-   again (NoneCompressor: ``ELIMINATE_NONE`` times, so that on a slow link the uncompressed
-   reduction is not repeated, and elsewhere one noisy sample does not drop the safe choice). Stateful candidates start
-   each probe call from fresh state, so one that is not picked leaves nothing behind.
+   ``probe_calls`` timed steps. Every tensor probes the same candidates in the same order, so
+   in a step all of them use the same candidate. After each round the ranks agree on each
+   candidate's time so far (one all-reduce of a few numbers: the lowest over the ranks of their
+   fastest step; noise only adds time), and a candidate ``ELIMINATE`` times slower than the
+   fastest is not probed again (NoneCompressor: ``ELIMINATE_NONE`` times, so that on a slow link
+   the uncompressed reduction is not repeated, and elsewhere one noisy sample does not drop the
+   safe choice). Stateful candidates start each probe call from fresh state, so one that is not
+   picked leaves nothing behind.
 3. **decision**, from the agreed times, the same on every rank: candidates are ordered safest
    first (``NoneCompressor`` always first), and a less safe one replaces the pick so far only when
    it is at least ``margin`` faster. On a link where compression saves nothing the answer is
    "don't compress".
 4. **watch**: every ``check_every`` reductions the ranks agree (again one small all-reduce) on the
-   chosen compressor's recent time per call, its error-feedback residual relative to what was
+   chosen compressor's recent step time, its error-feedback residual relative to what was
    compressed, whether the result was finite, and the loss told to :meth:`Auto.observe_loss` (the
    worst rank's). A residual past ``guard_ratio`` that grew three checks running, a non-finite
    result or loss two checks running (once is a step a GradScaler skips), or a loss that doubled
    and still rises falls back, for good, to the fastest safer candidate. A pick whose time moved
    by more than ``drift`` two checks running (the link got slower or faster), and every bucket
    every ``recheck_every`` reductions, is probed again.
+
+Through the DDP hook (``in_flight``), a pick that can stay on the wire (a summable compressor on a
+CPU bucket: none, FP16) is started and left there, as DDP's own all-reduce is, in the probe as once
+picked, so that the probe times what will run.
 
 Eligible: the candidates :func:`spark_dl.compression.advice.advice` has nothing against for the
 optimizer told to :meth:`Compressor.observe_optimizer` (``DistributedOptimizer`` and
@@ -50,6 +61,7 @@ from spark_dl.compression import collectives
 from spark_dl.compression.advice import advice
 from spark_dl.compression.base import Compressor, Key, Payload, real_param
 from spark_dl.compression.base import int_param as _int
+from spark_dl.compression.collectives import start_summable, summable_in_flight
 from spark_dl.compression.fp import FP16, NoneCompressor
 from spark_dl.compression.powersgd import PowerSGD
 from spark_dl.compression.sign import OneBit
@@ -82,9 +94,12 @@ class _Bucket:
     calls: int = 0
     phase: str = WARMUP
     queue: list[int] = field(default_factory=list)  # the candidates still to reduce in this probe round
-    samples: dict[int, list[float]] = field(default_factory=dict)
+    samples: dict[int, list[float]] = field(default_factory=dict)  # steps timed, per candidate
     sent: dict[int, int] = field(default_factory=dict)  # bytes one call of each candidate sent
-    times: dict[int, float] = field(default_factory=dict)  # agreed seconds per call
+    times: dict[int, float] = field(default_factory=dict)  # agreed seconds per step
+    timing: int | None = None  # the candidate of this step's call, when the step is timed for it
+    tried: set[int] = field(default_factory=set)  # candidates that have paid their first call's costs
+    rounds: int = 0  # probe rounds so far (each starts with the next candidate in turn)
     chosen: int = 0
     since: int = 0  # reductions since the decision
     window: list[float] = field(default_factory=list)  # the chosen one's sampled times since the last check
@@ -99,6 +114,7 @@ class _Bucket:
     loss_means: list[float] = field(default_factory=list)  # one per check since the decision
     reason: str = ""
     decided: bool = False  # a first decision was made (a later one that differs is a switch)
+
 
 
 class Auto(Compressor):
@@ -147,6 +163,8 @@ class Auto(Compressor):
         self.switches = 0
         self._none = NoneCompressor()
         self._printed = False
+        self._step: set[Key] = set()  # the tensors reduced in the step under way
+        self._step_start: float | None = None
 
     # -- the Compressor surface ------------------------------------------------------------------
     @property
@@ -200,35 +218,35 @@ class Auto(Compressor):
 
     # -- the reduction ---------------------------------------------------------------------------
     def allreduce(self, tensor: torch.Tensor, *, op: str, name: Key, group: Any, layout: Any,
-                  out: torch.Tensor | None) -> torch.Tensor:
-        """:func:`spark_dl.compression.allreduce` through the compressor picked for ``name``."""
+                  out: torch.Tensor | None, in_flight: bool = False) -> torch.Tensor | torch.futures.Future:
+        """:func:`spark_dl.compression.allreduce` through the compressor picked for ``name``. With
+        ``in_flight`` and ``out`` (the DDP hook's bucket), a future of ``out`` when that compressor
+        can stay on the wire (:func:`~spark_dl.compression.collectives.start_summable`)."""
         if not tensor.is_floating_point() or tensor.numel() < self.min_elements:
-            return collectives.allreduce(tensor, self._none, op=op, name=name, group=group, layout=layout, out=out)
+            return self._reduce(tensor, self._none, op, name, group, layout, out, in_flight)
         b = self.buckets.get(name)
         if b is None or b.elements != tensor.numel():
             b = self.buckets[name] = _Bucket(tensor.numel())
         b.calls += 1
+        self._clock(name, tensor)
         index = self._next(b, name, tensor, group)
         c = self.candidates[index]
-        # the warm-up's reductions after its first are uncompressed ones: NoneCompressor's samples
-        timed = b.phase == PROBE or (b.phase == WARMUP and b.calls > 1) or (
+        # the warm-up's reductions after its first are uncompressed ones: NoneCompressor's samples;
+        # a candidate's first call pays one-time costs (allocations, a first kernel): not timed
+        timed = (b.phase == PROBE and index in b.tried) or (b.phase == WARMUP and b.calls > 1) or (
             b.phase == CHOSEN and b.since % self.sample_every == 0)
+        b.tried.add(index)
+        b.timing = index if timed else None
         checking = b.phase == CHOSEN and (b.since + 1) % self.check_every == 0
         # read before the reduction: with out=tensor (the DDP hook's bucket) the result overwrites it
         grad = norm(tensor) if checking else 0.0
-        if timed:
-            _sync(tensor)
-            sent, start = stats.bytes_sent, time.perf_counter()
-        result = collectives.allreduce(tensor, c, op=op, name=name, group=group, layout=layout, out=out)
-        if timed:
-            _sync(tensor)
-            seconds = time.perf_counter() - start
-            (b.window if b.phase == CHOSEN else b.samples.setdefault(index, [])).append(seconds)
-            b.sent[index] = stats.bytes_sent - sent
+        sent = stats.bytes_sent
+        # the check reads the result: that call is reduced before it returns
+        result = self._reduce(tensor, c, op, name, group, layout, out, in_flight and not checking)
+        b.sent[index] = stats.bytes_sent - sent
         if b.phase == PROBE:
-            c.reset(name)  # the next probe of this candidate, or its turn once picked, starts clean
-            if not b.queue:
-                self._end_round(b, name, tensor, group)
+            if isinstance(result, torch.Tensor):  # (what stays on the wire is stateless)
+                c.reset(name)  # the next probe of this candidate, or its turn once picked, starts clean
         elif b.phase == CHOSEN:
             b.since += 1
             if checking:
@@ -236,14 +254,43 @@ class Auto(Compressor):
                 self._check(b, name, grad, world, tensor, result, group)
         return result
 
+    def _clock(self, name: Key, tensor: torch.Tensor) -> None:
+        """Steps: one begins when a tensor already reduced in this one comes again (the first tensor
+        of the next). Its time goes to every tensor of the step that was timed, for its candidate."""
+        if name not in self._step:
+            self._step.add(name)
+            if self._step_start is None:
+                self._step_start = time.perf_counter()
+            return
+        _sync(tensor)
+        now = time.perf_counter()
+        for key in self._step:
+            b = self.buckets.get(key)
+            if b is not None and b.timing is not None:
+                (b.window if b.phase == CHOSEN else b.samples.setdefault(b.timing, [])).append(now - self._step_start)
+                b.timing = None
+        self._step, self._step_start = {name}, now
+
+    def __getstate__(self) -> dict:
+        # the step under way is this process's: a restored one starts its own
+        return {**self.__dict__, "_step": set(), "_step_start": None}
+
+    @staticmethod
+    def _reduce(tensor: torch.Tensor, c: Compressor, op: str, name: Key, group: Any, layout: Any,
+                out: torch.Tensor | None, in_flight: bool) -> torch.Tensor | torch.futures.Future:
+        if in_flight and out is not None and summable_in_flight(tensor, c):
+            return start_summable(tensor, c, op=op, name=name, group=group, out=out)
+        return collectives.allreduce(tensor, c, op=op, name=name, group=group, layout=layout, out=out)
+
     def _next(self, b: _Bucket, name: Key, tensor: torch.Tensor, group: Any) -> int:
-        """The candidate that reduces this call (and moves the bucket through its phases)."""
+        """The candidate that reduces this call (and moves the bucket through its phases). A probe
+        round ends at the call after its last: that call's step is timed when the next begins."""
         if b.phase == WARMUP:
             if b.calls <= self.warmup_steps:
                 return 0
             self._start_probe(b)
-            if not b.queue:  # the warm-up measured all there was to measure
-                self._end_round(b, name, tensor, group)
+        if b.phase == PROBE and not b.queue:
+            self._end_round(b, name, tensor, group)
         if b.phase == PROBE:
             return b.queue.pop(0)
         return b.chosen
@@ -258,7 +305,7 @@ class Auto(Compressor):
         b.hinted = b.phase == WARMUP and bool(b.samples.get(0))
         if not b.hinted:
             b.samples, b.sent = {}, {}
-        b.phase, b.window = PROBE, []
+        b.phase, b.window, b.timing, b.rounds = PROBE, [], None, 0
         b.queue = [i for i in self._eligible(b) if not (b.hinted and i == 0)]
 
     def _end_round(self, b: _Bucket, name: Key, tensor: torch.Tensor, group: Any) -> None:
@@ -270,12 +317,19 @@ class Auto(Compressor):
         b.times = {i: t for i, t in enumerate(agreed) if math.isfinite(t)}
         fastest = min(b.times.values(), default=math.inf)
 
-        def running(i: int) -> bool:
-            return b.times.get(i, math.inf) <= (ELIMINATE_NONE if i == 0 else ELIMINATE) * fastest
-        if b.hinted and running(0):
-            b.samples[0] = []  # close enough to matter: measured afresh, alongside the others
-        b.hinted = False
-        b.queue = [i for i in self._eligible(b) if len(b.samples.get(i, ())) < self.probe_calls and running(i)]
+        def running(i: int) -> bool:  # not timed yet (its first call was not): still in
+            return i not in b.times or b.times[i] <= (ELIMINATE_NONE if i == 0 else ELIMINATE) * fastest
+        if b.hinted and len(b.times) > 1:  # (a candidate's first step is not timed: once another has a time)
+            if running(0):
+                b.samples[0] = []  # close enough to matter: measured afresh, alongside the others
+            b.hinted = False
+        b.queue = [i for i in self._eligible(b) if len(b.samples.get(i, ())) < self.probe_calls and running(i)
+                   and not (b.hinted and i == 0)]
+        # each round starts with the next candidate in turn, so that no one candidate's steps always
+        # carry this agreement's all-reduce (every tensor turns alike: they stay in step)
+        b.rounds += 1
+        turn = b.rounds % len(b.queue) if b.queue else 0
+        b.queue = b.queue[turn:] + b.queue[:turn]
         if not b.queue:
             self._choose(b, name, self._pick(b, self._eligible(b)), b.reason or "fastest measured")
 
@@ -294,6 +348,7 @@ class Auto(Compressor):
         b.phase, b.chosen, b.since, b.reason, b.decided = CHOSEN, index, 0, reason, True
         b.window, b.ratios, b.loss_means, b.losses, b.baseline, b.measured = [], [], [], [], None, None
         b.drifted = b.bad = 0
+        b.timing = None
         self._publish(name, b)
         if before is not None and before != index:
             self.switches += 1
@@ -348,7 +403,8 @@ class Auto(Compressor):
         if b.measured is not None and b.baseline is None:
             b.baseline = b.measured
         elif b.drifted >= 2:  # two checks running: one slow window is noise, not a new link
-            b.reason = f"re-measured: {label(c)} took {b.measured * 1e3:.1f} ms per call, {b.baseline * 1e3:.1f} before"
+            b.reason = (f"re-measured: steps with {label(c)} took {b.measured * 1e3:.1f} ms, "
+                        f"{b.baseline * 1e3:.1f} before")
             c.reset(name)
             self._start_probe(b)
         elif b.since >= self.recheck_every:
@@ -405,11 +461,11 @@ def _show(text: str) -> None:
 
 
 def format_choices(choices: dict[str, dict]) -> str:
-    """The decision table: one line per tensor with its size, the chosen compressor, its predicted
-    (probed) and measured time per call, the bytes it sends per call, and every candidate's time."""
+    """The decision table: one line per tensor with its size, the chosen compressor, the step time
+    probed (predicted) and measured with it, the bytes it sends per call, and every candidate's step time."""
     lines = ["compression auto: per tensor, the compressor picked on this link",
              f"  {'tensor':<40} {'elements':>10} {'chosen':<16} {'predicted':>10} {'measured':>10} {'bytes':>11}  "
-             "candidates (ms per call)"]
+             "candidates (ms per step)"]
     for name, row in choices.items():
         def ms(v: float | None) -> str:
             return "-" if v is None else f"{v * 1e3:.2f} ms"

@@ -347,6 +347,18 @@ def start_summable(tensor: torch.Tensor, compression: Compressor, *, op: str, na
     world = dist.get_world_size(group)
     start = time.perf_counter()
     scale = 1.0 / world if op == "average" else 1.0
+    if type(compression) is NoneCompressor and out.data_ptr() == tensor.data_ptr():
+        # the bucket itself goes on the wire, as DDP's own all-reduce sends it: no copy in or out
+        if scale != 1.0:
+            out.div_(world)  # the bits of tensor / world, as compress_averaged has them
+        stats.add_bytes(_ring_bytes(out.numel() * out.element_size(), world))
+
+        def done(f: torch.futures.Future) -> torch.Tensor:
+            f.value()  # raises the collective's error, if any
+            stats.add_call(tensor.numel(), _ring_bytes(tensor.numel() * tensor.element_size(), world),
+                           time.perf_counter() - start)
+            return out
+        return dist.all_reduce(out, group=group, async_op=True).get_future().then(done)
     if isinstance(compression, Cast) and scale != 1.0:
         payload = compression.compress_scaled(tensor, scale, key=name)
     elif scale != 1.0:

@@ -4,8 +4,10 @@
     ddp_model.register_comm_hook(state, hook)
 
 Contract: the hook returns a ``torch.futures.Future`` holding the bucket's averaged
-(``op="average"``) or summed gradients, identical on every rank. By default the hook reduces the
-bucket before it returns. With ``overlap=True`` (on the default process group) the bucket is
+(``op="average"``) or summed gradients, identical on every rank. By default the hook starts a
+summable compressor's CPU bucket (none, FP16, BF16, random-k without error feedback) and returns
+while it is on the wire, as DDP's own all-reduce and torch's hooks do, and reduces any other bucket
+before it returns. With ``overlap=True`` (on the default process group) the bucket is
 reduced on a background thread while backward goes on producing the next buckets;
 that thread reduces the buckets in the order DDP hands them over (bucket index order on every
 rank), on a process group of its own, created at the first bucket, so that DDP's own collectives
@@ -264,8 +266,8 @@ def _reduce_routed(state: DDPHookState, grads: list[torch.Tensor], params: list[
 def _reduce(state: DDPHookState, index: int, layout: tuple, shapes: list | None, buffer: torch.Tensor,
             grads: list[torch.Tensor], params: list[int], group: Any,
             in_flight: bool = False) -> torch.Tensor | torch.futures.Future:
-    """The bucket reduced into ``buffer``; with ``in_flight`` (the overlap thread), a future of it
-    where a summable compressor's all-reduce can stay on the wire while the next bucket starts."""
+    """The bucket reduced into ``buffer``; with ``in_flight``, a future of it where a summable
+    compressor's all-reduce can stay on the wire while the next bucket starts."""
     key = _key(index, layout)
     route = state.routes.get(key)
     if route is not None and shapes is not None:
@@ -273,6 +275,9 @@ def _reduce(state: DDPHookState, index: int, layout: tuple, shapes: list | None,
         return buffer
     _track(state, index, params, key, shapes is not None)
     state.layouts[index] = layout
+    if state.compressor.chooses:  # Auto: it knows whether its pick for this bucket can stay on the wire
+        return state.compressor.allreduce(buffer, op=state.op, name=key, group=group, layout=shapes, out=buffer,
+                                          in_flight=in_flight)
     if in_flight and summable_in_flight(buffer, state.compressor):
         return start_summable(buffer, state.compressor, op=state.op, name=key, group=group, out=buffer)
     # The result goes straight into the bucket (read in full before it is written): no result
@@ -292,8 +297,11 @@ def compressed_hook(state: DDPHookState, bucket: dist.GradBucket) -> torch.futur
     worker = _worker(state)
     if worker is not None:
         return worker.submit(lambda group: _reduce(state, *args, group, in_flight=True), buffer.device)
+    out = _reduce(state, *args, state.process_group, in_flight=True)
+    if isinstance(out, torch._C.Future):  # on the wire: DDP waits for it at the end of backward
+        return out
     fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(_reduce(state, *args, state.process_group))
+    fut.set_result(out)
     return fut
 
 
