@@ -25,8 +25,11 @@ loopback, whose whole step is slower than fp32's.
    picked leaves nothing behind.
 3. **decision**, from the agreed times, the same on every rank: candidates are ordered safest
    first (``NoneCompressor`` always first), and a less safe one replaces the pick so far only when
-   it is at least ``margin`` faster. On a link where compression saves nothing the answer is
-   "don't compress".
+   its steps are at least ``margin`` faster; ``lossy_margin`` when it loses information (anything
+   but a 16-bit cast) and the pick so far does not, because such a compressor needs more steps to
+   the same accuracy: PowerSGD at rank 4 took a median of 27% more steps to the target than fp32 in
+   ``benchmarks/auto_compression.py`` (5% to 47% over 3 seeds), FP16 none more. On a link where
+   compression saves nothing the answer is "don't compress".
 4. **watch**: every ``check_every`` reductions the ranks agree (again one small all-reduce) on the
    chosen compressor's recent step time, its error-feedback residual relative to what was
    compressed, whether the result was finite, and the loss told to :meth:`Auto.observe_loss` (the
@@ -62,7 +65,7 @@ from spark_dl.compression.advice import advice
 from spark_dl.compression.base import Compressor, Key, Payload, real_param
 from spark_dl.compression.base import int_param as _int
 from spark_dl.compression.collectives import start_summable, summable_in_flight
-from spark_dl.compression.fp import FP16, NoneCompressor
+from spark_dl.compression.fp import FP16, Cast, NoneCompressor
 from spark_dl.compression.powersgd import PowerSGD
 from spark_dl.compression.sign import OneBit
 from spark_dl.compression.stats import RISING, label, norm, residual_norm, stats
@@ -123,6 +126,7 @@ class Auto(Compressor):
     ``candidates``: compressors to choose from, safest first (default :func:`default_candidates`);
     ``NoneCompressor()`` is put first when missing, as the fallback of last resort. Their own
     warm-ups (``warmup_steps``, PowerSGD's ``start_iter``) are set to 0: this warm-up replaces them.
+    ``margin``, ``lossy_margin``: how much faster a less safe candidate's steps must be (step 3).
     ``min_elements``: smaller tensors go uncompressed, unmeasured (latency dominates them).
     ``sample_every``: in the chosen phase, every how many reductions one is timed (on CUDA a timed
     call synchronizes the device).
@@ -134,8 +138,8 @@ class Auto(Compressor):
     chooses = True
 
     def __init__(self, candidates: Sequence[Compressor] | None = None, *, warmup_steps: int = 5,
-                 probe_calls: int = 4, margin: float = 0.05, check_every: int = 50, sample_every: int = 5,
-                 recheck_every: int = 2000, drift: float = 0.5, guard_ratio: float = 100.0,
+                 probe_calls: int = 4, margin: float = 0.05, lossy_margin: float = 0.25, check_every: int = 50,
+                 sample_every: int = 5, recheck_every: int = 2000, drift: float = 0.5, guard_ratio: float = 100.0,
                  min_elements: int = 4096) -> None:
         cands = default_candidates() if candidates is None else list(candidates)
         for c in cands:
@@ -152,6 +156,7 @@ class Auto(Compressor):
         self.warmup_steps = _int(warmup_steps, "Auto", "warmup_steps", 0)
         self.probe_calls = _int(probe_calls, "Auto", "probe_calls", 1)
         self.margin = real_param(margin, "Auto", "margin", 0.0, 1.0)
+        self.lossy_margin = real_param(lossy_margin, "Auto", "lossy_margin", 0.0, 1.0)
         self.check_every = _int(check_every, "Auto", "check_every", 1)
         self.sample_every = _int(sample_every, "Auto", "sample_every", 1)
         self.recheck_every = _int(recheck_every, "Auto", "recheck_every", 1)
@@ -228,6 +233,8 @@ class Auto(Compressor):
         if b is None or b.elements != tensor.numel():
             b = self.buckets[name] = _Bucket(tensor.numel())
         b.calls += 1
+        if b.phase == CHOSEN and str(name) not in stats.choices:  # restored from a checkpoint: shown again
+            self._publish(name, b)
         self._clock(name, tensor)
         index = self._next(b, name, tensor, group)
         c = self.candidates[index]
@@ -334,12 +341,14 @@ class Auto(Compressor):
             self._choose(b, name, self._pick(b, self._eligible(b)), b.reason or "fastest measured")
 
     def _pick(self, b: _Bucket, among: list[int]) -> int:
-        """Safest first; a later candidate wins only when ``margin`` faster than the pick so far."""
+        """Safest first; a later candidate wins only when ``margin`` faster than the pick so far
+        (``lossy_margin`` for the first that loses information)."""
         best = None
         for i in among:
             if i not in b.times:
                 continue
-            if best is None or b.times[i] < b.times[best] * (1.0 - self.margin):
+            lossy = _lossy(self.candidates[i]) and (best is None or not _lossy(self.candidates[best]))
+            if best is None or b.times[i] < b.times[best] * (1.0 - (self.lossy_margin if lossy else self.margin)):
                 best = i
         return 0 if best is None else best
 
@@ -421,6 +430,11 @@ class Auto(Compressor):
             "times": {label(self.candidates[i]): t for i, t in sorted(b.times.items())},
             "reason": b.reason, "excluded": {label(self.candidates[i]): why for i, why in b.excluded.items()},
         })
+
+
+def _lossy(c: Compressor) -> bool:
+    """Loses information (needs more steps to an accuracy): all but sending the tensor or a 16-bit cast of it."""
+    return not isinstance(c, (NoneCompressor, Cast))
 
 
 def _sync(tensor: torch.Tensor) -> None:

@@ -39,8 +39,9 @@ class CompressionStats:
     compression), the largest over its tensors at their latest measurement (every
     ``WATCH_EVERY``-th compressed reduction of a tensor). ``choices``: what
     :class:`~spark_dl.compression.auto.Auto` picked per tensor name (``compressor``, ``elements``,
-    ``predicted_s`` and ``measured_s`` per call, ``bytes`` per call, every candidate's ``times``,
-    ``reason``, ``excluded``); ``switches``: how many times it changed its mind after a first decision.
+    ``predicted_s`` and ``measured_s``: seconds per step, as probed and since; ``bytes`` per call,
+    every candidate's ``times``, ``reason``, ``excluded``); ``switches``: how many times it changed
+    its mind after a first decision.
     """
 
     bytes_sent: int = 0

@@ -103,10 +103,13 @@ def test_every_rank_picks_the_same_compressor_per_bucket_and_a_restart_keeps_the
         # under Nesterov momentum every default candidate is measured (OneBit converges there)
         assert set(row["times"]) == {"NoneCompressor", "FP16", "PowerSGD", "OneBit"}, name
         assert row["compressor"] in row["times"] and row["predicted_s"] == row["times"][row["compressor"]]
-        # safest first; a less safe candidate wins only when 5% faster than the pick so far
+        # safest first; a less safe candidate wins only when 5% faster than the pick so far, and 25%
+        # when it is the first that loses information (PowerSGD, OneBit)
         best = "NoneCompressor"
         for c, t in row["times"].items():
-            best = c if t < row["times"][best] * 0.95 else best
+            exact = ("NoneCompressor", "FP16")
+            need = 0.75 if c not in exact and best in exact else 0.95
+            best = c if t < row["times"][best] * need else best
         assert row["compressor"] == best
         assert row["bytes"] > 0
         # loopback: sending fp32 costs little, so nothing below 16 bits is worth its encoding (on a
@@ -240,6 +243,7 @@ def test_the_string_auto_is_taken_wherever_a_compressor_is():
     (lambda: Auto([C.FP16(), Auto()]), TypeError, "Auto candidates must be compressor instances"),
     (lambda: Auto(["fp16"]), TypeError, "got 'fp16'"),
     (lambda: Auto(margin=1.5), ValueError, r"Auto margin must be a finite real number in \[0, 1\], got 1.5"),
+    (lambda: Auto(lossy_margin=-0.1), ValueError, r"Auto lossy_margin must be a finite real number in \[0, 1\]"),
     (lambda: Auto(probe_calls=0), ValueError, "Auto probe_calls must be an int >= 1, got 0"),
     (lambda: Auto(drift=0), ValueError, "Auto drift must be a finite real number > 0"),
     (lambda: Auto().compress(torch.ones(3)), TypeError, "Auto picks a compressor per reduction"),
@@ -264,3 +268,55 @@ def test_the_table_shows_each_tensors_pick_and_times():
         "bytes": 2000, "times": {"NoneCompressor": 0.003, "FP16": 0.002}, "reason": "", "excluded": {}}})
     assert "ddp.bucket0.abc" in text and "FP16" in text and "2.00 ms" in text and "2.10 ms" in text
     assert "NoneCompressor 3.00, FP16 2.00" in text
+
+
+def restarted_main(steps, fail_step):
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import spark_dl
+    from spark_dl.compression import make_ddp_hook, stats
+
+    spark_dl.init()
+    ctx = spark_dl.get_context()
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    state, hook = make_ddp_hook("auto", optimizer=opt)
+    saved = spark_dl.load_checkpoint()
+    start, loaded = 0, None
+    if saved is not None:  # a new process: the model, the optimizer and the hook state from the checkpoint
+        model.module.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        state, start = saved["comm"], saved["step"] + 1
+        state.optimizer = opt
+        loaded = {k: (b.phase, b.chosen) for k, b in state.compressor.buckets.items()}
+    model.register_comm_hook(state, hook)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for step in range(start, steps):
+        x, y = torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        if step % 10 == 9:
+            spark_dl.save_checkpoint({"model": model.module.state_dict(), "opt": opt.state_dict(), "comm": state,
+                                      "step": step}, step=step)
+        if ctx.attempt == 0 and step == fail_step and ctx.rank == 1:
+            os._exit(3)
+    return {"attempt": ctx.attempt, "start": start, "loaded": loaded,
+            "final": {k: (b.phase, b.chosen) for k, b in state.compressor.buckets.items()},
+            "shown": sorted(stats.choices), "switches": stats.switches}
+
+
+def test_a_run_restarted_from_a_checkpoint_keeps_its_picks_without_probing_again():
+    outs = HorovodRunner(np=-2, max_restarts=1).run_all(restarted_main, steps=45, fail_step=32)
+    for out in outs:
+        assert out["attempt"] == 1 and out["start"] == 30  # a new process, from the checkpoint of step 29
+        # decided by step 29 (warm-up and probe take about 20 steps); restored as decided, and kept
+        assert out["loaded"] and all(phase == "chosen" for phase, _ in out["loaded"].values()), out
+        assert out["final"] == out["loaded"] and out["switches"] == 0
+        assert out["shown"] == sorted(out["loaded"])  # stats.choices has them again in the new process

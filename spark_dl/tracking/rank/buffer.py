@@ -83,8 +83,8 @@ class CommSampler:
         # "ErrorFeedback(TopK)" as comm/ef_residual_ratio/ErrorFeedback.TopK: MLflow names take no brackets)
         for who, ratio in dict(getattr(s, "residual_ratios", None) or {}).items():
             out[f"comm/ef_residual_ratio/{who.replace('(', '.').rstrip(')')}"] = float(ratio)
-        # compression="auto": per tensor, the chosen compressor (its index in Auto.candidates), its
-        # time per call (measured, else as probed) and bytes per call; and the switches so far
+        # compression="auto": per tensor, the chosen compressor (its index in Auto.candidates), the
+        # step time with it (measured, else as probed) and bytes per call; and the switches so far
         for name, row in dict(getattr(s, "choices", None) or {}).items():
             out[f"comm/auto/{name}/choice"] = float(row["index"])
             seconds = row["measured_s"] if row["measured_s"] is not None else row["predicted_s"]
