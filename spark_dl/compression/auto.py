@@ -366,7 +366,8 @@ class Auto(Compressor):
                  f"{label(self.candidates[index])}: {reason}")
         elif not self._printed and all(x.phase == CHOSEN for x in self.buckets.values()):
             self._printed = True
-            _show(format_choices(stats.choices))
+            mine = {str(k) for k in self.buckets}  # (stats.choices also holds other Auto instances' picks)
+            _show(format_choices({k: row for k, row in stats.choices.items() if k in mine}))
 
     def _check(self, b: _Bucket, name: Key, grad: float, world: int, tensor: torch.Tensor, result: torch.Tensor,
                group: Any) -> None:
