@@ -1,15 +1,15 @@
 """``compression="auto"``: per tensor (a DDP bucket, a fusion bucket), the compressor that makes the
-reduction fastest on this link among those known to converge with the optimizer in use, and a
+step fastest on this link among those known to converge with the optimizer in use, and a
 guard that falls back to a safer one when compressed training goes wrong.
 
-For each tensor name, on every rank alike:
+A candidate is timed by the **step** it is used in: a step starts when a tensor already reduced
+in the one under way is reduced again, and ends when the next starts. That is what the choice
+changes: the reduction itself, and what it costs the rest of the step (an encoding competing with
+backward for the cores, an uncompressed bucket that stays on the wire while backward goes on, as
+DDP's own all-reduce does, where a compressed one would hold backward up). Timing the reduction
+alone picked fp16 on loopback, whose whole step was slower than fp32's.
 
-A candidate is timed by the **step** it is used in: from the start of its call to the start of
-the tensor's next reduction, a step later. That is what the choice changes: the reduction itself,
-and what it costs the rest of the step (an encoding competing with backward for the cores, an
-uncompressed bucket that stays on the wire while backward goes on, as DDP's own all-reduce does,
-where a compressed one would hold backward up). Timing the reduction alone would pick fp16 on
-loopback, whose whole step is slower than fp32's.
+For each tensor name, on every rank alike:
 
 1. **warm-up**: the first ``warmup_steps`` reductions go uncompressed (early gradients are large
    and change fast; PowerSGD's ``start_iter`` and 1-bit Adam warm up the same way). Each step after
@@ -117,7 +117,6 @@ class _Bucket:
     loss_means: list[float] = field(default_factory=list)  # one per check since the decision
     reason: str = ""
     decided: bool = False  # a first decision was made (a later one that differs is a switch)
-
 
 
 class Auto(Compressor):
@@ -269,13 +268,13 @@ class Auto(Compressor):
             if self._step_start is None:
                 self._step_start = time.perf_counter()
             return
-        _sync(tensor)
+        timed = [b for key in self._step if (b := self.buckets.get(key)) is not None and b.timing is not None]
+        if timed:
+            _sync(tensor)  # (on CUDA: the step's kernels are part of its time)
         now = time.perf_counter()
-        for key in self._step:
-            b = self.buckets.get(key)
-            if b is not None and b.timing is not None:
-                (b.window if b.phase == CHOSEN else b.samples.setdefault(b.timing, [])).append(now - self._step_start)
-                b.timing = None
+        for b in timed:
+            (b.window if b.phase == CHOSEN else b.samples.setdefault(b.timing, [])).append(now - self._step_start)
+            b.timing = None
         self._step, self._step_start = {name}, now
 
     def __getstate__(self) -> dict:
@@ -439,7 +438,7 @@ def _lossy(c: Compressor) -> bool:
 
 
 def _sync(tensor: torch.Tensor) -> None:
-    if tensor.is_cuda:  # a timed call waits for the device, or it times only the launches
+    if tensor.is_cuda:  # the end of a timed step waits for the device, or it times only the launches
         torch.cuda.synchronize(tensor.device)
 
 

@@ -16,8 +16,8 @@ them. A summable compressor's CPU buckets stay on the wire together there (their
 started, and decoded as they land: :func:`~spark_dl.compression.collectives.start_summable`).
 A bucket that fails fails every later one on that rank too (the ranks are out of lockstep).
 With an explicit ``process_group`` (a new group would have to be created by every rank of the
-job, not only the group's) buckets are always reduced inside the hook. Per-bucket compressor state
-(error feedback, PowerSGD's Q, step counters) is keyed by the bucket's index and layout (its
+job, not only the group's) there is no thread: buckets are reduced (or started) inside the hook.
+Per-bucket compressor state (error feedback, PowerSGD's Q, step counters) is keyed by the bucket's index and layout (its
 size and its parameters' shapes), ``"ddp.bucket<i>.<hash of the layout>"`` (PowerSGD factors
 each gradient of the bucket as its own matrix, as torch's ``powerSGD_hook`` does). When DDP
 rebuilds its buckets after the first iteration, the new buckets start from fresh state and the

@@ -383,3 +383,46 @@ def test_an_overlap_hook_outliving_destroy_process_group_exits_cleanly(model, tm
         outs = [p.communicate(timeout=120) for p in procs]
         assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
         assert all(o[0].strip() == "returned" for o in outs)
+
+
+def in_flight_main():
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import spark_dl
+    import spark_dl.compression as C
+
+    spark_dl.init()
+    out = {}
+    for name, comp in [("none", None), ("fp16", C.FP16()), ("qsgd", C.QSGD())]:
+        torch.manual_seed(0)
+        model = DDP(nn.Linear(256, 256))  # one bucket of 65,792 gradients
+        state, hook = C.make_ddp_hook(comp)
+        returned = []
+
+        def spy(s, bucket, hook=hook, returned=returned):
+            fut = hook(s, bucket)
+            returned.append(fut.done())  # rank 1 has not sent its bucket yet: done only if the hook waited
+            return fut
+        model.register_comm_hook(state, spy)
+        x = torch.full((4, 256), float(dist.get_rank() + 1))
+        if dist.get_rank() == 1:
+            time.sleep(0.5)
+        model(x).sum().backward()
+        out[name] = {"returned_done": returned, "grad": model.module.weight.grad[0, :4].tolist()}
+    return out
+
+
+def test_a_summable_cpu_bucket_is_left_on_the_wire_as_ddps_own_all_reduce_is():
+    outs = HorovodRunner(np=-2).run_all(in_flight_main)
+    # none and FP16: the hook returned while the bucket was still on the wire; QSGD's waited for it
+    assert outs[0]["none"]["returned_done"] == [False] and outs[0]["fp16"]["returned_done"] == [False]
+    assert outs[0]["qsgd"]["returned_done"] == [True]
+    for name in ("none", "fp16", "qsgd"):
+        assert outs[0][name]["grad"] == outs[1][name]["grad"]
+    # the average of inputs of 1s and 2s: every weight's gradient is 4 rows x 1.5
+    assert outs[0]["none"]["grad"] == [6.0] * 4 and outs[0]["fp16"]["grad"] == [6.0] * 4
