@@ -64,7 +64,6 @@ from spark_dl.compression import collectives
 from spark_dl.compression.advice import advice
 from spark_dl.compression.base import Compressor, Key, Payload, real_param
 from spark_dl.compression.base import int_param as _int
-from spark_dl.compression.collectives import start_summable, summable_in_flight
 from spark_dl.compression.fp import FP16, Cast, NoneCompressor
 from spark_dl.compression.powersgd import PowerSGD
 from spark_dl.compression.sign import OneBit
@@ -227,7 +226,8 @@ class Auto(Compressor):
         ``in_flight`` and ``out`` (the DDP hook's bucket), a future of ``out`` when that compressor
         can stay on the wire (:func:`~spark_dl.compression.collectives.start_summable`)."""
         if not tensor.is_floating_point() or tensor.numel() < self.min_elements:
-            return self._reduce(tensor, self._none, op, name, group, layout, out, in_flight)
+            return collectives.reduce_into(tensor, self._none, op=op, name=name, group=group, layout=layout,
+                                           out=out, in_flight=in_flight)
         b = self.buckets.get(name)
         if b is None or b.elements != tensor.numel():
             b = self.buckets[name] = _Bucket(tensor.numel())
@@ -248,7 +248,8 @@ class Auto(Compressor):
         grad = norm(tensor) if checking else 0.0
         sent = stats.bytes_sent
         # the check reads the result: that call is reduced before it returns
-        result = self._reduce(tensor, c, op, name, group, layout, out, in_flight and not checking)
+        result = collectives.reduce_into(tensor, c, op=op, name=name, group=group, layout=layout, out=out,
+                                         in_flight=in_flight and not checking)
         b.sent[index] = stats.bytes_sent - sent
         if b.phase == PROBE:
             if isinstance(result, torch.Tensor):  # (what stays on the wire is stateless)
@@ -280,13 +281,6 @@ class Auto(Compressor):
     def __getstate__(self) -> dict:
         # the step under way is this process's: a restored one starts its own
         return {**self.__dict__, "_step": set(), "_step_start": None}
-
-    @staticmethod
-    def _reduce(tensor: torch.Tensor, c: Compressor, op: str, name: Key, group: Any, layout: Any,
-                out: torch.Tensor | None, in_flight: bool) -> torch.Tensor | torch.futures.Future:
-        if in_flight and out is not None and summable_in_flight(tensor, c):
-            return start_summable(tensor, c, op=op, name=name, group=group, out=out)
-        return collectives.allreduce(tensor, c, op=op, name=name, group=group, layout=layout, out=out)
 
     def _next(self, b: _Bucket, name: Key, tensor: torch.Tensor, group: Any) -> int:
         """The candidate that reduces this call (and moves the bucket through its phases). A probe

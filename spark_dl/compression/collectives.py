@@ -330,6 +330,19 @@ def allreduce(tensor: torch.Tensor, compression: Compressor | None = None, *,
     return out if out is not None else result
 
 
+def reduce_into(tensor: torch.Tensor, compression: Compressor, *, op: str, name: Any, group: Any, layout: Any,
+                out: torch.Tensor | None, in_flight: bool) -> torch.Tensor | torch.futures.Future:
+    """:func:`allreduce` (into ``out``, if given); with ``in_flight`` and ``out``, a future of ``out``
+    instead where the reduction can stay on the wire (:func:`start_summable`; ``Auto`` decides for
+    its pick)."""
+    if compression.chooses:
+        return compression.allreduce(tensor, op=op, name=name, group=group, layout=layout, out=out,
+                                     in_flight=in_flight)
+    if in_flight and out is not None and summable_in_flight(tensor, compression):
+        return start_summable(tensor, compression, op=op, name=name, group=group, out=out)
+    return allreduce(tensor, compression, op=op, name=name, group=group, layout=layout, out=out)
+
+
 def summable_in_flight(tensor: torch.Tensor, compression: Compressor) -> bool:
     """Whether :func:`start_summable` takes this tensor: a contiguous float32 CPU tensor and a
     summable compressor (one all-reduce per payload tensor)."""

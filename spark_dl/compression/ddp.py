@@ -17,8 +17,8 @@ started, and decoded as they land: :func:`~spark_dl.compression.collectives.star
 A bucket that fails fails every later one on that rank too (the ranks are out of lockstep).
 With an explicit ``process_group`` (a new group would have to be created by every rank of the
 job, not only the group's) there is no thread: buckets are reduced (or started) inside the hook.
-Per-bucket compressor state (error feedback, PowerSGD's Q, step counters) is keyed by the bucket's index and layout (its
-size and its parameters' shapes), ``"ddp.bucket<i>.<hash of the layout>"`` (PowerSGD factors
+Per-bucket compressor state (error feedback, PowerSGD's Q, step counters) is keyed by the bucket's
+index and layout (its size and its parameters' shapes), ``"ddp.bucket<i>.<hash of the layout>"`` (PowerSGD factors
 each gradient of the bucket as its own matrix, as torch's ``powerSGD_hook`` does). When DDP
 rebuilds its buckets after the first iteration, the new buckets start from fresh state and the
 state of the layout they replace is reset once all its parameters have moved, on every rank
@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from spark_dl.compression.advice import warn_if_known_worse
 from spark_dl.compression.base import Compressor, as_compressor
-from spark_dl.compression.collectives import OPS, allreduce, start_summable, summable_in_flight
+from spark_dl.compression.collectives import OPS, allreduce, reduce_into
 from spark_dl.compression.fp import NoneCompressor
 from spark_dl.compression.stats import CompressionWarning
 
@@ -264,10 +264,9 @@ def _reduce_routed(state: DDPHookState, grads: list[torch.Tensor], params: list[
 
 
 def _reduce(state: DDPHookState, index: int, layout: tuple, shapes: list | None, buffer: torch.Tensor,
-            grads: list[torch.Tensor], params: list[int], group: Any,
-            in_flight: bool = False) -> torch.Tensor | torch.futures.Future:
-    """The bucket reduced into ``buffer``; with ``in_flight``, a future of it where a summable
-    compressor's all-reduce can stay on the wire while the next bucket starts."""
+            grads: list[torch.Tensor], params: list[int], group: Any) -> torch.Tensor | torch.futures.Future:
+    """The bucket reduced into ``buffer``, or a future of it where a summable compressor's
+    all-reduce can stay on the wire while the next bucket starts."""
     key = _key(index, layout)
     route = state.routes.get(key)
     if route is not None and shapes is not None:
@@ -275,14 +274,10 @@ def _reduce(state: DDPHookState, index: int, layout: tuple, shapes: list | None,
         return buffer
     _track(state, index, params, key, shapes is not None)
     state.layouts[index] = layout
-    if state.compressor.chooses:  # Auto: it knows whether its pick for this bucket can stay on the wire
-        return state.compressor.allreduce(buffer, op=state.op, name=key, group=group, layout=shapes, out=buffer,
-                                          in_flight=in_flight)
-    if in_flight and summable_in_flight(buffer, state.compressor):
-        return start_summable(buffer, state.compressor, op=state.op, name=key, group=group, out=buffer)
     # The result goes straight into the bucket (read in full before it is written): no result
     # tensor, and DDP has nothing to copy back.
-    return allreduce(buffer, state.compressor, op=state.op, name=key, group=group, layout=shapes, out=buffer)
+    return reduce_into(buffer, state.compressor, op=state.op, name=key, group=group, layout=shapes, out=buffer,
+                       in_flight=True)
 
 
 # DDP checks these annotations at runtime, so they are real objects here, not strings.
@@ -296,8 +291,8 @@ def compressed_hook(state: DDPHookState, bucket: dist.GradBucket) -> torch.futur
         state.compressor.observe_optimizer(state.optimizer)
     worker = _worker(state)
     if worker is not None:
-        return worker.submit(lambda group: _reduce(state, *args, group, in_flight=True), buffer.device)
-    out = _reduce(state, *args, state.process_group, in_flight=True)
+        return worker.submit(lambda group: _reduce(state, *args, group), buffer.device)
+    out = _reduce(state, *args, state.process_group)
     if isinstance(out, torch._C.Future):  # on the wire: DDP waits for it at the end of backward
         return out
     fut: torch.futures.Future = torch.futures.Future()
