@@ -21,8 +21,11 @@ For each tensor name, on every rank alike:
    fastest step; noise only adds time), and a candidate ``ELIMINATE`` times slower than the
    fastest is not probed again (NoneCompressor: ``ELIMINATE_NONE`` times, so that on a slow link
    the uncompressed reduction is not repeated, and elsewhere one noisy sample does not drop the
-   safe choice). Stateful candidates start each probe call from fresh state, so one that is not
-   picked leaves nothing behind.
+   safe choice). A candidate that loses information is dropped after its first timed step when
+   that step was not ``lossy_margin / 2`` faster than an exact candidate's (it could not win at
+   step 3; each of its steps costs accuracy: on loopback it takes one). A stateful candidate keeps
+   its state from one probe call to its next (error feedback sends the next time what it dropped,
+   PowerSGD's factors start warm), and every candidate but the pick starts afresh at the decision.
 3. **decision**, from the agreed times, the same on every rank: candidates are ordered safest
    first (``NoneCompressor`` always first), and a less safe one replaces the pick so far only when
    its steps are at least ``margin`` faster; ``lossy_margin`` when it loses information (anything
@@ -251,10 +254,7 @@ class Auto(Compressor):
         result = collectives.reduce_into(tensor, c, op=op, name=name, group=group, layout=layout, out=out,
                                          in_flight=in_flight and not checking)
         b.sent[index] = stats.bytes_sent - sent
-        if b.phase == PROBE:
-            if isinstance(result, torch.Tensor):  # (what stays on the wire is stateless)
-                c.reset(name)  # the next probe of this candidate, or its turn once picked, starts clean
-        elif b.phase == CHOSEN:
+        if b.phase == CHOSEN:
             b.since += 1
             if checking:
                 world = dist.get_world_size(group) if dist.is_initialized() and op == "average" else 1
@@ -317,8 +317,16 @@ class Auto(Compressor):
         b.times = {i: t for i, t in enumerate(agreed) if math.isfinite(t)}
         fastest = min(b.times.values(), default=math.inf)
 
+        # the exact candidates' best, not the warm-up's hint (taken early: not compared with the others')
+        exact = min((t for i, t in b.times.items() if not _lossy(self.candidates[i]) and not (b.hinted and i == 0)),
+                    default=math.inf)
+
         def running(i: int) -> bool:  # not timed yet (its first call was not): still in
-            return i not in b.times or b.times[i] <= (ELIMINATE_NONE if i == 0 else ELIMINATE) * fastest
+            if i not in b.times:
+                return True
+            if _lossy(self.candidates[i]) and b.times[i] > exact * (1.0 - self.lossy_margin / 2):
+                return False  # it could not clear lossy_margin, and its steps cost accuracy
+            return b.times[i] <= (ELIMINATE_NONE if i == 0 else ELIMINATE) * fastest
         if b.hinted and len(b.times) > 1:  # (a candidate's first step is not timed: once another has a time)
             if running(0):
                 b.samples[0] = []  # close enough to matter: measured afresh, alongside the others
@@ -347,6 +355,9 @@ class Auto(Compressor):
 
     def _choose(self, b: _Bucket, name: Key, index: int, reason: str) -> None:
         before = b.chosen if b.decided else None
+        for i, c in enumerate(self.candidates):  # the probe's state of those not picked: gone
+            if i != index:
+                c.reset(name)
         b.phase, b.chosen, b.since, b.reason, b.decided = CHOSEN, index, 0, reason, True
         b.window, b.ratios, b.loss_means, b.losses, b.baseline, b.measured = [], [], [], [], None, None
         b.drifted = b.bad = 0

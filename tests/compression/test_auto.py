@@ -185,6 +185,80 @@ def test_the_guard_falls_back_when_the_residual_grows_without_bound_or_the_loss_
             "loss, two checks running") in err
 
 
+class Unsure(C.QSGD):
+    """Counted as losing information (as QSGD is), and sends the whole tensor 10 ms late: its steps
+    are slower than uncompressed ones, nowhere near lossy_margin faster (yet within ELIMINATE)."""
+
+    summable = True
+    decompress, decompress_into = C.NoneCompressor.decompress, C.NoneCompressor.decompress_into
+
+    def compress(self, tensor, key=None):
+        import time
+
+        time.sleep(0.01)
+        return C.NoneCompressor.compress(self, tensor, key)
+
+
+class LossyOne(C.QSGD):
+    """Loses everything, sends one number: far faster than sending the tensor, whatever the load."""
+
+    compress, decompress, decompress_into = SendsOne.compress, SendsOne.decompress, SendsOne.decompress_into
+
+    def bits_per_element(self):
+        return 0.0
+
+
+class Remembers(Diverges):
+    """Diverges that notes, at each call, its residual in calls' worth: 1, 2, 3... while its state is kept."""
+
+    def compress(self, tensor, key=None):
+        out = super().compress(tensor, key)
+        self.seen = getattr(self, "seen", []) + [round(float(self.residuals.memory[key]) / tensor.numel() ** 0.5)]
+        return out
+
+
+def probe_main(steps):
+    import torch
+    import torch.distributed as dist
+
+    import spark_dl
+    import spark_dl.compression as C
+    from spark_dl.compression.auto import Auto
+
+    spark_dl.init()
+    grads = [torch.randn(2_000_000, generator=torch.Generator().manual_seed(dist.get_rank() * 3 + i))
+             for i in range(3)]
+    out = {}
+    for name, lossy in (("unsure", Unsure()), ("fast", LossyOne())):
+        auto = Auto([C.NoneCompressor(), lossy], warmup_steps=1, probe_calls=3, drift=100)
+        for step in range(steps):
+            C.allreduce(grads[step % 3], auto, name=name)
+        b = auto.buckets[name]
+        out[name] = (len(b.samples.get(1, ())), b.chosen)
+    auto = Auto([C.NoneCompressor(), Remembers(), Remembers()], warmup_steps=1, probe_calls=3, drift=100)
+    for step in range(steps):
+        C.allreduce(grads[step % 3], auto, name="kept")
+    chosen = auto.buckets["kept"].chosen
+    out["kept"] = chosen, [(c.seen, dict(c.residuals.memory)) for c in auto.candidates[1:]]
+    return out
+
+
+def test_the_probe_drops_a_lossy_candidate_that_cannot_win_and_keeps_state_between_a_candidates_calls():
+    outs = HorovodRunner(np=-2).run_all(probe_main, steps=20)
+    assert outs[0] == outs[1]
+    # timed once (its first step pays one-time costs, untimed) and dropped: it could not be picked,
+    # and each of its steps would cost accuracy for nothing ...
+    assert outs[0]["unsure"] == (1, 0)
+    # ... while one that clears the margin is probed in full, and picked
+    assert outs[0]["fast"] == (3, 1)
+    # a stateful candidate keeps its state from one probe call to its next (its first call plus three
+    # timed ones); at the decision the one not picked starts afresh, the pick goes on from its state
+    chosen, (first, second) = outs[0]["kept"]
+    picked, other = (first, second) if chosen == 1 else (second, first)
+    assert chosen in (1, 2) and other == ([1, 2, 3, 4], {}), outs[0]["kept"]
+    assert picked[0] == list(range(1, len(picked[0]) + 1)) and len(picked[0]) > 4 and picked[1], outs[0]["kept"]
+
+
 def horovod_main():
     import torch
 
