@@ -71,6 +71,7 @@ from spark_dl.compression.fp import FP16, Cast, NoneCompressor
 from spark_dl.compression.powersgd import PowerSGD
 from spark_dl.compression.sign import OneBit
 from spark_dl.compression.stats import RISING, label, norm, residual_norm, stats
+from spark_dl.rank.works import hold
 
 WARMUP, PROBE, CHOSEN = "warm-up", "probe", "chosen"
 # A candidate this many times slower than the fastest after a probe round is not probed again; the
@@ -456,7 +457,7 @@ def _agree(values: list[float], like: torch.Tensor, group: Any, lowest: int = 0)
         return list(values)
     device = like.device if like.is_cuda and dist.get_backend(group) == "nccl" else torch.device("cpu")
     t = torch.tensor([-v for v in values[:lowest]] + list(values[lowest:]), dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    hold(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True)).wait()
     out = [float(v) for v in t.cpu()]
     return [-v for v in out[:lowest]] + out[lowest:]
 

@@ -47,6 +47,7 @@ from spark_dl.compression.base import Compressor, as_compressor
 from spark_dl.compression.collectives import OPS, allreduce, reduce_into
 from spark_dl.compression.fp import NoneCompressor
 from spark_dl.compression.stats import CompressionWarning
+from spark_dl.rank.works import callback
 
 
 @dataclass
@@ -143,7 +144,7 @@ class _Worker:
             fut.set_exception(e)
             return
         if isinstance(out, torch._C.Future):  # still on the wire (then() makes a plain C future)
-            out.add_done_callback(lambda done: self._complete(fut, done))
+            out.add_done_callback(callback(lambda done: self._complete(fut, done)))
         else:
             fut.set_result(out)
 

@@ -347,7 +347,10 @@ def main():
     dist.init_process_group("gloo")
     net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
     model = torch.nn.parallel.DistributedDataParallel(net)
-    state, hook = C.make_ddp_hook(C.PowerSGD(), overlap=True)
+    if sys.argv[2] == "overlap":  # buckets reduced on the hook's own thread and process group
+        state, hook = C.make_ddp_hook(C.PowerSGD(), overlap=True)
+    else:  # buckets left on the wire of the default group, as DDP's own all-reduce does
+        state, hook = C.make_ddp_hook(C.FP16())
     model.register_comm_hook(state, hook)
     for _ in range(3):
         model(torch.randn(16, 64)).sum().backward()
@@ -362,10 +365,13 @@ print("returned", flush=True)
 
 
 @pytest.mark.slow  # seconds each: the full suite runs it, the fast tier does not
+@pytest.mark.parametrize("hook", ["overlap", "in-flight"])
 @pytest.mark.parametrize("model", ["local", "global"])
-def test_an_overlap_hook_outliving_destroy_process_group_exits_cleanly(model, tmp_path):
+def test_a_hook_outliving_destroy_process_group_exits_cleanly(model, hook, tmp_path):
     # torchrun's idiom: destroy the process groups at the end of main(), the hook state freed after
-    # (or never, in a global): every rank exits 0, repeatedly (the abort came at random)
+    # (or never, in a global): every rank exits 0, repeatedly. The abort came at random: a backend
+    # thread freeing a collective's tensors once the interpreter had begun to exit (spark_dl.rank.works;
+    # before it, about 1 run in 6 of the global overlap case aborted on 2 cores)
     import os
     import socket
     import subprocess
@@ -373,12 +379,12 @@ def test_an_overlap_hook_outliving_destroy_process_group_exits_cleanly(model, tm
 
     script = tmp_path / "train.py"
     script.write_text(TORCHRUN_IDIOM)
-    for _ in range(4):
+    for _ in range(5):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
-        procs = [subprocess.Popen([sys.executable, str(script), model], env={**env, "RANK": str(r)},
+        procs = [subprocess.Popen([sys.executable, str(script), model, hook], env={**env, "RANK": str(r)},
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
         outs = [p.communicate(timeout=120) for p in procs]
         assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]

@@ -1,0 +1,92 @@
+"""The work objects of the collectives spark-dl starts, kept alive past their completion, so that a
+process exits cleanly right after its last collective.
+
+A Gloo collective's work holds the tensors it was given, and the backend thread that ran it lets
+go of the work a moment after completing it. When that thread holds the last reference, it frees
+tensors that Python created, and doing so takes the GIL. Once the interpreter has begun to
+exit, a thread that takes the GIL is ended mid-destructor, and the process aborts with "terminate
+called without an active exception". Measured on 2 cores (torch 2.13, Python 3.11): 8 of 30
+two-rank runs of three ``dist.all_reduce`` calls and an exit, and 5 of 30 with torch's own
+``fp16_compress_hook`` under DDP, ``destroy_process_group()`` and a model kept in a global. A
+process group that is destroyed and freed joins its threads first; one that DDP or a hook
+still holds does not.
+
+A function given to a collective's future (``then``, ``add_done_callback``) is the other thing a
+backend thread lets go of: it runs the function when the collective completes and then frees it,
+taking the GIL again, after whoever waited on the future has gone on (a DDP hook's last bucket:
+backward returns, the process exits).
+
+So every collective spark-dl starts passes its work through :func:`hold`: Python keeps a reference
+to it until it is ``HOLD_S`` old (the backend has let go long before), and the works still held
+at exit are never freed. Every function it gives a future passes through :func:`callback`: at
+exit, before the interpreter's teardown, the process waits (up to ``SETTLE_S``) until the backend
+has let go of each, which is observable: the function is then freed.
+"""
+from __future__ import annotations
+
+import atexit
+import collections
+import ctypes
+import threading
+import time
+import weakref
+from typing import Callable, TypeVar
+
+# How long a work is kept. A backend thread lets go of a work within microseconds of completing it,
+# unless it is not scheduled: 0.1 s leaves room for a loaded machine, and keeps at most that long's
+# payloads (compressed gradients) alive.
+HOLD_S = 0.1
+
+# How long exit waits for the backend to let go of the functions given to futures: it has, within
+# microseconds of running them, unless a collective is still under way (a peer gone mid-step).
+SETTLE_S = 2.0
+
+W = TypeVar("W")
+F = TypeVar("F", bound=Callable)
+_held: collections.deque = collections.deque()  # (time held, work), oldest first
+_lock = threading.Lock()
+_callbacks: weakref.WeakSet = weakref.WeakSet()  # given to futures, and not freed yet
+
+
+def hold(work: W) -> W:
+    """``work`` (a ``torch.distributed`` work object, or None from a synchronous call), kept
+    alive for at least ``HOLD_S`` seconds, and for good when the process exits before then."""
+    if work is None:
+        return work
+    now = time.monotonic()
+    with _lock:
+        while _held and now - _held[0][0] > HOLD_S:
+            _held.popleft()
+        _held.append((now, work))
+    return work
+
+
+def callback(fn: F) -> F:
+    """``fn``, about to be given to a future's ``then`` or ``add_done_callback``: the process
+    does not begin to exit before the backend has let go of it (waiting up to ``SETTLE_S``)."""
+    _callbacks.add(fn)
+    return fn
+
+
+def held() -> int:
+    """How many works are held now."""
+    return len(_held)
+
+
+def pending() -> int:
+    """How many functions given to futures the backend has not let go of yet."""
+    return len(_callbacks)
+
+
+@atexit.register
+def _settle() -> None:
+    # atexit runs before the teardown, while threads can still take the GIL: sleeping lets the
+    # backend's threads free what they still hold
+    deadline = time.monotonic() + SETTLE_S
+    while len(_callbacks) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    # One more reference that nothing releases: the interpreter's teardown does not free these
+    # works, so no backend thread is left to free their tensors after it has begun.
+    with _lock:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(_held))
+

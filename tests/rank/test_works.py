@@ -1,0 +1,60 @@
+"""spark_dl.rank.works: a collective's work object outlives its completion by HOLD_S, on a real
+Gloo group (the exit it makes safe: tests/compression/test_ddp.py's torchrun idiom)."""
+from __future__ import annotations
+
+import time
+import weakref
+
+import torch
+
+from spark_dl import HorovodRunner
+from spark_dl.rank import works
+
+
+def held_main():
+    import gc
+
+    import torch.distributed as dist
+
+    import spark_dl
+    from spark_dl.rank import works
+
+    spark_dl.init()
+
+    class Work:  # a stand-in for what Python cannot weakly reference: torch's work objects
+        pass
+
+    t = torch.ones(1000)
+    real = works.hold(dist.all_reduce(t, async_op=True))
+    real.wait()
+    tracked = Work()
+    ref = weakref.ref(works.hold(tracked))
+    del tracked
+    gc.collect()
+    kept = ref() is not None  # held, though nothing else refers to it
+    time.sleep(works.HOLD_S * 2)
+    works.hold(Work())  # the next hold lets go of what is older than HOLD_S
+    gc.collect()
+    return {"sum": t[0].item(), "kept": kept, "released": ref() is None}
+
+
+def test_a_work_is_kept_past_its_completion_and_let_go_after_hold_s():
+    out = HorovodRunner(np=-2).run(held_main)
+    assert out == {"sum": 2.0, "kept": True, "released": True}
+
+
+def test_a_synchronous_call_passes_through():
+    assert works.hold(None) is None
+
+
+def test_exit_waits_for_a_function_given_to_a_future_until_it_is_let_go_of():
+    import gc
+
+    f = torch.futures.Future()
+    before = works.pending()
+    chained = f.then(works.callback(lambda fut: fut.value() + 1))
+    assert works.pending() == before + 1  # given, not run: exit would wait for it (up to SETTLE_S)
+    f.set_result(1)
+    assert chained.wait() == 2
+    gc.collect()
+    assert works.pending() == before  # run and let go of: nothing to wait for
