@@ -64,7 +64,9 @@ def main() -> int:
                       f"{t / rows[0][1]:>8.2f}x{'' if reached else ' (not reached)'}", flush=True)
             auto = next(out for c, _, out in rows if c == "auto")
             picks = auto.get("picks", {})
-            print("auto picked: " + ", ".join(f"{k} ({n / 1e6:.2f}M) {c}" for k, (c, n) in picks.items()))
+            print("auto picked: " + ", ".join(f"{k} ({n / 1e6:.2f}M) {c}" for k, (c, n, _) in picks.items()))
+            for k, (_, _, times) in picks.items():  # what the probe measured: the step times behind each pick
+                print(f"  {k} probe, ms a step: " + ", ".join(f"{c} {t * 1e3:.0f}" for c, t in times.items()))
             best = min(hand, key=lambda c: times[c])
             vs_fp32.append(times["auto"] / times["fp32"])
             vs_best.append((best, times["auto"] / times[best]))

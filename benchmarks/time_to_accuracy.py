@@ -87,7 +87,7 @@ def train(cfg: dict) -> dict:
     if name == "auto":  # what it picked per bucket (and its size)
         from spark_dl.compression import stats
 
-        out["picks"] = {k: (row["compressor"], row["elements"]) for k, row in stats.choices.items()}
+        out["picks"] = {k: (row["compressor"], row["elements"], row["times"]) for k, row in stats.choices.items()}
     return out
 
 

@@ -162,18 +162,20 @@ def guard_main(steps):
         loss.observe_loss(float("nan") if step == 13 or step >= 20 else 1.0)
         picks["residual"].append(residual.candidates[residual.buckets["w"].chosen].__class__.__name__)
         picks["loss"].append(loss.candidates[loss.buckets["w2"].chosen].__class__.__name__)
-    return picks, residual.buckets["w"].excluded, loss.buckets["w2"].excluded, C.stats.switches
+    return picks, residual.buckets["w"].excluded, loss.buckets["w2"].excluded, C.stats.switches, {
+        name: {i: [round(x * 1e3, 1) for x in v] for i, v in a.buckets[key].samples.items()}
+        for name, a, key in (("residual", residual, "w"), ("loss", loss, "w2"))}
 
 
 def test_the_guard_falls_back_when_the_residual_grows_without_bound_or_the_loss_is_not_finite(capfd):
     outs = HorovodRunner(np=-2).run_all(guard_main, steps=40)
-    assert outs[0] == outs[1]  # the same switches on every rank, at the same step
-    picks, residual_out, loss_out, switches = outs[0]
+    assert outs[0][:4] == outs[1][:4]  # the same switches on every rank, at the same step
+    picks, residual_out, loss_out, switches, samples = outs[0]
     # both first pick the compressor that sends one number (far faster than sending the tensor) ...
     assert "Diverges" in picks["residual"] and picks["residual"][-1] == "NoneCompressor"
     assert residual_out == {1: residual_out[1]} and "error-feedback residual grew to" in residual_out[1]
-    assert picks["loss"][19] == "SendsOne" and picks["loss"][-1] == "NoneCompressor", [  # not at step 13's
-        (i, a[:4], b[:4]) for i, (a, b) in enumerate(zip(picks["residual"], picks["loss"]))]
+    assert picks["loss"][19] == "SendsOne" and picks["loss"][-1] == "NoneCompressor", ([  # not at step 13's
+        (i, a[:4], b[:4]) for i, (a, b) in enumerate(zip(picks["residual"], picks["loss"]))], samples, outs[1][4])
     assert loss_out == {1: "a non-finite gradient or loss, two checks running"}
     assert switches == 2
     # ... and each switch is said on the driver, whatever its log verbosity
