@@ -65,8 +65,9 @@ def main() -> int:
             auto = next(out for c, _, out in rows if c == "auto")
             picks = auto.get("picks", {})
             print("auto picked: " + ", ".join(f"{k} ({n / 1e6:.2f}M) {c}" for k, (c, n, _) in picks.items()))
-            for k, (_, _, times) in picks.items():  # what the probe measured: the step times behind each pick
-                print(f"  {k} probe, ms a step: " + ", ".join(f"{c} {t * 1e3:.0f}" for c, t in times.items()))
+            for k, (_, _, probed) in picks.items():  # what the probe measured: the step times behind each pick
+                probe_line = ", ".join(f"{cand} {secs * 1e3:.0f}" for cand, secs in probed.items())
+                print(f"  {k} probe, ms a step: {probe_line}")
             best = min(hand, key=lambda c: times[c])
             vs_fp32.append(times["auto"] / times["fp32"])
             vs_best.append((best, times["auto"] / times[best]))
