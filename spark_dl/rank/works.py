@@ -68,11 +68,6 @@ def callback(fn: F) -> F:
     return fn
 
 
-def held() -> int:
-    """How many works are held now."""
-    return len(_held)
-
-
 def pending() -> int:
     """How many functions given to futures the backend has not let go of yet."""
     return len(_callbacks)
@@ -83,7 +78,7 @@ def _settle() -> None:
     # atexit runs before the teardown, while threads can still take the GIL: sleeping lets the
     # backend's threads free what they still hold
     deadline = time.monotonic() + SETTLE_S
-    while len(_callbacks) and time.monotonic() < deadline:
+    while pending() and time.monotonic() < deadline:
         time.sleep(0.001)
     # One more reference that nothing releases: the interpreter's teardown does not free these
     # works, so no backend thread is left to free their tensors after it has begun.
