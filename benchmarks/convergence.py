@@ -49,6 +49,7 @@ import spark_dl.compression as C  # noqa: E402
 
 COMPRESSORS = {
     "none": C.NoneCompressor, "fp16": C.FP16, "bf16": C.BF16, "qsgd": C.QSGD, "powersgd": C.PowerSGD,
+    "qsgd-l2": lambda: C.QSGD(norm="l2"),  # the QSGD paper's scale, for comparison with the default
     "onebit": C.OneBit, "efsign": C.EFSign, "topk": lambda: C.ErrorFeedback(C.TopK()),
     "randomk": lambda: C.ErrorFeedback(C.RandomK()), "auto": C.Auto,
 }

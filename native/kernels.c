@@ -764,6 +764,7 @@ typedef struct {
     int64_t n, bucket, nb;
     int levels, bits;
     uint64_t seed;
+    int max_norm;  /* scale by max |v| instead of ||v||_2 */
     float *norms, *factor;
     uint8_t *packed;
     const float *scales;  /* decode: the norms; each bucket's scale is norm / s, as torch divides */
@@ -819,6 +820,20 @@ static float qnorm(const float *x, int64_t lo, int64_t hi) {
     return (float)sqrt(ss);
 }
 
+/* max |x[lo, hi)|, NaN when any element is NaN (as torch's amax) */
+static float qmax(const float *x, int64_t lo, int64_t hi) {
+    float m = 0.0f;
+    for (int64_t i = lo; i < hi; i++) {
+        float a = fabsf(x[i]);
+        m = a > m || a != a ? a : m;  /* once NaN, no compare is true: NaN stays */
+    }
+    return m;
+}
+
+static float qscale(const q_args *A, int64_t lo, int64_t hi) {
+    return A->max_norm ? qmax(A->x, lo, hi) : qnorm(A->x, lo, hi);
+}
+
 /* as QSGD.compress: s / max(norm, tiny); an all-zero bucket quantizes to zero */
 static float qfactor(int levels, float norm) {
     /* clamp_min keeps NaN (a bucket holding NaN): its codes are then all zero, as in torch */
@@ -831,7 +846,7 @@ static void qnorm_task(void *arg, int t, int nt) {
     share(A->nb, t, nt, 1, &j0, &j1);
     for (int64_t j = j0; j < j1; j++) {
         int64_t lo = j * A->bucket, hi = lo + A->bucket < A->n ? lo + A->bucket : A->n;
-        A->norms[j] = qnorm(A->x, lo, hi);
+        A->norms[j] = qscale(A, lo, hi);
         A->factor[j] = qfactor(A->levels, A->norms[j]);
     }
 }
@@ -1035,7 +1050,7 @@ static void qenc_task(void *arg, int t, int nt) {
         int64_t jb = lo / B, jl = (hi - 1) / B;
         for (int64_t j = jb; j <= jl; j++) {
             int64_t blo = j * B, bhi = blo + B < A->n ? blo + B : A->n;
-            float norm = qnorm(A->x, blo, bhi);
+            float norm = qscale(A, blo, bhi);
             if (blo >= lo) A->norms[j] = norm;
             local[j - jb] = qfactor(A->levels, norm);
         }
@@ -1114,11 +1129,11 @@ static void qdec_task(void *arg, int t, int nt) {
 }
 
 int sdk_qsgd_encode(const float *x, int64_t n, int64_t bucket, int levels, int code_bits, uint64_t seed,
-                    float *norms, uint8_t *packed) {
+                    int max_norm, float *norms, uint8_t *packed) {
     if (n <= 0) return 0;
     if (bucket < 1 || bucket > n) bucket = n;
     int64_t nb = (n + bucket - 1) / bucket;
-    q_args A = {x, n, bucket, nb, levels, code_bits, seed, norms, NULL, packed, NULL, NULL, 0};
+    q_args A = {x, n, bucket, nb, levels, code_bits, seed, max_norm != 0, norms, NULL, packed, NULL, NULL, 0};
     int nt = threads_for(n);
     if (bucket > QFUSE_ELEMS) {  /* big buckets: a norm pass, then a code pass */
         A.factor = (float *)k_malloc((size_t)nb * sizeof(float));
@@ -1134,7 +1149,7 @@ void sdk_qsgd_decode(const float *norms, const uint8_t *packed, int64_t n, int64
                      int code_bits, float *out, int accumulate) {
     if (n <= 0) return;
     if (bucket < 1 || bucket > n) bucket = n;
-    q_args A = {NULL, n, bucket, (n + bucket - 1) / bucket, levels, code_bits, 0, NULL, NULL,
+    q_args A = {NULL, n, bucket, (n + bucket - 1) / bucket, levels, code_bits, 0, 0, NULL, NULL,
                 (uint8_t *)packed, norms, out, accumulate};
     parallel(threads_for(n), qdec_task, &A);
 }

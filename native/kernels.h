@@ -55,12 +55,12 @@ void sdk_f16_to_f32(const uint16_t *h, float *x, int64_t n, int accumulate);  /*
 void sdk_f32_to_bf16(const float *x, uint16_t *h, int64_t n, float scale);
 void sdk_bf16_to_f32(const uint16_t *h, float *x, int64_t n, int accumulate);
 
-/* QSGD with `levels` = s and buckets of `bucket` elements: norms[nb] = ||v||_2, codes
- * floor(s|v_i|/||v|| + u) clamped to s, signed, + s, packed in code_bits bits. u comes from
+/* QSGD with `levels` = s and buckets of `bucket` elements: norms[nb] = ||v||_2 (max_norm: ||v||_inf),
+ * codes floor(s|v_i|/norm + u) clamped to s, signed, + s, packed in code_bits bits. u comes from
  * a counter-based hash of (element index, seed), so results do not depend on threads (see kernels.c).
  * NaN inputs give code s (zero). */
 int sdk_qsgd_encode(const float *x, int64_t n, int64_t bucket, int levels, int code_bits, uint64_t seed,
-                    float *norms, uint8_t *packed);
+                    int max_norm, float *norms, uint8_t *packed);
 /* out[i] (+)= (code_i - s) * (norms[bucket of i] / s), the division in float32 as torch's. */
 void sdk_qsgd_decode(const float *norms, const uint8_t *packed, int64_t n, int64_t bucket, int levels,
                      int code_bits, float *out, int accumulate);

@@ -94,14 +94,15 @@ static PyObject *convert(PyObject *self, PyObject *args) {
 static PyObject *qsgd_encode(PyObject *self, PyObject *args) {
     unsigned long long x, seed, norms, packed;
     long long n, bucket;
-    int levels, bits, rc;
-    if (!PyArg_ParseTuple(args, "KLLiiKKK", &x, &n, &bucket, &levels, &bits, &seed, &norms, &packed)) return NULL;
+    int levels, bits, rc, max_norm = 0;
+    if (!PyArg_ParseTuple(args, "KLLiiKKK|p", &x, &n, &bucket, &levels, &bits, &seed, &norms, &packed, &max_norm))
+        return NULL;
     if (levels < 1 || levels > 127 || bits < 1 || bits > 8) {
         PyErr_SetString(PyExc_ValueError, "qsgd_encode: levels must be in 1..127 and bits in 1..8");
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    rc = sdk_qsgd_encode(PTR(const float *, x), n, bucket, levels, bits, seed, PTR(float *, norms),
+    rc = sdk_qsgd_encode(PTR(const float *, x), n, bucket, levels, bits, seed, max_norm, PTR(float *, norms),
                          PTR(uint8_t *, packed));
     Py_END_ALLOW_THREADS
     if (rc) return no_memory("qsgd_encode");
@@ -221,7 +222,7 @@ static PyMethodDef methods[] = {
     {"scaled_sign_encode", scaled_sign_encode, METH_VARARGS, "(g, e_in, has_pending, pending, p_out, n, bits) -> scale"},
     {"scaled_sign_decode", scaled_sign_decode, METH_VARARGS, "(scale, bits, n, out, accumulate)"},
     {"convert", convert, METH_VARARGS, "(src, dst, n, scale, bf16, to_half[, accumulate]): half -> float32 may add into dst"},
-    {"qsgd_encode", qsgd_encode, METH_VARARGS, "(x, n, bucket, levels, bits, seed, norms, packed)"},
+    {"qsgd_encode", qsgd_encode, METH_VARARGS, "(x, n, bucket, levels, bits, seed, norms, packed, max_norm=False)"},
     {"qsgd_decode", qsgd_decode, METH_VARARGS, "(norms, packed, n, bucket, levels, bits, out, accumulate)"},
     {"topk", topk, METH_VARARGS, "(x, n, k, idx, val)"},
     {"lowrank_product", lowrank_product, METH_VARARGS, "(p, q, numel, rows, cols, r, out): PowerSGD's P Q^T"},

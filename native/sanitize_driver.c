@@ -70,7 +70,7 @@ static void run(int64_t n) {
         int64_t nbytes = 8 % bitsw == 0 ? (n + 8 / bitsw - 1) / (8 / bitsw) : bitsw * ((n + 7) / 8);
         float *norms = xalloc(nb * sizeof(float));
         uint8_t *packed = xalloc(nbytes);
-        CHECK(sdk_qsgd_encode(g, n, B, levels, bitsw, 42, norms, packed) == 0);
+        CHECK(sdk_qsgd_encode(g, n, B, levels, bitsw, 42, bitsw & 1, norms, packed) == 0);
         for (int64_t j = 0; j < nb; j++) norms[j] /= (float)levels;
         sdk_qsgd_decode(norms, packed, n, B, levels, bitsw, out, 0);
         free(norms);
@@ -132,7 +132,7 @@ static void oom(int64_t n) {
     float pend = 0.5f;
     CHECK(sdk_scaled_sign_encode(g, e, &pend, e, n, bits, &scale) == -1);
     CHECK(sdk_onebit_decode(means, bits, n, 1024, e, 1) == -1);
-    CHECK(sdk_qsgd_encode(g, n, 100000, 7, 4, 1, norms, packed) == -1);
+    CHECK(sdk_qsgd_encode(g, n, 100000, 7, 4, 1, 0, norms, packed) == -1);
     CHECK(sdk_topk(g, n, n / 10 + 1, idx, norms) == -1);
     CHECK(sdk_topk(g, n, n / 100 + 1, idx, norms) == -1);  /* the sampled threshold's path */
     CHECK(sdk_lowrank_product(g, e0, n, 1, n, 1, norms) == -1);

@@ -10,7 +10,7 @@ NoneCompressor  yes        32                  no
 FP16, BF16      yes        16                  no
 OneBit          no         2 (1 + 64 / 64)     built in
 EFSign          no         1 (+32 per tensor)  built in
-QSGD            no         4.06 (s=7, d=512)   no (unbiased)
+QSGD            no         4.06 (s=7, d=512)   no (unbiased; scaled by max |v|)
 TopK            no         64 * ratio          wrap in ErrorFeedback
 RandomK         yes        32 * ratio          wrap in ErrorFeedback
 PowerSGD        own rounds 32 r (n+m) / (n m)  built in

@@ -181,8 +181,9 @@ def _bf16(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16
 
 
-def qsgd_encode(x: torch.Tensor, levels: int, bucket: int, code_bits: int, seed: int):
-    """(norms[buckets], packed codes) as QSGD.compress lays them out; ``bucket`` already <= n."""
+def qsgd_encode(x: torch.Tensor, levels: int, bucket: int, code_bits: int, seed: int, max_norm: bool = False):
+    """(norms[buckets], packed codes) as QSGD.compress lays them out; ``bucket`` already <= n;
+    ``max_norm``: each bucket's scale is max |v| rather than ||v||_2."""
     v = _f32(x)
     n = v.numel()
     nb = -(-n // bucket) if n else 0
@@ -190,7 +191,7 @@ def qsgd_encode(x: torch.Tensor, levels: int, bucket: int, code_bits: int, seed:
     nbytes = (n + 8 // code_bits - 1) // (8 // code_bits) if 8 % code_bits == 0 else code_bits * ((n + 7) // 8)
     packed = torch.empty(nbytes, dtype=torch.uint8)
     _ext.qsgd_encode(v.data_ptr(), n, bucket, levels, code_bits, seed & (2**64 - 1), norms.data_ptr(),
-                     packed.data_ptr())
+                     packed.data_ptr(), max_norm)
     return norms, packed
 
 

@@ -154,13 +154,15 @@ def guard_main(steps):
     # drawn before: the steps are the reductions, whose time the candidates change (sending one
     # number or 8 MB), and not a draw's, which would make that difference noise on a busy machine
     grads = [torch.randn(2_000_000, generator=g) for _ in range(3)]
+    # one loop each: a step is the time between two calls of a tensor, and in one loop each Auto's
+    # steps would hold the other's probe too
     for step in range(steps):
-        grad = grads[step % 3]
-        C.allreduce(grad, residual, name="w")
-        C.allreduce(grad, loss, name="w2")
+        C.allreduce(grads[step % 3], residual, name="w")
+        picks["residual"].append(residual.candidates[residual.buckets["w"].chosen].__class__.__name__)
+    for step in range(steps):
+        C.allreduce(grads[step % 3], loss, name="w2")
         # one non-finite loss is a step a GradScaler skips; from step 20 on, training has diverged
         loss.observe_loss(float("nan") if step == 13 or step >= 20 else 1.0)
-        picks["residual"].append(residual.candidates[residual.buckets["w"].chosen].__class__.__name__)
         picks["loss"].append(loss.candidates[loss.buckets["w2"].chosen].__class__.__name__)
     return picks, residual.buckets["w"].excluded, loss.buckets["w2"].excluded, C.stats.switches, {
         name: {i: [round(x * 1e3, 1) for x in v] for i, v in a.buckets[key].samples.items()}
@@ -188,8 +190,8 @@ def test_the_guard_falls_back_when_the_residual_grows_without_bound_or_the_loss_
 
 
 class Unsure(C.QSGD):
-    """Counted as losing information (as QSGD is), and sends the whole tensor 10 ms late: its steps
-    are slower than uncompressed ones, nowhere near lossy_margin faster (yet within ELIMINATE)."""
+    """Counted as losing information (as QSGD is), and sends the whole tensor 50 ms late: its steps
+    are slower than uncompressed ones, nowhere near lossy_margin faster, even on a loaded machine."""
 
     summable = True
     decompress, decompress_into = C.NoneCompressor.decompress, C.NoneCompressor.decompress_into
@@ -197,7 +199,7 @@ class Unsure(C.QSGD):
     def compress(self, tensor, key=None):
         import time
 
-        time.sleep(0.01)
+        time.sleep(0.05)
         return C.NoneCompressor.compress(self, tensor, key)
 
 
@@ -253,11 +255,13 @@ def test_the_probe_drops_a_lossy_candidate_that_cannot_win_and_keeps_state_betwe
     assert outs[0]["unsure"] == (1, 0)
     # ... while one that clears the margin is probed in full, and picked
     assert outs[0]["fast"] == (3, 1)
-    # a stateful candidate keeps its state from one probe call to its next (its first call plus three
-    # timed ones); at the decision the one not picked starts afresh, the pick goes on from its state
+    # a stateful candidate keeps its state from one probe call to its next (its first call plus up to
+    # three timed ones: a loaded machine's noise can drop it sooner); at the decision the one not
+    # picked starts afresh, the pick goes on from its state
     chosen, (first, second) = outs[0]["kept"]
     picked, other = (first, second) if chosen == 1 else (second, first)
-    assert chosen in (1, 2) and other == ([1, 2, 3, 4], {}), outs[0]["kept"]
+    assert chosen in (1, 2) and other[1] == {} and 2 <= len(other[0]) <= 4, outs[0]["kept"]
+    assert other[0] == list(range(1, len(other[0]) + 1)), outs[0]["kept"]
     assert picked[0] == list(range(1, len(picked[0]) + 1)) and len(picked[0]) > 4 and picked[1], outs[0]["kept"]
 
 

@@ -50,8 +50,9 @@ def _samples(c, g, n):
 
 @pytest.mark.parametrize("levels,bucket", [(1, None), (2, None), (7, None), (4, 16)])
 def test_qsgd_unbiased_and_second_moment_bound(levels, bucket):
+    """The QSGD paper's scale (norm="l2") and its bound."""
     g = torch.randn(64, generator=torch.Generator().manual_seed(levels))
-    qs = _samples(C.QSGD(levels=levels, bucket_size=bucket, seed=levels), g, 3000)
+    qs = _samples(C.QSGD(levels=levels, bucket_size=bucket, seed=levels, norm="l2"), g, 3000)
     # Unbiased: each coordinate's sample mean within 5 standard errors of g_i.
     se = qs.std(dim=0) / math.sqrt(len(qs))
     assert ((qs.mean(dim=0) - g).abs() <= 5 * se + 1e-6).all()
@@ -66,10 +67,30 @@ def test_qsgd_unbiased_and_second_moment_bound(levels, bucket):
         assert torch.allclose(levels_seen, levels_seen.round(), atol=1e-4)
 
 
+@pytest.mark.parametrize("levels,bucket", [(1, None), (2, None), (7, None), (4, 16)])
+def test_qsgd_max_scale_unbiased_and_variance_bound(levels, bucket):
+    """The default scale, max |v| per bucket: unbiased, each entry rounds between two adjacent
+    levels m/s apart, so E||q - v||^2 <= sum over buckets of d m^2 / (4 s^2)."""
+    g = torch.randn(64, generator=torch.Generator().manual_seed(levels))
+    qs = _samples(C.QSGD(levels=levels, bucket_size=bucket, seed=levels), g, 3000)
+    se = qs.std(dim=0) / math.sqrt(len(qs))
+    assert ((qs.mean(dim=0) - g).abs() <= 5 * se + 1e-6).all()
+    d = bucket or g.numel()
+    m = g.view(-1, d).abs().amax(dim=1)
+    bound = float((d * (m / levels).square() / 4).sum())
+    err = (qs - g).square().sum(dim=1)
+    assert err.mean() + 3 * err.std() / math.sqrt(len(qs)) <= bound
+    # every value a multiple of m / s, and the largest entry is sent exactly (it sits on level s)
+    steps = (qs.view(len(qs), -1, d) * levels / m.unsqueeze(1)).reshape(len(qs), -1)
+    assert torch.allclose(steps, steps.round(), atol=1e-4)
+    top = g.abs().argmax()
+    assert torch.allclose(qs[:, top], g[top].expand(len(qs)), rtol=1e-5)
+
+
 def test_qsgd_s1_expected_nonzeros_at_most_sqrt_n():
     n = 400
     for g in (torch.randn(n, generator=torch.Generator().manual_seed(0)), torch.ones(n)):
-        qs = _samples(C.QSGD(levels=1, bucket_size=None, seed=3), g, 2000)
+        qs = _samples(C.QSGD(levels=1, bucket_size=None, seed=3, norm="l2"), g, 2000)
         nnz = (qs != 0).sum(dim=1).double()
         expected = (g.abs().sum() / g.norm()).item()  # sum_i P[xi_i = 1] <= sqrt(n)
         assert expected <= math.sqrt(n) + 1e-6

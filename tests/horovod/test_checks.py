@@ -140,7 +140,7 @@ def test_collectives_that_differ_are_refused_on_every_rank_and_equal_ones_still_
         "compression": ("allreduce", "compression", [f"compression={c}()" for c in ("NoneCompressor", "FP16",
                                                                                    "NoneCompressor")]),
         "qsgd_levels": ("allreduce", "compression",
-                        [f"compression=QSGD(levels={s}, bucket_size=512)" for s in (7, 3, 7)]),
+                        [f"compression=QSGD(levels={s}, bucket_size=512, norm='max')" for s in (7, 3, 7)]),
         "prescale": ("allreduce", "prescale_factor", [f"prescale_factor={f}" for f in (1.0, 0.5, 1.0)]),
         "qsgd": ("allreduce", shapes, ["float32 [1000]", "float32 [1500]", "float32 [1000]"]),
         "async": ("allreduce", shapes, ["float32 [4]", "float32 [6]", "float32 [4]"]),

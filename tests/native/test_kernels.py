@@ -313,12 +313,13 @@ def test_half_special_values(path):
 
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("levels,bucket", [(7, 512), (1, None), (3, 100), (2, 8)])
-def test_qsgd_layout_norms_and_decode_match_torch(n, levels, bucket, path, torch_path):
+@pytest.mark.parametrize("norm", ["max", "l2"])
+def test_qsgd_layout_norms_and_decode_match_torch(n, levels, bucket, norm, path, torch_path):
     g = rand(n)
-    c = C.QSGD(levels=levels, bucket_size=bucket, seed=1)
+    c = C.QSGD(levels=levels, bucket_size=bucket, seed=1, norm=norm)
     payload = c.compress(g)
     norms, packed = payload.tensors
-    ref = torch_path(C.QSGD(levels=levels, bucket_size=bucket, seed=1).compress, g)
+    ref = torch_path(C.QSGD(levels=levels, bucket_size=bucket, seed=1, norm=norm).compress, g)
     assert norms.shape == ref.tensors[0].shape and packed.shape == ref.tensors[1].shape
     # Norms: float64 squares summed in the order sums.py fixes, in C and in torch: bit-for-bit,
     # and within float rounding of the exact norm.
@@ -326,7 +327,8 @@ def test_qsgd_layout_norms_and_decode_match_torch(n, levels, bucket, path, torch
     # Codes: the rounding noise is a hash of (index, seed) on both paths: the same payload.
     assert torch.equal(packed, ref.tensors[1])
     padded = torch.cat([g, g.new_zeros(norms.numel() * payload.meta.bucket - n)]).double()
-    exact = torch.linalg.vector_norm(padded.view(norms.numel(), payload.meta.bucket), dim=1)
+    exact = torch.linalg.vector_norm(padded.view(norms.numel(), payload.meta.bucket), dim=1,
+                                     ord=math.inf if norm == "max" else 2)
     assert torch.allclose(norms.double(), exact, rtol=1e-6)
     # Decoding the native payload: identical floats from both decoders.
     q = c.decompress(payload)
@@ -342,27 +344,45 @@ def test_qsgd_layout_norms_and_decode_match_torch(n, levels, bucket, path, torch
         assert ((lvl == 0) | (torch.sign(lvl) == torch.sign(g))).all()
 
 
-def test_qsgd_is_unbiased_and_reproducible():
+@pytest.mark.parametrize("norm", ["max", "l2"])
+def test_qsgd_is_unbiased_and_reproducible(norm):
     g = rand(64)
 
     def draws(seed):
-        return torch.stack([C.QSGD(7, None, seed=seed).decompress(C.QSGD(7, None, seed=seed).compress(g))
-                            for _ in range(1)])
+        return torch.stack([C.QSGD(7, None, seed=seed, norm=norm).decompress(
+            C.QSGD(7, None, seed=seed, norm=norm).compress(g)) for _ in range(1)])
 
     assert torch.equal(draws(3), draws(3)) and not torch.equal(draws(3), draws(4))
     s = 2
-    c = C.QSGD(levels=s, bucket_size=None, seed=5)
+    c = C.QSGD(levels=s, bucket_size=None, seed=5, norm=norm)
     qs = torch.stack([c.decompress(c.compress(g)) for _ in range(3000)])
     # The standard error from the rounding probability itself: a tiny g_i that never rounds
     # up in 3000 draws has a sample std of 0 but is still unbiased.
-    r = g.abs() * s / g.norm()
+    scale = g.abs().max() if norm == "max" else g.norm()
+    r = g.abs() * s / scale
     frac = r - r.floor()
-    se = g.norm() / s * (frac * (1 - frac)).sqrt() / math.sqrt(len(qs))
+    se = scale / s * (frac * (1 - frac)).sqrt() / math.sqrt(len(qs))
     assert ((qs.mean(dim=0) - g).abs() <= 5 * se + 1e-6).all()
 
 
+def test_qsgd_max_norm_has_less_variance_than_the_l2_norm():
+    """The reason max is the default: on a bucket of 512 Gaussian entries the l2 scale leaves most
+    codes at 0 or 1 (s|v_i|/||v|| is about s/sqrt(512)), the max scale spreads them over the s levels."""
+    g = rand(512 * 64)
+    err = {}
+    for norm in ("max", "l2"):
+        c = C.QSGD(seed=2, norm=norm)
+        err[norm] = sum(float((c.decompress(c.compress(g)) - g).square().sum()) for _ in range(20)) / 20
+    assert err["max"] * 10 < err["l2"], err
+    # within the bounds: l2's E||q - v||^2 <= min(d/s^2, sqrt(d)/s) ||v||^2, max's <= d (max|v| / s)^2 / 4
+    assert err["l2"] <= math.sqrt(512) / 7 * float(g.square().sum())
+    maxes = g.view(-1, 512).abs().amax(dim=1)
+    assert err["max"] <= float((512 * (maxes / 7).square() / 4).sum())
+
+
 @pytest.mark.parametrize("bucket", [512, 100, 7, 40000])
-def test_qsgd_codes_do_not_depend_on_threads_or_simd(bucket, torch_path):
+@pytest.mark.parametrize("norm", ["max", "l2"])
+def test_qsgd_codes_do_not_depend_on_threads_or_simd(bucket, norm, torch_path):
     """The same seed gives the same codes with 1, 2 or 5 threads, AVX2 or portable C: the random
     streams are per 64K chunk, and norms of buckets cut by a thread or block edge are computed
     alike on both sides."""
@@ -377,7 +397,7 @@ def test_qsgd_codes_do_not_depend_on_threads_or_simd(bucket, torch_path):
         for t, scalar in ((1, False), (2, False), (5, False), (2, True)):
             native.set_threads(t)
             native.force_scalar(scalar)
-            out.append(native.qsgd_encode(g, 7, bucket, 4, seed=11))
+            out.append(native.qsgd_encode(g, 7, bucket, 4, seed=11, max_norm=norm == "max"))
     finally:
         native.set_threads(None)
         native.force_scalar(False)
@@ -385,9 +405,10 @@ def test_qsgd_codes_do_not_depend_on_threads_or_simd(bucket, torch_path):
         assert torch.equal(packed, out[0][1])
         assert torch.equal(norms.nan_to_num(-1.0), out[0][0].nan_to_num(-1.0))
     # and, through the compressor, the torch reference's codes, bit for bit
-    ref = torch_path(C.QSGD(levels=7, bucket_size=bucket, seed=11).compress, g)
-    got = C.QSGD(levels=7, bucket_size=bucket, seed=11).compress(g)
+    ref = torch_path(C.QSGD(levels=7, bucket_size=bucket, seed=11, norm=norm).compress, g)
+    got = C.QSGD(levels=7, bucket_size=bucket, seed=11, norm=norm).compress(g)
     assert torch.equal(ref.tensors[1], got.tensors[1])
+    assert torch.equal(ref.tensors[0].nan_to_num(-1.0), got.tensors[0].nan_to_num(-1.0))
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -650,6 +671,7 @@ DECODERS = [
     ("qsgd-2bit", lambda: C.QSGD(levels=1, bucket_size=64, seed=3)),
     ("qsgd-b100", lambda: C.QSGD(levels=7, bucket_size=100, seed=3)),
     ("qsgd-b3", lambda: C.QSGD(levels=5, bucket_size=3, seed=3)),
+    ("qsgd-l2", lambda: C.QSGD(levels=7, bucket_size=512, seed=3, norm="l2")),
 ]
 
 
