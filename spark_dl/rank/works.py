@@ -21,12 +21,20 @@ to it until it is ``HOLD_S`` old (the backend has let go long before), and the w
 at exit are never freed. Every function it gives a future passes through :func:`callback`: at
 exit, before the interpreter's teardown, the process waits (up to ``SETTLE_S``) until the backend
 has let go of each, which is observable: the function is then freed.
+
+Collectives that pass through neither (a synchronous ``dist.all_reduce`` in the Horovod layer or
+in the user's own code) drop their work as they return, and the backend thread frees it a moment
+later. So a process that exits with a process group still initialized, once this module is
+imported (``spark_dl.horovod``, ``spark_dl.compression``), first sleeps ``EXIT_GRACE_S``: the
+backend's threads are done by then. ``dist.destroy_process_group()`` before the exit, which joins
+them, skips that sleep.
 """
 from __future__ import annotations
 
 import atexit
 import collections
 import ctypes
+import sys
 import threading
 import time
 import weakref
@@ -40,6 +48,11 @@ HOLD_S = 0.1
 # How long exit waits for the backend to let go of the functions given to futures: it has, within
 # microseconds of running them, unless a collective is still under way (a peer gone mid-step).
 SETTLE_S = 2.0
+
+# How long a process still in a process group waits at exit, for the backend threads to free the
+# works of collectives that did not pass through hold(): they do so within microseconds of completing
+# them unless not scheduled; 0.1 s leaves room for a loaded machine, once per process.
+EXIT_GRACE_S = 0.1
 
 W = TypeVar("W")
 F = TypeVar("F", bound=Callable)
@@ -80,8 +93,18 @@ def _settle() -> None:
     deadline = time.monotonic() + SETTLE_S
     while pending() and time.monotonic() < deadline:
         time.sleep(0.001)
+    if _group_alive():
+        time.sleep(EXIT_GRACE_S)
     # One more reference that nothing releases: the interpreter's teardown does not free these
     # works, so no backend thread is left to free their tensors after it has begun.
     with _lock:
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(_held))
 
+
+def _group_alive() -> bool:
+    """A default process group is still initialized (read without importing torch.distributed)."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        return bool(dist is not None and dist.is_available() and dist.is_initialized())
+    except Exception:  # noqa: BLE001 - at exit, a half torn-down torch must not turn into a traceback
+        return False

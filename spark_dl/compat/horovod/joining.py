@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from spark_dl import protocol
 from spark_dl.compat.horovod.state import check
+from spark_dl.rank import works
 
 
 class _Control:
@@ -120,7 +121,7 @@ def start_control(ticket: tuple[_Control, int]) -> Any:
     if control.group is None:
         return None
     ctrl = torch.tensor([1, optimizer_id + 1], dtype=torch.int64)
-    return control, ctrl, dist.all_reduce(ctrl, group=control.group, async_op=True)
+    return control, ctrl, works.hold(dist.all_reduce(ctrl, group=control.group, async_op=True))
 
 
 def finish_control(started: Any) -> None:

@@ -29,6 +29,7 @@ from spark_dl.compat.horovod.handles import begin, deferred, submit, synchronize
 from spark_dl.compat.horovod.process_sets import ProcessSet, check_root, global_process_set, group_of
 from spark_dl.compat.horovod.process_sets import resolve as resolve_set
 from spark_dl.compat.horovod.state import check
+from spark_dl.rank import works
 from spark_dl.rank.tensors import comm_device
 
 _TORCH_OPS = {
@@ -296,7 +297,7 @@ def _async_reduce(tensor: torch.Tensor, output: torch.Tensor, op: ReduceOp, name
             work_t.div_(ps.size())
         torch_op = dist.ReduceOp.SUM if op in (Average, Sum) else _TORCH_OPS[op]
         sent = to_wire(work_t)
-        work = dist.all_reduce(sent, op=torch_op, async_op=True, group=group_of(ps))
+        work = works.hold(dist.all_reduce(sent, op=torch_op, async_op=True, group=group_of(ps)))
 
         def finish() -> torch.Tensor:
             if sent is not work_t:
@@ -342,7 +343,7 @@ def _async_broadcast(tensor: torch.Tensor, output: torch.Tensor, root_rank: int,
         inplace_ok = output is tensor and tensor.device == comm_device() and tensor.is_contiguous()
         work_t = tensor if inplace_ok else on_comm_device(tensor.detach()).clone()
         sent = to_wire(work_t)
-        work = dist.broadcast(sent, src=root_rank, async_op=True, group=group_of(ps))
+        work = works.hold(dist.broadcast(sent, src=root_rank, async_op=True, group=group_of(ps)))
 
         def finish() -> torch.Tensor:
             if sent is not work_t:

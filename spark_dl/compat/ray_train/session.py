@@ -30,6 +30,7 @@ from spark_dl.compat.ray_train.dataset import DataShard
 from spark_dl.compat.ray_train.record import flatten
 from spark_dl.compat.ray_train.resume import Resume, fetched_directory
 from spark_dl.compat.ray_train.storage import Storage, publish, stage
+from spark_dl.rank import works
 from spark_dl.rank.context import scratch_dir
 
 # a worker waiting this long in report() says why it may be stuck (get_checkpoint() gives up on a
@@ -310,7 +311,7 @@ def _all_gather_ints(values: list[int], w: Worker) -> list[list[int]]:
 
     mine = torch.tensor(values, dtype=torch.int64)
     every = [torch.zeros(len(values), dtype=torch.int64) for _ in range(get_context().world_size)]
-    _wait(dist.all_gather(every, mine, group=w.group, async_op=True))
+    _wait(works.hold(dist.all_gather(every, mine, group=w.group, async_op=True)))
     return [[int(v) for v in t.tolist()] for t in every]
 
 
