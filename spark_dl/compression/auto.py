@@ -21,11 +21,13 @@ For each tensor name, on every rank alike:
    fastest step; noise only adds time), and a candidate ``ELIMINATE`` times slower than the
    fastest is not probed again (NoneCompressor: ``ELIMINATE_NONE`` times, so that on a slow link
    the uncompressed reduction is not repeated, and elsewhere one noisy sample does not drop the
-   safe choice). A candidate that loses information is dropped after its first timed step when
-   that step was not ``lossy_margin / 2`` faster than an exact candidate's (it could not win at
-   step 3; each of its steps costs accuracy: on loopback it takes one). A stateful candidate keeps
-   its state from one probe call to its next (error feedback sends the next time what it dropped,
-   PowerSGD's factors start warm), and every candidate but the pick starts afresh at the decision.
+   safe choice). A candidate that loses information is dropped once its timed steps were not
+   ``lossy_margin / 2`` faster than an exact candidate's (it could not win at step 3; each of its
+   steps costs accuracy: on loopback it takes two). Either drop needs ``DROP_SAMPLES`` timed
+   steps (NoneCompressor's, one): one step of the user's loop can be slower for its own reasons.
+   A stateful candidate keeps its state from one probe call to its next (error feedback sends the
+   next time what it dropped, PowerSGD's factors start warm), and every candidate but the pick
+   starts afresh at the decision.
 3. **decision**, from the agreed times, the same on every rank: candidates are ordered safest
    first (``NoneCompressor`` always first), and a less safe one replaces the pick so far only when
    its steps are at least ``margin`` faster; ``lossy_margin`` when it loses information (anything
@@ -79,6 +81,11 @@ WARMUP, PROBE, CHOSEN = "warm-up", "probe", "chosen"
 # noisy sample): on a slow link it is not repeated (100 Mbit/s: 40x PowerSGD's time, measured).
 ELIMINATE = 3.0
 ELIMINATE_NONE = 10.0
+# A candidate is dropped on this many timed steps, their fastest, not on one: a training loop's
+# periodic step (an evaluation, a log, a checkpoint) that falls on a candidate's only timed step made
+# FP16 read 4.5x slower than uncompressed on 10 Gbit/s (its steps were as fast). NoneCompressor is
+# dropped on one, at ELIMINATE_NONE: far above what such a step adds.
+DROP_SAMPLES = 2
 
 
 def default_candidates() -> list[Compressor]:
@@ -323,7 +330,7 @@ class Auto(Compressor):
                     default=math.inf)
 
         def running(i: int) -> bool:  # not timed yet (its first call was not): still in
-            if i not in b.times:
+            if i not in b.times or (i != 0 and len(b.samples.get(i, ())) < DROP_SAMPLES):
                 return True
             if _lossy(self.candidates[i]) and b.times[i] > exact * (1.0 - self.lossy_margin / 2):
                 return False  # it could not clear lossy_margin, and its steps cost accuracy
