@@ -39,6 +39,8 @@ class QSGD(Compressor):
     ``levels`` s is 1..127: the 2s + 1 signed codes fit in at most 8 bits.
     """
 
+    norm = "l2"  # an instance pickled before the scale was a choice (a checkpointed hook state) keeps its own
+
     def __init__(self, levels: int = 7, bucket_size: int | None = 512, seed: int | None = None,
                  norm: str = "max") -> None:
         # 2s + 1 codes must fit the 8-bit codes bits.pack and the native kernels handle: s <= 127.

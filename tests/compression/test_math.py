@@ -99,6 +99,17 @@ def test_qsgd_s1_expected_nonzeros_at_most_sqrt_n():
         assert nnz.mean().item() <= math.sqrt(n) + 5 * nnz.std().item() / math.sqrt(len(qs))
 
 
+def test_a_qsgd_pickled_before_the_scale_was_a_choice_keeps_the_l2_scale():
+    import pickle
+
+    old = C.QSGD(seed=1, norm="l2")
+    del old.__dict__["norm"]  # as an instance pickled by a version without the attribute
+    restored = pickle.loads(pickle.dumps(old))
+    assert restored.norm == "l2" and C.QSGD().norm == "max"
+    g = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(restored.compress(g).tensors[0], C.QSGD(seed=1, norm="l2").compress(g).tensors[0])
+
+
 def test_qsgd_per_rank_noise_is_seeded():
     g = torch.randn(100)
     a, b = C.QSGD(seed=5), C.QSGD(seed=5)
