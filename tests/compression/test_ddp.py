@@ -372,23 +372,11 @@ def test_a_hook_outliving_destroy_process_group_exits_cleanly(model, hook, tmp_p
     # (or never, in a global): every rank exits 0, repeatedly. The abort came at random: a backend
     # thread freeing a collective's tensors once the interpreter had begun to exit (spark_dl.rank.works;
     # before it, about 1 run in 6 of the global overlap case aborted on 2 cores)
-    import os
-    import socket
-    import subprocess
-    import sys
+    from torchrun_pair import exits_cleanly
 
     script = tmp_path / "train.py"
     script.write_text(TORCHRUN_IDIOM)
-    for _ in range(5):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
-        procs = [subprocess.Popen([sys.executable, str(script), model, hook], env={**env, "RANK": str(r)},
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
-        outs = [p.communicate(timeout=120) for p in procs]
-        assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
-        assert all(o[0].strip() == "returned" for o in outs)
+    exits_cleanly(script, [model, hook], runs=5)
 
 
 def in_flight_main():

@@ -80,20 +80,8 @@ def test_a_script_exiting_in_its_process_group_right_after_synchronous_collectiv
     # No destroy_process_group(): the backend thread frees the last collective's work as the
     # interpreter exits. Plain torch aborted 8 of 30 such two-rank runs on 2 cores ("terminate called
     # without an active exception"); once spark_dl is imported, exit waits EXIT_GRACE_S first.
-    import os
-    import socket
-    import subprocess
-    import sys
+    from torchrun_pair import exits_cleanly
 
     script = tmp_path / "train.py"
     script.write_text(USER_COLLECTIVES)
-    for _ in range(10):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
-        procs = [subprocess.Popen([sys.executable, str(script)], env={**env, "RANK": str(r)},
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
-        outs = [p.communicate(timeout=120) for p in procs]
-        assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
-        assert all(o[0].strip() == "returned" for o in outs)
+    exits_cleanly(script, [], runs=10)
