@@ -76,7 +76,7 @@ def main() -> int:
             vs_best.append((best, times["auto"] / times[best]))
             accuracy.append(auto["accuracy"])
         # the one compressor a user would pick for this link: the lowest median time over the seeds
-        medians = {c: statistics.median(to_target[c]) for c in ["fp32", *hand, "auto"]}
+        medians = {c: statistics.median(to_target[c]) for c in [*hand, "auto"]}
         pick = min(hand, key=lambda c: medians[c])
         summary.append((name, vs_fp32, vs_best, {c: statistics.median(v) for c, v in per_step.items()},
                         (pick, medians["auto"] / medians[pick])))

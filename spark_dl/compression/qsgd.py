@@ -74,12 +74,11 @@ class QSGD(Compressor):
         nb = -(-n // d)
         x = torch.cat([flat, flat.new_zeros(nb * d - n)]) if nb * d != n else flat
         v = x.view(nb, d)
-        # float64 squares summed in the order sums.py fixes (the C kernel's too): bit-for-bit norms
         if self.norm == "max":
             norms = v.abs().amax(dim=1)
-        else:
+        else:  # float64 squares summed in the order sums.py fixes (the C kernel's too): bit-for-bit norms
             norms = bucket_sums(flat.double().square(), d).sqrt().float()
-        # |v_i| s / ||v|| in [0, s]; an all-zero bucket quantizes to zero.
+        # |v_i| s / m in [0, s]; an all-zero bucket quantizes to zero.
         # s / norm as a true division, as the kernel's: torch's scalar / tensor multiplies by a
         # reciprocal, an ulp off, which moves a rounding now and then
         factor = norms.new_full(norms.shape, float(s)).div_(norms.clamp_min(torch.finfo(torch.float32).tiny))
