@@ -50,7 +50,9 @@ picked, so that the probe times what will run.
 
 Eligible: the candidates :func:`spark_dl.compression.advice.advice` has nothing against for the
 optimizer told to :meth:`Compressor.observe_optimizer` (``DistributedOptimizer`` and
-``make_ddp_hook(..., optimizer=opt)`` tell it); told none, those safe under heavy-ball momentum SGD.
+``make_ddp_hook(..., optimizer=opt)`` tell it); told none, those safe under heavy-ball momentum SGD
+that need no optimizer (not OneBit and the other error-feedback ones that compress the velocity of
+the optimizer's momentum).
 The decisions are in ``spark_dl.compression.stats.choices`` (and MLflow's ``comm/auto/...``); rank 0
 prints the table once every tensor has its first decision, and says each later switch on the driver.
 """
@@ -173,7 +175,7 @@ class Auto(Compressor):
         self.guard_ratio = real_param(guard_ratio, "Auto", "guard_ratio", 0.0, open_low=True)
         self.min_elements = _int(min_elements, "Auto", "min_elements", 0)
         self.buckets: dict[Key, _Bucket] = {}
-        self.unsafe = self._judge(_assume_momentum())
+        self.unsafe = self._judge(None)
         self.switches = 0
         self._none = NoneCompressor()
         self._printed = False
@@ -228,7 +230,16 @@ class Auto(Compressor):
         return {"candidates": [label(c) for c in self.candidates]}
 
     def _judge(self, optimizer: Any) -> dict[int, str]:
-        return {i: why for i, c in enumerate(self.candidates) if (why := advice(c, optimizer)) is not None}
+        """Why each unsafe candidate is (by index); ``optimizer`` None: told none."""
+        unsafe = {}
+        for i, c in enumerate(self.candidates):
+            why = advice(c, optimizer if optimizer is not None else _assume_momentum())
+            if why is None and optimizer is None and c.feedback is not None and c.feedback.compress_momentum:
+                why = (f"{label(c)} compresses the shared velocity under momentum SGD, which it needs the optimizer "
+                       "for: pass make_ddp_hook(..., optimizer=opt) or reduce through DistributedOptimizer")
+            if why is not None:
+                unsafe[i] = why
+        return unsafe
 
     # -- the reduction ---------------------------------------------------------------------------
     def allreduce(self, tensor: torch.Tensor, *, op: str, name: Key, group: Any, layout: Any,
@@ -388,8 +399,8 @@ class Auto(Compressor):
         :func:`spark_dl.compression.stats.watch` does."""
         c = self.candidates[b.chosen]
         residuals = getattr(c, "residuals", None)
-        velocity = c.feedback.velocity.get(name) if c.feedback is not None else None
-        # under momentum compression the residual is in the velocity's units: compare it with that
+        velocity = c.feedback.reduced.get(name) if c.feedback is not None else None
+        # under momentum the residual is in the shared velocity's units: compare it with that
         share = (norm(velocity) if velocity is not None else grad) / world
         ratio = residual_norm(residuals, name) / share if residuals is not None and share > 0 else 0.0
         bad = 0.0 if bool(torch.isfinite(result).all()) and math.isfinite(ratio) else 1.0

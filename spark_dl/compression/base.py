@@ -65,14 +65,18 @@ class Compressor:
     summable: bool = False
     # True for a compressor that picks another per reduction (Auto): allreduce hands it the call
     chooses: bool = False
-    # Warm-up, momentum compression and lr rescaling (spark_dl.compression.training), for the
+    # Warm-up, shared momentum and lr rescaling (spark_dl.compression.training), for the
     # compressors with error feedback; None: told nothing, changes nothing.
     feedback: Any = None
+    # Consecutive elements that share one statistic (1-bit's means, a sign scale; 0: the whole
+    # tensor), or None where none is shared. Not None: a bucket packing several tensors is
+    # compressed layer by layer (spark_dl.compression.layers), so no statistic spans two of them.
+    span: int | None = None
 
     def observe(self, *, lr: float | None = None, momentum: float = 0.0) -> None:
         """The optimizer's lr and (SGD) momentum for the step about to be reduced; call before the
         step's first reduction. Error-feedback compressors rescale their residuals when the lr
-        moves and compress each rank's velocity under momentum (see
+        moves and compress the shared velocity under momentum (see
         :mod:`spark_dl.compression.training`); the others ignore it."""
         if self.feedback is not None:
             self.feedback.observe(getattr(self, "residuals", None), lr=lr, momentum=momentum)

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from spark_dl.compression.base import Compressor, Payload, as_compressor
 from spark_dl.compression.fp import Cast, NoneCompressor
+from spark_dl.compression.layers import by_layer
 from spark_dl.compression.powersgd import PowerSGD
 from spark_dl.compression.stats import stats, watch
 from spark_dl.errors import as_int
@@ -122,20 +123,23 @@ def _pieces(numel: int) -> int:
 
 
 def _scatter_reduce_allgather(x: torch.Tensor, c: Compressor, name: Any, group: Any,
-                              world: int, into: torch.Tensor | None = None, average: bool = False) -> torch.Tensor:
+                              world: int, into: torch.Tensor | None = None, average: bool = False,
+                              sizes: list[int] | None = None) -> torch.Tensor:
     """With ``average`` each rank's pieces are compressed as ``piece / world``
-    (:meth:`Compressor.compress_averaged`: error feedback divides inside its own pass)."""
+    (:meth:`Compressor.compress_averaged`: error feedback divides inside its own pass).
+    ``sizes``: the tensors packed in ``x``, for compressors that go layer by layer in each piece."""
     me = dist.get_rank(group) if world > 1 else 0
     chunks = torch.tensor_split(x.reshape(-1), world)  # rank j owns chunk j
 
-    def encode(t: torch.Tensor, key: Any) -> Payload:
-        return c.compress_averaged(t, world, key=key) if average else c.compress(t, key=key)
+    def encode(t: torch.Tensor, key: Any, cc: Compressor) -> Payload:
+        return cc.compress_averaged(t, world, key=key) if average else cc.compress(t, key=key)
     if world == 1:
-        own = encode(chunks[0], (name, "worker", 0))
+        whole = by_layer(c, sizes)
+        own = encode(chunks[0], (name, "worker", 0), whole)
         reduced = torch.empty(x.numel(), dtype=torch.float32, device=x.device)
-        c.decompress_into(own, reduced)
-        mine = c.compress(reduced.to(x.dtype), key=(name, "server"))
-        return c.decompress(mine).reshape(x.shape)
+        whole.decompress_into(own, reduced)
+        mine = whole.compress(reduced.to(x.dtype), key=(name, "server"))
+        return whole.decompress(mine).reshape(x.shape)
     # Large chunks go in K pieces, pipelined: while piece k is on the wire (async collectives
     # run on the backend's threads) piece k+1 is encoded, and piece k is decoded while later
     # pieces travel. Every rank issues the same collectives in the same order.
@@ -146,58 +150,62 @@ def _scatter_reduce_allgather(x: torch.Tensor, c: Compressor, name: Any, group: 
     for j in range(world):
         for k in range(1, K):
             starts[j][k] = starts[j][k - 1] + parts[j][k - 1].numel()
+    chunk_at = [0] * world
+    for j in range(1, world):
+        chunk_at[j] = chunk_at[j - 1] + chunks[j - 1].numel()
+    # the compressor of each piece: c itself, or c layer by layer where the piece spans tensors
+    comp = [[by_layer(c, sizes, chunk_at[j] + starts[j][k], parts[j][k].numel()) for k in range(K)]
+            for j in range(world)]
 
     def key(role: str, *ids: int) -> Any:  # per piece only when there are pieces
         return (name, role, *ids) if K > 1 else (name, role, *ids[:-1])
 
     scattered = []
     for k in range(K):
-        sent = [encode(parts[j][k], key("worker", j, k)) for j in range(world)]
+        sent = [encode(parts[j][k], key("worker", j, k), comp[j][k]) for j in range(world)]
         buffers = [to_bytes(p) for p in sent]
-        sizes = [b.numel() for b in buffers]
+        lengths = [b.numel() for b in buffers]
         # Pieces of different chunks differ by at most one element, so their payloads by a few
         # bytes: one 8-aligned width for all (aligned views, equal splits) lets the single-tensor
         # all_to_all and all_gather that Gloo and NCCL both provide carry them.
-        width = -(-max(sizes) // 8) * 8
+        width = -(-max(lengths) // 8) * 8
         outgoing = torch.zeros(world, width, dtype=torch.uint8, device=wire)
         for j, b in enumerate(buffers):
-            outgoing[j, :sizes[j]] = b
+            outgoing[j, :lengths[j]] = b
         incoming = torch.empty_like(outgoing)
         work = hold(dist.all_to_all_single(incoming, outgoing, group=group, async_op=True))
         stats.add_bytes((world - 1) * width)
-        scattered.append((sent, sizes, width, incoming, outgoing, work))
+        scattered.append((sent, lengths, width, incoming, outgoing, work))
 
     reduced = torch.empty(chunks[me].numel(), dtype=torch.float32, device=x.device)
     gathering = []
-    for k, (sent, sizes, width, incoming, _outgoing, work) in enumerate(scattered):
+    for k, (sent, lengths, width, incoming, _outgoing, work) in enumerate(scattered):
         work.wait()
         incoming = incoming.to(x.device)
         own = sent[me]
         piece = reduced[starts[me][k]:starts[me][k] + parts[me][k].numel()]
         # Decode-accumulate into one buffer: the native kernels add each payload in one pass.
         for i in range(world):
-            p = own if i == me else from_bytes(incoming[i, :sizes[me]], own)
-            c.decompress_into(p, piece, accumulate=i > 0)
-        mine = to_bytes(c.compress(piece.to(x.dtype), key=key("server", k)))
+            p = own if i == me else from_bytes(incoming[i, :lengths[me]], own)
+            comp[me][k].decompress_into(p, piece, accumulate=i > 0)
+        mine = to_bytes(comp[me][k].compress(piece.to(x.dtype), key=key("server", k)))
         padded = torch.zeros(width, dtype=torch.uint8, device=wire)
         padded[:mine.numel()] = mine
         gathered = torch.empty(world, width, dtype=torch.uint8, device=wire)
         g_work = _all_gather(gathered.view(-1), padded, group)
         stats.add_bytes((world - 1) * width)
-        gathering.append((sent, sizes, gathered, padded, g_work))
+        gathering.append((sent, lengths, gathered, padded, g_work))
 
     # Every read of x happened above (each piece compressed before it was sent), so ``into``
     # may be x itself.
     out = into if into is not None else torch.empty(x.numel(), dtype=torch.float32, device=x.device)
-    chunk_at = [0] * world
-    for j in range(1, world):
-        chunk_at[j] = chunk_at[j - 1] + chunks[j - 1].numel()
-    for k, (sent, sizes, gathered, _padded, g_work) in enumerate(gathering):
+    for k, (sent, lengths, gathered, _padded, g_work) in enumerate(gathering):
         g_work.wait()
         gathered = gathered.to(x.device)
         for j in range(world):
             at = chunk_at[j] + starts[j][k]
-            c.decompress_into(from_bytes(gathered[j, :sizes[j]], sent[j]), out[at:at + parts[j][k].numel()])
+            comp[j][k].decompress_into(from_bytes(gathered[j, :lengths[j]], sent[j]),
+                                       out[at:at + parts[j][k].numel()])
     return out.to(x.dtype).reshape(x.shape)
 
 
@@ -261,9 +269,10 @@ def _reduce(tensor: torch.Tensor, c: Compressor, name: Any, group: Any, world: i
     # the division by the world size happens in the compressors' calls (compress_averaged)
     if c.summable:
         return _summable(tensor, c, name, group, world, into=into, average=scale != 1.0)
+    sizes = None if layout is None or c.span is None else [math.prod(shape) for shape in _dims(layout)]
     if c.feedback is not None and c.feedback.single_stage(world):
-        return _allgather_sum(tensor, c, name, group, world, into=into, average=scale != 1.0)
-    return _scatter_reduce_allgather(tensor, c, name, group, world, into=into, average=scale != 1.0)
+        return _allgather_sum(tensor, by_layer(c, sizes), name, group, world, into=into, average=scale != 1.0)
+    return _scatter_reduce_allgather(tensor, c, name, group, world, into=into, average=scale != 1.0, sizes=sizes)
 
 
 def allreduce(tensor: torch.Tensor, compression: Compressor | None = None, *,
@@ -277,10 +286,12 @@ def allreduce(tensor: torch.Tensor, compression: Compressor | None = None, *,
     (error feedback, warm starts) and is required for stateful compressors. Bytes sent and time
     go to :data:`spark_dl.compression.stats`. ``layout``: when ``tensor`` is a bucket, the shapes
     of the tensors packed in it (flattened, in order); layer-wise compressors (PowerSGD) then
-    factor each as its own matrix, the others ignore it. ``out``: a contiguous tensor of the
-    input's numel, dtype and device (``tensor`` itself is allowed) that receives the result and
-    is returned; every compressed path decodes into a float32 ``out`` directly, with no result
-    tensor of its own (what the DDP hook does with the bucket).
+    factor each as its own matrix, and those whose elements share a statistic (OneBit's means,
+    EFSign's scale) never share one between two tensors (:mod:`spark_dl.compression.layers`).
+    ``out``: a contiguous tensor of the input's numel, dtype and device (``tensor`` itself is
+    allowed) that receives the result and is returned; every compressed path decodes into a
+    float32 ``out`` directly, with no result tensor of its own (what the DDP hook does with the
+    bucket).
     """
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
@@ -315,8 +326,8 @@ def allreduce(tensor: torch.Tensor, compression: Compressor | None = None, *,
         result = tensor * scale if scale != 1.0 else tensor.clone()
     elif fb is None:
         result = _reduce(tensor, c, name, group, world, layout, into, scale)
-    else:  # warm-up, momentum compression (spark_dl.compression.training)
-        x = fb.before(tensor, name)
+    else:  # warm-up, shared momentum (spark_dl.compression.training)
+        x = fb.before(tensor, name, share=1.0 if average else 1.0 / world)
         now = NoneCompressor() if fb.warming(name) else c
         result = fb.after(_reduce(x, now, name, group, world, layout, into, scale), name)
         if now is c:

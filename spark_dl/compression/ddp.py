@@ -310,7 +310,7 @@ def make_ddp_hook(compressor: Compressor | None = None, *, op: str = "average",
     group only; see the module docstring). ``optimizer``: the optimizer that steps the model;
     before each step's first bucket its lr and momentum are told to the compressor
     (:meth:`Compressor.observe_optimizer`), so error feedback rescales its residuals when the lr
-    moves and compresses the velocity under momentum SGD. A compressor that compresses the
+    moves and compresses the shared velocity under momentum SGD. A compressor that compresses the
     velocity (OneBit, EFSign, ErrorFeedback) warns without ``optimizer``: without it 1-bit SGD
     under momentum diverges."""
     if op not in OPS:
@@ -323,7 +323,7 @@ def make_ddp_hook(compressor: Compressor | None = None, *, op: str = "average",
     if optimizer is None and c.feedback is not None and c.feedback.compress_momentum:
         warnings.warn(
             f"make_ddp_hook({c!r}) without optimizer=: the hook cannot see the lr or the momentum, so its error "
-            "feedback neither compresses the velocity under momentum SGD (which 1-bit and sign compression need "
+            "feedback neither compresses the shared velocity under momentum SGD (which 1-bit and sign compression need "
             "to converge) nor rescales its residuals when the lr changes. Pass make_ddp_hook(c, optimizer=opt), "
             "or call c.observe_optimizer(opt) before each backward.", CompressionWarning, stacklevel=2)
     if optimizer is not None:

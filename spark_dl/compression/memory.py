@@ -165,10 +165,11 @@ class ErrorFeedback(Compressor):
 
     ``warmup_steps``: reductions of each tensor that go uncompressed first.
     ``compress_momentum``: under momentum SGD (as told by :meth:`Compressor.observe`), compress
-    each rank's velocity rather than its gradient. ``single_stage_up_to``: up to this many ranks,
-    a non-summable compressor's payloads are all-gathered and summed (one compression stage)
-    rather than scatter-reduced and compressed again. All three, and the residuals' rescaling
-    when the lr moves, are described in :mod:`spark_dl.compression.training`.
+    each rank's gradient plus the shared velocity's momentum rather than its gradient alone.
+    ``single_stage_up_to``: up to this many ranks, a non-summable compressor's payloads are
+    all-gathered and summed (one compression stage) rather than scatter-reduced and compressed
+    again. All three, and the residuals' rescaling when the lr moves, are described in
+    :mod:`spark_dl.compression.training`.
     """
 
     def __init__(self, compressor: Compressor, warmup_steps: int = WARMUP_STEPS,
@@ -184,6 +185,10 @@ class ErrorFeedback(Compressor):
     @property
     def stateful(self) -> bool:
         return True
+
+    @property
+    def span(self) -> int | None:  # type: ignore[override]
+        return self.compressor.span
 
     def compress(self, tensor: torch.Tensor, key: Key = None) -> Payload:
         return self._feed_back(tensor, key, 1)

@@ -163,7 +163,7 @@ def watch(c: Any, name: Any, x: torch.Tensor, result: torch.Tensor, world: int) 
     if ratio > RESIDUAL_ALARM and rising:
         _warn_once(w, "residual", f"{who}: the error-feedback residual of '{name}' is {ratio:.0f}x the gradient "
                    "and still growing, so compression drops more than it sends back and training is diverging. "
-                   "Reduce through DistributedOptimizer or make_ddp_hook(c, optimizer=opt) (momentum compression "
+                   "Reduce through DistributedOptimizer or make_ddp_hook(c, optimizer=opt) (shared momentum "
                    "and lr rescaling), keep warmup_steps, lower the lr, or use a less lossy compressor.")
 
 

@@ -102,6 +102,22 @@ def collective_main():
     out["psgd_bucket_bytes"] = C.stats.snapshot()["bytes_sent"] - before_stats["bytes_sent"]
     out["psgd_bucket_in"] = bucket.tolist()
 
+    # Layer by layer: a bucket of a (20, 15) weight, a bias of 15 and an (8, 27) weight. 1-bit's
+    # 64-element buckets (one stage) and EF-sign's scale (through the scatter-reduce, whose chunks
+    # cut the bucket again) never span two of them.
+    layers = [(20, 15), (15,), (8, 27)]
+    packed = grad(r, (531,))
+    c = C.OneBit()
+    out["layers_onebit"] = C.allreduce(packed, c, name="lay", layout=layers).tolist()
+    out["layers_onebit_keys"] = sorted(c.residuals.memory)
+    c = C.EFSign(single_stage_up_to=0)
+    outs = [C.allreduce(packed, c, name="lay2", layout=layers) for _ in range(50)]
+    out["layers_efsign_mean"] = torch.stack(outs).mean(0).tolist()
+    memory = c.residuals.memory
+    out["layers_efsign_keys"] = sorted(memory)
+    out["layers_efsign_worker"] = torch.cat([memory[k] for k in sorted(k for k in memory if k[1] == "worker")]).tolist()
+    out["layers_efsign_server"] = torch.cat([memory[k] for k in sorted(k for k in memory if k[1] == "server")]).tolist()
+
     # Bytes per step, fp32 vs compressed (2**16 elements).
     big = torch.randn(1 << 16, generator=torch.Generator().manual_seed(r))
     for key, c in [("none", C.NoneCompressor()), ("onebit", C.OneBit()), ("qsgd", C.QSGD()),
@@ -248,6 +264,46 @@ def test_one_stage_error_feedback_loses_nothing_and_keeps_one_memory_per_rank(ra
     codec = C.SignMeans(64)
     first = sum(codec.decompress(codec.compress(grad(r) / 2)) for r in (0, 1))
     assert torch.allclose(torch.tensor(ranks[0]["onebit_1stage"]), first, atol=1e-5)
+
+
+def test_a_bucket_is_compressed_layer_by_layer_where_statistics_would_span_two_tensors(ranks):
+    a, b = ranks
+    assert a["layers_onebit"] == b["layers_onebit"] and a["layers_efsign_mean"] == b["layers_efsign_mean"]
+    # one stage: each rank's share of every tensor compressed on its own (300 and 15 are not
+    # multiples of 64, so each ends a piece), the two ranks' decodings summed
+    codec, at, want = C.SignMeans(64), 0, []
+    for n in (300, 15, 216):
+        want.append(sum(codec.decompress(codec.compress(grad(r, (531,))[at:at + n] / 2)) for r in (0, 1)))
+        at += n
+    assert torch.allclose(torch.tensor(a["layers_onebit"]), torch.cat(want), atol=1e-5)
+    assert a["layers_onebit_keys"] == [("lay", "worker", "layer", i) for i in range(3)]
+    # the scatter-reduce: rank 0's chunk [0, 266) lies inside the first weight (one piece), rank 1's
+    # [266, 531) holds its last 34 entries, the bias and the second weight (three pieces)
+    workers = [("worker", 0)] + [("worker", 1, "layer", i) for i in range(3)]
+    assert [k[1:] for k in a["layers_efsign_keys"]] == [("server",)] + workers
+    assert [k[1:] for k in b["layers_efsign_keys"]] == [("server", "layer", i) for i in range(3)] + workers
+    # error feedback still loses nothing: T * mean + what every memory holds = T * exact average
+    T, x = 50, (grad(0, (531,)) + grad(1, (531,))) / 2
+    held = sum(torch.tensor(r["layers_efsign_worker"]) for r in ranks)
+    held += torch.cat([torch.tensor(r["layers_efsign_server"]) for r in ranks])
+    assert torch.allclose(T * torch.tensor(a["layers_efsign_mean"]) + held, T * x, atol=2e-3)
+
+
+def test_pieces_cut_a_bucket_only_where_a_statistic_would_span_two_tensors():
+    from spark_dl.compression.layers import ByLayer, by_layer, pieces
+
+    # tensors of whole buckets stay together, the bias of 10 ends its piece's last bucket
+    assert pieces([64, 64, 10, 640], 64) == [138, 640]
+    assert pieces([10, 640, 64], 64) == [10, 704]  # DDP's order: the last layer's bias first
+    assert pieces([64, 64, 10, 640], 0) == [64, 64, 10, 640]  # one scale per tensor: every tensor alone
+    assert pieces([64, 64, 10, 640], 64, start=100, length=50) == [28, 10, 12]  # a chunk of the bucket
+    assert pieces([128, 64], 64) == [192] and pieces([5], 64) == [5] and pieces([0, 7, 0], 0) == [7]
+    assert by_layer(C.OneBit(), [128, 64]).__class__ is C.OneBit  # nothing to cut: the compressor itself
+    assert isinstance(by_layer(C.EFSign(), [10, 20]), ByLayer)
+    assert by_layer(C.QSGD(), [10, 20]).__class__ is C.QSGD  # shares no statistic that needs it
+    c = ByLayer(C.OneBit(), [10, 20])
+    with pytest.raises(ValueError, match="pieces of 30 elements for a tensor of 31"):
+        c.compress(torch.zeros(31), key="k")
 
 
 def test_qsgd_is_unbiased_through_the_collective(ranks):
