@@ -15,7 +15,7 @@ from spark_dl.estimator import EarlyStopping, TorchEstimator
 from test_estimator import TwoInputs, _regression  # the plain estimator's regression, to compare with
 
 from spark_dl import LaunchRefused
-from spark_dl.compression import FP16
+from spark_dl.compression import FP16, OneBit
 
 
 def _steps(module, batch, stage):
@@ -143,6 +143,18 @@ def test_a_restarted_lightning_fit_resumes_after_its_last_epoch(spark, capfd):
     for mine, theirs in zip(resumed.getModel().parameters(), plain.getModel().parameters()):
         torch.testing.assert_close(mine, theirs)
     assert resumed.history[-1] < resumed.history[0] / 4
+
+
+def test_a_lightning_fit_tells_an_error_feedback_compressor_its_optimizer(spark, capfd):
+    """OneBit() under the module's own momentum SGD: the hook is told that optimizer (else it warns
+    "without optimizer=" and compresses the gradient alone), so 1-bit compresses the shared
+    velocity and the fit converges as FP16's does."""
+    df = _regression(spark)
+    torch.manual_seed(0)
+    fitted = TorchEstimator(num_proc=2, model=LLine(), feature_cols=["a", "b"], label_cols="y", batch_size=16,
+                            epochs=5, gradient_compression=OneBit(), driver_log_verbosity="all").fit(df)
+    assert "without optimizer=" not in capfd.readouterr().err
+    assert fitted.history[-1] < fitted.history[0] / 4
 
 
 def test_lightning_settings_are_refused_with_what_to_do_instead():

@@ -199,7 +199,8 @@ def _logger(pl) -> Any:
 def _compressed(pl, compressor) -> Any:
     """A callback registering ``compressor``'s DDP communication hook once the Trainer has wrapped
     the model, before its first backward: Lightning's own ``ddp_comm_hook`` is for CUDA only, and
-    spark-dl's hooks work on Gloo too."""
+    spark-dl's hooks work on Gloo too. The hook is told the module's (first) optimizer, so error
+    feedback follows its lr and compresses the shared velocity under momentum SGD."""
     import torch
 
     class _Compression(pl.Callback):
@@ -208,6 +209,7 @@ def _compressed(pl, compressor) -> Any:
 
             ddp = trainer.strategy.model
             if isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
-                ddp.register_comm_hook(*make_ddp_hook(compressor))
+                optimizers = trainer.optimizers  # set up by now: the strategy's setup comes first
+                ddp.register_comm_hook(*make_ddp_hook(compressor, optimizer=optimizers[0] if optimizers else None))
 
     return _Compression()
