@@ -106,7 +106,7 @@ class ScaledSign(Compressor):
     Wire: n sign bits + one float32 scale.
     """
 
-    span = 0  # one scale per tensor: per layer in a bucket, as Karimireddy et al. scale each layer
+    span = 0  # one scale per tensor: per layer where a bucket packs several
 
     def compress(self, tensor: torch.Tensor, key: Key = None) -> Payload:
         check_float(tensor, "EFSign")
