@@ -15,8 +15,8 @@ within reach of uncompressed training with the same optimizer and hyperparameter
   on every rank and dominated by the smooth velocity, whose signs 1-bit compression keeps well.
   On digits (heavy-ball momentum, 1-bit with 64-element buckets, 60 seeds of a 2-rank
   simulation) this is 0.4 points below uncompressed training, where compressing each rank's own
-  velocity (Lin et al. 2018's momentum correction) is 1.3 below and EF-sign 5.6 below against
-  0.1 here. With exact compression ``g~_t`` is the averaged gradient.
+  velocity (Lin et al. 2018's momentum correction) is 1.3 below; EF-sign is 0.1 below here
+  and was 5.6 below that way (10 seeds). With exact compression ``g~_t`` is the averaged gradient.
 * **learning-rate rescaling**: error feedback's residual ``e`` (gradient or velocity units) is
   an update of ``eta e`` not yet applied. When the lr moves from ``eta`` to ``eta'`` (warm-up,
   decay), ``e <- e * eta / eta'`` keeps that update the same (EF-SGD defines the residual on
