@@ -231,9 +231,9 @@ class Auto(Compressor):
 
     def _judge(self, optimizer: Any) -> dict[int, str]:
         """Why each unsafe candidate is (by index); ``optimizer`` None: told none."""
-        unsafe = {}
+        unsafe, judged = {}, optimizer if optimizer is not None else _assume_momentum()
         for i, c in enumerate(self.candidates):
-            why = advice(c, optimizer if optimizer is not None else _assume_momentum())
+            why = advice(c, judged)
             if why is None and optimizer is None and c.feedback is not None and c.feedback.compress_momentum:
                 why = (f"{label(c)} compresses the shared velocity under momentum SGD, which it needs the optimizer "
                        "for: pass make_ddp_hook(..., optimizer=opt) or reduce through DistributedOptimizer")

@@ -48,11 +48,10 @@ def optimizer_settings(optimizer: Any) -> tuple[float | None, float]:
         return None, 0.0
     group = groups[0]
     lr = group.get("lr")
-    lr = None if lr is None else float(lr)
     velocity = (isinstance(optimizer, torch.optim.SGD) and not group.get("dampening", 0.0)) \
         or "momentum_correction" in group
     momentum = float(group.get("momentum", 0.0) or 0.0) if velocity else 0.0
-    return lr, momentum
+    return (None if lr is None else float(lr)), momentum
 
 
 @dataclass
@@ -106,7 +105,9 @@ class TrainingFeedback:
         v = self.reduced.get(name)
         if v is None or v.shape != tensor.shape or v.device != tensor.device:
             return tensor
-        return torch.add(tensor.to(torch.float32), v, alpha=self.momentum * share)
+        # half-precision gradients are promoted inside the add (exactly): no float32 copy of their own
+        t = tensor if tensor.dtype in (torch.float16, torch.bfloat16, torch.float32) else tensor.to(torch.float32)
+        return torch.add(t, v, alpha=self.momentum * share)
 
     def after(self, result: torch.Tensor, name: Key) -> torch.Tensor:
         """The reduced velocity ``v_t`` as the gradient ``v_t - m v_{t-1}`` (in ``result``'s memory);
