@@ -52,7 +52,8 @@ Eligible: the candidates :func:`spark_dl.compression.advice.advice` has nothing 
 optimizer told to :meth:`Compressor.observe_optimizer` (``DistributedOptimizer`` and
 ``make_ddp_hook(..., optimizer=opt)`` tell it); told none, those safe under heavy-ball momentum SGD
 that need no optimizer (not OneBit and the other error-feedback ones that compress the velocity of
-the optimizer's momentum).
+the optimizer's momentum). Under Adam-style optimizers, not OneBit either: it measures their second
+moment on uncompressed reductions first, which the probes would time as its own.
 The decisions are in ``spark_dl.compression.stats.choices`` (and MLflow's ``comm/auto/...``); rank 0
 prints the table once every tensor has its first decision, and says each later switch on the driver.
 """
@@ -75,6 +76,7 @@ from spark_dl.compression.fp import FP16, Cast, NoneCompressor
 from spark_dl.compression.powersgd import PowerSGD
 from spark_dl.compression.sign import OneBit
 from spark_dl.compression.stats import RISING, label, norm, residual_norm, stats
+from spark_dl.compression.training import ADAPTIVE_WARMUP, second_moment_decay
 from spark_dl.rank.works import hold
 
 WARMUP, PROBE, CHOSEN = "warm-up", "probe", "chosen"
@@ -92,7 +94,7 @@ DROP_SAMPLES = 2
 
 def default_candidates() -> list[Compressor]:
     """Safest first: no compression, fp16 (2x, exact up to rounding), PowerSGD rank 4 (low-rank with
-    error feedback), OneBit (1-bit with error feedback; eligible under plain or Nesterov SGD)."""
+    error feedback), OneBit (1-bit with error feedback; eligible under heavy-ball or Nesterov SGD)."""
     return [NoneCompressor(), FP16(), PowerSGD(start_iter=0), OneBit(warmup_steps=0)]
 
 
@@ -200,9 +202,9 @@ class Auto(Compressor):
 
     decompress = compress  # type: ignore[assignment]
 
-    def observe(self, *, lr: float | None = None, momentum: float = 0.0) -> None:
+    def observe(self, *, lr: float | None = None, momentum: float = 0.0, beta2: float = 0.0) -> None:
         for c in self.candidates:
-            c.observe(lr=lr, momentum=momentum)
+            c.observe(lr=lr, momentum=momentum, beta2=beta2)
 
     def observe_optimizer(self, optimizer: Any) -> None:
         """Tell every candidate the optimizer's lr and momentum, and keep as eligible only the
@@ -237,6 +239,9 @@ class Auto(Compressor):
             if why is None and optimizer is None and c.feedback is not None and c.feedback.compress_momentum:
                 why = (f"{label(c)} compresses the shared velocity under momentum SGD, which it needs the optimizer "
                        "for: pass make_ddp_hook(..., optimizer=opt) or reduce through DistributedOptimizer")
+            if why is None and second_moment_decay(optimizer) and c.feedback is not None and c.feedback.precondition:
+                why = (f"{label(c)} measures Adam's second moment on its first {ADAPTIVE_WARMUP} reductions, "
+                       "uncompressed, which a probe would time as its own")
             if why is not None:
                 unsafe[i] = why
         return unsafe

@@ -18,7 +18,7 @@ from typing import Any, Hashable
 
 import torch
 
-from spark_dl.compression.training import optimizer_settings
+from spark_dl.compression.training import optimizer_settings, second_moment_decay
 from spark_dl.errors import as_int, in_range
 
 Key = Hashable
@@ -73,20 +73,21 @@ class Compressor:
     # compressed layer by layer (spark_dl.compression.layers), so no statistic spans two of them.
     span: int | None = None
 
-    def observe(self, *, lr: float | None = None, momentum: float = 0.0) -> None:
-        """The optimizer's lr and (SGD) momentum for the step about to be reduced; call before the
-        step's first reduction. Error-feedback compressors rescale their residuals when the lr
-        moves and compress the shared velocity under momentum (see
-        :mod:`spark_dl.compression.training`); the others ignore it."""
+    def observe(self, *, lr: float | None = None, momentum: float = 0.0, beta2: float = 0.0) -> None:
+        """The optimizer's lr, (SGD) momentum and (Adam-style) ``beta2`` for the step about to be
+        reduced; call before the step's first reduction. Error-feedback compressors rescale their
+        residuals when the lr moves, compress the shared velocity under momentum and precondition by
+        the second moment under ``beta2`` (see :mod:`spark_dl.compression.training`); the others
+        ignore it."""
         if self.feedback is not None:
-            self.feedback.observe(getattr(self, "residuals", None), lr=lr, momentum=momentum)
+            self.feedback.observe(getattr(self, "residuals", None), lr=lr, momentum=momentum, beta2=beta2)
 
     def observe_optimizer(self, optimizer: Any) -> None:
-        """:meth:`observe` with the lr and momentum of ``optimizer``'s first param group (momentum:
-        SGD's; Adam's betas are not compressed as a velocity)."""
+        """:meth:`observe` with the lr, momentum (SGD's) and ``beta2`` (Adam-style ``betas``) of
+        ``optimizer``'s first param group."""
         if self.feedback is not None:
             lr, momentum = optimizer_settings(optimizer)
-            self.observe(lr=lr, momentum=momentum)
+            self.observe(lr=lr, momentum=momentum, beta2=second_moment_decay(optimizer))
 
     def compress(self, tensor: torch.Tensor, key: Key = None) -> Payload:
         raise NotImplementedError

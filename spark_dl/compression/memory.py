@@ -233,7 +233,7 @@ class ErrorFeedback(Compressor):
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         if "feedback" not in state:  # pickled before training feedback existed: as before
-            self.feedback = TrainingFeedback(0, compress_momentum=False, rescale_lr=False)
+            self.feedback = TrainingFeedback(0, compress_momentum=False, rescale_lr=False, precondition=False)
 
     def __repr__(self) -> str:
         return f"ErrorFeedback({self.compressor!r})"

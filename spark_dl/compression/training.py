@@ -17,14 +17,23 @@ within reach of uncompressed training with the same optimizer and hyperparameter
   simulation) this is 0.4 points below uncompressed training, where compressing each rank's own
   velocity (Lin et al. 2018's momentum correction) is 1.3 below; EF-sign is 0.1 below here
   and was 5.6 below that way (10 seeds). With exact compression ``g~_t`` is the averaged gradient.
+* **preconditioning** under Adam-style optimizers (``betas``), which rescale the gradient per
+  entry: every rank compresses ``g_k / d``, where ``d`` is the square root of the running mean
+  square of the reduced gradient (Adam's second moment of it, held alike by every rank), and the
+  reduction is multiplied by ``d`` again. A 1-bit bucket's mean, or EF-sign's one scale, then
+  spans entries of like size in Adam's eyes, instead of being set by the few with the largest
+  raw gradients. Signs do not carry magnitudes, so the first ``ADAPTIVE_WARMUP`` reductions go
+  uncompressed to measure ``d``. On a 1.6M-parameter MLP under Adam (6 seeds) 1-bit goes from
+  5.9 points below uncompressed to 0.2 below, EF-sign from 32 below to 1.4 below, top-k at 1%
+  from 2.7 below to 0.9 above.
 * **learning-rate rescaling**: error feedback's residual ``e`` (gradient or velocity units) is
   an update of ``eta e`` not yet applied. When the lr moves from ``eta`` to ``eta'`` (warm-up,
   decay), ``e <- e * eta / eta'`` keeps that update the same (EF-SGD defines the residual on
   ``eta g``).
 
 :class:`TrainingFeedback` holds these per compressor. ``DistributedOptimizer`` and
-``make_ddp_hook(c, optimizer=opt)`` call :meth:`TrainingFeedback.observe` with the optimizer's lr
-and momentum before each step's first bucket; code that calls ``allreduce`` itself calls
+``make_ddp_hook(c, optimizer=opt)`` call :meth:`TrainingFeedback.observe` with the optimizer's lr,
+momentum and ``beta2`` before each step's first bucket; code that calls ``allreduce`` itself calls
 ``compressor.observe_optimizer(opt)`` (or ``compressor.feedback.observe(lr=..., momentum=...)``)
 once per step, before its reductions.
 """
@@ -36,6 +45,11 @@ from typing import Any, Hashable
 import torch
 
 Key = Hashable
+# Under an Adam-style optimizer, at least this many reductions of each tensor go uncompressed: the
+# preconditioner's second moment needs true magnitudes, which signs do not carry. 1.6M-parameter
+# MLP, Adam, 6 seeds, against uncompressed: 5 steps, 1-bit -0.2 points and EF-sign -1.4; 10 steps,
+# +0.2 and -3.7; none (3 seeds), -3.6 and -14.
+ADAPTIVE_WARMUP = 5
 
 
 def optimizer_settings(optimizer: Any) -> tuple[float | None, float]:
@@ -54,6 +68,17 @@ def optimizer_settings(optimizer: Any) -> tuple[float | None, float]:
     return (None if lr is None else float(lr)), momentum
 
 
+def second_moment_decay(optimizer: Any) -> float:
+    """``beta2`` of optimizers that divide by a running second moment of the gradient (``betas`` in
+    the first param group: Adam, AdamW, NAdam, RAdam, LAMB-like ones); 0 for the others."""
+    groups = getattr(optimizer, "param_groups", None)
+    betas = groups[0].get("betas") if groups else None
+    try:
+        return float(betas[1]) if betas is not None and 0.0 < float(betas[1]) < 1.0 else 0.0
+    except (TypeError, IndexError, ValueError):
+        return 0.0
+
+
 @dataclass
 class TrainingFeedback:
     """Warm-up, shared momentum and lr rescaling for one compressor (see the module doc).
@@ -61,6 +86,8 @@ class TrainingFeedback:
     ``warmup_steps``: uncompressed reductions per tensor name before compression starts.
     ``compress_momentum``: compress the shared velocity when told a momentum > 0.
     ``rescale_lr``: rescale the residuals by ``eta / eta'`` when told a new lr.
+    ``precondition``: divide by the reduced gradient's second moment when told an Adam-style
+    ``beta2`` (and keep the first ``ADAPTIVE_WARMUP`` reductions uncompressed).
     """
 
     warmup_steps: int = 0
@@ -69,13 +96,26 @@ class TrainingFeedback:
     single_stage_up_to: int = 0
     momentum: float = 0.0
     lr: float | None = None
+    precondition: bool = True
+    beta2: float = 0.0
     steps: dict[Key, int] = field(default_factory=dict)
     reduced: dict[Key, torch.Tensor] = field(default_factory=dict, repr=False)  # v_{t-1} per name
+    second: dict[Key, torch.Tensor] = field(default_factory=dict, repr=False)  # s_{t-1} per name
+    seen: dict[Key, int] = field(default_factory=dict, repr=False)  # reductions in s per name
+    divisors: dict[Key, torch.Tensor] = field(default_factory=dict, repr=False)  # d of the reduction under way
 
-    def observe(self, residuals: Any = None, *, lr: float | None = None, momentum: float = 0.0) -> None:
-        """The optimizer's ``lr`` and ``momentum`` for the step about to be reduced. A changed lr
-        (both old and new > 0) rescales every residual in ``residuals`` (a residual memory with
-        a ``memory`` dict) by old / new; a changed momentum restarts the velocity."""
+    def __setstate__(self, state: dict) -> None:
+        # pickled before a field existed: that field's default
+        fresh = TrainingFeedback(precondition=False)
+        self.__dict__.update(fresh.__dict__)
+        self.__dict__.update(state)
+
+    def observe(self, residuals: Any = None, *, lr: float | None = None, momentum: float = 0.0,
+                beta2: float = 0.0) -> None:
+        """The optimizer's ``lr``, ``momentum`` and (Adam-style) ``beta2`` for the step about to be
+        reduced. A changed lr (both old and new > 0) rescales every residual in ``residuals`` (a
+        residual memory with a ``memory`` dict) by old / new; a changed momentum restarts the
+        velocity, a changed ``beta2`` the second moment. Under momentum ``beta2`` is not used."""
         if lr is not None and lr > 0:
             if self.rescale_lr and residuals is not None and self.lr and lr != self.lr:
                 rescale(residuals, self.lr / lr)
@@ -84,6 +124,11 @@ class TrainingFeedback:
         if m != self.momentum:
             self.momentum = m
             self.reduced.clear()
+        b2 = float(beta2) if self.precondition and not m else 0.0
+        if b2 != self.beta2:
+            self.beta2 = b2
+            self.second.clear()
+            self.seen.clear()
 
     def single_stage(self, world: int) -> bool:
         """Whether ``world`` ranks exchange whole compressed tensors (one compression stage, an
@@ -91,17 +136,23 @@ class TrainingFeedback:
         return world <= self.single_stage_up_to
 
     def warming(self, name: Key) -> bool:
-        """Count a reduction of ``name``; True while it is one of the first ``warmup_steps``."""
+        """Count a reduction of ``name``; True while it is one of the first ``warmup_steps`` (under
+        an Adam-style optimizer, at least ``ADAPTIVE_WARMUP``)."""
         n = self.steps.get(name, 0)
         self.steps[name] = n + 1
-        return n < self.warmup_steps
+        return n < max(self.warmup_steps, ADAPTIVE_WARMUP if self.beta2 else 0)
 
     def before(self, tensor: torch.Tensor, name: Key, share: float = 1.0) -> torch.Tensor:
         """What is compressed for ``tensor``: under momentum ``tensor + share * m * v_{t-1}`` in
-        float32 (a new tensor), else ``tensor``. ``share``: 1 where the reduction averages the
-        ranks' tensors, 1 / W where it sums them, so the reduction is ``v_t`` either way."""
+        float32 (a new tensor); under an Adam-style optimizer ``tensor / d`` (:meth:`divisor`);
+        else ``tensor``. ``share``: 1 where the reduction averages the ranks' tensors, 1 / W where
+        it sums them, so the reduction is ``v_t`` either way."""
         if not self.momentum:
-            return tensor
+            d = self.divisor(tensor, name) if self.beta2 else None
+            if d is None:
+                return tensor
+            self.divisors[name] = d
+            return torch.div(tensor, d)
         v = self.reduced.get(name)
         if v is None or v.shape != tensor.shape or v.device != tensor.device:
             return tensor
@@ -111,9 +162,10 @@ class TrainingFeedback:
 
     def after(self, result: torch.Tensor, name: Key) -> torch.Tensor:
         """The reduced velocity ``v_t`` as the gradient ``v_t - m v_{t-1}`` (in ``result``'s memory);
-        a non-finite ``v_t`` (a step a GradScaler skips) restarts this tensor's velocity."""
+        a non-finite ``v_t`` (a step a GradScaler skips) restarts this tensor's velocity. Under an
+        Adam-style optimizer ``result * d``, whose square ``s`` takes in (:meth:`divisor`)."""
         if not self.momentum:
-            return result
+            return self._precondition_after(result, name) if self.beta2 else result
         prev = self.reduced.get(name)
         v = result.to(torch.float32, copy=True)
         if not torch.isfinite(v).all():
@@ -124,9 +176,44 @@ class TrainingFeedback:
             result.sub_(prev.to(result.dtype), alpha=self.momentum)
         return result
 
+    def divisor(self, tensor: torch.Tensor, name: Key) -> torch.Tensor | None:
+        """``d = max(sqrt(s), mean(sqrt(s)))`` for ``tensor``, where ``s`` is the running mean
+        square of ``name``'s reduced gradients (a mean over the first ``1 / (1 - beta2)``, then
+        decaying by ``beta2``: Adam's second moment of the same gradients). Every rank holds the
+        same ``s``, so dividing before the reduction and multiplying after is exact but for the
+        compression. The floor keeps entries whose gradients were near 0 from being multiplied
+        up to dominate their bucket's statistic. None before ``name``'s first reduction."""
+        s = self.second.get(name)
+        if s is None or s.shape != tensor.shape or s.device != tensor.device:
+            return None
+        d = s.sqrt()
+        floor = float(d.mean())
+        if not floor > 0:
+            return None
+        return d.clamp_(min=floor)
+
+    def _precondition_after(self, result: torch.Tensor, name: Key) -> torch.Tensor:
+        d = self.divisors.pop(name, None)
+        if d is not None and d.shape == result.shape:
+            result.mul_(d.to(result.dtype))
+        r = result.to(torch.float32)
+        if not torch.isfinite(r).all():
+            self.second.pop(name, None)
+            self.seen.pop(name, None)
+            return result
+        s = self.second.get(name)
+        n = self.seen.get(name, 0) + 1 if s is not None and s.shape == r.shape else 1
+        self.seen[name] = n
+        if n == 1:
+            self.second[name] = r * r
+        else:
+            w = max(1.0 - self.beta2, 1.0 / n)
+            s.mul_(1.0 - w).addcmul_(r, r, value=w)
+        return result
+
     def reset(self, key: Key = None) -> None:
-        """Forget the counters and velocities of ``key`` (every key when None)."""
-        for d in (self.steps, self.reduced):
+        """Forget the counters, velocities and second moments of ``key`` (every key when None)."""
+        for d in (self.steps, self.reduced, self.second, self.seen, self.divisors):
             for k in [k for k in d if key is None or k == key or (isinstance(k, tuple) and k[:1] == (key,))]:
                 del d[k]
 
