@@ -3,9 +3,9 @@ do instead: warned once where a compressor meets its optimizer (``DistributedOpt
 ``make_ddp_hook(c, optimizer=opt)``).
 
 The verdicts are measurements (``benchmarks/convergence.py``, digits, 2 ranks, 150 steps, and a
-1.6M-parameter model; the tables are in docs/guide/compression.md), not theorems: a longer run or a smaller lr may close
-the gap, and a warning can be silenced with ``warnings.filterwarnings("ignore", category=
-CompressionWarning)``.
+1.6M-parameter model; the tables are in docs/guide/compression.md), not theorems: a longer run or
+a smaller lr may close the gap, and a warning can be silenced with
+``warnings.filterwarnings("ignore", category=CompressionWarning)``.
 """
 from __future__ import annotations
 

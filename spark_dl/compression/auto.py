@@ -234,12 +234,13 @@ class Auto(Compressor):
     def _judge(self, optimizer: Any) -> dict[int, str]:
         """Why each unsafe candidate is (by index); ``optimizer`` None: told none."""
         unsafe, judged = {}, optimizer if optimizer is not None else _assume_momentum()
+        adaptive = second_moment_decay(optimizer) > 0
         for i, c in enumerate(self.candidates):
             why = advice(c, judged)
             if why is None and optimizer is None and c.feedback is not None and c.feedback.compress_momentum:
                 why = (f"{label(c)} compresses the shared velocity under momentum SGD, which it needs the optimizer "
                        "for: pass make_ddp_hook(..., optimizer=opt) or reduce through DistributedOptimizer")
-            if why is None and second_moment_decay(optimizer) and c.feedback is not None and c.feedback.precondition:
+            if why is None and adaptive and c.feedback is not None and c.feedback.precondition:
                 why = (f"{label(c)} measures Adam's second moment on its first {ADAPTIVE_WARMUP} reductions, "
                        "uncompressed, which a probe would time as its own")
             if why is not None:
