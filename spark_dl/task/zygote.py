@@ -362,12 +362,8 @@ def _import_rank_side() -> None:
     try:
         import numpy  # noqa: F401
         import torch  # noqa: F401
+        import torch._dynamo  # noqa: F401 - DDP's constructor imports it: about 2 s of CPU per rank
         import torch.distributed  # noqa: F401
-        # Not torch._dynamo, though DDP's constructor imports it (about 2 s of CPU per rank): ranks
-        # forked with it imported deadlocked at random in torchrun's idiom (destroy_process_group(),
-        # then the DDP model freed), the Reducer dropping the Gloo group's last reference and so
-        # joining its work thread with the GIL held, while that thread waited for the GIL to free a
-        # finished work's Python thread-local state (gdb, torch 2.13)
     except ImportError:
         pass
     import cloudpickle  # noqa: F401

@@ -85,3 +85,38 @@ def test_a_script_exiting_in_its_process_group_right_after_synchronous_collectiv
     script = tmp_path / "train.py"
     script.write_text(USER_COLLECTIVES)
     exits_cleanly(script, [], runs=10)
+
+
+def torchrun_idiom_main(iterations: int):
+    """The torchrun idiom, over and over: a group, a DDP step, destroy_process_group(), and a
+    return that frees the DDP model. Plain torch 2.13 froze within 1 to 8 iterations."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed import destroy_process_group  # the name a script imports: kept too
+
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size, rank == 0,
+                          timeout=timedelta(seconds=60))
+
+    def one_job(i: int) -> None:
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"job{i}", store), rank=rank, world_size=size)
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            model(torch.randn(8, 64)).sum().backward()
+            opt.step()
+        destroy_process_group()
+
+    for i in range(iterations):
+        one_job(i)
+    kept = len(works._destroyed)
+    return {"kept": kept, "wrapped": getattr(dist.destroy_process_group, "_spark_dl_keeps", False)}
+
+
+def test_the_torchrun_idiom_repeated_does_not_freeze_in_the_groups_destructor():
+    # each destroyed group is kept until main returns, so no DDP model frees one mid-step
+    out = HorovodRunner(np=-2).run(torchrun_idiom_main, 30)
+    assert out["wrapped"] is True
+    assert out["kept"] >= 30
