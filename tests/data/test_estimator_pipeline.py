@@ -9,6 +9,8 @@ import pytest
 import torch
 from spark_dl.estimator import TorchEstimator, TorchModel
 
+from spark_dl.errors import LaunchRefused
+
 
 def _digits(spark):
     from sklearn.datasets import load_digits
@@ -127,3 +129,50 @@ def test_spark_ml_vector_columns_train_and_predict_as_arrays(spark):
         with torch.no_grad():  # the executors read each vector as its dense array
             expected = module(torch.tensor(np.array([r[column].toArray() for r in predicted]), dtype=torch.float32))
         torch.testing.assert_close(torch.tensor([r.p for r in predicted]), expected)
+
+
+def test_transform_runs_no_job_where_the_schema_gives_each_columns_size_and_else_reads_a_row(spark):
+    """Numbers, Spark ML vectors (their size is in the column's metadata) and arrays with
+    input_shapes: transform is lazy, as Spark ML's own transformers are, so it cuts short no
+    Python worker upstream. A bare array column's size is read off the first row; a model that
+    refuses zeros is run on that row too."""
+    from pyspark.ml.feature import VectorAssembler
+    from pyspark.sql import functions as F
+
+    df = spark.range(8).select((F.col("id") + 1.0).alias("a"), F.array(F.col("id") * 1.0, F.lit(1.0)).alias("arr"))
+    df = VectorAssembler(inputCols=["a", "a"], outputCol="vec").transform(df)
+    tracker = spark.sparkContext.statusTracker()
+
+    def jobs_of(make) -> tuple[int, object]:
+        group = f"probe-{id(make)}"
+        spark.sparkContext.setJobGroup(group, "transform only")
+        try:
+            out = make()
+        finally:
+            spark.sparkContext.setJobGroup("", "")
+        return len(tracker.getJobIdsForGroup(group)), out
+
+    class Positive(torch.nn.Module):  # refuses what is not a real row
+        def forward(self, x):
+            if not bool((x > 0).all()):
+                raise ValueError("inputs must be positive")
+            return x * 1.0
+
+    column = torch.nn.Unflatten(0, (-1, 1))  # a number column's batch: one value a row
+    lazy = [TorchModel(torch.nn.Sequential(column, torch.nn.Linear(1, 3)), ["a"]),
+            TorchModel(torch.nn.Linear(2, 1), ["vec"]),
+            TorchModel(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(2, 2)), ["arr"],
+                       input_shapes=[[-1, 1, 2]])]
+    for model in lazy:
+        n, out = jobs_of(lambda model=model: model.transform(df))
+        assert n == 0, model.getModel()
+        assert len(out.collect()) == 8
+    n, out = jobs_of(lambda: TorchModel(torch.nn.Linear(2, 1), ["arr"]).transform(df))
+    assert n >= 1  # the first row gives the array's size
+    n, out = jobs_of(lambda: TorchModel(Positive(), ["a"]).transform(df))
+    assert n >= 1  # zeros refused: the first row is read instead
+    assert sorted(r.prediction for r in out.collect()) == [float(i) for i in range(1, 9)]
+    # an empty DataFrame transforms to an empty one where no row is needed, and is refused where one is
+    assert TorchModel(torch.nn.Sequential(column, torch.nn.Linear(1, 3)), ["a"]).transform(df.limit(0)).collect() == []
+    with pytest.raises(LaunchRefused, match="empty.*input_shapes= gives the array columns' sizes"):
+        TorchModel(torch.nn.Linear(2, 1), ["arr"]).transform(df.limit(0))

@@ -5,6 +5,7 @@ Spark ML ``Model`` whose ``transform(df)`` adds the trained model's predictions 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,13 +83,16 @@ class TorchModel(Model, MLWritable, MLReadable):
 
         check_dataframe(df, "TorchModel.transform(df)")
         kinds = column_kinds(df, self.feature_cols)
+        df_in, kinds_in = df, kinds
         # Spark ML Vector columns are read as arrays, from columns of their own dropped at the end
         vectors = {c: f"_spark_dl_vector_{i}" for i, c in enumerate(c for c, k in kinds.items() if k == "vector")}
         if vectors:
             df = df.withColumns({hidden: as_array(c) for c, hidden in vectors.items()})
             kinds = {c: "array" if k == "vector" else k for c, k in kinds.items()}
         source = [vectors.get(c, c) for c in self.feature_cols]  # the columns the features are read from
-        widths, several = self._output_widths(df, kinds, source)
+        sizes = {vectors.get(c, c): n for c, n in _row_sizes(df_in, self.feature_cols, kinds_in,
+                                                              self.input_shapes).items()}
+        widths, several = self._output_widths(df, kinds, source, sizes)
         names = self._prediction_names(widths, several)
         taken = [n for n in names if n in df.columns]
         if taken:
@@ -157,17 +161,30 @@ class TorchModel(Model, MLWritable, MLReadable):
             return [f"{col}_{label}" for label in self.label_cols]
         return [f"{col}_{i}" for i in range(len(widths))]
 
-    def _output_widths(self, df, kinds, source: list[str]) -> tuple[list[int], bool]:
-        """How many numbers each of the model's outputs gives per row, from one row run through it
-        on the driver; and whether it returns several (a tuple)."""
-        import torch
-
+    def _output_widths(self, df, kinds, source: list[str], sizes: dict[str, int]) -> tuple[list[int], bool]:
+        """How many numbers each of the model's outputs gives per row, and whether it returns several
+        (a tuple), from one row run through the model on the driver: a row of zeros where the schema
+        gives every column's size per row (``sizes``), so ``transform`` stays lazy as Spark ML's own
+        transformers are, and runs no job that would cut short (and so end) the Python workers of
+        UDFs upstream, such as another model's predictions; else the DataFrame's first row."""
         from spark_dl.driver.shards import quoted
 
+        zeros = _zero_row(df, dict.fromkeys(source), sizes)
+        if zeros is not None:
+            try:
+                return self._widths_on(zeros, kinds, source)
+            except LaunchRefused:
+                pass  # a model that refuses zeros is run on a real row, and its error told with that row
         # a column the model takes twice is read twice from one copy (Arrow's lookup refuses a name held twice)
         sample = df.select(*[quoted(c) for c in dict.fromkeys(source)]).limit(1).toArrow()
         if sample.num_rows == 0:
-            raise LaunchRefused("the DataFrame is empty: nothing to predict")
+            raise LaunchRefused("the DataFrame is empty: nothing to predict (the model's output size is read off "
+                                "its first row; input_shapes= gives the array columns' sizes without one)")
+        return self._widths_on(sample, kinds, source)
+
+    def _widths_on(self, sample, kinds, source: list[str]) -> tuple[list[int], bool]:
+        import torch
+
         features = model_inputs(sample, source, kinds, float_dtype(self.model), self.input_shapes,
                                 dict(zip(source, self.feature_cols)))
         training = self.model.training
@@ -186,6 +203,44 @@ class TorchModel(Model, MLWritable, MLReadable):
             raise LaunchRefused(f"the model must return a tensor or a tuple/list of tensors to predict with, got "
                                 f"{type(out).__name__}")
         return [int(o.reshape(1, -1).shape[1]) for o in outs], isinstance(out, (list, tuple))
+
+
+def _row_sizes(df, cols: list[str], kinds: dict[str, str], input_shapes) -> dict[str, int]:
+    """How many numbers each feature column holds per row, where the schema says: 1 for a number, a
+    Spark ML vector's size from its ``ml_attr`` metadata (VectorAssembler's, the scalers', PCA's),
+    an array's from ``input_shapes`` (the batch dimension -1, the others fixed)."""
+    fields = {f.name: f for f in df.schema.fields}
+    sizes = {}
+    for i, c in enumerate(cols):
+        n = None
+        if kinds[c] == "scalar":
+            n = 1
+        elif kinds[c] == "vector":
+            n = (fields[c].metadata.get("ml_attr") or {}).get("num_attrs")
+        elif input_shapes is not None and i < len(input_shapes):
+            shape = list(input_shapes[i])
+            if shape and shape[0] == -1 and all(isinstance(d, int) and d > 0 for d in shape[1:]):
+                n = int(math.prod(shape[1:]))
+        if isinstance(n, int) and n > 0:
+            sizes[c] = n
+    return sizes
+
+
+def _zero_row(df, cols, sizes: dict[str, int]):
+    """A one-row Arrow table of zeros in ``cols``' own types, or None if a column's size is unknown."""
+    import pyarrow as pa
+    from pyspark.sql.pandas.types import to_arrow_type
+
+    fields = {f.name: f.dataType for f in df.schema.fields}
+    arrays = {}
+    for c in cols:
+        if c not in sizes:
+            return None
+        t = to_arrow_type(fields[c])
+        element = t.value_type if pa.types.is_list(t) else t
+        zero = False if pa.types.is_boolean(element) else 0
+        arrays[c] = pa.array([[zero] * sizes[c]] if pa.types.is_list(t) else [zero], type=t)
+    return pa.table(arrays)
 
 
 __all__ = ["TorchModel"]
