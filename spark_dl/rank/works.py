@@ -36,8 +36,8 @@ backend thread while holding the GIL, and that thread, still freeing the step's 
 holds Python objects that torch's backward stashes in thread-local state), waits for the GIL for
 ever. Measured: a two-rank loop of that idiom froze within 1 to 8 iterations, every time. So in a
 rank process :func:`keep_destroyed_groups` has ``destroy_process_group`` hand the groups it
-destroys to this module, and :func:`release_groups`, once ``main`` has returned, lets go of them
-after a pause that lets the backend threads finish: 200 iterations, none froze.
+destroys to this module, which lets go of them at its next call, or in :func:`release_groups` once
+``main`` has returned, after a pause that lets the backend threads finish: 200 iterations, none froze.
 """
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ def callback(fn: F) -> F:
 
 def keep_destroyed_groups() -> None:
     """Make ``torch.distributed.destroy_process_group`` (under both of its names) keep a reference
-    to each group it destroys, until :func:`release_groups`: a group's destructor then never runs
+    to each group it destroys, until its next call or :func:`release_groups`: a group's destructor then never runs
     where user code drops a DDP model (see the module's docstring). Idempotent; for rank processes,
     before user code runs, so ``from torch.distributed import destroy_process_group`` finds it."""
     import torch.distributed as dist
@@ -113,6 +113,9 @@ def keep_destroyed_groups() -> None:
 
     @functools.wraps(real)
     def destroy_process_group(group=None):  # noqa: ANN001, ANN202 - torch's own signature
+        # the groups an earlier call kept have been idle since: letting go of them now is safe, and
+        # keeps a loop of init/destroy (an elastic job) from holding every group's threads
+        _destroyed.clear()
         if group is None or group is dist.group.WORLD:
             # destroying the default group destroys them all; the map of them has no public name
             _destroyed.extend(getattr(getattr(c10d, "_world", None), "pg_map", None) or ())

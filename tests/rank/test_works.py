@@ -116,7 +116,8 @@ def torchrun_idiom_main(iterations: int):
 
 
 def test_the_torchrun_idiom_repeated_does_not_freeze_in_the_groups_destructor():
-    # each destroyed group is kept until main returns, so no DDP model frees one mid-step
+    # each destroyed group is kept until the next destroy or main's return, so no DDP model frees one
+    # while its thread still frees the last work
     out = HorovodRunner(np=-2).run(torchrun_idiom_main, 30)
     assert out["wrapped"] is True
-    assert out["kept"] >= 30
+    assert 1 <= out["kept"] <= 2  # the last call's groups (the default one, and it in the map of them)
