@@ -36,8 +36,10 @@ backend thread while holding the GIL, and that thread, still freeing the step's 
 holds Python objects that torch's backward stashes in thread-local state), waits for the GIL for
 ever. Measured: a two-rank loop of that idiom froze within 1 to 8 iterations, every time. So in a
 rank process :func:`keep_destroyed_groups` has ``destroy_process_group`` hand the groups it
-destroys to this module, which lets go of them at its next call, or in :func:`release_groups` once
-``main`` has returned, after a pause that lets the backend threads finish: 200 iterations, none froze.
+destroys to this module for ``GROUP_GRACE_S`` (or until :func:`release_groups`, once ``main`` has
+returned), in which the backend threads finish: 200 iterations, none froze. The grace is short so
+that a group nothing else holds still ends soon after its destruction, as in torch, closing its
+connections (a peer blocked in a collective on it then fails, "Connection closed by peer").
 """
 from __future__ import annotations
 
@@ -70,11 +72,15 @@ F = TypeVar("F", bound=Callable)
 _held: collections.deque = collections.deque()  # (time held, work), oldest first
 _lock = threading.Lock()
 _callbacks: weakref.WeakSet = weakref.WeakSet()  # given to futures, and not freed yet
-_destroyed: list = []  # process groups destroy_process_group let go of, until release_groups()
+_destroyed: dict = {}  # one entry per destroy_process_group call: the groups it let go of
 
 # How long release_groups() lets the backend threads run before the groups' destructors join them:
 # they need the GIL for microseconds to free the last work they hold.
 RELEASE_PAUSE_S = 0.01
+
+# How long a destroyed group is kept: its backend threads let go of its last work within
+# microseconds of completing it unless not scheduled; 0.5 s leaves room for a loaded machine.
+GROUP_GRACE_S = 0.5
 
 
 def hold(work: W) -> W:
@@ -99,9 +105,10 @@ def callback(fn: F) -> F:
 
 def keep_destroyed_groups() -> None:
     """Make ``torch.distributed.destroy_process_group`` (under both of its names) keep a reference
-    to each group it destroys, until its next call or :func:`release_groups`: a group's destructor then never runs
-    where user code drops a DDP model (see the module's docstring). Idempotent; for rank processes,
-    before user code runs, so ``from torch.distributed import destroy_process_group`` finds it."""
+    to each group it destroys, for ``GROUP_GRACE_S`` or until :func:`release_groups`: a group's
+    destructor then does not run where user code drops a DDP model right after (see the module's
+    docstring). Idempotent; for rank processes, before user code runs, so
+    ``from torch.distributed import destroy_process_group`` finds it."""
     import torch.distributed as dist
 
     if not dist.is_available():
@@ -113,20 +120,39 @@ def keep_destroyed_groups() -> None:
 
     @functools.wraps(real)
     def destroy_process_group(group=None):  # noqa: ANN001, ANN202 - torch's own signature
-        # the groups an earlier call kept have been idle since: letting go of them now is safe, and
-        # keeps a loop of init/destroy (an elastic job) from holding every group's threads
-        _destroyed.clear()
         if group is None or group is dist.group.WORLD:
             # destroying the default group destroys them all; the map of them has no public name
-            _destroyed.extend(getattr(getattr(c10d, "_world", None), "pg_map", None) or ())
-            _destroyed.append(dist.group.WORLD)
+            groups = [*(getattr(getattr(c10d, "_world", None), "pg_map", None) or ()), dist.group.WORLD]
         else:
-            _destroyed.append(group)
-        return real(group)
+            groups = [group]
+        token = object()
+        with _lock:
+            _destroyed[token] = groups
+        del groups
+        try:
+            return real(group)
+        finally:
+            # let go of them later, from a thread of its own: by then the backend threads are idle,
+            # so a destructor that joins them (with the GIL held) returns at once
+            timer = threading.Timer(GROUP_GRACE_S, _let_go, args=(token,))
+            timer.daemon = True
+            timer.start()
 
     destroy_process_group._spark_dl_keeps = True
     c10d.destroy_process_group = destroy_process_group
     dist.destroy_process_group = destroy_process_group
+
+
+def _let_go(token: object) -> None:
+    with _lock:
+        groups = _destroyed.pop(token, None)
+    del groups  # here, outside the lock: a group's destructor may take a while to join its threads
+
+
+def kept_groups() -> int:
+    """How many group references :func:`keep_destroyed_groups` holds now."""
+    with _lock:
+        return sum(len(groups) for groups in _destroyed.values())
 
 
 def release_groups() -> None:
@@ -135,7 +161,10 @@ def release_groups() -> None:
     if not _destroyed:
         return
     time.sleep(RELEASE_PAUSE_S)
-    _destroyed.clear()
+    with _lock:
+        groups = list(_destroyed.values())
+        _destroyed.clear()
+    del groups
 
 
 def pending() -> int:
