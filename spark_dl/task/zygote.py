@@ -354,7 +354,10 @@ def _pythonpath(env) -> list[str]:
 
 def _import_rank_side() -> None:
     """What a rank imports first. The one thread these start, numpy's OpenBLAS pool, stops itself
-    around a fork (pthread_atfork); no other thread may run in the zygote (pyarrow's allocator would)."""
+    around a fork (pthread_atfork); no other thread may run in the zygote (pyarrow's allocator would).
+    ``torch._dynamo`` too, which DDP's constructor imports (about 2 s of CPU per rank): ranks forked
+    with it froze far more often at the end of torchrun's idiom, a torch deadlock that the process
+    groups kept by ``spark_dl.rank.works`` now prevent."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except (OSError, AttributeError):
@@ -362,7 +365,7 @@ def _import_rank_side() -> None:
     try:
         import numpy  # noqa: F401
         import torch  # noqa: F401
-        import torch._dynamo  # noqa: F401 - DDP's constructor imports it: about 2 s of CPU per rank
+        import torch._dynamo  # noqa: F401 - DDP's constructor imports it (see above)
         import torch.distributed  # noqa: F401
     except ImportError:
         pass
