@@ -37,9 +37,10 @@ holds Python objects that torch's backward stashes in thread-local state), waits
 ever. Measured: a two-rank loop of that idiom froze within 1 to 8 iterations, every time. So in a
 rank process :func:`keep_destroyed_groups` has ``destroy_process_group`` hand the groups it
 destroys to this module for ``GROUP_GRACE_S`` (or until :func:`release_groups`, once ``main`` has
-returned), in which the backend threads finish: 200 iterations, none froze. The grace is short so
-that a group nothing else holds still ends soon after its destruction, as in torch, closing its
-connections (a peer blocked in a collective on it then fails, "Connection closed by peer").
+returned), in which the backend threads finish (the loop above, holding each group past the
+return: 200 iterations, none froze). The grace is short so that a group nothing else holds still
+ends soon after its destruction, as in torch, closing its connections (a peer blocked in a
+collective on it then fails, "Connection closed by peer").
 """
 from __future__ import annotations
 
