@@ -122,8 +122,9 @@ def keep_destroyed_groups() -> None:
     @functools.wraps(real)
     def destroy_process_group(group=None):  # noqa: ANN001, ANN202 - torch's own signature
         if group is None or group is dist.group.WORLD:
-            # destroying the default group destroys them all; the map of them has no public name
-            groups = [*(getattr(getattr(c10d, "_world", None), "pg_map", None) or ()), dist.group.WORLD]
+            # destroying the default group destroys them all (the default one among them); the map
+            # of them has no public name, so without it the default group alone
+            groups = list(getattr(getattr(c10d, "_world", None), "pg_map", None) or ()) or [dist.group.WORLD]
         else:
             groups = [group]
         token = object()

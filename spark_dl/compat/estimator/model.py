@@ -83,16 +83,14 @@ class TorchModel(Model, MLWritable, MLReadable):
 
         check_dataframe(df, "TorchModel.transform(df)")
         kinds = column_kinds(df, self.feature_cols)
-        df_in, kinds_in = df, kinds
+        sizes = _row_sizes(df, self.feature_cols, kinds, self.input_shapes)  # read before vectors become arrays
         # Spark ML Vector columns are read as arrays, from columns of their own dropped at the end
         vectors = {c: f"_spark_dl_vector_{i}" for i, c in enumerate(c for c, k in kinds.items() if k == "vector")}
         if vectors:
             df = df.withColumns({hidden: as_array(c) for c, hidden in vectors.items()})
             kinds = {c: "array" if k == "vector" else k for c, k in kinds.items()}
         source = [vectors.get(c, c) for c in self.feature_cols]  # the columns the features are read from
-        sizes = {vectors.get(c, c): n for c, n in _row_sizes(df_in, self.feature_cols, kinds_in,
-                                                              self.input_shapes).items()}
-        widths, several = self._output_widths(df, kinds, source, sizes)
+        widths, several = self._output_widths(df, kinds, source, {vectors.get(c, c): n for c, n in sizes.items()})
         names = self._prediction_names(widths, several)
         taken = [n for n in names if n in df.columns]
         if taken:
