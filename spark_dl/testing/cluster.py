@@ -16,7 +16,8 @@ or from Python, torn down when the block ends::
 
 Each worker also has a second interface listed before its own (``dcy0``, 10.214.N.0/24, reaching
 nothing), and its host name resolves to 127.0.1.1 there, as Debian's and Ubuntu's ``/etc/hosts`` make
-it: the case where a launcher that trusts the hostname advertises loopback to other hosts.
+it: the case where a launcher that trusts the hostname advertises loopback to other hosts. The
+cluster's addresses have names in every worker's ``/etc/hosts``, so reverse lookups answer at once.
 Every process it starts is recorded by pid (``state.json`` in its log folder) and ended by
 ``down``; every worker's and the master's log is in that folder. The addresses are private
 (10.213.N.0/24) and live only on the bridge this module creates. Links are shaped in both
@@ -243,11 +244,6 @@ def _make_network(c: Cluster, workers: int) -> None:
             w = Worker(i, f"sdlw{c.tag}-{i}", f"10.213.{c.subnet}.{10 + i}", f"sdl{c.tag}w{i}")
             c.workers.append(w)
             _sh("ip", "netns", "add", w.namespace)
-            # `ip netns exec` puts /etc/netns/NS/hosts over /etc/hosts: the hostname resolves to a
-            # loopback address on every worker, as Debian's and Ubuntu's /etc/hosts make it
-            os.makedirs(f"/etc/netns/{w.namespace}", exist_ok=True)
-            with open(f"/etc/netns/{w.namespace}/hosts", "w") as f:
-                f.write(f"127.0.0.1\tlocalhost\n127.0.1.1\t{socket.gethostname()}\n")
             # a second interface, first in the list and reaching nothing: what a machine with a
             # management or container network has; the ranks must not pick it
             _sh("ip", "-n", w.namespace, "link", "add", "dcy0", "type", "veth", "peer", "name", "dcy1")
@@ -263,8 +259,28 @@ def _make_network(c: Cluster, workers: int) -> None:
             _sh("ip", "link", "set", w.host_device, "master", c.bridge)
             _sh("ip", "link", "set", w.host_device, "up")
             c.shape(i, c.rate_mbit, c.delay_ms, c.loss_pct)
+        _write_hosts(c)
     except subprocess.CalledProcessError as e:
         raise ClusterUnavailable(f"cannot build the cluster's network: {' '.join(e.cmd)}: {e.stderr.strip()}") from None
+
+
+def _write_hosts(c: Cluster) -> None:
+    """Each worker's name service, as a cluster's DNS gives it (``ip netns exec`` puts the files in
+    /etc/netns/NS over those in /etc): its hostname resolves to a loopback address, as Debian's and
+    Ubuntu's /etc/hosts make it; every address of the cluster has a name, in its IPv4 and its
+    IPv4-mapped IPv6 form (how a dual-stack server sees a client); and any other lookup is refused
+    at once. Without them a lookup went to this machine's DNS server, which the namespaces cannot
+    reach, and waited 10 s: torch's c10d looks up the peer's name on every store connection
+    (pytorch#159007), so each rendezvous took 10-20 s longer."""
+    names = ["127.0.0.1\tlocalhost", f"127.0.1.1\t{socket.gethostname()}"]
+    for address, name in [(c.driver_host, f"sdl{c.tag}-driver")] + [(w.address, w.namespace) for w in c.workers]:
+        names += [f"{address}\t{name}", f"::ffff:{address}\t{name}"]
+    for w in c.workers:
+        os.makedirs(f"/etc/netns/{w.namespace}", exist_ok=True)
+        with open(f"/etc/netns/{w.namespace}/hosts", "w") as f:
+            f.write("\n".join(names) + "\n")
+        with open(f"/etc/netns/{w.namespace}/resolv.conf", "w") as f:
+            f.write("nameserver 127.0.0.1\n")  # nothing listens there: a lookup fails at once
 
 
 def _shape(device: str, namespace: str | None, rate_mbit: float | None, delay_ms: float | None,
