@@ -25,7 +25,7 @@ from typing import Callable
 from spark_dl import protocol
 from spark_dl.task import zygote
 from spark_dl.task.layout import RankSpec, TaskInfo, compute_layout, omp_threads
-from spark_dl.task.network import socket_interface_env
+from spark_dl.task.network import slow_reverse_lookup, socket_interface_env
 from spark_dl.task.zygote import ForkedRank
 from spark_dl.tracking.system import start_sampler
 from spark_dl.transport import channel
@@ -113,6 +113,13 @@ def _start_rank_process(job_id: str, spawn_env: dict[str, str] | None = None) ->
         env=env,
         start_new_session=True,  # its own process group: one killpg ends it and its children
     )
+
+
+def _warn_if_names_are_slow(first: RankSpec, sender: "_Sender") -> None:
+    """Tell the driver, in local rank 0's log, if this host's resolver keeps torch's store waiting."""
+    warning = slow_reverse_lookup(first.master_addr, first.host)
+    if warning is not None:
+        sender.q.put((protocol.LOG, (first.rank, "log", warning)))  # shown at every driver_log_verbosity
 
 
 def _signal_group(proc: subprocess.Popen | ForkedRank, sig: int) -> None:
@@ -276,6 +283,10 @@ def run_task(spec: JobSpec, partition: int, host: str, rendezvous: Callable[[Gat
     scratch = tempfile.mkdtemp(prefix=f"{spec.job_id}-ranks-")
     # the interface of the address Spark reaches this executor by, not the hostname's (often loopback)
     interface = socket_interface_env(ranks[0].host, ranks[0].master_addr, os.environ, spawn_env) if ranks else {}
+    first_on_host = [r for r in ranks if r.local_rank == 0]  # one task a host looks
+    if first_on_host:
+        threading.Thread(target=_warn_if_names_are_slow, args=(first_on_host[0], sender), name="spark-dl-names",
+                         daemon=True).start()
     try:
         for proc, r in zip(procs, ranks):
             env = {**r.env(), **interface}

@@ -7,14 +7,20 @@ job across hosts cannot connect ("connectFullMesh failed ... remote=[127.0.0.1]"
 Spark uses for the executor is the one the other hosts reach it by, so the interface holding it is
 the one to use; failing that, the interface of the route to rank 0's host. A user's own
 ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` (the executor's environment or ``env=``) wins.
+
+And whether this host names addresses in time: torch's c10d store looks up the name of the peer of
+every connection it makes or accepts, and where the resolver's DNS server does not answer, each
+lookup waits out its timeout (10 s with glibc's defaults; pytorch#159007) before the ranks can start.
 """
 from __future__ import annotations
 
 import ipaddress
 import socket
+import threading
 from typing import Mapping
 
 SOCKET_IFNAME_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+SLOW_LOOKUP_S = 2.0  # a resolver that answers takes milliseconds; one that times out, seconds
 
 
 def resolve(host: str) -> str | None:
@@ -65,3 +71,32 @@ def socket_interface_env(executor_address: str, master_addr: str, *settings: Map
         return {}
     name = interface_of(executor_address) or route_interface(master_addr)
     return {k: name for k in missing} if name else {}
+
+
+def slow_reverse_lookup(address: str, host: str, limit_s: float = SLOW_LOOKUP_S) -> str | None:
+    """A warning if this host's resolver has not named ``address`` within ``limit_s`` seconds (else
+    None): the lookup torch's store makes for every rank that connects to it. An IPv4 address is
+    looked up in its IPv4-mapped IPv6 form, as a dual-stack server sees its clients, which
+    /etc/hosts rarely lists, so the question goes to DNS. Waits at most ``limit_s``."""
+    ip = resolve(address)
+    if ip is None:
+        return None
+    target = (f"::ffff:{ip}", 0, 0, 0) if ":" not in ip else (ip, 0, 0, 0)
+    done = threading.Event()
+
+    def look_up() -> None:
+        try:
+            socket.getnameinfo(target, socket.NI_NUMERICSERV)
+        except OSError:  # no name is an answer too
+            pass
+        done.set()
+
+    threading.Thread(target=look_up, name="spark-dl-name-lookup", daemon=True).start()
+    if done.wait(limit_s):
+        return None
+    return (f"[spark-dl] on {host}, a reverse DNS lookup of {target[0]} has not answered in {limit_s:g} s. "
+            "torch.distributed looks up the name of the peer of every store connection and waits for each "
+            "answer (10 s where the DNS server cannot be reached), so the ranks' start waits that long per "
+            "connection. Give the hosts' addresses names (in /etc/hosts, IPv4-mapped forms such as "
+            f"{target[0]} too, or PTR records in DNS), or have the resolver give up sooner "
+            "('options timeout:1 attempts:1' in /etc/resolv.conf).")
