@@ -100,10 +100,6 @@ SLOW_PATHS = (
 def pytest_collection_modifyitems(session, config, items):
     def order(item) -> int:
         names = getattr(item, "fixturenames", ())
-        if "multihost" in item.nodeid:
-            # its one fixture keeps a worker for minutes with a cluster of its own (no Spark fixture):
-            # begun first, it runs beside everything else instead of after it
-            return -1
         if "spark_cluster" in names:
             return 2
         if "spark" in names:
