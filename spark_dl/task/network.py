@@ -77,26 +77,32 @@ def slow_reverse_lookup(address: str, host: str, limit_s: float = SLOW_LOOKUP_S)
     """A warning if this host's resolver has not named ``address`` within ``limit_s`` seconds (else
     None): the lookup torch's store makes for every rank that connects to it. An IPv4 address is
     looked up in its IPv4-mapped IPv6 form, as a dual-stack server sees its clients, which
-    /etc/hosts rarely lists, so the question goes to DNS. Waits at most ``limit_s``."""
-    ip = resolve(address)
-    if ip is None:
-        return None
-    target = (f"::ffff:{ip}", 0, 0, 0) if ":" not in ip else (ip, 0, 0, 0)
+    /etc/hosts rarely lists, so the question goes to DNS. Waits at most ``limit_s``, a host name's
+    own resolution included."""
+    def as_store_sees_it(ip: str) -> str:
+        return f"::ffff:{ip}" if ":" not in ip else ip
+
+    try:  # an IP literal names its lookup now; a host name is resolved in the thread, within the limit
+        shown = as_store_sees_it(str(ipaddress.ip_address(address.strip("[]"))))
+    except ValueError:
+        shown = address
     done = threading.Event()
 
     def look_up() -> None:
-        try:
-            socket.getnameinfo(target, socket.NI_NUMERICSERV)
-        except OSError:  # no name is an answer too
-            pass
+        ip = resolve(address)
+        if ip is not None:
+            try:
+                socket.getnameinfo((as_store_sees_it(ip), 0, 0, 0), socket.NI_NUMERICSERV)
+            except OSError:  # no name is an answer too
+                pass
         done.set()
 
     threading.Thread(target=look_up, name="spark-dl-name-lookup", daemon=True).start()
     if done.wait(limit_s):
         return None
-    return (f"[spark-dl] on {host}, a reverse DNS lookup of {target[0]} has not answered in {limit_s:g} s. "
+    return (f"[spark-dl] on {host}, a reverse DNS lookup of {shown} has not answered in {limit_s:g} s. "
             "torch.distributed looks up the name of the peer of every store connection and waits for each "
             "answer (10 s where the DNS server cannot be reached), so the ranks' start waits that long per "
             "connection. Give the hosts' addresses names (in /etc/hosts, IPv4-mapped forms such as "
-            f"{target[0]} too, or PTR records in DNS), or have the resolver give up sooner "
+            f"{shown} too, or PTR records in DNS), or have the resolver give up sooner "
             "('options timeout:1 attempts:1' in /etc/resolv.conf).")
