@@ -347,8 +347,11 @@ class Controller:
             return
         monitor.grow_to = target
         if target is not None:
-            sys.stderr.write(f"[spark-dl] task slots for {target - launcher.world_size} more ranks are free: the run "
-                             f"grows to {target} ranks at rank 0's next checkpoint\n")
+            more = target - launcher.world_size
+            # the relaunch takes the slots free at the checkpoint, which may be more than now
+            later = "" if target == self.runner.np else " (or more, if more slots are free by then)"
+            sys.stderr.write(f"[spark-dl] task slots for {more} more rank{'s' if more > 1 else ''} are free: the run "
+                             f"grows to {target} ranks{later} at rank 0's next checkpoint\n")
             sys.stderr.flush()
 
 

@@ -4,6 +4,7 @@ another Spark job holds and then releases."""
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import pytest
@@ -57,7 +58,10 @@ def test_a_run_grows_at_its_next_checkpoint_when_slots_free_up(spark, tmp_path, 
     info = runner.last_run
     assert info.world_sizes == (2, 4) and info.grows == 1 and info.attempts == 2
     assert info.failures == () and info.succeeded
-    assert "task slots for 2 more ranks are free: the run grows to 4 ranks at rank 0's next checkpoint" in err
+    # the other job's two tasks may end one look apart: the grow is armed for 3 first, then for 4,
+    # or the checkpoint comes between and the relaunch takes both slots free by then
+    announced = re.findall(r"task slots for (\d) more ranks? are free: the run grows to (\d) ranks(.*) at rank 0's", err)
+    assert announced[-1] in {("2", "4", ""), ("1", "3", " (or more, if more slots are free by then)")}, err
     assert "[spark-dl] growing from 2 to all 4 ranks (not a restart: max_restarts is untouched)" in err
     assert f"load_checkpoint() returns the one saved at step {resumed_at}" in err
     run = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(info.mlflow_run_id)
