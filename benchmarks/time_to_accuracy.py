@@ -190,7 +190,7 @@ def main() -> int:
             label = "PySpark TorchDistributor" if c == "peer" else f"spark-dl DDP {c}"
             reached = "" if out["accuracy"] >= args.target else " (not reached)"
             print(f"{label:<28}{t:>9.1f} s{out['train_s']:>7.1f} s{out['steps']:>7}{out['accuracy']:>10.3f}"
-                  f"{(peer / t if peer else float('nan')):>8.2f}x{(t / fp32 if fp32 else float('nan')):>9.2f}"
+                  f"{(f'{peer / t:.2f}x' if peer else '-'):>9}{(f'{t / fp32:.2f}' if fp32 else '-'):>9}"
                   f"{reached}", flush=True)
     print("\nin main: rank 0's time in the training function (the rest is the launch and the return); vs peer: how "
           "many times sooner than PySpark's TorchDistributor; vs fp32: time over spark-dl's DDP fp32")
