@@ -2057,7 +2057,7 @@ static void bp_task(void *arg, int t, int nt) {
 #if SDK_X86
     if (has_fma() && A->r == 4) {
         i = bp_pairs4_avx2(A, A->numel / A->cols, j0, j1);
-    } else if (has_fma()) {  /* without it, any rank but 4 ran fmaf per element: 30x slower at rank 8 */
+    } else if (has_fma()) {  /* every other rank: the scalar path is a libm fmaf call per element here */
         for (int k0 = 0; k0 < A->r; k0 += 4)
             i = bp_block_avx2(A, A->numel / A->cols, j0, j1, k0, A->r - k0 < 4 ? A->r - k0 : 4);
     }
