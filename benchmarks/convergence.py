@@ -50,6 +50,8 @@ import spark_dl.compression as C  # noqa: E402
 COMPRESSORS = {
     "none": C.NoneCompressor, "fp16": C.FP16, "bf16": C.BF16, "qsgd": C.QSGD, "powersgd": C.PowerSGD,
     "qsgd-l2": lambda: C.QSGD(norm="l2"),  # the QSGD paper's scale, for comparison with the default
+    # PowerSGD without its uncompressed warm-up, and at rank 8: what each costs or gains in accuracy
+    "powersgd-nowarm": lambda: C.PowerSGD(start_iter=0), "powersgd-r8": lambda: C.PowerSGD(rank=8),
     "onebit": C.OneBit, "efsign": C.EFSign, "topk": lambda: C.ErrorFeedback(C.TopK()),
     "randomk": lambda: C.ErrorFeedback(C.RandomK()), "auto": C.Auto,
 }
@@ -197,7 +199,8 @@ def summarize(results: list[tuple], args) -> None:
         runs.setdefault((comp, opt, path), []).append((acc, curve, sent))
         if comp == "auto":
             picked.append(f"  {opt} {path} seed {seed}: {', '.join(picks) or 'nothing yet'}")
-    print(f"{'compressor':<11}{'optimizer':<10}{'path':<12}{'accuracy':>16}{'vs none':>9}"
+    width = max(11, *(len(r[0]) + 1 for r in results))  # the compressor column fits its longest name
+    print(f"{'compressor':<{width}}{'optimizer':<10}{'path':<12}{'accuracy':>16}{'vs none':>9}"
           f"{'bytes/step':>12}{'steps to none':>15}")
     for (comp, opt, path), rs in runs.items():
         accs = torch.tensor([r[0] for r in rs], dtype=torch.float64)
@@ -212,7 +215,7 @@ def summarize(results: list[tuple], args) -> None:
         steps = f"{sum(done) / len(done):.0f}" + ("" if len(done) == len(reach) else f" ({len(done)}/{len(reach)})") \
             if done else "-"
         gap = 100 * (float(accs.mean()) - target)
-        print(f"{comp:<11}{opt:<10}{path:<12}{float(accs.mean()):>9.3f} ±{std:.3f}{gap:>+8.1f}p"
+        print(f"{comp:<{width}}{opt:<10}{path:<12}{float(accs.mean()):>9.3f} ±{std:.3f}{gap:>+8.1f}p"
               f"{sum(r[2] for r in rs) / len(rs):>12,.0f}{steps:>15}")
     if picked:
         print("auto's picks at the end (over the tensors it decides):\n" + "\n".join(picked))
