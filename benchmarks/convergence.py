@@ -5,7 +5,8 @@ Trains one model per (compressor, optimizer, path, seed) on --ranks local Gloo p
 per compressor x optimizer x path, the final test accuracy (mean and std over the seeds), the
 bytes each rank sent per step, and the steps it took to reach the uncompressed run's mean final
 accuracy (``-``: never within --steps). Every compressor runs at its defaults with the
-hyperparameters of the uncompressed run.
+hyperparameters of the uncompressed run (but ``powersgd-nowarm``, PowerSGD with ``start_iter=0``,
+and ``powersgd-r8``, at rank 8).
 
 Paths: ``hvd`` is ``spark_dl.horovod.DistributedOptimizer(opt, compression=c)``; ``ddp`` and
 ``ddp-overlap`` are ``DistributedDataParallel`` with ``make_ddp_hook(c, optimizer=opt)`` (with
