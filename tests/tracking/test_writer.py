@@ -142,6 +142,19 @@ def test_a_write_that_keeps_failing_never_holds_back_the_runs_end(tracking_uri, 
     assert "NotADirectoryError" in said
 
 
+def test_a_new_sqlite_store_is_created_and_written_however_short_grace_s(tmp_path):
+    """The first write to a new SQLite store creates it (MLflow's schema migrations: seconds on a busy
+    machine); a writer closed before that is done waits for it instead of dropping the run."""
+    uri = f"sqlite:///{tmp_path / 'new.db'}"
+    w = MlflowWriter(uri, None, "0", grace_s=0.0)
+    w.log_metrics([("loss", 1.0, 1_000, 0)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TrackingWarning)
+        assert w.close("FINISHED")
+    run = MlflowClient(uri).get_run(w.run_id)
+    assert run.info.status == "FINISHED" and run.data.metrics == {"loss": 1.0}
+
+
 def test_a_server_that_takes_connections_and_never_answers_costs_grace_s_not_a_minute():
     import socket
 

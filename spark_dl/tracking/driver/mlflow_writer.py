@@ -65,7 +65,7 @@ class MlflowWriter:
         run_id: an existing run to log into (left open), or None to create one in ``experiment_id``
             (ended at :meth:`close` with the given status).
         grace_s: how long :meth:`close` keeps waiting while the server keeps failing (or, before any
-            write succeeded, does not answer).
+            write succeeded, does not answer; a local store's first write is waited for as progress).
         stall_s: how long :meth:`close` waits for a server that answers but makes no progress, and
             how long one write may keep failing while the store answers before it is skipped.
     """
@@ -101,6 +101,9 @@ class MlflowWriter:
         self._fail_since = 0.0
         self._skipping = False  # at the end, after one write was skipped: the rest get one try each
         self._written = False  # some call to the store has succeeded
+        # a local store's first write creates it (a new SQLite file runs MLflow's schema migrations,
+        # seconds on a busy machine): slow, not silent, so it is not cut off at grace_s
+        self._local = urlparse(tracking_uri).scheme in ("", "file", "sqlite")
         self._next_try = 0.0
         self._last_progress = time.monotonic()
         self._last_error: BaseException | None = None
@@ -146,8 +149,8 @@ class MlflowWriter:
             self._thread.join(0.1)
             now = time.monotonic()
             failing_for = now - start if self._failures else 0.0
-            # a store that never once answered (it takes connections and hangs) is not worth stall_s
-            stall_s = self.stall_s if self._written else min(self.stall_s, self.grace_s)
+            # a server that never once answered (it takes connections and hangs) is not worth stall_s
+            stall_s = self.stall_s if self._written or self._local else min(self.stall_s, self.grace_s)
             if (
                 (self._failures and failing_for > self.grace_s and now - self._last_progress > self.grace_s)
                 or now - self._last_progress > stall_s
