@@ -200,7 +200,7 @@ def summarize(results: list[tuple], args) -> None:
         runs.setdefault((comp, opt, path), []).append((acc, curve, sent))
         if comp == "auto":
             picked.append(f"  {opt} {path} seed {seed}: {', '.join(picks) or 'nothing yet'}")
-    width = max(11, *(len(r[0]) + 1 for r in results))  # the compressor column fits its longest name
+    width = max([11, *(len(r[0]) + 1 for r in results)])  # the compressor column fits its longest name
     print(f"{'compressor':<{width}}{'optimizer':<10}{'path':<12}{'accuracy':>16}{'vs none':>9}"
           f"{'bytes/step':>12}{'steps to none':>15}")
     for (comp, opt, path), rs in runs.items():

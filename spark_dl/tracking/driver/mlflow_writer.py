@@ -103,7 +103,8 @@ class MlflowWriter:
         self._written = False  # some call to the store has succeeded
         # a local store's first write creates it (a new SQLite file runs MLflow's schema migrations,
         # seconds on a busy machine): slow, not silent, so it is not cut off at grace_s
-        self._local = urlparse(tracking_uri).scheme in ("", "file", "sqlite")
+        scheme = urlparse(tracking_uri).scheme  # "databricks" alone has none, and is a server
+        self._local = scheme in ("file", "sqlite") or (not scheme and not tracking_uri.startswith("databricks"))
         self._next_try = 0.0
         self._last_progress = time.monotonic()
         self._last_error: BaseException | None = None
