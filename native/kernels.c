@@ -1961,64 +1961,12 @@ static void bp_rows_scalar(const bp_args *A, int64_t i0, int64_t j0, int64_t j1)
 }
 
 #if SDK_X86
-/* Full rows [0, full), in pairs, r = 4; returns the first row not done. */
-AVX2FMA static int64_t bp_pairs4_avx2(const bp_args *A, int64_t full, int64_t j0, int64_t j1) {
+/* Full rows [0, full), four at a time (a quarter of the sums' cache traffic per element), into the
+ * sums [k0, k0 + nk) (nk <= 4) of a rank-R P: any rank, in blocks of four sums, one pass over M per
+ * block, each sum's fma order that of the scalar path; returns the first row not done. */
+AVX2FMA static int64_t bp_block_avx2(const bp_args *A, int64_t full, int64_t j0, int64_t j1, int k0, int nk,
+                                     int64_t R) {
     const int64_t C = A->cols, end = j0 + ((j1 - j0) & ~(int64_t)7);
-    float *s0 = A->qt, *s1 = s0 + C, *s2 = s1 + C, *s3 = s2 + C;
-    int64_t i = 0;
-    for (; i + 4 <= full; i += 4) {  /* four rows: a quarter of the sums' cache traffic per element */
-        const float *x = A->m + i * C, *y = x + C, *z = y + C, *w = z + C, *p = A->p + i * 4;
-        for (int64_t j = j0; j < end; j += 8) {
-            _mm_prefetch((const char *)(x + j + PJ_PF), _MM_HINT_T0);
-            _mm_prefetch((const char *)(y + j + PJ_PF), _MM_HINT_T0);
-            _mm_prefetch((const char *)(z + j + PJ_PF), _MM_HINT_T0);
-            _mm_prefetch((const char *)(w + j + PJ_PF), _MM_HINT_T0);
-            const __m256 u = _mm256_loadu_ps(x + j), v = _mm256_loadu_ps(y + j);
-            const __m256 c = _mm256_loadu_ps(z + j), d = _mm256_loadu_ps(w + j);
-#define BP4(S, K)                                                                                       \
-            _mm256_storeu_ps(S + j, _mm256_fmadd_ps(_mm256_broadcast_ss(p + 12 + K), d,                       \
-                _mm256_fmadd_ps(_mm256_broadcast_ss(p + 8 + K), c,                                          \
-                _mm256_fmadd_ps(_mm256_broadcast_ss(p + 4 + K), v,                                          \
-                _mm256_fmadd_ps(_mm256_broadcast_ss(p + K), u, _mm256_loadu_ps(S + j))))))
-            BP4(s0, 0);
-            BP4(s1, 1);
-            BP4(s2, 2);
-            BP4(s3, 3);
-#undef BP4
-        }
-        for (int64_t j = end; j < j1; j++) {
-            float *sk[4] = {s0, s1, s2, s3};
-            for (int k = 0; k < 4; k++)
-                sk[k][j] = fmaf(p[12 + k], w[j], fmaf(p[8 + k], z[j], fmaf(p[4 + k], y[j], fmaf(p[k], x[j], sk[k][j]))));
-        }
-    }
-    for (; i + 2 <= full; i += 2) {
-        const float *x = A->m + i * C, *y = x + C, *p = A->p + i * 4;
-        const __m256 a0 = _mm256_set1_ps(p[0]), a1 = _mm256_set1_ps(p[1]), a2 = _mm256_set1_ps(p[2]);
-        const __m256 a3 = _mm256_set1_ps(p[3]), b0 = _mm256_set1_ps(p[4]), b1 = _mm256_set1_ps(p[5]);
-        const __m256 b2 = _mm256_set1_ps(p[6]), b3 = _mm256_set1_ps(p[7]);
-        for (int64_t j = j0; j < end; j += 8) {
-            const __m256 u = _mm256_loadu_ps(x + j), v = _mm256_loadu_ps(y + j);
-            _mm256_storeu_ps(s0 + j, _mm256_fmadd_ps(b0, v, _mm256_fmadd_ps(a0, u, _mm256_loadu_ps(s0 + j))));
-            _mm256_storeu_ps(s1 + j, _mm256_fmadd_ps(b1, v, _mm256_fmadd_ps(a1, u, _mm256_loadu_ps(s1 + j))));
-            _mm256_storeu_ps(s2 + j, _mm256_fmadd_ps(b2, v, _mm256_fmadd_ps(a2, u, _mm256_loadu_ps(s2 + j))));
-            _mm256_storeu_ps(s3 + j, _mm256_fmadd_ps(b3, v, _mm256_fmadd_ps(a3, u, _mm256_loadu_ps(s3 + j))));
-        }
-        for (int64_t j = end; j < j1; j++) {
-            s0[j] = fmaf(p[4], y[j], fmaf(p[0], x[j], s0[j]));
-            s1[j] = fmaf(p[5], y[j], fmaf(p[1], x[j], s1[j]));
-            s2[j] = fmaf(p[6], y[j], fmaf(p[2], x[j], s2[j]));
-            s3[j] = fmaf(p[7], y[j], fmaf(p[3], x[j], s3[j]));
-        }
-    }
-    return i;
-}
-
-/* Full rows [0, full), four at a time, into the sums [k0, k0 + nk) (nk <= 4): any rank, in blocks
- * of four sums, one pass over M per block, each sum's fma order that of the scalar path; returns the
- * first row not done. */
-AVX2FMA static int64_t bp_block_avx2(const bp_args *A, int64_t full, int64_t j0, int64_t j1, int k0, int nk) {
-    const int64_t C = A->cols, R = A->r, end = j0 + ((j1 - j0) & ~(int64_t)7);
     int64_t i = 0;
     for (; i + 4 <= full; i += 4) {
         const float *x = A->m + i * C, *y = x + C, *z = y + C, *w = z + C, *p = A->p + i * R + k0;
@@ -2045,6 +1993,35 @@ AVX2FMA static int64_t bp_block_avx2(const bp_args *A, int64_t full, int64_t j0,
     }
     return i;
 }
+
+/* Full rows [0, full), r = 4: four at a time (flattened, so R and nk are constants there), then a
+ * pair; returns the first row not done. */
+AVX2FMA __attribute__((flatten)) static int64_t bp_pairs4_avx2(const bp_args *A, int64_t full, int64_t j0,
+                                                               int64_t j1) {
+    const int64_t C = A->cols, end = j0 + ((j1 - j0) & ~(int64_t)7);
+    float *s0 = A->qt, *s1 = s0 + C, *s2 = s1 + C, *s3 = s2 + C;
+    int64_t i = bp_block_avx2(A, full, j0, j1, 0, 4, 4);
+    for (; i + 2 <= full; i += 2) {
+        const float *x = A->m + i * C, *y = x + C, *p = A->p + i * 4;
+        const __m256 a0 = _mm256_set1_ps(p[0]), a1 = _mm256_set1_ps(p[1]), a2 = _mm256_set1_ps(p[2]);
+        const __m256 a3 = _mm256_set1_ps(p[3]), b0 = _mm256_set1_ps(p[4]), b1 = _mm256_set1_ps(p[5]);
+        const __m256 b2 = _mm256_set1_ps(p[6]), b3 = _mm256_set1_ps(p[7]);
+        for (int64_t j = j0; j < end; j += 8) {
+            const __m256 u = _mm256_loadu_ps(x + j), v = _mm256_loadu_ps(y + j);
+            _mm256_storeu_ps(s0 + j, _mm256_fmadd_ps(b0, v, _mm256_fmadd_ps(a0, u, _mm256_loadu_ps(s0 + j))));
+            _mm256_storeu_ps(s1 + j, _mm256_fmadd_ps(b1, v, _mm256_fmadd_ps(a1, u, _mm256_loadu_ps(s1 + j))));
+            _mm256_storeu_ps(s2 + j, _mm256_fmadd_ps(b2, v, _mm256_fmadd_ps(a2, u, _mm256_loadu_ps(s2 + j))));
+            _mm256_storeu_ps(s3 + j, _mm256_fmadd_ps(b3, v, _mm256_fmadd_ps(a3, u, _mm256_loadu_ps(s3 + j))));
+        }
+        for (int64_t j = end; j < j1; j++) {
+            s0[j] = fmaf(p[4], y[j], fmaf(p[0], x[j], s0[j]));
+            s1[j] = fmaf(p[5], y[j], fmaf(p[1], x[j], s1[j]));
+            s2[j] = fmaf(p[6], y[j], fmaf(p[2], x[j], s2[j]));
+            s3[j] = fmaf(p[7], y[j], fmaf(p[3], x[j], s3[j]));
+        }
+    }
+    return i;
+}
 #endif
 
 static void bp_task(void *arg, int t, int nt) {
@@ -2059,7 +2036,7 @@ static void bp_task(void *arg, int t, int nt) {
         i = bp_pairs4_avx2(A, A->numel / A->cols, j0, j1);
     } else if (has_fma()) {  /* every other rank: the scalar path is a libm fmaf call per element here */
         for (int k0 = 0; k0 < A->r; k0 += 4)
-            i = bp_block_avx2(A, A->numel / A->cols, j0, j1, k0, A->r - k0 < 4 ? A->r - k0 : 4);
+            i = bp_block_avx2(A, A->numel / A->cols, j0, j1, k0, A->r - k0 < 4 ? A->r - k0 : 4, A->r);
     }
 #endif
     bp_rows_scalar(A, i, j0, j1);
