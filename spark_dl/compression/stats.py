@@ -119,9 +119,26 @@ _watched: dict[tuple[str, Any], _Watched] = {}
 _watch_lock = threading.Lock()
 
 
+# norm() sums rows of this many elements in the tensor's precision, and the rows' squares in float64
+_NORM_ROW = 4096
+
+
 def norm(t: torch.Tensor) -> float:
-    """The tensor's 2-norm as a Python float, summed in float64."""
-    return float(torch.linalg.vector_norm(t.detach().reshape(-1), dtype=torch.float64))
+    """The tensor's 2-norm as a Python float: rows of 4096 elements in float32 (or the tensor's
+    wider dtype), their squares summed in float64. A norm in float64 throughout converts every
+    element first: 124 ms for a 9.4M-element gradient on one core, against 5.6 ms this way, and the
+    watch measures three such norms of every compressed tensor each ``WATCH_EVERY`` steps."""
+    flat = t.detach().reshape(-1)
+    if flat.dtype == torch.float64 or flat.numel() <= _NORM_ROW:
+        return float(torch.linalg.vector_norm(flat, dtype=torch.float64))
+    whole = flat.numel() // _NORM_ROW * _NORM_ROW
+    rows = torch.linalg.vector_norm(flat[:whole].view(-1, _NORM_ROW), dim=1, dtype=torch.float32)
+    tail = float(torch.linalg.vector_norm(flat[whole:], dtype=torch.float64))
+    total = float(rows.double().square().sum()) + tail * tail
+    if not math.isfinite(total) and bool(torch.isfinite(flat).all()):
+        # a row's squares overflowed float32 (elements above ~1e19): finite, so measure it in float64
+        return float(torch.linalg.vector_norm(flat, dtype=torch.float64))
+    return math.sqrt(total)
 
 
 def residual_norm(residuals: Any, name: Any) -> float:

@@ -2,6 +2,7 @@
 follows the lr; combinations known to fall short are warned about. Real Gloo ranks, one launch."""
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 import spark_dl.compression as C
 from spark_dl import HorovodRunner
 from spark_dl.compression.advice import advice
-from spark_dl.compression.stats import watch
+from spark_dl.compression.stats import norm, watch
 
 # One seed per run, scored by the mean test accuracy over its last 50 steps (five evaluations):
 # benchmarks/convergence.py measures the mean over seeds (within a point of uncompressed but where
@@ -305,6 +306,27 @@ def test_a_non_finite_gradient_warns_once():
         for _ in range(30):
             watch(c, "fc", bad, bad, 2)
     assert len(got) == 1
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(3 * 4096 + 17, generator=torch.Generator().manual_seed(2)),  # rows and a tail
+    lambda: torch.randn(300, 200, generator=torch.Generator().manual_seed(3)).t(),  # not contiguous
+    lambda: torch.randn(5000, generator=torch.Generator().manual_seed(4)).half(),
+    lambda: torch.randn(5000, generator=torch.Generator().manual_seed(5)).double(),
+    lambda: torch.full((9000,), 1e20),  # squares overflow float32: measured again in float64
+    lambda: torch.randn(10),
+])
+def test_the_watchs_norm_agrees_with_a_float64_norm(make):
+    t = make()
+    want = float(torch.linalg.vector_norm(t.reshape(-1), dtype=torch.float64))
+    assert norm(t) == pytest.approx(want, rel=1e-6)
+
+
+def test_the_watchs_norm_of_a_non_finite_tensor_is_not_finite():
+    for bad in (float("inf"), float("nan")):
+        t = torch.randn(10_000)
+        t[7777] = bad
+        assert not math.isfinite(norm(t))
 
 
 def test_residual_ratios_reach_the_comm_metrics():
