@@ -1523,51 +1523,63 @@ static void lr_range_scalar(const lr_args *A, int64_t i, int64_t j0, int64_t j1)
 }
 
 #if SDK_X86
+/* Columns [j0, e) of a row (e - j0 a multiple of 8) at rank R, streamed to memory when ``stream``
+ * (o + j0 then lies on a 32-byte boundary), else stored or, under A->sub, subtracted from ``out``.
+ * Inlined with R a constant (4, 8) the row's factors stay in registers; R = 0 reads A->r. */
+static inline __attribute__((always_inline)) AVX2FMA void lr_span_avx2(const lr_args *A, const float *p, float *o,
+                                                                      int64_t j0, int64_t e, const int stream,
+                                                                      const int R) {
+    const int64_t C = A->cols;
+    const int r = R ? R : A->r;
+    __m256 pk[8];
+    if (R)
+        for (int k = 0; k < R; k++) pk[k] = _mm256_set1_ps(p[k]);
+    for (int64_t j = j0; j < e; j += 8) {
+        __m256 s = _mm256_mul_ps(R ? pk[0] : _mm256_broadcast_ss(p), _mm256_loadu_ps(A->qT + j));
+        for (int k = 1; k < r; k++)
+            s = _mm256_fmadd_ps(R ? pk[k] : _mm256_broadcast_ss(p + k), _mm256_loadu_ps(A->qT + k * C + j), s);
+        if (stream) {
+            _mm256_stream_ps(o + j, s);
+            continue;
+        }
+        if (A->sub) s = _mm256_sub_ps(_mm256_loadu_ps(o + j), s);
+        _mm256_storeu_ps(o + j, s);
+    }
+}
+
+/* lr_span_avx2 with the rank made a constant where it is one of the common ones */
+AVX2FMA static void lr_span_any_avx2(const lr_args *A, const float *p, float *o, int64_t j0, int64_t e,
+                                     const int stream) {
+    if (A->r == 4) {
+        if (stream) lr_span_avx2(A, p, o, j0, e, 1, 4);
+        else lr_span_avx2(A, p, o, j0, e, 0, 4);
+    } else if (A->r == 8) {
+        if (stream) lr_span_avx2(A, p, o, j0, e, 1, 8);
+        else lr_span_avx2(A, p, o, j0, e, 0, 8);
+    } else if (stream) {
+        lr_span_avx2(A, p, o, j0, e, 1, 0);
+    } else {
+        lr_span_avx2(A, p, o, j0, e, 0, 0);
+    }
+}
+
 AVX2FMA static void lr_row_avx2(const lr_args *A, int64_t i, int64_t len) {
-    const int64_t C = A->cols, end = len & ~(int64_t)7;
     const float *p = A->p + i * A->r;
-    float *o = A->out + i * C;
-    if (A->r == 4 && A->stream && !A->sub) {
-        /* aligned non-temporal stores from the first 32-byte boundary; the head and tail round
-         * as the scalar path does, which is the vector path's rounding */
+    float *o = A->out + i * A->cols;
+    if (A->stream && !A->sub) {
+        /* aligned non-temporal stores from the first 32-byte boundary (a plain store first reads
+         * the line it writes); the head and tail round as the scalar path does, which is the
+         * vector path's rounding */
         int64_t j0 = (int64_t)((32 - ((uintptr_t)o & 31)) & 31) / 4;
         if (j0 > len) j0 = len;
         lr_range_scalar(A, i, 0, j0);
         const int64_t e = j0 + ((len - j0) & ~(int64_t)7);
-        const __m256 p0 = _mm256_set1_ps(p[0]), p1 = _mm256_set1_ps(p[1]), p2 = _mm256_set1_ps(p[2]);
-        const __m256 p3 = _mm256_set1_ps(p[3]);
-        const float *q0 = A->qT, *q1 = q0 + C, *q2 = q1 + C, *q3 = q2 + C;
-        for (int64_t j = j0; j < e; j += 8) {
-            __m256 s = _mm256_mul_ps(p0, _mm256_loadu_ps(q0 + j));
-            s = _mm256_fmadd_ps(p1, _mm256_loadu_ps(q1 + j), s);
-            s = _mm256_fmadd_ps(p2, _mm256_loadu_ps(q2 + j), s);
-            s = _mm256_fmadd_ps(p3, _mm256_loadu_ps(q3 + j), s);
-            _mm256_stream_ps(o + j, s);
-        }
+        lr_span_any_avx2(A, p, o, j0, e, 1);
         lr_range_scalar(A, i, e, len);
         return;
     }
-    if (A->r == 4) {  /* the default rank: all four factors in registers */
-        const __m256 p0 = _mm256_set1_ps(p[0]), p1 = _mm256_set1_ps(p[1]), p2 = _mm256_set1_ps(p[2]);
-        const __m256 p3 = _mm256_set1_ps(p[3]);
-        const float *q0 = A->qT, *q1 = q0 + C, *q2 = q1 + C, *q3 = q2 + C;
-        for (int64_t j = 0; j < end; j += 8) {
-            __m256 s = _mm256_mul_ps(p0, _mm256_loadu_ps(q0 + j));
-            s = _mm256_fmadd_ps(p1, _mm256_loadu_ps(q1 + j), s);
-            s = _mm256_fmadd_ps(p2, _mm256_loadu_ps(q2 + j), s);
-            s = _mm256_fmadd_ps(p3, _mm256_loadu_ps(q3 + j), s);
-            if (A->sub) s = _mm256_sub_ps(_mm256_loadu_ps(o + j), s);
-            _mm256_storeu_ps(o + j, s);
-        }
-    } else {
-        for (int64_t j = 0; j < end; j += 8) {
-            __m256 s = _mm256_mul_ps(_mm256_set1_ps(p[0]), _mm256_loadu_ps(A->qT + j));
-            for (int k = 1; k < A->r; k++)
-                s = _mm256_fmadd_ps(_mm256_set1_ps(p[k]), _mm256_loadu_ps(A->qT + k * C + j), s);
-            if (A->sub) s = _mm256_sub_ps(_mm256_loadu_ps(o + j), s);
-            _mm256_storeu_ps(o + j, s);
-        }
-    }
+    const int64_t end = len & ~(int64_t)7;
+    lr_span_any_avx2(A, p, o, 0, end, 0);
     lr_range_scalar(A, i, end, len);
 }
 #endif
@@ -1691,6 +1703,15 @@ AVX2FMA static void pj_update_avx2(const pj_args *A, int64_t i, int64_t len) {
             s = _mm256_fmadd_ps(p1, _mm256_loadu_ps(q1 + j), s);
             s = _mm256_fmadd_ps(p2, _mm256_loadu_ps(q2 + j), s);
             s = _mm256_fmadd_ps(p3, _mm256_loadu_ps(q3 + j), s);
+            __m256 x = _mm256_sub_ps(_mm256_loadu_ps(m + j), s);
+            _mm256_storeu_ps(m + j, _mm256_fmadd_ps(sc, _mm256_loadu_ps(g + j), x));
+        }
+    } else if (A->r == 8) {  /* the default rank: the row's eight factors in registers */
+        __m256 pk[8];
+        for (int k = 0; k < 8; k++) pk[k] = _mm256_set1_ps(pe[k]);
+        for (int64_t j = 0; j < end; j += 8) {
+            __m256 s = _mm256_mul_ps(pk[0], _mm256_loadu_ps(A->qeT + j));
+            for (int k = 1; k < 8; k++) s = _mm256_fmadd_ps(pk[k], _mm256_loadu_ps(A->qeT + k * C + j), s);
             __m256 x = _mm256_sub_ps(_mm256_loadu_ps(m + j), s);
             _mm256_storeu_ps(m + j, _mm256_fmadd_ps(sc, _mm256_loadu_ps(g + j), x));
         }

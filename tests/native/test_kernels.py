@@ -585,7 +585,8 @@ def test_out_of_memory_in_other_kernels_raises_and_leaves_the_accumulator():
 
 @pytest.mark.parametrize("rows,cols,numel,r", [(1, 1, 1, 1), (10, 3, 28, 2), (50, 37, 50 * 37, 4),
                                                (64, 64, 4000, 5), (300, 301, 300 * 301 - 5, 9),
-                                               (1100, 1001, 1100 * 1001, 4)])
+                                               (300, 301, 300 * 301 - 5, 8), (1100, 1001, 1100 * 1001, 4),
+                                               (1100, 1001, 1100 * 1001, 8)])
 def test_powersgd_lowrank_product_is_p_q_transposed_whatever_threads_or_simd(rows, cols, numel, r, path):
     p = rand(rows * r).view(rows, r)
     q = rand(cols * r, seed=7).view(cols, r)
@@ -599,11 +600,17 @@ def test_powersgd_lowrank_product_is_p_q_transposed_whatever_threads_or_simd(row
             native.set_threads(None)
     assert torch.equal(outs[0], outs[1])
     assert (outs[0].double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    native.force_scalar(True)  # the same bits as the scalar path, whichever path ran
+    try:
+        assert torch.equal(outs[0], native.lowrank_product(p, q, numel))
+    finally:
+        native.force_scalar(path == "scalar")
     with pytest.raises(ValueError, match="do not make"):
         native.lowrank_product(p, q, rows * cols + 1)
 
 
-@pytest.mark.parametrize("rows,cols,r", [(1, 1, 1), (10, 3, 2), (50, 37, 4), (300, 301, 9), (1100, 1001, 4)])
+@pytest.mark.parametrize("rows,cols,r", [(1, 1, 1), (10, 3, 2), (50, 37, 4), (300, 301, 9), (300, 301, 8),
+                                         (1100, 1001, 4)])
 def test_powersgd_residual_subtracts_p_q_transposed_in_place(rows, cols, r, path):
     p = rand(rows * r).view(rows, r)
     q = rand(cols * r, seed=7).view(cols, r)
@@ -825,10 +832,11 @@ def test_powersgd_passes_reject_what_does_not_fit_and_leave_m_on_out_of_memory()
     assert torch.equal(m, before)
 
 
+@pytest.mark.parametrize("r", [4, 3, 8])
 @pytest.mark.parametrize("offset", range(8))
-def test_powersgd_output_streamed_from_any_alignment_rounds_as_the_scalar_path(offset):
-    # 1 MB+ outputs are written with aligned non-temporal stores after a scalar head
-    rows, cols, r = 700, 513, 4
+def test_powersgd_output_streamed_from_any_alignment_rounds_as_the_scalar_path(offset, r):
+    # 1 MB+ outputs are written with aligned non-temporal stores after a scalar head, at any rank
+    rows, cols = 700, 513
     p, q = rand(rows * r).view(rows, r), rand(cols * r, seed=7).view(cols, r)
     buf = torch.zeros(rows * cols + 8)
     native.lowrank_product(p, q, rows * cols, out=buf[offset:offset + rows * cols])
