@@ -5,8 +5,9 @@ Trains one model per (compressor, optimizer, path, seed) on --ranks local Gloo p
 per compressor x optimizer x path, the final test accuracy (mean and std over the seeds), the
 bytes each rank sent per step, and the steps it took to reach the uncompressed run's mean final
 accuracy (``-``: never within --steps). Every compressor runs at its defaults with the
-hyperparameters of the uncompressed run (but ``powersgd-nowarm``, PowerSGD with ``start_iter=0``,
-and ``powersgd-r8``, at rank 8).
+hyperparameters of the uncompressed run; ``powersgd-rR-wS`` is PowerSGD at rank R with S
+uncompressed warm-up steps (``powersgd-r4-w10``: ``PowerSGD(rank=4, start_iter=10)``), to compare
+settings with the defaults.
 
 Paths: ``hvd`` is ``spark_dl.horovod.DistributedOptimizer(opt, compression=c)``; ``ddp`` and
 ``ddp-overlap`` are ``DistributedDataParallel`` with ``make_ddp_hook(c, optimizer=opt)`` (with
@@ -33,6 +34,7 @@ import datetime
 import math
 import os
 import platform
+import re
 import socket
 import subprocess
 import sys
@@ -51,11 +53,21 @@ import spark_dl.compression as C  # noqa: E402
 COMPRESSORS = {
     "none": C.NoneCompressor, "fp16": C.FP16, "bf16": C.BF16, "qsgd": C.QSGD, "powersgd": C.PowerSGD,
     "qsgd-l2": lambda: C.QSGD(norm="l2"),  # the QSGD paper's scale, for comparison with the default
-    # PowerSGD without its uncompressed warm-up, and at rank 8: what each costs or gains in accuracy
-    "powersgd-nowarm": lambda: C.PowerSGD(start_iter=0), "powersgd-r8": lambda: C.PowerSGD(rank=8),
     "onebit": C.OneBit, "efsign": C.EFSign, "topk": lambda: C.ErrorFeedback(C.TopK()),
     "randomk": lambda: C.ErrorFeedback(C.RandomK()), "auto": C.Auto,
 }
+# PowerSGD at other settings than its defaults: powersgd-r<rank>-w<start_iter>
+_POWERSGD_AT = re.compile(r"powersgd-r(\d+)-w(\d+)")
+
+
+def compressor_named(name: str):
+    """A fresh compressor for a --compressors name."""
+    at = _POWERSGD_AT.fullmatch(name)
+    if at:
+        return C.PowerSGD(rank=int(at[1]), start_iter=int(at[2]))
+    return COMPRESSORS[name]()
+
+
 OPTIMIZERS = ("sgd", "nesterov", "adam", "adamw", "recipe")
 PATHS = ("hvd", "ddp", "ddp-overlap")
 
@@ -118,7 +130,7 @@ def train(args, data, comp_name: str, opt_name: str, path: str,
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)  # the same initial weights on every rank
     net = network(args.model)
-    compressor = COMPRESSORS[comp_name]()
+    compressor = compressor_named(comp_name)
     if path == "hvd":
         import spark_dl.horovod as hvd
 
@@ -240,9 +252,10 @@ def main() -> None:
     args = p.parse_args()
     for field, known in (("compressors", COMPRESSORS), ("optimizers", OPTIMIZERS), ("paths", PATHS)):
         values = [v for v in getattr(args, field).split(",") if v]
-        bad = [v for v in values if v not in known]
+        bad = [v for v in values if v not in known and not (field == "compressors" and _POWERSGD_AT.fullmatch(v))]
         if bad:
-            p.error(f"--{field}: unknown {bad}; choose from {', '.join(known)}")
+            more = " or powersgd-r<rank>-w<start_iter>" if field == "compressors" else ""
+            p.error(f"--{field}: unknown {bad}; choose from {', '.join(known)}{more}")
         setattr(args, field, values)
     args.eval_every = args.eval_every or max(1, args.steps // 15)
     if "none" not in args.compressors:

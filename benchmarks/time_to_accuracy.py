@@ -10,7 +10,8 @@ own, one task slot each, links shaped to the rate) or, for ``loopback``, ``local
 an MLP (``--d-in`` -> ``--hidden`` -> ``--hidden`` -> 10; 10.3M parameters at the defaults) on
 generated data with a learnable signal (labels: the argmax of a fixed random linear map of the
 inputs); nothing is downloaded. SGD with momentum 0.9, the same hyperparameters for every
-configuration (``powersgd`` is PowerSGD at rank 4, ``powersgd:8`` at rank 8). Every ``--eval-every``
+configuration (``powersgd`` is ``PowerSGD()`` at its defaults, ``powersgd:4`` at rank 4 and
+``powersgd:4:10`` at rank 4 after 10 uncompressed steps). Every ``--eval-every``
 steps the ranks measure the test accuracy, each on its share of the 2000 test rows; a run stops
 at the target (or ``--max-seconds``). The clock runs from the ``run()`` call to its return. Ratios
 are against the peer on the same link, measured in the same run.
@@ -21,6 +22,7 @@ import argparse
 import datetime
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -30,6 +32,8 @@ os.environ.setdefault("SPARK_DL_TRACKING", "0")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+# PowerSGD at a rank R >= 1, and S >= 0 uncompressed steps first: powersgd:R or powersgd:R:S
+_POWERSGD_AT = re.compile(r"powersgd:0*[1-9]\d*(:\d+)?")
 CONFIGS = ("peer", "fp32", "fp16", "powersgd", "qsgd", "onebit", "auto")
 
 
@@ -60,12 +64,13 @@ def train(cfg: dict) -> dict:
                                 torch.nn.ReLU(), torch.nn.Linear(hidden, 10))
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=cfg["lr"], momentum=0.9)
-    name, _, rank_of = cfg["compression"].partition(":")  # powersgd:8 is PowerSGD at rank 8
+    name, *at = cfg["compression"].split(":")  # powersgd:R[:S] is PowerSGD(rank=R, start_iter=S)
     if name != "fp32":
         from spark_dl.compression import FP16, QSGD, OneBit, PowerSGD, make_ddp_hook
 
-        compressor = {"fp16": FP16, "powersgd": lambda: PowerSGD(rank=int(rank_of or 4)), "qsgd": QSGD,
-                      "onebit": OneBit, "auto": lambda: "auto"}[name]()
+        settings = dict(zip(("rank", "start_iter"), map(int, at)))
+        compressor = {"fp16": FP16, "powersgd": lambda: PowerSGD(**settings), "qsgd": QSGD, "onebit": OneBit,
+                      "auto": lambda: "auto"}[name]()
         ddp.register_comm_hook(*make_ddp_hook(compressor, optimizer=opt))
     data = torch.Generator().manual_seed(100 + rank)
     # each rank scores its share of the test set and the counts are summed, as a distributed
@@ -170,14 +175,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--links", default="1000,100,loopback", help="Mbit/s of the shaped link, or loopback")
     parser.add_argument("--configs", default="peer,fp32,fp16,powersgd,qsgd",
-                        help=f"of {','.join(CONFIGS)}; powersgd:R for PowerSGD at rank R")
+                        help=f"of {','.join(CONFIGS)}; powersgd:R[:S] for PowerSGD(rank=R, start_iter=S)")
     add_run_arguments(parser)
     args = parser.parse_args()
     configs = [c for c in args.configs.split(",") if c]
-    unknown = [c for c in configs if not (c in CONFIGS or (c.startswith("powersgd:") and c[9:].isdigit()
-                                                           and int(c[9:]) > 0))]
+    unknown = [c for c in configs if not (c in CONFIGS or _POWERSGD_AT.fullmatch(c))]
     if unknown:
-        parser.error(f"unknown configs {unknown}; known: {CONFIGS}, and powersgd:R for a rank R >= 1")
+        parser.error(f"unknown configs {unknown}; known: {CONFIGS}, and powersgd:R[:S] for a rank R >= 1 and "
+                     "S >= 0 uncompressed steps first")
     cfg = run_settings(args)
     for link in [x for x in args.links.split(",") if x]:
         rows = measure(link, configs, cfg)

@@ -251,9 +251,9 @@ def train_and_count(compression, epochs):
 ## Train with each compressor
 
 `none` (fp32), `fp16` (half precision), `qsgd` (4-bit stochastic quantization), `onebit` (1-bit SGD
-with error feedback) and `powersgd` (rank-4 low-rank approximation, after 10 uncompressed warm-up
-steps). 3 epochs each keep the whole loop around a minute on 2 cores; accuracies of the lossier
-compressors catch up with more epochs.
+with error feedback) and `powersgd` (rank-8 low-rank approximation with error feedback). 3 epochs
+each keep the whole loop around a minute on 2 cores; accuracies of the lossier compressors catch
+up with more epochs.
 '''),
     TRACKING_NOTE,
     code('''

@@ -43,9 +43,9 @@ def train_and_count(compression, epochs):
 # MAGIC ## Train with each compressor
 # MAGIC
 # MAGIC `none` (fp32), `fp16` (half precision), `qsgd` (4-bit stochastic quantization), `onebit` (1-bit SGD
-# MAGIC with error feedback) and `powersgd` (rank-4 low-rank approximation, after 10 uncompressed warm-up
-# MAGIC steps). 3 epochs each keep the whole loop around a minute on 2 cores; accuracies of the lossier
-# MAGIC compressors catch up with more epochs.
+# MAGIC with error feedback) and `powersgd` (rank-8 low-rank approximation with error feedback). 3 epochs
+# MAGIC each keep the whole loop around a minute on 2 cores; accuracies of the lossier compressors catch
+# MAGIC up with more epochs.
 
 # COMMAND ----------
 

@@ -33,8 +33,8 @@ For each tensor name, on every rank alike:
    its steps are at least ``margin`` faster; ``lossy_margin`` when it loses information (anything
    but a 16-bit cast) and the pick so far does not, because such a compressor needs more steps to
    the same accuracy: PowerSGD at rank 4 took a median of 27% more steps to the target than fp32 in
-   ``benchmarks/auto_compression.py`` (5% to 47% over 3 seeds), FP16 none more. On a link where
-   compression saves nothing the answer is "don't compress".
+   ``benchmarks/auto_compression.py`` (5% to 47% over 3 seeds), at rank 8 (the candidate) 0% to 27%
+   in ``benchmarks/time_to_accuracy.py``, FP16 none more. Where compression saves nothing: none.
 4. **watch**: every ``check_every`` reductions the ranks agree (again one small all-reduce) on the
    chosen compressor's recent step time, its error-feedback residual relative to what was
    compressed, whether the result was finite, and the loss told to :meth:`Auto.observe_loss` (the
@@ -93,9 +93,9 @@ DROP_SAMPLES = 2
 
 
 def default_candidates() -> list[Compressor]:
-    """Safest first: no compression, fp16 (2x, exact up to rounding), PowerSGD rank 4 (low-rank with
+    """Safest first: no compression, fp16 (2x, exact up to rounding), PowerSGD (rank 8, low-rank with
     error feedback), OneBit (1-bit with error feedback; eligible under heavy-ball or Nesterov SGD)."""
-    return [NoneCompressor(), FP16(), PowerSGD(start_iter=0), OneBit(warmup_steps=0)]
+    return [NoneCompressor(), FP16(), PowerSGD(), OneBit(warmup_steps=0)]
 
 
 def _assume_momentum() -> torch.optim.Optimizer:

@@ -161,11 +161,18 @@ class PowerSGD(Compressor):
     ``warm_start`` reuses last step's Q (else a fresh random Q each step), error feedback always.
     ``compress``/``decompress`` run the same round for a single process (W = 1).
     Not summable as one payload: :func:`~spark_dl.compression.allreduce` runs its two rounds.
+
+    The defaults, rank 8 and no warm-up, are measured (``benchmarks/convergence.py``,
+    ``benchmarks/time_to_accuracy.py``): at most 0.1 points below uncompressed training on digits
+    under SGD with momentum, Nesterov, Adam, AdamW and the large-batch recipe (10 seeds), where rank
+    4 after 10 uncompressed steps was up to 0.4 below, and to a target accuracy rank 4 needed
+    up to 47% more steps than fp32, rank 8 up to 27%. The uncompressed steps of a warm-up cost most
+    on the slow links compression is for (10 fp32 steps: 36 s of an 83 s run at 100 Mbit/s).
     """
 
     summable = False
 
-    def __init__(self, rank: int = 4, start_iter: int = 10, warm_start: bool = True,
+    def __init__(self, rank: int = 8, start_iter: int = 0, warm_start: bool = True,
                  min_compression_rate: float = 2.0, seed: int = 0) -> None:
         self.rank = int_param(rank, "PowerSGD", "rank", 1)
         self.start_iter = int_param(start_iter, "PowerSGD", "start_iter", 0)

@@ -112,9 +112,9 @@ def test_every_rank_picks_the_same_compressor_per_bucket_and_a_restart_keeps_the
             best = c if t < row["times"][best] * need else best
         assert row["compressor"] == best
         assert row["bytes"] > 0
-        # loopback: sending fp32 costs little, so nothing below 16 bits is worth its encoding (on a
-        # 100 Mbit/s link PowerSGD is: tests/multihost)
-        assert row["compressor"] in ("NoneCompressor", "FP16"), row
+        # which candidate wins on loopback is a timing, not asserted here: on a loaded machine one
+        # slow fp32 step made OneBit's 25% faster (benchmarks/auto_compression.py measures the
+        # choices; tests/multihost asserts PowerSGD's on a 100 Mbit/s link, where it is not close)
     # the checkpointed decisions are used again, not re-measured: every bucket stays chosen and counts on
     before, after = outs[0]["before"], outs[0]["after"]
     assert before and all(phase == "chosen" for phase, _, _ in before.values())
