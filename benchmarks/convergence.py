@@ -56,8 +56,8 @@ COMPRESSORS = {
     "onebit": C.OneBit, "efsign": C.EFSign, "topk": lambda: C.ErrorFeedback(C.TopK()),
     "randomk": lambda: C.ErrorFeedback(C.RandomK()), "auto": C.Auto,
 }
-# PowerSGD at other settings than its defaults: powersgd-r<rank>-w<start_iter>
-_POWERSGD_AT = re.compile(r"powersgd-r(\d+)-w(\d+)")
+# PowerSGD at other settings than its defaults: powersgd-r<rank >= 1>-w<start_iter>
+_POWERSGD_AT = re.compile(r"powersgd-r([1-9]\d*)-w(\d+)")
 
 
 def compressor_named(name: str):
@@ -254,7 +254,7 @@ def main() -> None:
         values = [v for v in getattr(args, field).split(",") if v]
         bad = [v for v in values if v not in known and not (field == "compressors" and _POWERSGD_AT.fullmatch(v))]
         if bad:
-            more = " or powersgd-r<rank>-w<start_iter>" if field == "compressors" else ""
+            more = " or powersgd-r<rank >= 1>-w<start_iter>" if field == "compressors" else ""
             p.error(f"--{field}: unknown {bad}; choose from {', '.join(known)}{more}")
         setattr(args, field, values)
     args.eval_every = args.eval_every or max(1, args.steps // 15)

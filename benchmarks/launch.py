@@ -4,6 +4,8 @@ default) vs started fresh (``SPARK_DL_ZYGOTE=0``).
 
     python benchmarks/launch.py [--runs 5] [--master 'local-cluster[2,1,1024]'] [--job trivial|step]
     python benchmarks/launch.py --local [--runs 5] [--job trivial|step]   # np=-2 on this machine, forked vs fresh ranks
+    python benchmarks/launch.py --back-to-back 4 [--runs 3]    # np=-2: runs right after a cold one, waiting
+                                                               # for the zygote or not
 
 All run on the same warm SparkSession, interleaved, so machine noise hits them alike. The job:
 init a Gloo process group, one barrier, return (``trivial``); or init, wrap a small model in DDP
@@ -79,13 +81,48 @@ def local(runs: int, job: str) -> None:
     print(f"ratio forked / fresh: {forked / fresh:.3f} ({fresh / forked:.1f}x faster)")
 
 
+def back_to_back(count: int, trials: int, job: str) -> None:
+    """np=-2: ``count`` runs one right after the other from a cold start (a zygote of their own),
+    the later ones waiting for the zygote still importing (the default) or starting fresh ranks
+    beside it (``READY_WAIT_S = 0``, as before the wait); the two interleaved over ``trials``."""
+    os.environ["SPARK_DL_TRACKING"] = "0"
+    from spark_dl import HorovodRunner
+    from spark_dl.task import zygote
+
+    fn, what = JOBS[job]
+    waits = {"wait for the zygote": zygote.READY_WAIT_S, "fresh beside it": 0.0}
+    times: dict[str, list[list[float]]] = {name: [] for name in waits}
+    seeds = iter(range(1000, 2000))
+    for _ in range(trials):
+        for name, wait in waits.items():
+            zygote.READY_WAIT_S = wait
+            env = {"PYTHONHASHSEED": str(next(seeds))}  # a start-up variable no zygote has: a cold start
+            row = []
+            for _ in range(count):
+                t = time.perf_counter()
+                assert HorovodRunner(np=-2, env=env).run(fn) == 0
+                row.append(time.perf_counter() - t)
+            times[name].append(row)
+    print(f"\n{trials} trials of {count} back-to-back local runs (np=-2), {what}; seconds per run, the first cold")
+    for name, rows in times.items():
+        med = [statistics.median(r[i] for r in rows) for i in range(count)]
+        print(f"{name:<22} median " + " ".join(f"{m:6.2f}" for m in med) + f"   total {sum(med):6.2f}")
+    total = {name: sum(statistics.median(r[i] for r in rows) for i in range(count)) for name, rows in times.items()}
+    print(f"ratio of the totals, waiting / fresh: {total['wait for the zygote'] / total['fresh beside it']:.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--master", default="local-cluster[2,1,1024]")
     parser.add_argument("--local", action="store_true", help="local mode (np=-2, no Spark): forked vs fresh ranks")
     parser.add_argument("--job", choices=sorted(JOBS), default="trivial")
+    parser.add_argument("--back-to-back", type=int, default=0, metavar="N",
+                        help="local mode: N runs right after a cold one, waiting for the zygote or not (--runs trials)")
     args = parser.parse_args()
+    if args.back_to_back:
+        back_to_back(args.back_to_back, args.runs, args.job)
+        return
     if args.local:
         local(args.runs, args.job)
         return

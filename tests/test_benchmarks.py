@@ -53,6 +53,16 @@ def test_compression_benchmark_runs_both_parts_or_says_why_not():
     assert "PowerSGD's memory floor on cpu: M = e + G" in table
 
 
+def test_launch_benchmark_compares_waiting_for_the_zygote_with_fresh_ranks():
+    done = _run("benchmarks/launch.py", "--back-to-back", "2", "--runs", "1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    for name in ("wait for the zygote", "fresh beside it"):
+        row = next(line for line in lines if line.startswith(name + " "))
+        assert len(row.split("median")[1].split("total")[0].split()) == 2, row  # a time per run
+    assert any(line.startswith("ratio of the totals, waiting / fresh: ") for line in lines), done.stdout
+
+
 def test_error_feedback_benchmark_prints_every_comparison():
     done = _run("benchmarks/error_feedback.py", "--numel", "100003", "--repeats", "1", "--port", "29671")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -152,17 +162,24 @@ def test_ddp_hooks_benchmark_compares_with_torchs_hooks():
 
 def test_convergence_benchmark_prints_a_row_per_compressor_optimizer_and_path():
     done = _run("benchmarks/convergence.py", "--seeds", "2", "--steps", "6", "--eval-every", "3",
-                "--compressors", "onebit,powersgd", "--optimizers", "sgd,recipe", "--paths", "hvd,ddp-overlap")
+                "--compressors", "onebit,powersgd,powersgd-r2-w3", "--optimizers", "sgd,recipe", "--paths",
+                "hvd,ddp-overlap")
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert lines[0].startswith("convergence: model=digits ranks=2 seeds=2 steps=6")
     assert lines[1].startswith("machine: ") and " UTC; commit " in lines[1]
-    for comp in ("none", "onebit", "powersgd"):  # the uncompressed reference is always run
+    for comp in ("none", "onebit", "powersgd", "powersgd-r2-w3"):  # the uncompressed reference is always run
         for opt in ("sgd", "recipe"):
             for path in ("hvd", "ddp-overlap"):
                 row = next(line for line in lines if line.split()[:3] == [comp, opt, path])
                 assert "±" in row, row
-    assert lines[-1] == "24 runs in " + lines[-1].split(" runs in ")[1]
+    # the settings reach PowerSGD: rank 2 after 3 uncompressed steps of 6 sends other bytes than rank 8 from the first
+    bytes_of = {line.split()[0]: int(line.split()[6].replace(",", "")) for line in lines
+                if line.split()[1:3] == ["sgd", "hvd"]}
+    assert bytes_of["powersgd-r2-w3"] != bytes_of["powersgd"], bytes_of
+    assert lines[-1] == "32 runs in " + lines[-1].split(" runs in ")[1]
+    bad = _run("benchmarks/convergence.py", "--compressors", "powersgd-r0-w1")
+    assert bad.returncode == 2 and "powersgd-r<rank >= 1>-w<start_iter>" in bad.stderr, bad.stderr[-2000:]
 
 
 def test_convergence_benchmark_says_what_auto_picked_in_each_run():
@@ -185,11 +202,11 @@ def test_stall_inspector_benchmark_prints_both_variants_and_a_reports_cost():
 
 
 def test_time_to_accuracy_benchmark_prints_a_row_per_configuration():
-    done = _run("benchmarks/time_to_accuracy.py", "--links", "loopback", "--configs", "fp32,powersgd:2", "--hidden",
-                "16", "--d-in", "8", "--target", "0.3", "--eval-every", "2", "--max-seconds", "60")
+    done = _run("benchmarks/time_to_accuracy.py", "--links", "loopback", "--configs", "fp32,powersgd:2,powersgd:2:3",
+                "--hidden", "16", "--d-in", "8", "--target", "0.3", "--eval-every", "2", "--max-seconds", "60")
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("spark-dl DDP ")]
-    assert [r.split()[2] for r in rows] == ["fp32", "powersgd:2"], done.stdout
+    assert [r.split()[2] for r in rows] == ["fp32", "powersgd:2", "powersgd:2:3"], done.stdout
     assert all(" s " in r for r in rows)
 
 

@@ -4,7 +4,7 @@ A rank in a fresh interpreter spends about 1.2 s of CPU importing torch before i
 of ``main``. The first run in a Spark Python worker (or, in local mode, on the driver) starts its
 ranks that way and, once they have exited, a *zygote*: a single-threaded interpreter that imports
 torch, numpy and spark-dl's rank side once, then waits. Later runs in the same process ask it to
-fork their ranks, which start in milliseconds.
+fork their ranks, which start in milliseconds; one that finds it still importing waits for it.
 
 A fork is only used where it is indistinguishable from a fresh start for the rank's code: the
 variables read when an interpreter or a library starts (``PYTHON*``, ``LD_*``, ``MALLOC_*``,
@@ -30,6 +30,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 from spark_dl import protocol
 
@@ -40,6 +41,11 @@ STARTUP_PREFIXES = ("PYTHON", "LD_", "MALLOC", "THP_", "OMP_", "KMP_", "GOMP_", 
                     "JEMALLOC", "TORCH_", "CUBLAS", "CUDA_MODULE_LOADING")
 _MAX_REQUEST = 4 << 20
 FORK_REPLY_S = 30.0
+# How long a run waits for its process's zygote to finish importing. A run right after the first
+# in a Python worker found it still importing (a 1-core executor: 4-8 s, beside the run's own
+# fresh ranks) and started fresh ranks beside it, so both imports shared the core: the second
+# and third runs on a 2-host cluster each took 3.5-4.4 s to start, the fourth 0.7 s.
+READY_WAIT_S = 20.0
 
 
 def startup_env(env: dict[str, str]) -> dict[str, str]:
@@ -96,6 +102,7 @@ class Zygote:
         self._dead = threading.Event()
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._proc: subprocess.Popen | None = None
+        self.patience_spent = False  # a run gave up waiting for it once (fork_rank)
         threading.Thread(target=self._keep, args=(env, theirs), name="spark-dl-zygote", daemon=True).start()
 
     def _keep(self, env: dict[str, str], theirs: socket.socket) -> None:
@@ -126,7 +133,14 @@ class Zygote:
             self._ready.clear()
 
     def wait_ready(self, timeout: float) -> bool:
-        return self._ready.wait(timeout) and self.alive
+        """Whether it is ready, waiting up to ``timeout`` seconds; False at once if it dies meanwhile."""
+        deadline = time.monotonic() + timeout
+        while not self._ready.is_set() and not self._dead.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._ready.wait(min(left, 0.05))
+        return self._ready.is_set() and self.alive
 
     @property
     def alive(self) -> bool:
@@ -181,9 +195,14 @@ def _usable(env: dict[str, str]) -> bool:
 
 def fork_rank(env: dict[str, str], job_id: str) -> ForkedRank | None:
     """Fork a rank of job ``job_id`` with ``env`` from this process's zygote; None where there
-    is none ready for ``env`` (the caller then starts the rank fresh)."""
+    is none for ``env`` (the caller then starts the rank fresh). A zygote still importing is
+    waited for, up to ``READY_WAIT_S`` (once per zygote): a fresh rank would import the same
+    modules on the same cores, slowing both, and the zygote started first."""
     z = _zygote
     if z is None or not z.alive or z.startup != startup_env(env) or not _usable(env):
+        return None
+    if not z.patience_spent and not z.wait_ready(READY_WAIT_S):
+        z.patience_spent = True  # stuck or far too slow: later runs start fresh until it is ready
         return None
     return z.fork(env, job_id)
 

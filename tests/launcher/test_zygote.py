@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -94,6 +95,54 @@ def test_a_zygote_killed_between_runs_means_fresh_ranks_then_a_new_zygote():
     assert not any(o["forked"] for o in outs)
     assert zygote.wait_ready(60) and zygote._zygote is not z
     assert all(o["forked"] for o in HorovodRunner(np=-2).run_all(rank_facts))
+
+
+# a zygote that takes ZYGOTE_TEST_SLOW_IMPORT more seconds to start (ranks started fresh do not)
+SLOW_ZYGOTE_SITE = """
+import os, time
+if os.environ.get("ZYGOTE_TEST_SLOW_IMPORT"):
+    with open("/proc/self/cmdline", "rb") as f:
+        if b"spark_dl.task.zygote" in f.read():
+            time.sleep(float(os.environ["ZYGOTE_TEST_SLOW_IMPORT"]))
+"""
+
+
+def _slow_zygote_env(tmp_path, seconds: float, seed: str) -> dict[str, str]:
+    (tmp_path / "sitecustomize.py").write_text(SLOW_ZYGOTE_SITE)
+    # PYTHONHASHSEED of its own: a zygote for these runs alone, not one an earlier test started
+    return {"PYTHONPATH": str(tmp_path), "ZYGOTE_TEST_SLOW_IMPORT": str(seconds), "PYTHONHASHSEED": seed}
+
+
+def test_a_run_right_after_the_first_waits_for_the_zygote_still_importing(tmp_path):
+    env = _slow_zygote_env(tmp_path, 3, "4711")
+    first = HorovodRunner(np=-2, env=env).run_all(rank_facts)
+    assert not any(o["forked"] for o in first)
+    # the zygote is still in its 3 s: started fresh, the ranks would import beside it on the same cores
+    assert not zygote.wait_ready(0)
+    second = HorovodRunner(np=-2, env=env).run_all(rank_facts)
+    assert all(o["forked"] for o in second), "a run should wait for a zygote that is still importing"
+
+
+def test_a_zygote_dying_while_a_run_waits_for_it_means_fresh_ranks_at_once(tmp_path):
+    env = _slow_zygote_env(tmp_path, 60, "4712")
+    HorovodRunner(np=-2, env=env).run_all(rank_facts)
+    z = zygote._zygote
+    deadline = time.monotonic() + 10
+    while z._proc is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+    def kill_soon():
+        time.sleep(1)
+        os.kill(z._proc.pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_soon)
+    killer.start()
+    started = time.monotonic()
+    outs = HorovodRunner(np=-2, env=env).run_all(rank_facts)
+    killer.join()
+    assert not any(o["forked"] for o in outs)
+    # the wait ended with the zygote, not at READY_WAIT_S
+    assert time.monotonic() - started < zygote.READY_WAIT_S, time.monotonic() - started
 
 
 def test_a_zygote_killed_during_a_run_fails_it_clearly_and_leaves_nothing(tmp_path):
