@@ -1727,7 +1727,7 @@ AVX2FMA static void pj_update_avx2(const pj_args *A, int64_t i, int64_t len) {
     pj_update_scalar(A, i, end, len);
 }
 
-/* r = 4, PowerSGD's default: the update and the four dots in one loop, M never reloaded. */
+/* r = 4: the update and the four dots in one loop, M never reloaded. */
 static inline __attribute__((always_inline)) AVX2FMA void pj_row4_avx2(const pj_args *A, int64_t i, int64_t len,
                                                                       const int mode) {
     const int64_t C = A->cols, end = len & ~(int64_t)7;

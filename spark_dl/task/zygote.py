@@ -41,10 +41,9 @@ STARTUP_PREFIXES = ("PYTHON", "LD_", "MALLOC", "THP_", "OMP_", "KMP_", "GOMP_", 
                     "JEMALLOC", "TORCH_", "CUBLAS", "CUDA_MODULE_LOADING")
 _MAX_REQUEST = 4 << 20
 FORK_REPLY_S = 30.0
-# How long a run waits for its process's zygote to finish importing. A run right after the first
-# in a Python worker found it still importing (a 1-core executor: 4-8 s, beside the run's own
-# fresh ranks) and started fresh ranks beside it, so both imports shared the core: the second
-# and third runs on a 2-host cluster each took 3.5-4.4 s to start, the fourth 0.7 s.
+# How long a run waits for its process's zygote to finish importing. Fresh ranks started beside a
+# zygote still importing share the cores with it, and the run after them can find it still not
+# ready (benchmarks/launch.py --back-to-back: the third of four back-to-back runs 3.17 s, not 0.79).
 READY_WAIT_S = 20.0
 
 
