@@ -30,6 +30,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from spark_dl.errors import TrackingWarning
+from spark_dl.tracking.driver.store_check import is_local_store
 from spark_dl.tracking.params import param_value
 
 MAX_BATCH = 1000
@@ -103,8 +104,7 @@ class MlflowWriter:
         self._written = False  # some call to the store has succeeded
         # a local store's first write creates it (a new SQLite file runs MLflow's schema migrations,
         # seconds on a busy machine): slow, not silent, so it is not cut off at grace_s
-        scheme = urlparse(tracking_uri).scheme  # "databricks" alone has none, and is a server
-        self._local = scheme in ("file", "sqlite") or (not scheme and not tracking_uri.startswith("databricks"))
+        self._local = is_local_store(tracking_uri)
         self._next_try = 0.0
         self._last_progress = time.monotonic()
         self._last_error: BaseException | None = None

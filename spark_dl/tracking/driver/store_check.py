@@ -166,6 +166,14 @@ def _unusable(uri: str, e: BaseException) -> LaunchRefused:
 
 
 # -- the URI -------------------------------------------------------------------------------------
+def is_local_store(uri: str) -> bool:
+    """Whether ``uri`` is a store on this machine's disk, as :func:`check_store` classifies them: a
+    SQLite file or a file store (``"databricks"`` alone has no scheme either, and is a server)."""
+    scheme = _scheme(uri)
+    return scheme == "sqlite" or scheme.startswith("sqlite+") or (scheme in ("", "file")
+                                                                  and not uri.startswith("databricks"))
+
+
 def _scheme(uri: str) -> str:
     try:
         from mlflow.utils.uri import get_uri_scheme
