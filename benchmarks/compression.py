@@ -156,7 +156,9 @@ def rank_main(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     import spark_dl.compression as C
+    from spark_dl.rank import allocator
 
+    allocator.tune()  # as in the launcher's rank processes (SPARK_DL_MALLOC=0: glibc's defaults)
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{args.port}",
                             rank=args.rank, world_size=2, timeout=timedelta(seconds=600))

@@ -168,4 +168,5 @@ HOROVOD_IMPORTS_ENV = "SPARK_DL_HOROVOD_IMPORTS"  # "0": `import horovod` is not
 HVD_CHECKS_ENV = "SPARK_DL_HVD_CHECKS"
 HVD_JOIN_ENV = "SPARK_DL_HVD_JOIN"
 NATIVE_ENV = "SPARK_DL_NATIVE"
+MALLOC_ENV = "SPARK_DL_MALLOC"  # "0": glibc malloc in the ranks as it is (spark_dl.rank.allocator)
 RAY_STORAGE_ENV = "SPARK_DL_RAY_STORAGE"

@@ -256,6 +256,9 @@ def main(task_pid: int | None = None) -> int:
     sys.stdin.close()
     sys.stdin = open(os.devnull)
     os.environ.update(boot["env"])
+    from spark_dl.rank import allocator
+
+    allocator.tune()  # before main allocates anything large
     from spark_dl.compat.horovod_imports import install_in_rank
 
     install_in_rank()  # before the payload is unpickled: it may name horovod.torch

@@ -115,6 +115,23 @@ def _start_rank_process(job_id: str, spawn_env: dict[str, str] | None = None) ->
     )
 
 
+def _start_zygote_during(procs: list, spawn_env: dict[str, str]) -> threading.Event:
+    """Start this process's zygote once a run of fresh ranks has gone on for
+    ``zygote.EARLY_START_S`` (the ranks' own imports are over by then), unless the returned event
+    is set first: the run after a long one then forks its ranks at once instead of waiting for a
+    zygote that only started when this run ended."""
+    ended = threading.Event()
+    if all(isinstance(p, ForkedRank) for p in procs):
+        return ended
+
+    def later() -> None:
+        if not ended.wait(zygote.EARLY_START_S):
+            zygote.prepare(_rank_process_env(spawn_env))
+
+    threading.Thread(target=later, name="spark-dl-zygote-early", daemon=True).start()
+    return ended
+
+
 def _warn_if_names_are_slow(first: RankSpec, sender: "_Sender") -> None:
     """Tell the driver, in local rank 0's log, if this host's resolver keeps torch's store waiting."""
     warning = slow_reverse_lookup(first.master_addr, first.host)
@@ -278,6 +295,7 @@ def run_task(spec: JobSpec, partition: int, host: str, rendezvous: Callable[[Gat
 
     statuses: list[dict] = []
     waiters = []
+    early = threading.Event()
     # the ranks' temporary files (unpacked checkpoints...) go here, so a rank killed mid-way leaves
     # nothing behind on the executor's disk: removed below, once every rank has exited
     scratch = tempfile.mkdtemp(prefix=f"{spec.job_id}-ranks-")
@@ -331,6 +349,7 @@ def run_task(spec: JobSpec, partition: int, host: str, rendezvous: Callable[[Gat
                 t.start()
             waiters.append((proc, r, pumps))
 
+        early = _start_zygote_during(procs, spawn_env)
         for proc, r, pumps in waiters:
             code = proc.wait()
             # children the rank left behind die with it, first: one that inherited its stdout or
@@ -342,6 +361,7 @@ def run_task(spec: JobSpec, partition: int, host: str, rendezvous: Callable[[Gat
             statuses.append(status)
             sender.q.put((protocol.EXIT, status))
     finally:
+        early.set()
         shutil.rmtree(scratch, ignore_errors=True)
     if sampler is not None:
         sampler.stop()

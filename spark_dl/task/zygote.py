@@ -2,9 +2,10 @@
 
 A rank in a fresh interpreter spends about 1.2 s of CPU importing torch before it can run a line
 of ``main``. The first run in a Spark Python worker (or, in local mode, on the driver) starts its
-ranks that way and, once they have exited, a *zygote*: a single-threaded interpreter that imports
-torch, numpy and spark-dl's rank side once, then waits. Later runs in the same process ask it to
-fork their ranks, which start in milliseconds; one that finds it still importing waits for it.
+ranks that way and, once they have exited or ``EARLY_START_S`` into the run if sooner, a *zygote*: a
+single-threaded interpreter that imports torch, numpy and spark-dl's rank side once, then waits.
+Later runs in the same process ask it to fork their ranks, which start in milliseconds; one that
+finds it still importing waits for it.
 
 A fork is only used where it is indistinguishable from a fresh start for the rank's code: the
 variables read when an interpreter or a library starts (``PYTHON*``, ``LD_*``, ``MALLOC_*``,
@@ -45,6 +46,11 @@ FORK_REPLY_S = 30.0
 # zygote still importing share the cores with it, and the run after them can find it still not
 # ready (benchmarks/launch.py --back-to-back: the third of four back-to-back runs 3.17 s, not 0.79).
 READY_WAIT_S = 20.0
+# How long a run of fresh ranks goes on before its task starts the zygote beside it (its imports at
+# the lowest priority): the ranks' own imports are over by then, and the run after a long one finds
+# the zygote ready instead of waiting for it to import (benchmarks/time_to_accuracy.py: the run after
+# an 80 s one started and returned in 0.7 s instead of 4.9 s).
+EARLY_START_S = 10.0
 
 
 def startup_env(env: dict[str, str]) -> dict[str, str]:
@@ -208,7 +214,9 @@ def fork_rank(env: dict[str, str], job_id: str) -> ForkedRank | None:
 
 def prepare(env: dict[str, str]) -> None:
     """Have a zygote for ``env`` ready for this process's next run. Called once a run's ranks
-    have exited, so its imports do not compete with theirs for the cores. Replaces a zygote
+    have exited, or ``EARLY_START_S`` into a run of fresh ranks, so its imports do not compete with
+    theirs for the cores (starting it beside ranks still importing made a first run 7.4 s instead
+    of 4.0-4.7 s). Replaces a zygote
     started with other startup variables (the last run's environment wins)."""
     global _zygote
     if not _usable(env):

@@ -123,6 +123,64 @@ def test_a_run_right_after_the_first_waits_for_the_zygote_still_importing(tmp_pa
     assert all(o["forked"] for o in second), "a run should wait for a zygote that is still importing"
 
 
+def zygote_of_my_task(seed: str, within: float = 60.0) -> bool:
+    """Whether, within ``within`` seconds, the task that started this rank has a zygote started
+    with ``PYTHONHASHSEED=seed`` (in local mode the task is the driver, the zygote its child).
+    The ranks leave together: in local mode each rank has a task of its own, and a task whose
+    rank has exited starts its zygote."""
+    import torch.distributed as dist
+
+    import spark_dl
+
+    spark_dl.init()
+    try:
+        return _zygote_of_my_task(seed, within)
+    finally:
+        dist.barrier()
+
+
+def _zygote_of_my_task(seed: str, within: float) -> bool:
+    import os
+    import time
+
+    task = os.environ["SPARK_DL_TASK_PID"]
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read()
+                with open(f"/proc/{pid}/stat") as f:
+                    ppid = f.read().rsplit(")", 1)[1].split()[1]
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    env = f.read().split(b"\0")
+            except OSError:
+                continue
+            if b"spark_dl.task.zygote" in cmd and ppid == task and f"PYTHONHASHSEED={seed}".encode() in env:
+                return True
+        time.sleep(0.2)
+    return False
+
+
+def test_a_long_run_of_fresh_ranks_starts_the_zygote_while_it_runs(monkeypatch):
+    """The run after a long one should not wait for a zygote that starts importing only when the
+    long one ends: it starts EARLY_START_S into a run of fresh ranks."""
+    monkeypatch.setattr(zygote, "EARLY_START_S", 1.0)
+    started = time.monotonic()
+    found = HorovodRunner(np=-2, env={"PYTHONHASHSEED": "4714"}).run_all(zygote_of_my_task, seed="4714")
+    assert all(found), "no zygote for this run's environment appeared while it ran"
+    assert time.monotonic() - started < 60
+    assert zygote.wait_ready(60)
+    assert all(o["forked"] for o in HorovodRunner(np=-2, env={"PYTHONHASHSEED": "4714"}).run_all(rank_facts))
+
+
+def test_a_short_run_starts_the_zygote_only_when_it_ends(monkeypatch):
+    monkeypatch.setattr(zygote, "EARLY_START_S", 30.0)
+    found = HorovodRunner(np=-2, env={"PYTHONHASHSEED": "4715"}).run_all(zygote_of_my_task, seed="4715", within=2.0)
+    assert not any(found)
+    assert zygote.wait_ready(60)  # started when it ended
+
+
 def test_a_zygote_dying_while_a_run_waits_for_it_means_fresh_ranks_at_once(tmp_path):
     env = _slow_zygote_env(tmp_path, 60, "4712")
     HorovodRunner(np=-2, env=env).run_all(rank_facts)
