@@ -5,9 +5,9 @@ Trains one model per (compressor, optimizer, path, seed) on --ranks local Gloo p
 per compressor x optimizer x path, the final test accuracy (mean and std over the seeds), the
 bytes each rank sent per step, and the steps it took to reach the uncompressed run's mean final
 accuracy (``-``: never within --steps). Every compressor runs at its defaults with the
-hyperparameters of the uncompressed run; ``powersgd-rR-wS`` is PowerSGD at rank R with S
-uncompressed warm-up steps (``powersgd-r4-w10``: ``PowerSGD(rank=4, start_iter=10)``), to compare
-settings with the defaults.
+hyperparameters of the uncompressed run; ``powersgd-rR[-wS]`` is PowerSGD at rank R with S
+uncompressed warm-up steps (``powersgd-r4-w10``: ``PowerSGD(rank=4, start_iter=10)``; the syntax of
+every benchmark here, ``benchmarks/powersgd_names.py``), to compare settings with the defaults.
 
 Paths: ``hvd`` is ``spark_dl.horovod.DistributedOptimizer(opt, compression=c)``; ``ddp`` and
 ``ddp-overlap`` are ``DistributedDataParallel`` with ``make_ddp_hook(c, optimizer=opt)`` (with
@@ -34,7 +34,6 @@ import datetime
 import math
 import os
 import platform
-import re
 import socket
 import subprocess
 import sys
@@ -48,6 +47,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import powersgd_names  # noqa: E402
+
 import spark_dl.compression as C  # noqa: E402
 
 COMPRESSORS = {
@@ -56,15 +58,13 @@ COMPRESSORS = {
     "onebit": C.OneBit, "efsign": C.EFSign, "topk": lambda: C.ErrorFeedback(C.TopK()),
     "randomk": lambda: C.ErrorFeedback(C.RandomK()), "auto": C.Auto,
 }
-# PowerSGD at other settings than its defaults: powersgd-r<rank >= 1>-w<start_iter>
-_POWERSGD_AT = re.compile(r"powersgd-r([1-9]\d*)-w(\d+)")
 
 
 def compressor_named(name: str):
-    """A fresh compressor for a --compressors name."""
-    at = _POWERSGD_AT.fullmatch(name)
-    if at:
-        return C.PowerSGD(rank=int(at[1]), start_iter=int(at[2]))
+    """A fresh compressor for a --compressors name (PowerSGD's settings: benchmarks/powersgd_names.py)."""
+    at = powersgd_names.settings(name)
+    if at is not None:
+        return C.PowerSGD(**at)
     return COMPRESSORS[name]()
 
 
@@ -252,9 +252,10 @@ def main() -> None:
     args = p.parse_args()
     for field, known in (("compressors", COMPRESSORS), ("optimizers", OPTIMIZERS), ("paths", PATHS)):
         values = [v for v in getattr(args, field).split(",") if v]
-        bad = [v for v in values if v not in known and not (field == "compressors" and _POWERSGD_AT.fullmatch(v))]
+        bad = [v for v in values
+               if v not in known and not (field == "compressors" and powersgd_names.settings(v) is not None)]
         if bad:
-            more = " or powersgd-r<rank >= 1>-w<start_iter>" if field == "compressors" else ""
+            more = f" or {powersgd_names.SYNTAX}" if field == "compressors" else ""
             p.error(f"--{field}: unknown {bad}; choose from {', '.join(known)}{more}")
         setattr(args, field, values)
     args.eval_every = args.eval_every or max(1, args.steps // 15)

@@ -10,8 +10,8 @@ own, one task slot each, links shaped to the rate) or, for ``loopback``, ``local
 an MLP (``--d-in`` -> ``--hidden`` -> ``--hidden`` -> 10; 10.3M parameters at the defaults) on
 generated data with a learnable signal (labels: the argmax of a fixed random linear map of the
 inputs); nothing is downloaded. SGD with momentum 0.9, the same hyperparameters for every
-configuration (``powersgd`` is ``PowerSGD()`` at its defaults, ``powersgd:4`` at rank 4 and
-``powersgd:4:10`` at rank 4 after 10 uncompressed steps). Every ``--eval-every``
+configuration (``powersgd`` is ``PowerSGD()`` at its defaults, ``powersgd-r4`` at rank 4 and
+``powersgd-r4-w10`` at rank 4 after 10 uncompressed steps: ``benchmarks/powersgd_names.py``). Every ``--eval-every``
 steps the ranks measure the test accuracy, each on its share of the 2000 test rows; a run stops
 at the target (or ``--max-seconds``). The clock runs from the ``run()`` call to its return. Ratios
 are against the peer on the same link, measured in the same run.
@@ -22,7 +22,6 @@ import argparse
 import datetime
 import os
 import platform
-import re
 import subprocess
 import sys
 import time
@@ -31,9 +30,9 @@ os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("SPARK_DL_TRACKING", "0")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import powersgd_names  # noqa: E402
 
-# PowerSGD at a rank R >= 1, and S >= 0 uncompressed steps first: powersgd:R or powersgd:R:S
-_POWERSGD_AT = re.compile(r"powersgd:0*[1-9]\d*(:\d+)?")
 CONFIGS = ("peer", "fp32", "fp16", "powersgd", "qsgd", "onebit", "auto")
 
 
@@ -64,13 +63,14 @@ def train(cfg: dict) -> dict:
                                 torch.nn.ReLU(), torch.nn.Linear(hidden, 10))
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=cfg["lr"], momentum=0.9)
-    name, *at = cfg["compression"].split(":")  # powersgd:R[:S] is PowerSGD(rank=R, start_iter=S)
+    name = cfg["compression"]
     if name != "fp32":
         from spark_dl.compression import FP16, QSGD, OneBit, PowerSGD, make_ddp_hook
 
-        settings = dict(zip(("rank", "start_iter"), map(int, at)))
-        compressor = {"fp16": FP16, "powersgd": lambda: PowerSGD(**settings), "qsgd": QSGD, "onebit": OneBit,
-                      "auto": lambda: "auto"}[name]()
+        if cfg.get("powersgd") is not None:  # its settings, read on the driver (powersgd_names.py)
+            compressor = PowerSGD(**cfg["powersgd"])
+        else:
+            compressor = {"fp16": FP16, "qsgd": QSGD, "onebit": OneBit, "auto": lambda: "auto"}[name]()
         ddp.register_comm_hook(*make_ddp_hook(compressor, optimizer=opt))
     data = torch.Generator().manual_seed(100 + rank)
     # each rank scores its share of the test set and the counts are summed, as a distributed
@@ -113,7 +113,8 @@ def run_config(config: str, cfg: dict) -> tuple[float, dict]:
     else:
         from spark_dl import HorovodRunner
 
-        out = HorovodRunner(np=2).run(train, {**cfg, "compression": config})
+        out = HorovodRunner(np=2).run(train, {**cfg, "compression": config,
+                                              "powersgd": powersgd_names.settings(config)})
     return time.monotonic() - started, out
 
 
@@ -175,14 +176,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--links", default="1000,100,loopback", help="Mbit/s of the shaped link, or loopback")
     parser.add_argument("--configs", default="peer,fp32,fp16,powersgd,qsgd",
-                        help=f"of {','.join(CONFIGS)}; powersgd:R[:S] for PowerSGD(rank=R, start_iter=S)")
+                        help=f"of {','.join(CONFIGS)}; {powersgd_names.SYNTAX} for PowerSGD(rank=R, start_iter=S)")
     add_run_arguments(parser)
     args = parser.parse_args()
     configs = [c for c in args.configs.split(",") if c]
-    unknown = [c for c in configs if not (c in CONFIGS or _POWERSGD_AT.fullmatch(c))]
+    unknown = [c for c in configs if not (c in CONFIGS or powersgd_names.settings(c) is not None)]
     if unknown:
-        parser.error(f"unknown configs {unknown}; known: {CONFIGS}, and powersgd:R[:S] for a rank R >= 1 and "
-                     "S >= 0 uncompressed steps first")
+        parser.error(f"unknown configs {unknown}; known: {CONFIGS}, and {powersgd_names.SYNTAX} for PowerSGD at "
+                     "a rank R >= 1 after S >= 0 uncompressed steps")
     cfg = run_settings(args)
     for link in [x for x in args.links.split(",") if x]:
         rows = measure(link, configs, cfg)

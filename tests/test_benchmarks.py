@@ -179,7 +179,7 @@ def test_convergence_benchmark_prints_a_row_per_compressor_optimizer_and_path():
     assert bytes_of["powersgd-r2-w3"] != bytes_of["powersgd"], bytes_of
     assert lines[-1] == "32 runs in " + lines[-1].split(" runs in ")[1]
     bad = _run("benchmarks/convergence.py", "--compressors", "powersgd-r0-w1")
-    assert bad.returncode == 2 and "powersgd-r<rank >= 1>-w<start_iter>" in bad.stderr, bad.stderr[-2000:]
+    assert bad.returncode == 2 and "powersgd-r<rank >= 1>[-w<start_iter>]" in bad.stderr, bad.stderr[-2000:]
 
 
 def test_convergence_benchmark_says_what_auto_picked_in_each_run():
@@ -202,12 +202,27 @@ def test_stall_inspector_benchmark_prints_both_variants_and_a_reports_cost():
 
 
 def test_time_to_accuracy_benchmark_prints_a_row_per_configuration():
-    done = _run("benchmarks/time_to_accuracy.py", "--links", "loopback", "--configs", "fp32,powersgd:2,powersgd:2:3",
+    done = _run("benchmarks/time_to_accuracy.py", "--links", "loopback", "--configs", "fp32,powersgd-r2,powersgd-r2-w3",
                 "--hidden", "16", "--d-in", "8", "--target", "0.3", "--eval-every", "2", "--max-seconds", "60")
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("spark-dl DDP ")]
-    assert [r.split()[2] for r in rows] == ["fp32", "powersgd:2", "powersgd:2:3"], done.stdout
+    assert [r.split()[2] for r in rows] == ["fp32", "powersgd-r2", "powersgd-r2-w3"], done.stdout
     assert all(" s " in r for r in rows)
+
+
+def test_every_benchmark_names_powersgds_settings_one_way():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from powersgd_names import settings
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert settings("powersgd") == {}
+    assert settings("powersgd-r8") == {"rank": 8}
+    assert settings("powersgd-r4-w10") == {"rank": 4, "start_iter": 10}
+    for other in ("powersgd-r0", "powersgd-r4-w", "powersgd:4", "powersgd-w3", "qsgd"):
+        assert settings(other) is None, other
+    bad = _run("benchmarks/time_to_accuracy.py", "--links", "loopback", "--configs", "fp32,powersgd:4")
+    assert bad.returncode == 2 and "powersgd-r<rank >= 1>[-w<start_iter>]" in bad.stderr, bad.stderr[-2000:]
 
 
 def test_auto_compression_benchmark_compares_auto_with_fp32_and_the_hand_picked_ones():
