@@ -4,10 +4,10 @@ the kernel.
 glibc serves a block above its mmap threshold (dynamic, at most 32 MB) with a fresh ``mmap`` and
 unmaps it when it is freed, so a tensor of that size allocated every step (a gradient after
 ``zero_grad()``, which sets it to ``None``; a layer's activations; a collective's buffer) costs
-its page faults and the kernel's zeroing every step again: about 21 ms of a 170 ms step for the
-10.3M-parameter MLP of ``benchmarks/time_to_accuracy.py`` (``benchmarks/allocator.py``). PyTorch's
-own CPU launcher (``torch.backends.xeon.run_cpu``) swaps in jemalloc or tcmalloc for the same
-reason; a rank cannot load another allocator after it started (a zygote-forked rank never
+its page faults and the kernel's zeroing every step again: about 16 ms of a 169 ms DDP PowerSGD
+step of the 10.3M-parameter MLP of ``benchmarks/time_to_accuracy.py`` (``benchmarks/allocator.py``).
+PyTorch's own CPU launcher (``torch.backends.xeon.run_cpu``) preloads tcmalloc (or jemalloc) for
+the same reason; a rank cannot load another allocator after it started (a zygote-forked rank never
 starts), so spark-dl tells glibc, in every rank, through ``mallopt``:
 
 - ``M_MMAP_MAX = 0``: no block comes from its own ``mmap``; all come from the heap, where a freed
@@ -17,9 +17,11 @@ starts), so spark-dl tells glibc, in every rank, through ``mallopt``:
 
 The cost: a rank's resident memory stays near its peak (freed memory is kept for reuse, up to
 1 GiB of it at the heap's top). ``SPARK_DL_MALLOC=0`` (in ``env=``, or the executor's or driver's
-environment) leaves glibc as it is, and so does any ``MALLOC_*`` variable or
-``glibc.malloc`` tunable of the user's own, or another allocator in ``LD_PRELOAD``: their
-settings win. Elsewhere than glibc (musl, macOS) nothing changes.
+environment) leaves glibc as it is, and so do the user's own settings of what this sets (the
+``MALLOC_MMAP_MAX_``, ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_`` and ``MALLOC_TOP_PAD_``
+variables or their ``glibc.malloc`` tunables) and another allocator in ``LD_PRELOAD``: theirs win.
+Other glibc settings, such as the ``MALLOC_ARENA_MAX`` that YARN's NodeManager passes to its
+containers, apply beside these. Elsewhere than glibc (musl, macOS) nothing changes.
 """
 from __future__ import annotations
 
@@ -33,6 +35,10 @@ M_TRIM_THRESHOLD = -1  # glibc's <malloc.h>
 M_MMAP_MAX = -4
 TRIM_THRESHOLD = 1 << 30
 OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc", "hoard", "snmalloc")
+# the user's own settings of what tune() sets, as variables and as GLIBC_TUNABLES names
+USER_VARIABLES = ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+USER_TUNABLES = ("glibc.malloc.mmap_max", "glibc.malloc.mmap_threshold", "glibc.malloc.trim_threshold",
+                 "glibc.malloc.top_pad")
 
 
 def choice(env: Mapping[str, str]) -> str:
@@ -41,7 +47,8 @@ def choice(env: Mapping[str, str]) -> str:
     ``"not glibc"``."""
     if env.get(protocol.MALLOC_ENV, "1").strip().lower() in ("0", "off", "false", "no"):
         return "off"
-    if any(k.startswith("MALLOC_") for k in env) or "glibc.malloc" in env.get("GLIBC_TUNABLES", ""):
+    tunables = env.get("GLIBC_TUNABLES", "")
+    if any(k in env for k in USER_VARIABLES) or any(t in tunables for t in USER_TUNABLES):
         return "user"
     if any(a in env.get("LD_PRELOAD", "") for a in OTHER_ALLOCATORS):
         return "user"

@@ -35,8 +35,9 @@ def churn(cycles: int = 5) -> dict:
             "choice": allocator.choice(os.environ)}
 
 
-@pytest.mark.parametrize("env", [{}, {"LD_PRELOAD": "", "PATH": "/bin"}])
-def test_choice_is_reuse_by_default(env):
+@pytest.mark.parametrize("env", [{}, {"LD_PRELOAD": "", "PATH": "/bin"}, {"MALLOC_ARENA_MAX": "4"},
+                                 {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}])
+def test_choice_is_reuse_by_default_and_beside_other_malloc_settings(env):
     assert allocator.choice(env) == "reuse"
 
 
@@ -46,9 +47,12 @@ def test_choice_off(value):
 
 
 @pytest.mark.parametrize("env", [
-    {"MALLOC_ARENA_MAX": "2"},
     {"MALLOC_MMAP_THRESHOLD_": "131072"},
+    {"MALLOC_TRIM_THRESHOLD_": "0"},
+    {"MALLOC_MMAP_MAX_": "65536"},
+    {"MALLOC_TOP_PAD_": "0"},
     {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"},
+    {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.mmap_max=8"},
     {"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"},
     {"LD_PRELOAD": "/opt/gperftools/lib/libtcmalloc_minimal.so.4"},
 ])
@@ -90,6 +94,6 @@ def test_switched_off_a_rank_faults_as_glibc_does():
 
 
 def test_users_malloc_variable_leaves_glibc_alone():
-    out = HorovodRunner(np=-2, env={"MALLOC_ARENA_MAX": "4"}).run(churn)
+    out = HorovodRunner(np=-2, env={"MALLOC_TRIM_THRESHOLD_": "131072"}).run(churn)
     assert out["choice"] == "user"
     assert out["faults"] >= 5 * HUGE_PAGES, out
