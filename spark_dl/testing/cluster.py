@@ -191,6 +191,36 @@ def running(workers: int = 2, **kwargs: Any) -> Iterator[Cluster]:
 
 
 _CLUSTERS = itertools.count()
+FIRST_SUBNET, SUBNETS = 100, 150  # clusters take 10.213.100.0/24 to 10.213.249.0/24
+
+
+def subnets_in_use() -> dict[int, str]:
+    """The third octets of the 10.213.N.0/24 subnets an interface here already holds, with the
+    interface: a cluster whose owner was killed before ``down()`` leaves its bridge and address."""
+    out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True).stdout
+    used = {}
+    for line in out.splitlines():
+        fields = line.split()
+        if len(fields) > 3 and fields[2] == "inet" and fields[3].startswith("10.213."):
+            used[int(fields[3].split(".")[2])] = fields[1]
+    return used
+
+
+def _free_subnet(asked: int | None, start: int) -> int:
+    """``asked`` if no interface holds it, else the first free one from ``start`` on."""
+    used = subnets_in_use()
+    if asked is not None:
+        if asked in used:
+            raise ClusterUnavailable(f"10.213.{asked}.0/24 is already on interface {used[asked]} (a cluster left "
+                                     f"behind?): remove it with `ip link del {used[asked]}` or pass another subnet")
+        return asked
+    for k in range(SUBNETS):
+        subnet = FIRST_SUBNET + (start + k) % SUBNETS
+        if subnet not in used:
+            return subnet
+    last = FIRST_SUBNET + SUBNETS - 1
+    raise ClusterUnavailable(f"every subnet from 10.213.{FIRST_SUBNET}.0/24 to 10.213.{last}.0/24 is on an interface "
+                             "here (clusters left behind?): remove the stale sdlbr* bridges with `ip link del`")
 
 
 def up(workers: int = 2, *, cores: int = 1, memory_mb: int = 1024, rate_mbit: float | None = None,
@@ -204,7 +234,7 @@ def up(workers: int = 2, *, cores: int = 1, memory_mb: int = 1024, rate_mbit: fl
     # unique per cluster: a process may bring up several in turn (a benchmark, one per link)
     n = next(_CLUSTERS)
     tag = f"{os.getpid() % 100000}{n % 10}"
-    subnet = subnet if subnet is not None else 100 + (os.getpid() + n) % 150
+    subnet = _free_subnet(subnet, (os.getpid() + n) % SUBNETS)
     log_dir = log_dir or tempfile.mkdtemp(prefix="spark-dl-cluster-")
     os.makedirs(log_dir, exist_ok=True)
     c = Cluster(tag=tag, subnet=subnet, bridge=f"sdlbr{tag}", driver_host=f"10.213.{subnet}.1",
