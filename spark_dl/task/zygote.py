@@ -49,7 +49,7 @@ READY_WAIT_S = 20.0
 # How long a run of fresh ranks goes on before its task starts the zygote beside it (its imports at
 # the lowest priority): the ranks' own imports are over by then, and the run after a long one finds
 # the zygote ready instead of waiting for it to import (benchmarks/time_to_accuracy.py: the run after
-# an 80 s one started and returned in 0.7 s instead of 4.9 s).
+# an 80-100 s one started and returned in 0.7-0.9 s instead of 4.5-4.9 s).
 EARLY_START_S = 10.0
 
 

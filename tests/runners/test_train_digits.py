@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pyspark
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "runners" / "train_digits.py")
@@ -92,7 +93,9 @@ def test_a_killed_rank_is_restarted_and_training_resumes_after_the_last_epoch(tm
     proc = subprocess.Popen([sys.executable, SCRIPT, "--np", "-2", "--epochs", "6", "--no-tracking",
                              "--max-restarts", "1", "--min-accuracy", "0.8"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env=_env(SPARK_HOME="/nonexistent/spark", TMPDIR=str(tmp_path)))
+                            # a stall is told after 30 s, so a hang's report names where each rank was
+                            env=_env(SPARK_HOME="/nonexistent/spark", TMPDIR=str(tmp_path),
+                                     HOROVOD_STALL_CHECK_TIME_SECONDS="30"))
     try:
         deadline = time.monotonic() + 120
         while not glob.glob(str(tmp_path / "spark-dl-checkpoint-*" / "latest.ckpt")):  # epoch 0 is done
@@ -102,7 +105,12 @@ def test_a_killed_rank_is_restarted_and_training_resumes_after_the_last_epoch(tm
                  if "spark_dl.rank.main" in " ".join(p.cmdline())]
         assert len(ranks) == 2
         ranks[-1].kill()
-        out, err = proc.communicate(timeout=180)
+        try:
+            out, err = proc.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            pytest.fail(f"the restarted run did not finish within 180 s; its stderr ends:\n{err[-6000:]}")
     finally:
         proc.kill()
     assert proc.returncode == 0, out + err
