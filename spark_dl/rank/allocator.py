@@ -45,7 +45,7 @@ def choice(env: Mapping[str, str]) -> str:
     """What :func:`tune` does in a process with ``env``: ``"reuse"``, or why not: ``"off"``
     (``SPARK_DL_MALLOC=0``), ``"user"`` (the user's own malloc settings or allocator),
     ``"not glibc"``."""
-    if env.get(protocol.MALLOC_ENV, "1").strip().lower() in ("0", "off", "false", "no"):
+    if protocol.switched_off(env, protocol.MALLOC_ENV):
         return "off"
     tunables = env.get("GLIBC_TUNABLES", "")
     if any(k in env for k in USER_VARIABLES) or any(t in tunables for t in USER_TUNABLES):

@@ -115,21 +115,19 @@ def _start_rank_process(job_id: str, spawn_env: dict[str, str] | None = None) ->
     )
 
 
-def _start_zygote_during(procs: list, spawn_env: dict[str, str]) -> threading.Event:
+def _start_zygote_during(procs: list, spawn_env: dict[str, str], ended: threading.Event) -> None:
     """Start this process's zygote once a run of fresh ranks has gone on for
-    ``zygote.EARLY_START_S`` (the ranks' own imports are over by then), unless the returned event
-    is set first: the run after a long one then forks its ranks at once instead of waiting for a
-    zygote that only started when this run ended."""
-    ended = threading.Event()
+    ``zygote.EARLY_START_S`` (the ranks' own imports are over by then), unless ``ended`` is set
+    first: the run after a long one then forks its ranks at once instead of waiting for a zygote
+    that only started when this run ended."""
     if all(isinstance(p, ForkedRank) for p in procs):
-        return ended
+        return
 
     def later() -> None:
         if not ended.wait(zygote.EARLY_START_S):
             zygote.prepare(_rank_process_env(spawn_env))
 
     threading.Thread(target=later, name="spark-dl-zygote-early", daemon=True).start()
-    return ended
 
 
 def _warn_if_names_are_slow(first: RankSpec, sender: "_Sender") -> None:
@@ -295,7 +293,7 @@ def run_task(spec: JobSpec, partition: int, host: str, rendezvous: Callable[[Gat
 
     statuses: list[dict] = []
     waiters = []
-    early = threading.Event()
+    ended = threading.Event()  # set once every rank has exited (or the task gave up on them)
     # the ranks' temporary files (unpacked checkpoints...) go here, so a rank killed mid-way leaves
     # nothing behind on the executor's disk: removed below, once every rank has exited
     scratch = tempfile.mkdtemp(prefix=f"{spec.job_id}-ranks-")
@@ -349,7 +347,7 @@ def run_task(spec: JobSpec, partition: int, host: str, rendezvous: Callable[[Gat
                 t.start()
             waiters.append((proc, r, pumps))
 
-        early = _start_zygote_during(procs, spawn_env)
+        _start_zygote_during(procs, spawn_env, ended)
         for proc, r, pumps in waiters:
             code = proc.wait()
             # children the rank left behind die with it, first: one that inherited its stdout or
@@ -361,7 +359,7 @@ def run_task(spec: JobSpec, partition: int, host: str, rendezvous: Callable[[Gat
             statuses.append(status)
             sender.q.put((protocol.EXIT, status))
     finally:
-        early.set()
+        ended.set()
         shutil.rmtree(scratch, ignore_errors=True)
     if sampler is not None:
         sampler.stop()

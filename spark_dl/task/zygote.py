@@ -61,7 +61,7 @@ def startup_env(env: dict[str, str]) -> dict[str, str]:
 
 def enabled(env: dict[str, str]) -> bool:
     """Whether ranks started with ``env`` (the task's environment, ``env=`` applied) may be forked."""
-    return env.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+    return not protocol.switched_off(env, ENV_SWITCH)
 
 
 class ForkedRank:

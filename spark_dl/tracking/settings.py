@@ -8,4 +8,4 @@ from spark_dl import protocol
 
 def tracking_disabled_by_env() -> bool:
     """``SPARK_DL_TRACKING=0`` (or false/no/off) turns tracking off."""
-    return os.environ.get(protocol.TRACKING_ENV, "1").strip().lower() in ("0", "false", "no", "off")
+    return protocol.switched_off(os.environ, protocol.TRACKING_ENV)
