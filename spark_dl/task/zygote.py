@@ -51,6 +51,9 @@ READY_WAIT_S = 20.0
 # the zygote ready instead of waiting for it to import (benchmarks/time_to_accuracy.py: the run after
 # an 80-100 s one started and returned in 0.7-0.9 s instead of 4.5-4.9 s).
 EARLY_START_S = 10.0
+# How long the zygote waits for its import thread to finish exiting (see join_fully) before it
+# gives up and exits: a thread that slow means cores so busy that fresh ranks are no worse.
+THREAD_EXIT_S = 60.0
 
 
 def startup_env(env: dict[str, str]) -> dict[str, str]:
@@ -405,6 +408,24 @@ def _import_rank_side() -> None:
     import spark_dl.transport.channel  # noqa: F401
 
 
+def join_fully(thread: threading.Thread, timeout: float) -> bool:
+    """Join ``thread`` and wait until its OS thread is gone too; False if it lingers past ``timeout``.
+
+    ``Thread.join`` returns once the thread's Python state is freed, before the OS thread has run
+    the libraries' thread-exit destructors. MKL's (in torch) holds MKL's allocator lock while it
+    frees the thread's buffers: a rank forked in that window inherits the lock held, by no thread,
+    and spins forever in its first matrix multiply. At nice 19 on busy cores the window lasts
+    from milliseconds to seconds, so a run right after the zygote became ready hung now and then."""
+    native_id = thread.native_id
+    thread.join()
+    deadline = time.monotonic() + timeout
+    while os.path.exists(f"/proc/self/task/{native_id}"):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
 def main() -> None:
     from spark_dl.rank.main import set_death_signal
 
@@ -421,7 +442,8 @@ def main() -> None:
     # ranks it forks run at the task's priority
     importer = threading.Thread(target=_import_rank_side, name="spark-dl-zygote-import")
     importer.start()
-    importer.join()
+    if not join_fully(importer, THREAD_EXIT_S):
+        os._exit(0)  # the task's runs start their ranks fresh, as without a zygote
     # what is imported now lives as long as the zygote: out of the collector's sight, so a rank's
     # collections do not write to (and so copy) the pages the zygote shares with every rank
     gc.freeze()

@@ -281,3 +281,37 @@ def test_barrier_tasks_fork_ranks_from_their_python_workers_zygote(spark):
     assert all(tries[-1]), f"ranks forked per try: {tries}"
     assert os.getpid() not in {o["task_pid"] for o in outs}, "the tasks are Spark's Python workers"
     assert all(o["ppid"] != o["task_pid"] for o in outs)
+
+
+def _thread_with_a_slow_exit(seconds: float) -> threading.Thread:
+    """A thread whose OS thread outlives its Python part by ``seconds``: a thread-specific key whose
+    destructor is libc's usleep, as MKL's thread-exit destructor runs after Thread.join returns."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    key = ctypes.c_uint()
+    assert libc.pthread_key_create(ctypes.byref(key), ctypes.cast(libc.usleep, ctypes.c_void_p)) == 0
+    # usleep(microseconds): the value stored under the key is its argument
+    t = threading.Thread(target=lambda: libc.pthread_setspecific(key, ctypes.c_void_p(int(seconds * 1e6))))
+    t.start()
+    return t
+
+
+def test_join_fully_waits_for_the_os_thread_not_only_its_python_part():
+    t = _thread_with_a_slow_exit(0.5)
+    native_id = t.native_id
+    started = time.monotonic()
+    t.join()
+    assert os.path.exists(f"/proc/self/task/{native_id}"), "Thread.join returned after the OS thread was gone"
+    t2 = _thread_with_a_slow_exit(0.5)
+    assert zygote.join_fully(t2, timeout=10)
+    assert time.monotonic() - started >= 0.45
+    assert not os.path.exists(f"/proc/self/task/{t2.native_id}")
+
+
+def test_join_fully_gives_up_on_a_thread_that_lingers():
+    t = _thread_with_a_slow_exit(2.0)
+    started = time.monotonic()
+    assert not zygote.join_fully(t, timeout=0.3)
+    assert time.monotonic() - started < 1.5
+
