@@ -92,7 +92,12 @@ def install() -> None:
         sys.meta_path.insert(0, _finder)
 
 
+def enabled() -> bool:
+    """Whether ranks install the finder (``SPARK_DL_HOROVOD_IMPORTS`` is not off)."""
+    return not protocol.switched_off(os.environ, protocol.HOROVOD_IMPORTS_ENV)
+
+
 def install_in_rank() -> None:
     """What every rank process does at start, unless ``SPARK_DL_HOROVOD_IMPORTS=0``."""
-    if os.environ.get(protocol.HOROVOD_IMPORTS_ENV, "1") != "0":
+    if enabled():
         install()

@@ -30,7 +30,7 @@ _pinned: int | None = None  # threads fixed by set_threads(n); None: follow torc
 
 def enabled(*tensors: torch.Tensor) -> bool:
     """Use the kernels for these tensors: extension present, not switched off, all on the CPU."""
-    if _ext is None or os.environ.get(protocol.NATIVE_ENV, "1") == "0":
+    if _ext is None or protocol.switched_off(os.environ, protocol.NATIVE_ENV):
         return False
     if _pinned is None:
         # as many threads as torch's intra-op pool: the launcher sizes it per rank to the host's

@@ -48,8 +48,8 @@ ALL_SHAPES = "shapes and dtypes"  # of a list of tensors
 
 
 def enabled() -> bool:
-    """Whether collectives are checked (the switch in the module docstring is not ``0``)."""
-    return os.environ.get(protocol.HVD_CHECKS_ENV, "1") != "0"
+    """Whether collectives are checked (the switch in the module docstring is not off)."""
+    return not protocol.switched_off(os.environ, protocol.HVD_CHECKS_ENV)
 
 
 def describe(tensors: torch.Tensor | Sequence[torch.Tensor]) -> str:

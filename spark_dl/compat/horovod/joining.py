@@ -52,7 +52,7 @@ _sets: dict[int, _Control] = {}  # process set id -> its control, made when the 
 
 
 def enabled() -> bool:
-    return os.environ.get(protocol.HVD_JOIN_ENV, "1") != "0"
+    return not protocol.switched_off(os.environ, protocol.HVD_JOIN_ENV)
 
 
 _collectives = 0  # checked whole-job collectives this rank took part in as a training rank since the last join()
@@ -144,7 +144,7 @@ def check_collective(set_id: int = 0) -> None:
     """Refuse a collective while a rank is known to be joined: it would wait for that rank forever.
     With the collectives' checks on, the whole job's are left to them (a joined rank follows
     all-reduces; :mod:`.checks`)."""
-    checked = os.environ.get(protocol.HVD_CHECKS_ENV, "1") != "0"
+    checked = not protocol.switched_off(os.environ, protocol.HVD_CHECKS_ENV)
     joined = _job is not None and _job.someone_joined and not checked
     if set_id and set_id in _sets:
         joined = joined or _sets[set_id].someone_joined
@@ -175,7 +175,7 @@ def join(device: int = -1, follow: Any = None) -> int:
         return 0
     if job.group is None:
         raise RuntimeError("hvd.join() follows the other ranks' steps through a per-step agreement that "
-                           "SPARK_DL_HVD_JOIN=0 turned off: unset SPARK_DL_HVD_JOIN to use join()")
+                           "SPARK_DL_HVD_JOIN turned off: unset SPARK_DL_HVD_JOIN to use join()")
     me = dist.get_rank()
     mine = [c for _, c in sorted(_sets.items()) if me in c.ranks and c.group is not None]
     errors: list[BaseException] = []
