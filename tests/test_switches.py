@@ -11,6 +11,7 @@ from spark_dl.compat.horovod import checks, joining
 from spark_dl.compression import native
 from spark_dl.rank import allocator
 from spark_dl.task import zygote
+from spark_dl.tracking import settings
 
 SWITCHES = {
     protocol.NATIVE_ENV: lambda env: native.available() and native.enabled(torch.zeros(1)),
@@ -19,6 +20,7 @@ SWITCHES = {
     protocol.ZYGOTE_ENV: lambda env: zygote.enabled(env),
     protocol.MALLOC_ENV: lambda env: allocator.choice(env) == "reuse",
     protocol.HOROVOD_IMPORTS_ENV: lambda env: horovod_imports.enabled(),
+    protocol.TRACKING_ENV: lambda env: not settings.tracking_disabled_by_env(),
 }
 
 
