@@ -33,7 +33,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import powersgd_names  # noqa: E402
 
-CONFIGS = ("peer", "fp32", "fp16", "powersgd", "qsgd", "onebit", "auto")
+CONFIGS = ("peer", "fp32", "fp16", "bf16", "powersgd", "qsgd", "onebit", "efsign", "topk", "auto")
 
 
 def train(cfg: dict) -> dict:
@@ -65,12 +65,13 @@ def train(cfg: dict) -> dict:
     opt = torch.optim.SGD(ddp.parameters(), lr=cfg["lr"], momentum=0.9)
     name = cfg["compression"]
     if name != "fp32":
-        from spark_dl.compression import FP16, QSGD, OneBit, PowerSGD, make_ddp_hook
+        from spark_dl.compression import BF16, FP16, QSGD, EFSign, ErrorFeedback, OneBit, PowerSGD, TopK, make_ddp_hook
 
         if cfg.get("powersgd") is not None:  # its settings, read on the driver (powersgd_names.py)
             compressor = PowerSGD(**cfg["powersgd"])
         else:
-            compressor = {"fp16": FP16, "qsgd": QSGD, "onebit": OneBit, "auto": lambda: "auto"}[name]()
+            compressor = {"fp16": FP16, "bf16": BF16, "qsgd": QSGD, "onebit": OneBit, "efsign": EFSign,
+                          "topk": lambda: ErrorFeedback(TopK()), "auto": lambda: "auto"}[name]()
         ddp.register_comm_hook(*make_ddp_hook(compressor, optimizer=opt))
     data = torch.Generator().manual_seed(100 + rank)
     # each rank scores its share of the test set and the counts are summed, as a distributed
