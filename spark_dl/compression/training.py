@@ -52,6 +52,13 @@ Key = Hashable
 ADAPTIVE_WARMUP = 5
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every element of ``t`` is finite, in one pass where it is: a sum is finite only if
+    every element is, while ``isfinite(t).all()`` makes several passes over a whole bucket each
+    step; the exact test runs only for a sum that overflowed."""
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+
+
 def optimizer_settings(optimizer: Any) -> tuple[float | None, float]:
     """``(lr, momentum)`` of ``optimizer``'s first param group. ``momentum`` is that of optimizers
     whose buffer is the velocity ``u <- m u + g`` (``torch.optim.SGD`` without dampening, Nesterov
@@ -168,7 +175,7 @@ class TrainingFeedback:
             return self._precondition_after(result, name) if self.beta2 else result
         prev = self.reduced.get(name)
         v = result.to(torch.float32, copy=True)
-        if not torch.isfinite(v).all():
+        if not all_finite(v):
             self.reduced.pop(name, None)
             return result
         self.reduced[name] = v
@@ -197,7 +204,7 @@ class TrainingFeedback:
         if d is not None and d.shape == result.shape:
             result.mul_(d.to(result.dtype))
         r = result.to(torch.float32)
-        if not torch.isfinite(r).all():
+        if not all_finite(r):
             self.second.pop(name, None)
             self.seen.pop(name, None)
             return result

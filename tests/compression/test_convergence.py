@@ -187,6 +187,17 @@ def test_a_training_feedback_pickled_before_preconditioning_keeps_its_old_behavi
     assert back.beta2 == 0.0
 
 
+def test_all_finite_is_exact_where_the_one_pass_sum_overflows():
+    from spark_dl.compression.training import all_finite
+
+    assert all_finite(torch.tensor([1.0, -2.0]))
+    assert all_finite(torch.full((4,), 3e38))  # the sum overflows; every element is finite
+    assert all_finite(torch.tensor([3e38, -3e38, 3e38, 3e38]))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        assert not all_finite(torch.tensor([1.0, bad, 2.0]))
+    assert not all_finite(torch.tensor([float("inf"), float("-inf")]))  # sums to NaN
+
+
 def test_under_momentum_each_rank_compresses_its_gradient_plus_the_shared_velocity():
     from spark_dl.compression.training import TrainingFeedback
 
@@ -206,6 +217,13 @@ def test_under_momentum_each_rank_compresses_its_gradient_plus_the_shared_veloci
     assert torch.allclose(fb.before(g[2], "w"), g[2] + 0.9 * v1)
     fb.after(torch.tensor([float("nan"), 0.0]), "w")  # a step a GradScaler skips: start again
     assert fb.before(g[2], "w") is g[2]
+    fb.after(v1.clone(), "w")
+    fb.after(torch.tensor([float("-inf"), 1.0]), "w")  # an inf too
+    assert fb.before(g[2], "w") is g[2]
+    big = torch.full((4,), 3e38)  # finite, though its sum overflows: kept
+    fb.after(big.clone(), "w")
+    assert torch.allclose(fb.before(g[2][:1].expand(4).clone(), "w"), g[2][0] + 0.9 * big)
+    fb.reset()
     fb.after(v1.clone(), "w")
     fb.observe(lr=0.1, momentum=0.5)  # a new momentum: the velocity starts again
     assert fb.before(g[2], "w") is g[2]
