@@ -298,11 +298,11 @@ def _thread_with_a_slow_exit(seconds: float) -> threading.Thread:
 
 
 def test_join_fully_waits_for_the_os_thread_not_only_its_python_part():
-    t = _thread_with_a_slow_exit(0.5)
+    t = _thread_with_a_slow_exit(1.5)  # long enough that a loaded machine's scheduling does not hide it
     native_id = t.native_id
-    started = time.monotonic()
     t.join()
     assert os.path.exists(f"/proc/self/task/{native_id}"), "Thread.join returned after the OS thread was gone"
+    started = time.monotonic()
     t2 = _thread_with_a_slow_exit(0.5)
     assert zygote.join_fully(t2, timeout=10)
     assert time.monotonic() - started >= 0.45
