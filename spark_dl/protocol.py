@@ -169,6 +169,7 @@ HVD_CHECKS_ENV = "SPARK_DL_HVD_CHECKS"
 HVD_JOIN_ENV = "SPARK_DL_HVD_JOIN"
 NATIVE_ENV = "SPARK_DL_NATIVE"
 MALLOC_ENV = "SPARK_DL_MALLOC"  # "0": glibc malloc in the ranks as it is (spark_dl.rank.allocator)
+RAY_STORAGE_ENV = "SPARK_DL_RAY_STORAGE"
 
 OFF = ("0", "false", "no", "off")  # what turns off a switch whose default is on (any case, spaces ignored)
 
@@ -176,4 +177,3 @@ OFF = ("0", "false", "no", "off")  # what turns off a switch whose default is on
 def switched_off(env: Any, name: str) -> bool:
     """Whether the on-by-default switch ``name`` is set to one of :data:`OFF` in ``env`` (a mapping)."""
     return env.get(name, "1").strip().lower() in OFF
-RAY_STORAGE_ENV = "SPARK_DL_RAY_STORAGE"
