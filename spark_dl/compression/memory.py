@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from spark_dl.compression.base import Compressor, Key, Payload, as_compressor, check_float, int_param
-from spark_dl.compression.training import TrainingFeedback
+from spark_dl.compression.training import TrainingFeedback, all_finite
 
 
 def key_matches(key: Key, prefix: Key) -> bool:
@@ -204,7 +204,7 @@ class ErrorFeedback(Compressor):
         p = self.residuals.add(tensor, key, world)
         payload = self.compressor.compress(p, key)
         residual = self.compressor.subtract_decompressed(p, payload)
-        if torch.isfinite(residual.sum()):
+        if all_finite(residual):  # a finite residual whose sum overflows is kept, as the sign kernels keep theirs
             self.residuals.store(key, residual)
         else:
             self.residuals.drop(key)  # an inf/NaN gradient (a step AMP skips) must not poison every later step

@@ -553,6 +553,21 @@ def test_an_inf_or_nan_gradient_does_not_poison_the_steps_after_it(make, bad, na
         assert torch.isfinite(c.decompress(c.compress(torch.randn(n, generator=gen), key="w"))).all()
 
 
+@pytest.mark.parametrize("native_switch", ["1", "0"], ids=["native", "torch"])
+def test_a_finite_residual_whose_sum_overflows_is_kept(native_switch, monkeypatch):
+    """Only a residual holding an inf or NaN is dropped: one of finite entries whose float32 sum
+    overflows (two of 3.2e38) is kept and sent later (it was dropped, and that update lost)."""
+    monkeypatch.setenv("SPARK_DL_NATIVE", native_switch)
+    c = C.ErrorFeedback(C.TopK(0.25))  # the two largest of 8
+    g = torch.tensor([3.2e38, 3.2e38, 3.3e38, 3.3e38, 0.0, 0.0, 0.0, 0.0])
+    assert not torch.isfinite(torch.tensor([3.2e38, 3.2e38]).sum())
+    sent = c.decompress(c.compress(g, key="w"))
+    assert torch.equal(sent, torch.tensor([0.0, 0.0, 3.3e38, 3.3e38, 0.0, 0.0, 0.0, 0.0]))
+    assert torch.equal(c.residuals.memory["w"], torch.tensor([3.2e38, 3.2e38, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]))
+    later = c.decompress(c.compress(torch.zeros(8), key="w"))  # the kept update goes out next
+    assert torch.equal(later, torch.tensor([3.2e38, 3.2e38, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]))
+
+
 def test_powersgd_sends_a_row_or_column_weight_uncompressed_and_exact():
     """A (1, N) or (N, 1) weight (an ``nn.Linear(d, 1)`` head) is viewed as torch's hook views it,
     1 x N or N x 1, whose rank-1 factors hold N + 1 numbers: it goes uncompressed and exact
