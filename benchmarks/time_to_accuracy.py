@@ -3,7 +3,7 @@
 with each compressor's DDP hook, on two hosts joined by a shaped link and on loopback.
 
     sudo python benchmarks/time_to_accuracy.py [--links 1000,100,loopback] [--configs peer,fp32,fp16,powersgd,qsgd]
-                                               [--target 0.75] [--hidden 3072] [--max-seconds 900]
+                                               [--target 0.75] [--hidden 3072] [--max-seconds 900] [--seeds 0,1,2]
 
 Two ranks, one per host: ``spark_dl.testing.cluster`` (two workers in network namespaces of their
 own, one task slot each, links shaped to the rate) or, for ``loopback``, ``local[2]``. The model is
@@ -14,7 +14,11 @@ configuration (``powersgd`` is ``PowerSGD()`` at its defaults, ``powersgd-r4`` a
 ``powersgd-r4-w10`` at rank 4 after 10 uncompressed steps: ``benchmarks/powersgd_names.py``). Every ``--eval-every``
 steps the ranks measure the test accuracy, each on its share of the 2000 test rows; a run stops
 at the target (or ``--max-seconds``). The clock runs from the ``run()`` call to its return. Ratios
-are against the peer on the same link, measured in the same run.
+are against the peer on the same link, measured in the same run. A seed (``--seed``, or each of
+``--seeds``) sets the model's initialization and the stream of training batches; the task (the
+linear map and the test set) is the same for every seed. With ``--seeds`` every configuration runs
+once per seed, and a summary per link gives each one's mean time to target over the seeds, its
+spread, and the ratio of the means to fp32's.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import argparse
 import datetime
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -73,7 +78,9 @@ def train(cfg: dict) -> dict:
             compressor = {"fp16": FP16, "bf16": BF16, "qsgd": QSGD, "onebit": OneBit, "efsign": EFSign,
                           "topk": lambda: ErrorFeedback(TopK()), "auto": lambda: "auto"}[name]()
         ddp.register_comm_hook(*make_ddp_hook(compressor, optimizer=opt))
-    data = torch.Generator().manual_seed(100 + rank)
+    # the seed sets the training batches too: with one stream for every seed, every fp32 run crossed the
+    # target on the same lucky batch (step 150 on 3 of 4 seeds), and the seeds were not independent samples
+    data = torch.Generator().manual_seed(100 + rank + 1000 * cfg["seed"])
     # each rank scores its share of the test set and the counts are summed, as a distributed
     # evaluation does: scored by rank 0 alone, it cost about 1.4 s of one core every 10 steps while
     # the other rank waited, the same in every configuration, which pulled every ratio towards 1
@@ -173,11 +180,55 @@ def run_settings(args: argparse.Namespace) -> dict:
             "eval_every": args.eval_every, "max_seconds": args.max_seconds, "seed": args.seed, "threads": 1}
 
 
+def print_rows(title: str, rows: list[tuple[str, float, dict]], target: float) -> None:
+    """One table: each configuration's time to target, steps, accuracy and ratios to the peer and to fp32."""
+    peer = next((t for c, t, _ in rows if c == "peer"), None)
+    fp32 = next((t for c, t, _ in rows if c == "fp32"), None)
+    print(f"\n{title}:")
+    print(f"{'configuration':<28}{'to target':>11}{'in main':>9}{'steps':>7}{'accuracy':>10}{'vs peer':>9}"
+          f"{'vs fp32':>9}")
+    for c, t, out in rows:
+        label = "PySpark TorchDistributor" if c == "peer" else f"spark-dl DDP {c}"
+        reached = "" if out["accuracy"] >= target else " (not reached)"
+        print(f"{label:<28}{t:>9.1f} s{out['train_s']:>7.1f} s{out['steps']:>7}{out['accuracy']:>10.3f}"
+              f"{(f'{peer / t:.2f}x' if peer else '-'):>9}{(f'{t / fp32:.2f}' if fp32 else '-'):>9}{reached}",
+              flush=True)
+
+
+def print_summary(title: str, runs: list[list[tuple[str, float, dict]]], target: float) -> None:
+    """Per configuration over the seeds: mean time to target and its standard deviation, mean steps,
+    the ratio of the mean time to fp32's (and to the peer's), and the range of the per-seed ratios to
+    fp32. A run that missed the target counts as not reached: its configuration gets no mean."""
+    configs = [c for c, _, _ in runs[0]]
+    times = {c: [t if out["accuracy"] >= target else float("inf") for row in runs for c2, t, out in row if c2 == c]
+             for c in configs}
+    steps = {c: [out["steps"] for row in runs for c2, _, out in row if c2 == c] for c in configs}
+    mean = {c: statistics.fmean(v) for c, v in times.items()}
+    print(f"\n{title}, {len(runs)} seeds: mean time to target ± standard deviation, mean steps, ratio of the means")
+    print(f"{'configuration':<28}{'to target':>19}{'steps':>8}{'vs peer':>9}{'vs fp32':>9}{'per seed vs fp32':>20}")
+    for c in configs:
+        label = "PySpark TorchDistributor" if c == "peer" else f"spark-dl DDP {c}"
+        if mean[c] == float("inf"):
+            print(f"{label:<28}{'not reached':>19}")
+            continue
+        spread = statistics.stdev(times[c]) if len(times[c]) > 1 else 0.0
+        vs_peer = f"{mean['peer'] / mean[c]:.2f}x" if "peer" in mean and mean["peer"] < float("inf") else "-"
+        vs_fp32, per_seed = "-", ""
+        if "fp32" in mean and mean["fp32"] < float("inf"):
+            vs_fp32 = f"{mean[c] / mean['fp32']:.2f}"
+            ratios = [t / f for t, f in zip(times[c], times["fp32"])]
+            per_seed = f"{min(ratios):.2f}-{max(ratios):.2f}"
+        print(f"{label:<28}{mean[c]:>9.1f} ± {spread:>4.1f} s{statistics.fmean(steps[c]):>8.0f}{vs_peer:>9}"
+              f"{vs_fp32:>9}{per_seed:>20}", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--links", default="1000,100,loopback", help="Mbit/s of the shaped link, or loopback")
     parser.add_argument("--configs", default="peer,fp32,fp16,powersgd,qsgd",
                         help=f"of {','.join(CONFIGS)}; {powersgd_names.SYNTAX} for PowerSGD(rank=R, start_iter=S)")
+    parser.add_argument("--seeds", default=None, help="seeds, e.g. 0,1,2: every configuration runs once per seed, "
+                        "then a summary over them (default: --seed alone)")
     add_run_arguments(parser)
     args = parser.parse_args()
     configs = [c for c in args.configs.split(",") if c]
@@ -185,20 +236,21 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown configs {unknown}; known: {CONFIGS}, and {powersgd_names.SYNTAX} for PowerSGD at "
                      "a rank R >= 1 after S >= 0 uncompressed steps")
+    try:
+        seeds = [int(x) for x in args.seeds.split(",") if x] if args.seeds else [args.seed]
+    except ValueError:
+        parser.error(f"--seeds takes integers separated by commas, got {args.seeds!r}")
+    if not seeds:
+        parser.error("--seeds names no seed")
     cfg = run_settings(args)
     for link in [x for x in args.links.split(",") if x]:
-        rows = measure(link, configs, cfg)
-        peer = next((t for c, t, _ in rows if c == "peer"), None)
-        fp32 = next((t for c, t, _ in rows if c == "fp32"), None)
-        print(f"\n{link if link == 'loopback' else link + ' Mbit/s'}:")
-        print(f"{'configuration':<28}{'to target':>11}{'in main':>9}{'steps':>7}{'accuracy':>10}{'vs peer':>9}"
-              f"{'vs fp32':>9}")
-        for c, t, out in rows:
-            label = "PySpark TorchDistributor" if c == "peer" else f"spark-dl DDP {c}"
-            reached = "" if out["accuracy"] >= args.target else " (not reached)"
-            print(f"{label:<28}{t:>9.1f} s{out['train_s']:>7.1f} s{out['steps']:>7}{out['accuracy']:>10.3f}"
-                  f"{(f'{peer / t:.2f}x' if peer else '-'):>9}{(f'{t / fp32:.2f}' if fp32 else '-'):>9}"
-                  f"{reached}", flush=True)
+        title = link if link == "loopback" else link + " Mbit/s"
+        runs = []
+        for seed in seeds:
+            runs.append(measure(link, configs, {**cfg, "seed": seed}))
+            print_rows(title if args.seeds is None else f"{title}, seed {seed}", runs[-1], args.target)
+        if args.seeds is not None:
+            print_summary(title, runs, args.target)
     print("\nin main: rank 0's time in the training function (the rest is the launch and the return); vs peer: how "
           "many times sooner than PySpark's TorchDistributor; vs fp32: time over spark-dl's DDP fp32")
     return 0
