@@ -14,7 +14,9 @@ configuration (``powersgd`` is ``PowerSGD()`` at its defaults, ``powersgd-r4`` a
 ``powersgd-r4-w10`` at rank 4 after 10 uncompressed steps: ``benchmarks/powersgd_names.py``). Every ``--eval-every``
 steps the ranks measure the test accuracy, each on its share of the 2000 test rows; a run stops
 at the target (or ``--max-seconds``). The clock runs from the ``run()`` call to its return. Ratios
-are against the peer on the same link, measured in the same run. A seed (``--seed``, or each of
+are against the peer on the same link, measured in the same run. Two untimed spark-dl runs come
+first on each link, so that every measured spark-dl run forks its ranks from a warm zygote, as
+every run after a session's first does (:func:`warm_up`). A seed (``--seed``, or each of
 ``--seeds``) sets the model's initialization and the stream of training batches; the task (the
 linear map and the test set) is the same for every seed. With ``--seeds`` every configuration runs
 once per seed, and a summary per link gives each one's mean time to target over the seeds, its
@@ -111,6 +113,28 @@ def train(cfg: dict) -> dict:
     return out
 
 
+def _ready() -> int:
+    """An untimed run's work: the process group and a DDP model, whose imports a measured run has too."""
+    import torch
+
+    import spark_dl
+
+    spark_dl.init()
+    torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+    return 0
+
+
+def warm_up() -> None:
+    """Two untimed spark-dl runs before the measured ones. A Spark session's first run starts its
+    ranks fresh, imports included; the runs after it fork theirs from a warm zygote, the second
+    waiting for it to be ready (docs/guide/launcher.md, "Warm rank starts"). Without these the
+    configuration that went first, fp32 in every run, paid for imports that the others did not."""
+    from spark_dl import HorovodRunner
+
+    for _ in range(2):
+        HorovodRunner(np=2).run(_ready)
+
+
 def run_config(config: str, cfg: dict) -> tuple[float, dict]:
     started = time.monotonic()
     if config == "peer":
@@ -135,6 +159,7 @@ def measure(link: str, configs: list[str], cfg: dict) -> list[tuple[str, float, 
         spark = (SparkSession.builder.master("local[2]").appName("time-to-accuracy")
                  .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
                  .config("spark.ui.enabled", "false").getOrCreate())
+        warm_up()
         for c in configs:
             rows.append((c, *run_config(c, cfg)))
         spark.stop()
@@ -150,6 +175,7 @@ def measure(link: str, configs: list[str], cfg: dict) -> list[tuple[str, float, 
         deadline = time.monotonic() + 120
         while spark.sparkContext._jsc.sc().getExecutorMemoryStatus().size() - 1 < 2 and time.monotonic() < deadline:
             time.sleep(0.5)
+        warm_up()
         for conf in configs:
             rows.append((conf, *run_config(conf, cfg)))
         spark.stop()

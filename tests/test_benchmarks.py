@@ -217,6 +217,21 @@ def test_time_to_accuracy_benchmark_prints_a_row_per_configuration():
     assert all(" s " in r for r in rows)
 
 
+def test_time_to_accuracy_benchmark_summarizes_its_seeds():
+    done = _run("benchmarks/time_to_accuracy.py", "--links", "loopback", "--configs", "fp32,qsgd", "--seeds", "0,1",
+                "--hidden", "16", "--d-in", "8", "--target", "0.3", "--eval-every", "2", "--max-seconds", "60")
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert "loopback, seed 0:" in out and "loopback, seed 1:" in out, out
+    summary = out[out.index("loopback, 2 seeds"):].splitlines()
+    fp32 = next(line for line in summary if line.startswith("spark-dl DDP fp32"))
+    qsgd = next(line for line in summary if line.startswith("spark-dl DDP qsgd"))
+    assert re.search(r" ± +[\d.]+ s +\d+ +- +1\.00 +1\.00-1\.00$", fp32), out
+    assert re.search(r" ± +[\d.]+ s +\d+ +- +[\d.]+ +[\d.]+-[\d.]+$", qsgd), out
+    bad = _run("benchmarks/time_to_accuracy.py", "--links", "loopback", "--configs", "fp32", "--seeds", "0,x")
+    assert bad.returncode == 2 and "--seeds takes integers separated by commas, got '0,x'" in bad.stderr, bad.stderr
+
+
 def test_every_benchmark_names_powersgds_settings_one_way():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
