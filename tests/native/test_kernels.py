@@ -732,6 +732,28 @@ def test_sums_are_bit_for_bit_with_any_threads_or_simd(n, bucket, torch_path):
         native.force_scalar(False)
 
 
+@pytest.mark.parametrize("bucket", [31, 32, 33, 100, 512])
+def test_qsgd_max_scale_is_torchs_amax_wherever_the_largest_entry_or_a_nan_sits(bucket):
+    """The max scale, taken 32 elements at a time in four chains (a bucket holding a NaN measured
+    again by the scalar loop): torch's ``abs().amax()`` per bucket, with the largest entry at every
+    offset of a bucket, in the body and in the tail, and a NaN in either, SIMD and portable C alike."""
+    n = bucket * 40 + 7
+    g = rand(n, seed=3) * 0.01
+    for j in range(40):  # bucket j's largest entry at offset j (mod the bucket), of either sign
+        g[j * bucket + j % bucket] = (-1) ** j * (1.0 + j)
+    g[5 * bucket + bucket - 1] = float("nan")  # in a tail where bucket % 32 != 0
+    g[9 * bucket + 3] = float("nan")  # in the body
+    g[11 * bucket + 2] = -float("inf")
+    want = torch.cat([g, g.new_zeros(40 * bucket + bucket - n)]).view(-1, bucket).abs().amax(1)
+    try:
+        for scalar in (False, True):
+            native.force_scalar(scalar)
+            norms, _ = native.qsgd_encode(g, 7, bucket, 4, seed=1, max_norm=True)
+            assert torch.equal(norms.nan_to_num(-1.0), want.nan_to_num(-1.0)), scalar
+    finally:
+        native.force_scalar(False)
+
+
 def test_qsgd_payload_is_the_torch_payload_with_nan_inf_and_many_calls(path, torch_path):
     g = rand((1 << 20) + 13)
     g[[5, 70000, 1 << 19]] = torch.tensor([float("nan"), float("inf"), -float("inf")])
