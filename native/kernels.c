@@ -239,7 +239,15 @@ typedef struct {
     float *e_out;  /* fused residual (1-bit, buckets <= RBLOCK): see p1_task */
     const qpair *pend;  /* per bucket: the q of a deferred residual, e = e_in - q(e_in); or NULL */
     float *p_out;       /* deferred residual: receives p (may be e_in), or NULL */
+    float div;          /* p = g / div + e (an averaging all-reduce's world size); 1: p = g + e */
+    float inv;          /* 1 / div where div is a power of two (x * inv is then x / div exactly), else 0 */
 } p1_args;
+
+/* 1 / div for a power of two (the same bits as dividing, for every x), else 0: divide. */
+static float exact_inverse(float div) {
+    int e;
+    return frexpf(div, &e) == 0.5f ? 1.0f / div : 0.0f;
+}
 
 /* Signs of p = g + e over one piece [lo, hi) or-ed into bits (zeroed by the caller), and the
  * piece's sums of max(p, 0) (NaN kept: torch's clamp keeps it), p and |p|, and its count of
@@ -258,7 +266,8 @@ static int64_t piece_lanes(const p1_args *A, int64_t lo, int64_t i, int64_t hi, 
             /* the residual left pending: e - q(e), rounded as the torch path's p - D(C(p)) */
             if (A->pend) ei = ei - (ei >= 0.0f ? q.qp : q.qn);
         }
-        float p = e ? g[i] + ei : g[i];
+        float gi = A->inv != 0.0f ? g[i] * A->inv : g[i] / A->div;  /* divided first, as torch's g / world */
+        float p = e ? gi + ei : gi;
         if (A->p_out) A->p_out[i] = p;
         int ge = p >= 0.0f, l = (int)((i - lo) & 7);
         bits[i >> 3] |= (uint8_t)(ge << (7 - (i & 7)));
@@ -287,10 +296,13 @@ AVX2 static void piece_avx2(const p1_args *A, int64_t lo, int64_t hi, bsum *out)
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const qpair q = A->pend ? A->pend[lo / A->bucket] : (qpair){0.0f, 0.0f};
     const __m256 sp = _mm256_set1_ps(q.qp), sn = _mm256_set1_ps(q.qn);
+    const int divide = A->div != 1.0f, multiply = A->inv != 0.0f;
+    const __m256 dv = _mm256_set1_ps(A->div), iv = _mm256_set1_ps(A->inv);
     __m256d p0 = _mm256_setzero_pd(), p1 = p0, a0 = p0, a1 = p0, b0 = p0, b1 = p0;
     int64_t np = 0, i = lo;
     for (; i + 8 <= hi; i += 8) {
         __m256 p = _mm256_loadu_ps(g + i);
+        if (divide) p = multiply ? _mm256_mul_ps(p, iv) : _mm256_div_ps(p, dv);
         if (e) {
             __m256 ev = _mm256_loadu_ps(e + i);
             if (A->pend) ev = _mm256_sub_ps(ev, _mm256_blendv_ps(sn, sp, _mm256_cmp_ps(ev, zero, _CMP_GE_OQ)));
@@ -338,22 +350,24 @@ static void means_of(const bsum *s, int64_t len, float *mp, float *mn) {
 
 #define RESIDUAL_LOOP                                                                  \
     for (int64_t i = lo; i < hi; i++) {                                                \
-        float p = e_in ? g[i] + e_in[i] : g[i];                                        \
+        float gi = inv != 0.0f ? g[i] * inv : g[i] / div;                              \
+        float p = e_in ? gi + e_in[i] : gi;                                            \
         e_out[i] = p - (p >= 0.0f ? qp : qn);                                          \
     }
 
 static void resid_scalar(const float *g, const float *e_in, float *e_out, int64_t lo, int64_t hi,
-                         float qp, float qn) { RESIDUAL_LOOP }
+                         float qp, float qn, float div, float inv) { RESIDUAL_LOOP }
 #if SDK_X86
 AVX2 static void resid_avx2(const float *g, const float *e_in, float *e_out, int64_t lo, int64_t hi,
-                            float qp, float qn) { RESIDUAL_LOOP }
+                            float qp, float qn, float div, float inv) { RESIDUAL_LOOP }
 #endif
 
-static void resid_range(const float *g, const float *e_in, float *e_out, int64_t lo, int64_t hi, qpair q) {
+static void resid_range(const float *g, const float *e_in, float *e_out, int64_t lo, int64_t hi, qpair q,
+                        float div, float inv) {
 #if SDK_X86
-    if (has_avx2()) { resid_avx2(g, e_in, e_out, lo, hi, q.qp, q.qn); return; }
+    if (has_avx2()) { resid_avx2(g, e_in, e_out, lo, hi, q.qp, q.qn, div, inv); return; }
 #endif
-    resid_scalar(g, e_in, e_out, lo, hi, q.qp, q.qn);
+    resid_scalar(g, e_in, e_out, lo, hi, q.qp, q.qn, div, inv);
 }
 
 /* With e_out set (1-bit with buckets of at most RBLOCK elements), a bucket that lies whole in
@@ -392,7 +406,7 @@ static void p1_task(void *arg, int t, int nt) {
             if (A->e_out && hi == end) {  /* bucket j is complete, and began in this share */
                 float mp, mn;
                 means_of(sj, end - j * B, &mp, &mn);
-                resid_range(A->g, A->e, A->e_out, j * B, end, q_of(mp, mn));
+                resid_range(A->g, A->e, A->e_out, j * B, end, q_of(mp, mn), A->div, A->inv);
             }
         }
     }
@@ -451,6 +465,7 @@ typedef struct {
     int64_t n, bucket;
     const qpair *q;  /* per bucket */
     int accumulate;
+    float div, inv;  /* as p1_args' */
 } p2_args;
 
 static void resid_task(void *arg, int t, int nt) {
@@ -459,7 +474,7 @@ static void resid_task(void *arg, int t, int nt) {
     share(A->n, t, nt, 8, &a, &b);
     for (int64_t j = a / A->bucket; a < b; j++) {
         int64_t hi = (j + 1) * A->bucket < b ? (j + 1) * A->bucket : b;
-        resid_range(A->g, A->e_in, A->e_out, a, hi, A->q[j]);
+        resid_range(A->g, A->e_in, A->e_out, a, hi, A->q[j], A->div, A->inv);
         a = hi;
     }
 }
@@ -510,7 +525,7 @@ static void decode_task(void *arg, int t, int nt) {
 }
 
 int sdk_onebit_encode(const float *g, const float *e_in, const float *pending, float *e_out, int defer, int64_t n,
-                      int64_t bucket, float *means, uint8_t *bits) {
+                      int64_t bucket, float *means, uint8_t *bits, float div) {
     if (n <= 0) return 0;
     if (bucket < 1 || bucket > n) bucket = n;
     if (pending && e_in && !(defer && e_out)) return -2;  /* the residual passes read e_in as it is */
@@ -518,7 +533,7 @@ int sdk_onebit_encode(const float *g, const float *e_in, const float *pending, f
     int nt = threads_for(n);
     p1_args A;
     memset(&A, 0, sizeof A);
-    A.g = g; A.e = e_in; A.n = n; A.bucket = bucket; A.bits = bits;
+    A.g = g; A.e = e_in; A.n = n; A.bucket = bucket; A.bits = bits; A.div = div; A.inv = exact_inverse(div);
     A.pend = e_in ? (const qpair *)pending : NULL;
     if (defer) A.p_out = e_out;
     int fused = e_out && !defer && bucket <= RBLOCK;  /* a bucket then spans at most two shares */
@@ -542,10 +557,10 @@ int sdk_onebit_encode(const float *g, const float *e_in, const float *pending, f
             share(n, t, nt, RBLOCK, &a, &b);
             if (a >= b || a % bucket == 0) continue;
             int64_t j = a / bucket, end = (j + 1) * bucket < n ? (j + 1) * bucket : n;
-            resid_range(g, e_in, e_out, j * bucket, end, q_of(means[2 * j], means[2 * j + 1]));
+            resid_range(g, e_in, e_out, j * bucket, end, q_of(means[2 * j], means[2 * j + 1]), div, A.inv);
         }
     } else if (q) {
-        p2_args P = {g, e_in, e_out, bits, NULL, n, bucket, q, 0};
+        p2_args P = {g, e_in, e_out, bits, NULL, n, bucket, q, 0, div, A.inv};
         parallel(nt, resid_task, &P);
     }
     free(q);
@@ -560,20 +575,20 @@ int sdk_onebit_decode(const float *means, const uint8_t *bits, int64_t n, int64_
     qpair *q = (qpair *)k_malloc((size_t)nb * sizeof(qpair));
     if (!q) return -1;
     for (int64_t j = 0; j < nb; j++) q[j] = q_of(means[2 * j], means[2 * j + 1]);
-    p2_args P = {NULL, NULL, NULL, bits, out, n, bucket, q, accumulate};
+    p2_args P = {NULL, NULL, NULL, bits, out, n, bucket, q, accumulate, 1.0f, 1.0f};
     parallel(threads_for(n), decode_task, &P);
     free(q);
     return 0;
 }
 
 int sdk_scaled_sign_encode(const float *g, const float *e_in, const float *pending, float *p_out, int64_t n,
-                           uint8_t *bits, float *scale) {
+                           uint8_t *bits, float *scale, float div) {
     const qpair q = {pending ? *pending : 0.0f, pending ? -*pending : 0.0f};  /* before *scale: they may alias */
     *scale = 0.0f;
     if (n <= 0) return 0;
     p1_args A;
     memset(&A, 0, sizeof A);
-    A.g = g; A.e = e_in; A.n = n; A.bucket = n; A.bits = bits; A.scaled = 1;
+    A.g = g; A.e = e_in; A.n = n; A.bucket = n; A.bits = bits; A.scaled = 1; A.div = div; A.inv = exact_inverse(div);
     A.pend = e_in && pending ? &q : NULL;
     A.p_out = p_out;
     /* pass1 allocates everything before its first write: out of memory leaves e_in as it was */
@@ -587,7 +602,7 @@ int sdk_scaled_sign_encode(const float *g, const float *e_in, const float *pendi
 void sdk_scaled_sign_decode(float scale, const uint8_t *bits, int64_t n, float *out, int accumulate) {
     if (n <= 0) return;
     qpair q = {scale, -scale};
-    p2_args P = {NULL, NULL, NULL, bits, out, n, n, &q, accumulate};
+    p2_args P = {NULL, NULL, NULL, bits, out, n, n, &q, accumulate, 1.0f, 1.0f};
     parallel(threads_for(n), decode_task, &P);
 }
 

@@ -23,11 +23,12 @@ static PyObject *onebit_encode(PyObject *self, PyObject *args) {
     unsigned long long g, e_in, pending, e_out, means, bits;
     long long n, bucket;
     int defer, rc;
-    if (!PyArg_ParseTuple(args, "KKKKpLLKK", &g, &e_in, &pending, &e_out, &defer, &n, &bucket, &means, &bits))
+    float div;
+    if (!PyArg_ParseTuple(args, "KKKKpLLKKf", &g, &e_in, &pending, &e_out, &defer, &n, &bucket, &means, &bits, &div))
         return NULL;
     Py_BEGIN_ALLOW_THREADS
     rc = sdk_onebit_encode(PTR(const float *, g), PTR(const float *, e_in), PTR(const float *, pending),
-                           PTR(float *, e_out), defer, n, bucket, PTR(float *, means), PTR(uint8_t *, bits));
+                           PTR(float *, e_out), defer, n, bucket, PTR(float *, means), PTR(uint8_t *, bits), div);
     Py_END_ALLOW_THREADS
     if (rc == -2) {
         PyErr_SetString(PyExc_ValueError, "onebit_encode: a pending residual needs defer and e_out");
@@ -52,12 +53,12 @@ static PyObject *onebit_decode(PyObject *self, PyObject *args) {
 static PyObject *scaled_sign_encode(PyObject *self, PyObject *args) {
     unsigned long long g, e_in, p_out, bits;
     long long n;
-    float scale, pending;
+    float scale, pending, div;
     int has_pending, rc;
-    if (!PyArg_ParseTuple(args, "KKpfKLK", &g, &e_in, &has_pending, &pending, &p_out, &n, &bits)) return NULL;
+    if (!PyArg_ParseTuple(args, "KKpfKLKf", &g, &e_in, &has_pending, &pending, &p_out, &n, &bits, &div)) return NULL;
     Py_BEGIN_ALLOW_THREADS
     rc = sdk_scaled_sign_encode(PTR(const float *, g), PTR(const float *, e_in), has_pending ? &pending : NULL,
-                                PTR(float *, p_out), n, PTR(uint8_t *, bits), &scale);
+                                PTR(float *, p_out), n, PTR(uint8_t *, bits), &scale, div);
     Py_END_ALLOW_THREADS
     if (rc) return no_memory("scaled_sign_encode");
     return PyFloat_FromDouble(scale);
@@ -217,9 +218,9 @@ static PyObject *fail_allocations(PyObject *self, PyObject *args) {
 static PyObject *features(PyObject *self, PyObject *noargs) { return PyUnicode_FromString(sdk_features()); }
 
 static PyMethodDef methods[] = {
-    {"onebit_encode", onebit_encode, METH_VARARGS, "(g, e_in, pending, e_out, defer, n, bucket, means, bits)"},
+    {"onebit_encode", onebit_encode, METH_VARARGS, "(g, e_in, pending, e_out, defer, n, bucket, means, bits, div)"},
     {"onebit_decode", onebit_decode, METH_VARARGS, "(means, bits, n, bucket, out, accumulate)"},
-    {"scaled_sign_encode", scaled_sign_encode, METH_VARARGS, "(g, e_in, has_pending, pending, p_out, n, bits) -> scale"},
+    {"scaled_sign_encode", scaled_sign_encode, METH_VARARGS, "(g, e_in, has_pending, pending, p_out, n, bits, div) -> scale"},
     {"scaled_sign_decode", scaled_sign_decode, METH_VARARGS, "(scale, bits, n, out, accumulate)"},
     {"convert", convert, METH_VARARGS, "(src, dst, n, scale, bf16, to_half[, accumulate]): half -> float32 may add into dst"},
     {"qsgd_encode", qsgd_encode, METH_VARARGS, "(x, n, bucket, levels, bits, seed, norms, packed, max_norm=False)"},

@@ -34,12 +34,14 @@ static void run(int64_t n) {
         int64_t nb = n ? (n + B - 1) / B : 0;
         float *means = xalloc(2 * nb * sizeof(float));
         uint8_t *bits = xalloc((n + 7) / 8);
-        CHECK(sdk_onebit_encode(g, e, NULL, out, 0, n, B, means, bits) == 0);
-        CHECK(sdk_onebit_encode(g, e, NULL, e, 0, n, B, means, bits) == 0);
-        CHECK(sdk_onebit_encode(g, NULL, NULL, NULL, 0, n, B, means, bits) == 0);
-        CHECK(sdk_onebit_encode(g, e, NULL, out, 1, n, B, means, bits) == 0);   /* deferred: p out */
-        CHECK(sdk_onebit_encode(g, out, means, out, 1, n, B, means, bits) == 0);  /* pending q, p in place */
-        CHECK(n == 0 || sdk_onebit_encode(g, e, means, e, 0, n, B, means, bits) == -2);
+        CHECK(sdk_onebit_encode(g, e, NULL, out, 0, n, B, means, bits, 1.0f) == 0);
+        CHECK(sdk_onebit_encode(g, e, NULL, out, 0, n, B, means, bits, 3.0f) == 0);  /* g / 3 + e */
+        CHECK(sdk_onebit_encode(g, e, NULL, out, 1, n, B, means, bits, 2.0f) == 0);
+        CHECK(sdk_onebit_encode(g, e, NULL, e, 0, n, B, means, bits, 1.0f) == 0);
+        CHECK(sdk_onebit_encode(g, NULL, NULL, NULL, 0, n, B, means, bits, 1.0f) == 0);
+        CHECK(sdk_onebit_encode(g, e, NULL, out, 1, n, B, means, bits, 1.0f) == 0);   /* deferred: p out */
+        CHECK(sdk_onebit_encode(g, out, means, out, 1, n, B, means, bits, 1.0f) == 0);  /* pending q, p in place */
+        CHECK(n == 0 || sdk_onebit_encode(g, e, means, e, 0, n, B, means, bits, 1.0f) == -2);
         CHECK(sdk_onebit_decode(means, bits, n, B, out, 0) == 0);
         CHECK(sdk_onebit_decode(means, bits, n, B, out, 1) == 0);
         free(means);
@@ -47,10 +49,11 @@ static void run(int64_t n) {
     }
     uint8_t *bits = xalloc((n + 7) / 8);
     float scale;
-    CHECK(sdk_scaled_sign_encode(g, NULL, NULL, NULL, n, bits, &scale) == 0);
-    CHECK(sdk_scaled_sign_encode(g, e, NULL, out, n, bits, &scale) == 0);
+    CHECK(sdk_scaled_sign_encode(g, NULL, NULL, NULL, n, bits, &scale, 1.0f) == 0);
+    CHECK(sdk_scaled_sign_encode(g, e, NULL, out, n, bits, &scale, 1.0f) == 0);
+    CHECK(sdk_scaled_sign_encode(g, e, NULL, out, n, bits, &scale, 3.0f) == 0);
     float pend = scale;
-    CHECK(sdk_scaled_sign_encode(g, e, &pend, e, n, bits, &scale) == 0);  /* deferred residual, p in place */
+    CHECK(sdk_scaled_sign_encode(g, e, &pend, e, n, bits, &scale, 1.0f) == 0);  /* deferred residual, p in place */
     sdk_scaled_sign_decode(scale, bits, n, out, 1);
     free(bits);
 
@@ -126,11 +129,11 @@ static void oom(int64_t n) {
     for (int64_t i = 0; i < n; i++) { g[i] = (float)(i % 13) - 6.0f; e[i] = e0[i] = 0.25f * (float)(i % 5); }
     memset(bits, 0, (n + 7) / 8);
     sdk_fail_allocations(1);
-    CHECK(sdk_onebit_encode(g, e, NULL, e, 0, n, 1024, means, bits) == -1);       /* fused: one pass */
-    CHECK(sdk_onebit_encode(g, e, NULL, e, 0, n, 100000, means, bits) == -1);     /* two passes */
-    CHECK(sdk_onebit_encode(g, e, means, e, 1, n, 100000, means, bits) == -1);    /* deferred */
+    CHECK(sdk_onebit_encode(g, e, NULL, e, 0, n, 1024, means, bits, 1.0f) == -1);       /* fused: one pass */
+    CHECK(sdk_onebit_encode(g, e, NULL, e, 0, n, 100000, means, bits, 1.0f) == -1);     /* two passes */
+    CHECK(sdk_onebit_encode(g, e, means, e, 1, n, 100000, means, bits, 1.0f) == -1);    /* deferred */
     float pend = 0.5f;
-    CHECK(sdk_scaled_sign_encode(g, e, &pend, e, n, bits, &scale) == -1);
+    CHECK(sdk_scaled_sign_encode(g, e, &pend, e, n, bits, &scale, 1.0f) == -1);
     CHECK(sdk_onebit_decode(means, bits, n, 1024, e, 1) == -1);
     CHECK(sdk_qsgd_encode(g, n, 100000, 7, 4, 1, 0, norms, packed) == -1);
     CHECK(sdk_topk(g, n, n / 10 + 1, idx, norms) == -1);

@@ -78,8 +78,10 @@ def _residual_in(e: torch.Tensor | None, n: int) -> torch.Tensor | None:
 
 
 def onebit_encode(g: torch.Tensor, bucket: int, e: torch.Tensor | None = None, residual: bool = False,
-                  pending: torch.Tensor | None = None, p_out: torch.Tensor | None = None):
-    """SignMeans of p = g + e: (means[2 * buckets], bits, new residual or None).
+                  pending: torch.Tensor | None = None, p_out: torch.Tensor | None = None, divide: int = 1):
+    """SignMeans of p = g / divide + e: (means[2 * buckets], bits, new residual or None). ``g /
+    divide`` is rounded first, as torch's ``g / world`` is: an averaging all-reduce's division
+    without a divided copy of g.
 
     With ``residual`` the new residual p - q(p) is written over ``e`` when ``e`` is a usable
     contiguous float32 tensor of n elements (one pass fewer, no allocation), else into a new one.
@@ -107,7 +109,7 @@ def onebit_encode(g: torch.Tensor, bucket: int, e: torch.Tensor | None = None, r
         if pending.dtype != torch.float32 or pending.numel() != 2 * nb or not pending.is_contiguous():
             raise ValueError(f"onebit_encode: pending must be {2 * nb} contiguous float32 q pairs")
     _ext.onebit_encode(x.data_ptr(), _ptr(e_in), _ptr(pending if e_in is not None else None), _ptr(e_out),
-                       p_out is not None, n, b, means.data_ptr(), bits.data_ptr())
+                       p_out is not None, n, b, means.data_ptr(), bits.data_ptr(), float(divide))
     return means, bits, e_out
 
 
@@ -132,10 +134,11 @@ def onebit_decode(means: torch.Tensor, bits: torch.Tensor, n: int, bucket: int,
 
 
 def scaled_sign_encode(g: torch.Tensor, e: torch.Tensor | None = None, pending: float | None = None,
-                       p_out: torch.Tensor | None = None):
-    """ScaledSign of p = g + e: (scale[1], bits). ``e`` is the residual, or with ``pending`` = s
-    the residual EF-sign deferred, ``e - q(e)`` with q = +-s. With ``p_out`` (a contiguous
-    float32 tensor of n elements; may be ``e``) p is written there in the same pass."""
+                       p_out: torch.Tensor | None = None, divide: int = 1):
+    """ScaledSign of p = g / divide + e (``divide`` as :func:`onebit_encode`'s): (scale[1], bits).
+    ``e`` is the residual, or with ``pending`` = s the residual EF-sign deferred, ``e - q(e)``
+    with q = +-s. With ``p_out`` (a contiguous float32 tensor of n elements; may be ``e``) p is
+    written there in the same pass."""
     x = _f32(g)
     n = x.numel()
     bits = torch.empty((n + 7) // 8, dtype=torch.uint8)
@@ -146,7 +149,7 @@ def scaled_sign_encode(g: torch.Tensor, e: torch.Tensor | None = None, pending: 
         _out(p_out, n, "p_out")
     has_pending = pending is not None and e_in is not None
     scale = _ext.scaled_sign_encode(x.data_ptr(), _ptr(e_in), has_pending, float(pending or 0.0),
-                                    _ptr(p_out), n, bits.data_ptr())
+                                    _ptr(p_out), n, bits.data_ptr(), float(divide))
     return torch.tensor([scale], dtype=torch.float32), bits
 
 

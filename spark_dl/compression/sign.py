@@ -200,11 +200,23 @@ class DeferredResiduals(PendingResiduals):
 
 
 class _DeferredEF(ErrorFeedback):
-    """Error feedback whose residuals are :class:`DeferredResiduals`."""
+    """Error feedback whose residuals are :class:`DeferredResiduals`, encoded in one native pass
+    (:meth:`_encode`) where the kernels run."""
+
+    def compress(self, tensor: torch.Tensor, key: Key = None) -> Payload:
+        if not native.enabled(tensor):
+            return super().compress(tensor, key)
+        return self._encode(tensor, key, 1)
 
     def compress_averaged(self, tensor: torch.Tensor, world: int, key: Key = None) -> Payload:
-        # the native encoders take g as it comes; divided in float32, as ErrorFeedback's pass does
-        return self.compress(tensor.to(torch.float32) / world, key)
+        if native.enabled(tensor):  # the kernel divides as it reads g: no divided copy
+            return self._encode(tensor, key, world)
+        # divided in float32 first, as the kernels divide
+        return super().compress(tensor.to(torch.float32) / world, key)
+
+    def _encode(self, tensor: torch.Tensor, key: Key, world: int) -> Payload:
+        """``compress(tensor / world)`` in the native kernels (``tensor / world`` rounded as torch's)."""
+        raise NotImplementedError
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
@@ -238,16 +250,15 @@ class OneBit(_DeferredEF):
                          compress_momentum, single_stage_up_to)
         self.residuals = DeferredResiduals()
 
-    def compress(self, tensor: torch.Tensor, key: Key = None) -> Payload:
-        if not native.enabled(tensor):
-            return super().compress(tensor, key)
+    def _encode(self, tensor: torch.Tensor, key: Key, world: int) -> Payload:
         bucket = self.compressor._bucket(tensor.numel())
         if bucket <= FUSED_BUCKET:
-            return _fused_ef(self, tensor, key, lambda g, e: native.onebit_encode(g, bucket, e, residual=True))
+            return _fused_ef(self, tensor, key,
+                             lambda g, e: native.onebit_encode(g, bucket, e, residual=True, divide=world))
         check_float(tensor, "OneBit")
 
         def kernel(g, e, pending, p):
-            means, bits, _ = native.onebit_encode(g, bucket, e, pending=pending, p_out=p)
+            means, bits, _ = native.onebit_encode(g, bucket, e, pending=pending, p_out=p, divide=world)
             return means, bits, native.onebit_qpairs(means)
         means, bits = self.residuals.encode(tensor, key, bucket, kernel)
         return Payload([means, bits], EFMeta(_SignMeta(tensor.shape, torch.float32), tensor.shape, tensor.dtype))
@@ -286,13 +297,12 @@ class EFSign(_DeferredEF):
                     "(10 seeds) where it is within a point at a constant lr, and OneBit() was 0.4-0.5 below. Use "
                     "OneBit() (1-bit per 64-element bucket) with a decaying lr.", CompressionWarning, stacklevel=4)
 
-    def compress(self, tensor: torch.Tensor, key: Key = None) -> Payload:
-        if not native.enabled(tensor):
-            return super().compress(tensor, key)
+    def _encode(self, tensor: torch.Tensor, key: Key, world: int) -> Payload:
         check_float(tensor, "EFSign")
 
         def kernel(g, e, pending, p):
-            scale, bits = native.scaled_sign_encode(g, e, None if pending is None else float(pending[0]), p_out=p)
+            scale, bits = native.scaled_sign_encode(g, e, None if pending is None else float(pending[0]), p_out=p,
+                                                    divide=world)
             return scale, bits, torch.cat([scale, -scale])
         scale, bits = self.residuals.encode(tensor, key, max(tensor.numel(), 1), kernel)
         return Payload([scale, bits], EFMeta(Meta(tensor.shape, torch.float32), tensor.shape, tensor.dtype))

@@ -754,6 +754,25 @@ def test_qsgd_max_scale_is_torchs_amax_wherever_the_largest_entry_or_a_nan_sits(
         native.force_scalar(False)
 
 
+@pytest.mark.parametrize("make", [C.OneBit, lambda: C.OneBit(bucket_size=None), C.EFSign],
+                         ids=["onebit", "onebit-deferred", "efsign"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_sign_encoders_divide_by_the_world_size_in_their_pass_as_torch_divides(make, world, path, torch_path):
+    """An averaging all-reduce's ``g / world``, taken in the encoder's own pass (no divided copy):
+    payloads and residuals bit for bit those of the torch path, which divides first in float32,
+    over steps whose residuals carry over (fused, deferred and one-scale encoders; a float16 step)."""
+    a, b = make(), make()
+    for step in range(4):
+        g = rand(70_001, seed=step)
+        if step == 2:
+            g = g.half()
+        pa = a.compress_averaged(g, world, key="w")
+        pb = torch_path(b.compress_averaged, g, world, "w")
+        for x, y in zip(pa.tensors, pb.tensors):
+            assert torch.equal(x, y), step
+        assert torch.equal(a.residuals.memory["w"], b.residuals.memory["w"]), step
+
+
 def test_qsgd_payload_is_the_torch_payload_with_nan_inf_and_many_calls(path, torch_path):
     g = rand((1 << 20) + 13)
     g[[5, 70000, 1 << 19]] = torch.tensor([float("nan"), float("inf"), -float("inf")])
