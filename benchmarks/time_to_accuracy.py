@@ -219,6 +219,10 @@ def print_rows(title: str, rows: list[tuple[str, float, dict]], target: float) -
         print(f"{label:<28}{t:>9.1f} s{out['train_s']:>7.1f} s{out['steps']:>7}{out['accuracy']:>10.3f}"
               f"{(f'{peer / t:.2f}x' if peer else '-'):>9}{(f'{t / fp32:.2f}' if fp32 else '-'):>9}{reached}",
               flush=True)
+        if out.get("picks"):  # auto: what it picked per bucket (its elements) and the probe's ms a step
+            for k, (pick, n, probed) in out["picks"].items():
+                timed = ", ".join(f"{cand} {secs * 1e3:.0f}" for cand, secs in probed.items())
+                print(f"    {k} ({n / 1e6:.2f}M): {pick}; probe ms a step: {timed}")
 
 
 def print_summary(title: str, runs: list[list[tuple[str, float, dict]]], target: float) -> None:
