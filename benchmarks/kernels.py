@@ -78,6 +78,9 @@ def cases(g: torch.Tensor):
     return [
         ("1-bit+EF encode", lambda: onebit.compress(g, key="g"), 12.125, 0.125),
         ("EF-sign encode", lambda: efsign.compress(g, key="g"), 12.125, 0.125),
+        # as an averaging all-reduce calls them: g / W inside the encoder's pass
+        ("1-bit+EF enc /W", lambda: onebit.compress_averaged(g, 2, key="g"), 12.125, 0.125),
+        ("EF-sign enc /W", lambda: efsign.compress_averaged(g, 2, key="g"), 12.125, 0.125),
         ("fp16 encode /W", lambda: fp16.compress_scaled(g, 0.5), 6, 2),
         ("bf16 encode /W", lambda: bf16.compress_scaled(g, 0.5), 6, 2),
         ("QSGD-4bit encode", lambda: qsgd.compress(g), 4.5, 0.5),
@@ -107,8 +110,8 @@ def kernels(g: torch.Tensor):
     packed = torch.empty((n + 1) // 2, dtype=torch.uint8)
     k = -(-n // 100)
     idx, val = torch.empty(k, dtype=torch.int64), torch.empty(k)
-    E.onebit_encode(g.data_ptr(), 0, 0, 0, False, n, 1024, means.data_ptr(), bits.data_ptr())
-    E.qsgd_encode(g.data_ptr(), n, 512, 7, 4, 0, norms.data_ptr(), packed.data_ptr())
+    E.onebit_encode(g.data_ptr(), 0, 0, 0, False, n, 1024, means.data_ptr(), bits.data_ptr(), 1.0)
+    E.qsgd_encode(g.data_ptr(), n, 512, 7, 4, 0, norms.data_ptr(), packed.data_ptr(), True)
     E.convert(g.data_ptr(), half.data_ptr(), n, 1.0, False, True)
     p = g.data_ptr()
 
@@ -120,11 +123,17 @@ def kernels(g: torch.Tensor):
 
     return {
         "1-bit+EF encode": lambda: E.onebit_encode(p, e.data_ptr(), 0, e.data_ptr(), False, n, 1024, means.data_ptr(),
-                                                   bits.data_ptr()),
-        "EF-sign encode": lambda: E.scaled_sign_encode(p, e.data_ptr(), True, 0.5, e.data_ptr(), n, bits.data_ptr()),
+                                                   bits.data_ptr(), 1.0),
+        "EF-sign encode": lambda: E.scaled_sign_encode(p, e.data_ptr(), True, 0.5, e.data_ptr(), n, bits.data_ptr(),
+                                                       1.0),
+        "1-bit+EF enc /W": lambda: E.onebit_encode(p, e.data_ptr(), 0, e.data_ptr(), False, n, 1024, means.data_ptr(),
+                                                   bits.data_ptr(), 2.0),
+        "EF-sign enc /W": lambda: E.scaled_sign_encode(p, e.data_ptr(), True, 0.5, e.data_ptr(), n, bits.data_ptr(),
+                                                       2.0),
         "fp16 encode /W": lambda: E.convert(p, half.data_ptr(), n, 0.5, False, True),
         "bf16 encode /W": lambda: E.convert(p, half.data_ptr(), n, 0.5, True, True),
-        "QSGD-4bit encode": lambda: E.qsgd_encode(p, n, 512, 7, 4, 1, norms.data_ptr(), packed.data_ptr()),
+        # the compressor's default scale, max |v| per bucket
+        "QSGD-4bit encode": lambda: E.qsgd_encode(p, n, 512, 7, 4, 1, norms.data_ptr(), packed.data_ptr(), True),
         "top-k 1% encode": lambda: E.topk(p, n, k, idx.data_ptr(), val.data_ptr()),
         "1-bit decode+acc": lambda: onebit_dec(True),
         "EF-sign dec+acc": lambda: E.scaled_sign_decode(0.5, bits.data_ptr(), n, out.data_ptr(), True),
