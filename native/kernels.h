@@ -27,24 +27,25 @@ void sdk_fail_allocations(int on);
  * before their first write, so a -1 leaves the residual (and every other output) as it was; the
  * decoders before touching `out`, so an accumulator is never half added to. */
 
-/* 1-bit with means (SignMeans), p = g / div + e (e_in NULL: zero; div 1: p = g + e; g / div
- * rounded first, as torch's g / world, for an averaging all-reduce without a divided copy). Writes means[2 * nb] (positive
- * mean, negative mean per bucket) and bits[ceil(n / 8)]. When e_out is not NULL it receives the
- * new residual p - q(p), q decoded exactly as SignMeans.decompress does (e_out may be e_in), or,
- * with `defer`, p itself: the caller keeps it with q as the next residual, pending, and the
- * encoder makes one pass for any bucket size. `pending` (2 * nb floats: q's (qp, qn) per bucket of
- * the last step) says e_in holds such a deferred residual, e = e_in - q(e_in); it needs `defer`
- * (returns -2 otherwise). Returns -1, having written nothing, when out of memory. */
+/* 1-bit with means (SignMeans), p = g / div + e (e_in NULL: zero; div 1: p = g + e; g / div is
+ * rounded first, as torch's g / world: an averaging all-reduce needs no divided copy of g). Writes
+ * means[2 * nb] (positive mean, negative mean per bucket) and bits[ceil(n / 8)]. When e_out is not
+ * NULL it receives the new residual p - q(p), q decoded exactly as SignMeans.decompress does (e_out
+ * may be e_in), or, with `defer`, p itself: the caller keeps it with q as the next residual,
+ * pending, and the encoder makes one pass for any bucket size. `pending` (2 * nb floats: q's (qp,
+ * qn) per bucket of the last step) says e_in holds such a deferred residual, e = e_in - q(e_in); it
+ * needs `defer` (returns -2 otherwise). Returns -1, having written nothing, when out of memory. */
 int sdk_onebit_encode(const float *g, const float *e_in, const float *pending, float *e_out, int defer, int64_t n,
                       int64_t bucket, float *means, uint8_t *bits, float div);
 /* out[i] (+)= decoded value: b * (mp - mn) + mn in float32, as SignMeans.decompress. */
 int sdk_onebit_decode(const float *means, const uint8_t *bits, int64_t n, int64_t bucket, float *out,
                       int accumulate);
 
-/* Scaled sign (ScaledSign) of p = g / div + e (div as sdk_onebit_encode's): *scale = sum|p| / n and bits. e is e_in (NULL: zero), or,
- * with `pending` set, the residual EF-sign deferred: e_in - q(e_in) with q = +-*pending, rounded
- * as the torch path's p - D(C(p)). With p_out set (may be e_in), p itself is written there: the
- * caller keeps it with *scale as the next residual, pending, so EF-sign makes one pass. */
+/* Scaled sign (ScaledSign) of p = g / div + e (div as sdk_onebit_encode's): *scale = sum|p| / n and
+ * bits. e is e_in (NULL: zero), or, with `pending` set, the residual EF-sign deferred: e_in - q(e_in)
+ * with q = +-*pending, rounded as the torch path's p - D(C(p)). With p_out set (may be e_in), p
+ * itself is written there: the caller keeps it with *scale as the next residual, pending, so
+ * EF-sign makes one pass. */
 int sdk_scaled_sign_encode(const float *g, const float *e_in, const float *pending, float *p_out, int64_t n,
                            uint8_t *bits, float *scale, float div);
 void sdk_scaled_sign_decode(float scale, const uint8_t *bits, int64_t n, float *out, int accumulate);

@@ -218,9 +218,11 @@ static PyObject *fail_allocations(PyObject *self, PyObject *args) {
 static PyObject *features(PyObject *self, PyObject *noargs) { return PyUnicode_FromString(sdk_features()); }
 
 static PyMethodDef methods[] = {
-    {"onebit_encode", onebit_encode, METH_VARARGS, "(g, e_in, pending, e_out, defer, n, bucket, means, bits, div)"},
+    {"onebit_encode", onebit_encode, METH_VARARGS,
+     "(g, e_in, pending, e_out, defer, n, bucket, means, bits, div)"},
     {"onebit_decode", onebit_decode, METH_VARARGS, "(means, bits, n, bucket, out, accumulate)"},
-    {"scaled_sign_encode", scaled_sign_encode, METH_VARARGS, "(g, e_in, has_pending, pending, p_out, n, bits, div) -> scale"},
+    {"scaled_sign_encode", scaled_sign_encode, METH_VARARGS,
+     "(g, e_in, has_pending, pending, p_out, n, bits, div) -> scale"},
     {"scaled_sign_decode", scaled_sign_decode, METH_VARARGS, "(scale, bits, n, out, accumulate)"},
     {"convert", convert, METH_VARARGS, "(src, dst, n, scale, bf16, to_half[, accumulate]): half -> float32 may add into dst"},
     {"qsgd_encode", qsgd_encode, METH_VARARGS, "(x, n, bucket, levels, bits, seed, norms, packed, max_norm=False)"},

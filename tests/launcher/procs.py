@@ -61,6 +61,19 @@ def wait_all_dead(pids: list[int], timeout: float = 5.0) -> list[int]:
     return left
 
 
+def describe(pids: list[int]) -> str:
+    """Each pid's command line, parent and state, for an assertion message: which one outlived its
+    job (a rank, its child, the zygote) says which death path was slow."""
+    out = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            out.append(f"{pid} (parent {p.ppid()}, {p.status()}): {' '.join(p.cmdline())[:160]}")
+        except psutil.NoSuchProcess:
+            out.append(f"{pid}: gone")
+    return "; ".join(out)
+
+
 def interrupt_main_when_recorded(pid_dir: str, ranks: int = 2) -> None:
     """Ctrl-C for the test's main thread once ``ranks`` ranks have recorded their pids."""
     # interrupt_main() does nothing where SIGINT is not handled by Python (SIG_IGN or SIG_DFL): a

@@ -12,7 +12,7 @@ import threading
 import time
 
 import pytest
-from procs import recorded_pids, wait_all_dead
+from procs import describe, recorded_pids, wait_all_dead
 
 from spark_dl import HorovodRunner, JobFailed
 from spark_dl.task import zygote
@@ -267,7 +267,8 @@ def test_forked_ranks_die_with_a_killed_driver(tmp_path):
         proc.wait(10)
     finally:
         proc.kill()
-    assert wait_all_dead(recorded_pids(str(pid_dir)) + [zygote_pid], timeout=5) == []
+    left = wait_all_dead(recorded_pids(str(pid_dir)) + [zygote_pid], timeout=5)
+    assert left == [], f"zygote {zygote_pid}; outlived the driver: {describe(left)}"
 
 
 def test_barrier_tasks_fork_ranks_from_their_python_workers_zygote(spark):
