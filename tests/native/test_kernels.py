@@ -735,8 +735,9 @@ def test_sums_are_bit_for_bit_with_any_threads_or_simd(n, bucket, torch_path):
 @pytest.mark.parametrize("bucket", [31, 32, 33, 100, 512])
 def test_qsgd_max_scale_is_torchs_amax_wherever_the_largest_entry_or_a_nan_sits(bucket):
     """The max scale, taken 32 elements at a time in four chains (a bucket holding a NaN measured
-    again by the scalar loop): torch's ``abs().amax()`` per bucket, with the largest entry at every
-    offset of a bucket, in the body and in the tail, and a NaN in either, SIMD and portable C alike."""
+    again by the scalar loop): torch's ``abs().amax()`` per bucket, bucket j's largest entry at its
+    offset j (every offset of the 31- to 33-element buckets), in the 32-element body and in the tail,
+    and a NaN in either, SIMD and portable C alike."""
     n = bucket * 40 + 7
     g = rand(n, seed=3) * 0.01
     for j in range(40):  # bucket j's largest entry at offset j (mod the bucket), of either sign
