@@ -249,6 +249,9 @@ static float exact_inverse(float div) {
     return frexpf(div, &e) == 0.5f ? 1.0f / div : 0.0f;
 }
 
+/* g / div, rounded as torch's g / world: a multiply by inv where exact_inverse gave one. */
+static inline float divided(float g, float div, float inv) { return inv != 0.0f ? g * inv : g / div; }
+
 /* Signs of p = g + e over one piece [lo, hi) or-ed into bits (zeroed by the caller), and the
  * piece's sums of max(p, 0) (NaN kept: torch's clamp keeps it), p and |p|, and its count of
  * p >= 0. Lanes as in the comment above. */
@@ -266,7 +269,7 @@ static int64_t piece_lanes(const p1_args *A, int64_t lo, int64_t i, int64_t hi, 
             /* the residual left pending: e - q(e), rounded as the torch path's p - D(C(p)) */
             if (A->pend) ei = ei - (ei >= 0.0f ? q.qp : q.qn);
         }
-        float gi = A->inv != 0.0f ? g[i] * A->inv : g[i] / A->div;  /* divided first, as torch's g / world */
+        float gi = divided(g[i], A->div, A->inv);
         float p = e ? gi + ei : gi;
         if (A->p_out) A->p_out[i] = p;
         int ge = p >= 0.0f, l = (int)((i - lo) & 7);
@@ -350,7 +353,7 @@ static void means_of(const bsum *s, int64_t len, float *mp, float *mn) {
 
 #define RESIDUAL_LOOP                                                                  \
     for (int64_t i = lo; i < hi; i++) {                                                \
-        float gi = inv != 0.0f ? g[i] * inv : g[i] / div;                              \
+        float gi = divided(g[i], div, inv);                                            \
         float p = e_in ? gi + e_in[i] : gi;                                            \
         e_out[i] = p - (p >= 0.0f ? qp : qn);                                          \
     }
@@ -844,8 +847,8 @@ static float qmax_scalar(const float *x, int64_t lo, int64_t hi, float m) {
 }
 
 #if SDK_X86
-/* The same maximum, 32 elements an iteration in four independent chains: the scalar loop's
- * compare-and-select chain took 1 ns an element, four times the whole l2 encoder. A maximum of
+/* The same maximum, 32 elements an iteration in four independent chains: the scalar loop makes
+ * one dependent compare-and-select per element, slower than the rest of the encoder. A maximum of
  * non-negative numbers is exact in any order; a bucket holding a NaN is measured again by the
  * scalar loop, so which NaN it returns stays the scalar loop's. */
 AVX2 static float qmax_avx2(const float *x, int64_t lo, int64_t hi) {

@@ -76,7 +76,7 @@ from spark_dl.compression.fp import FP16, Cast, NoneCompressor
 from spark_dl.compression.powersgd import PowerSGD
 from spark_dl.compression.sign import OneBit
 from spark_dl.compression.stats import RISING, label, norm, residual_norm, stats
-from spark_dl.compression.training import ADAPTIVE_WARMUP, second_moment_decay
+from spark_dl.compression.training import ADAPTIVE_WARMUP, all_finite, second_moment_decay
 from spark_dl.rank.works import hold
 
 WARMUP, PROBE, CHOSEN = "warm-up", "probe", "chosen"
@@ -409,7 +409,7 @@ class Auto(Compressor):
         # under momentum the residual is in the shared velocity's units: compare it with that
         share = (norm(velocity) if velocity is not None else grad) / world
         ratio = residual_norm(residuals, name) / share if residuals is not None and share > 0 else 0.0
-        bad = 0.0 if bool(torch.isfinite(result).all()) and math.isfinite(ratio) else 1.0
+        bad = 0.0 if all_finite(result) and math.isfinite(ratio) else 1.0
         loss = statistics.fmean(b.losses) if b.losses else -math.inf
         if b.losses and not math.isfinite(loss):
             bad, loss = 1.0, -math.inf

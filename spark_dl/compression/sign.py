@@ -12,6 +12,7 @@ from spark_dl.compression.bits import pack, unpack
 from spark_dl.compression.memory import SINGLE_STAGE_UP_TO, WARMUP_STEPS, EFMeta, ErrorFeedback, PendingResiduals
 from spark_dl.compression.stats import CompressionWarning
 from spark_dl.compression.sums import bucket_counts, bucket_sums
+from spark_dl.compression.training import all_finite
 
 
 @dataclass
@@ -151,7 +152,7 @@ def _fused_ef(ef: ErrorFeedback, tensor: torch.Tensor, key: Key, encode) -> Payl
     if e is not None and (e.shape != tensor.shape or e.device != tensor.device):
         e = None  # as Residuals.add: a key whose shape changed starts from zero
     head, bits, residual = encode(tensor, e)
-    if torch.isfinite(head).all():  # the sums behind the means see every element of p
+    if all_finite(head):  # the sums behind the means see every element of p
         ef.residuals.store(key, residual.view(tensor.shape))
     else:
         ef.residuals.drop(key)  # p held an inf or NaN: see memory.py
@@ -191,7 +192,7 @@ class DeferredResiduals(PendingResiduals):
         p = e.view(-1) if e is not None else torch.empty(g.numel(), dtype=torch.float32)
         # raises MemoryError before writing anything: e and its pending q stay as they were
         head, bits, qpairs = kernel(g, e, None if pend is None else pend[0], p)
-        if torch.isfinite(head).all():  # the sums behind the means or scale see every element of p
+        if all_finite(head):  # the sums behind the means or scale see every element of p
             self._memory[key] = p.view(g.shape)
             self.pending[key] = (qpairs, bucket)
         else:
