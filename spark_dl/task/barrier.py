@@ -226,7 +226,9 @@ def run_task(spec: JobSpec, partition: int, host: str, rendezvous: Callable[[Gat
     conn.send(protocol.HELLO, {"role": "task", "partition": partition, "host": host, "pid": os.getpid()})
     sender = _Sender(conn)
     spawn_env = _spawn_env(spec.rank_env)
-    procs = [_start_rank_process(spec.job_id, spawn_env) for _ in range(spec.ranks_per_task)]
+    # filled once the watch and heartbeat threads run: a rank start can wait for a zygote still
+    # importing (zygote.READY_WAIT_S), and a task that sent nothing meanwhile looked like a dead host
+    procs: list[subprocess.Popen | ForkedRank] = []
     aborted = threading.Event()
     gathered: queue.Queue = queue.Queue()
 
@@ -279,6 +281,10 @@ def run_task(spec: JobSpec, partition: int, host: str, rendezvous: Callable[[Gat
         conn.close()
 
     try:
+        for _ in range(spec.ranks_per_task):
+            if aborted.is_set():  # the driver is gone: the rendezvous below ends the task
+                break
+            procs.append(_start_rank_process(spec.job_id, spawn_env))
         ranks = rendezvous(gather)
     except BaseException:
         stop()

@@ -123,6 +123,18 @@ def test_a_run_right_after_the_first_waits_for_the_zygote_still_importing(tmp_pa
     assert all(o["forked"] for o in second), "a run should wait for a zygote that is still importing"
 
 
+def test_a_task_waiting_for_its_zygote_is_not_taken_for_a_silent_host(tmp_path, monkeypatch):
+    # the wait for the zygote (6 s) outlasts the silence bound (2 s): the task's heartbeats go on meanwhile
+    monkeypatch.setenv("SPARK_DL_SILENCE_TIMEOUT", "2")
+    env = _slow_zygote_env(tmp_path, 6, "4713")
+    HorovodRunner(np=-2, env=env).run_all(rank_facts)
+    assert not zygote.wait_ready(0)
+    started = time.monotonic()
+    second = HorovodRunner(np=-2, env=env).run_all(rank_facts)
+    assert all(o["forked"] for o in second)
+    assert time.monotonic() - started > 2, "the run should have waited past the silence bound"
+
+
 def zygote_of_my_task(seed: str, within: float = 60.0) -> bool:
     """Whether, within ``within`` seconds, the task that started this rank has a zygote started
     with ``PYTHONHASHSEED=seed`` (in local mode the task is the driver, the zygote its child).
