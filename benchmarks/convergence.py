@@ -7,7 +7,9 @@ bytes each rank sent per step, and the steps it took to reach the uncompressed r
 accuracy (``-``: never within --steps). Every compressor runs at its defaults with the
 hyperparameters of the uncompressed run; ``powersgd-rR[-wS]`` is PowerSGD at rank R with S
 uncompressed warm-up steps (``powersgd-r4-w10``: ``PowerSGD(rank=4, start_iter=10)``; the syntax of
-every benchmark here, ``benchmarks/powersgd_names.py``), to compare settings with the defaults.
+every benchmark here, ``benchmarks/powersgd_names.py``), and ``efsign-bN`` is
+``EFSign(bucket_size=N)`` (``efsign-whole``: one scale per tensor), to compare settings with the
+defaults.
 
 Paths: ``hvd`` is ``spark_dl.horovod.DistributedOptimizer(opt, compression=c)``; ``ddp`` and
 ``ddp-overlap`` are ``DistributedDataParallel`` with ``make_ddp_hook(c, optimizer=opt)`` (with
@@ -55,16 +57,26 @@ import spark_dl.compression as C  # noqa: E402
 COMPRESSORS = {
     "none": C.NoneCompressor, "fp16": C.FP16, "bf16": C.BF16, "qsgd": C.QSGD, "powersgd": C.PowerSGD,
     "qsgd-l2": lambda: C.QSGD(norm="l2"),  # the QSGD paper's scale, for comparison with the default
-    "onebit": C.OneBit, "efsign": C.EFSign, "topk": lambda: C.ErrorFeedback(C.TopK()),
+    "onebit": C.OneBit, "efsign": C.EFSign, "efsign-whole": lambda: C.EFSign(None),  # the paper's scale per tensor
+    "topk": lambda: C.ErrorFeedback(C.TopK()),
     "randomk": lambda: C.ErrorFeedback(C.RandomK()), "auto": C.Auto,
 }
 
 
+def _efsign_bucket(name: str) -> int | None:
+    """N for ``efsign-bN`` (``EFSign(bucket_size=N)``, N >= 1), else None."""
+    digits = name.removeprefix("efsign-b")
+    return int(digits) if name.startswith("efsign-b") and digits.isdigit() and int(digits) >= 1 else None
+
+
 def compressor_named(name: str):
-    """A fresh compressor for a --compressors name (PowerSGD's settings: benchmarks/powersgd_names.py)."""
+    """A fresh compressor for a --compressors name (PowerSGD's settings: benchmarks/powersgd_names.py;
+    ``efsign-bN``: ``EFSign(bucket_size=N)``)."""
     at = powersgd_names.settings(name)
     if at is not None:
         return C.PowerSGD(**at)
+    if _efsign_bucket(name) is not None:
+        return C.EFSign(_efsign_bucket(name))
     return COMPRESSORS[name]()
 
 
@@ -252,10 +264,10 @@ def main() -> None:
     args = p.parse_args()
     for field, known in (("compressors", COMPRESSORS), ("optimizers", OPTIMIZERS), ("paths", PATHS)):
         values = [v for v in getattr(args, field).split(",") if v]
-        bad = [v for v in values
-               if v not in known and not (field == "compressors" and powersgd_names.settings(v) is not None)]
+        bad = [v for v in values if v not in known and not (
+            field == "compressors" and (powersgd_names.settings(v) is not None or _efsign_bucket(v) is not None))]
         if bad:
-            more = f" or {powersgd_names.SYNTAX}" if field == "compressors" else ""
+            more = f", {powersgd_names.SYNTAX} or efsign-b<bucket_size >= 1>" if field == "compressors" else ""
             p.error(f"--{field}: unknown {bad}; choose from {', '.join(known)}{more}")
         setattr(args, field, values)
     args.eval_every = args.eval_every or max(1, args.steps // 15)

@@ -38,7 +38,8 @@ def encoders(g: torch.Tensor, repeats: int) -> None:
     t_copy = best(lambda: dst.copy_(g), repeats)
     print(f"compress() of {g.numel() / 1e6:.1f}M float32, best of {repeats}; copy_ {t_copy * 1e3:.1f} ms")
     print(f"{'compressor':<24}{'ms':>8}{'vs copy_':>10}")
-    rows = [("OneBit(None)", C.OneBit(None)), ("OneBit(1024)", C.OneBit(1024)), ("EFSign", C.EFSign()),
+    rows = [("OneBit(None)", C.OneBit(None)), ("OneBit(1024)", C.OneBit(1024)), ("EFSign()", C.EFSign()),
+            ("EFSign(None)", C.EFSign(None)),
             ("TopK(0.01)", C.TopK(0.01)), ("ErrorFeedback(TopK)", C.ErrorFeedback(C.TopK(0.01))),
             ("RandomK(0.01)", C.RandomK(0.01)), ("ErrorFeedback(RandomK)", C.ErrorFeedback(C.RandomK(0.01)))]
     for name, c in rows:

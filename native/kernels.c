@@ -585,28 +585,38 @@ int sdk_onebit_decode(const float *means, const uint8_t *bits, int64_t n, int64_
 }
 
 int sdk_scaled_sign_encode(const float *g, const float *e_in, const float *pending, float *p_out, int64_t n,
-                           uint8_t *bits, float *scale, float div) {
-    const qpair q = {pending ? *pending : 0.0f, pending ? -*pending : 0.0f};  /* before *scale: they may alias */
-    *scale = 0.0f;
-    if (n <= 0) return 0;
+                           int64_t bucket, uint8_t *bits, float *scales, float div) {
+    if (n <= 0) { scales[0] = 0.0f; return 0; }
+    if (bucket < 1 || bucket > n) bucket = n;
+    int64_t nb = (n + bucket - 1) / bucket;
     p1_args A;
     memset(&A, 0, sizeof A);
-    A.g = g; A.e = e_in; A.n = n; A.bucket = n; A.bits = bits; A.scaled = 1; A.div = div; A.inv = exact_inverse(div);
-    A.pend = e_in && pending ? &q : NULL;
+    A.g = g; A.e = e_in; A.n = n; A.bucket = bucket; A.bits = bits; A.scaled = 1; A.div = div; A.inv = exact_inverse(div);
+    A.pend = e_in ? (const qpair *)pending : NULL;
     A.p_out = p_out;
     /* pass1 allocates everything before its first write: out of memory leaves e_in as it was */
-    bsum *s = pass1(&A, threads_for(n), 1);
+    bsum *s = pass1(&A, threads_for(n), nb);
     if (!s) return -1;
-    *scale = (float)(s[0].ab / (double)n);
+    for (int64_t j = 0; j < nb; j++) {
+        int64_t len = (j + 1) * bucket < n ? bucket : n - j * bucket;
+        scales[j] = (float)(s[j].ab / (double)len);
+    }
     free(s);
     return 0;
 }
 
-void sdk_scaled_sign_decode(float scale, const uint8_t *bits, int64_t n, float *out, int accumulate) {
-    if (n <= 0) return;
-    qpair q = {scale, -scale};
-    p2_args P = {NULL, NULL, NULL, bits, out, n, n, &q, accumulate, 1.0f, 1.0f};
+int sdk_scaled_sign_decode(const float *scales, const uint8_t *bits, int64_t n, int64_t bucket, float *out,
+                           int accumulate) {
+    if (n <= 0) return 0;
+    if (bucket < 1 || bucket > n) bucket = n;
+    int64_t nb = (n + bucket - 1) / bucket;
+    qpair one, *q = nb == 1 ? &one : (qpair *)k_malloc((size_t)nb * sizeof(qpair));
+    if (!q) return -1;
+    for (int64_t j = 0; j < nb; j++) q[j] = (qpair){scales[j], -scales[j]};
+    p2_args P = {NULL, NULL, NULL, bits, out, n, bucket, q, accumulate, 1.0f, 1.0f};
     parallel(threads_for(n), decode_task, &P);
+    if (q != &one) free(q);
+    return 0;
 }
 
 /* ---- float16 / bfloat16 ---------------------------------------------------------------------- */

@@ -41,14 +41,18 @@ int sdk_onebit_encode(const float *g, const float *e_in, const float *pending, f
 int sdk_onebit_decode(const float *means, const uint8_t *bits, int64_t n, int64_t bucket, float *out,
                       int accumulate);
 
-/* Scaled sign (ScaledSign) of p = g / div + e (div as sdk_onebit_encode's): *scale = sum|p| / n and
- * bits. e is e_in (NULL: zero), or, with `pending` set, the residual EF-sign deferred: e_in - q(e_in)
- * with q = +-*pending, rounded as the torch path's p - D(C(p)). With p_out set (may be e_in), p
- * itself is written there: the caller keeps it with *scale as the next residual, pending, so
- * EF-sign makes one pass. */
+/* Scaled sign (ScaledSign) of p = g / div + e (div as sdk_onebit_encode's), per bucket of `bucket`
+ * elements (the last may be shorter; < 1 or > n: one bucket): scales[j] = sum|p| / length over
+ * bucket j, and bits (n <= 0: scales[0] = 0). e is e_in (NULL: zero), or, with `pending` set (one
+ * (s, -s) pair per bucket), the residual EF-sign deferred: e_in - q(e_in), q = +-s of its bucket,
+ * rounded as the torch path's p - D(C(p)). With p_out set (may be e_in), p itself is written there:
+ * the caller keeps it with the scales as the next residual, pending, so EF-sign makes one pass.
+ * -1: out of memory, nothing written. */
 int sdk_scaled_sign_encode(const float *g, const float *e_in, const float *pending, float *p_out, int64_t n,
-                           uint8_t *bits, float *scale, float div);
-void sdk_scaled_sign_decode(float scale, const uint8_t *bits, int64_t n, float *out, int accumulate);
+                           int64_t bucket, uint8_t *bits, float *scales, float div);
+/* out[i] (+)= +-scales[bucket of i]; -1: out of memory, nothing written. */
+int sdk_scaled_sign_decode(const float *scales, const uint8_t *bits, int64_t n, int64_t bucket, float *out,
+                           int accumulate);
 
 /* float32 -> float16 / bfloat16 of x * scale (scale = 1/world divides before the sum), round to
  * nearest even; and back (exact). bf16 NaN becomes the quiet NaN 0x7FC0 (sign kept). */

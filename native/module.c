@@ -51,28 +51,30 @@ static PyObject *onebit_decode(PyObject *self, PyObject *args) {
 }
 
 static PyObject *scaled_sign_encode(PyObject *self, PyObject *args) {
-    unsigned long long g, e_in, p_out, bits;
-    long long n;
-    float scale, pending, div;
-    int has_pending, rc;
-    if (!PyArg_ParseTuple(args, "KKpfKLKf", &g, &e_in, &has_pending, &pending, &p_out, &n, &bits, &div)) return NULL;
+    unsigned long long g, e_in, pending, p_out, bits, scales;
+    long long n, bucket;
+    float div;
+    int rc;
+    if (!PyArg_ParseTuple(args, "KKKKLLKKf", &g, &e_in, &pending, &p_out, &n, &bucket, &bits, &scales, &div))
+        return NULL;
     Py_BEGIN_ALLOW_THREADS
-    rc = sdk_scaled_sign_encode(PTR(const float *, g), PTR(const float *, e_in), has_pending ? &pending : NULL,
-                                PTR(float *, p_out), n, PTR(uint8_t *, bits), &scale, div);
+    rc = sdk_scaled_sign_encode(PTR(const float *, g), PTR(const float *, e_in), PTR(const float *, pending),
+                                PTR(float *, p_out), n, bucket, PTR(uint8_t *, bits), PTR(float *, scales), div);
     Py_END_ALLOW_THREADS
     if (rc) return no_memory("scaled_sign_encode");
-    return PyFloat_FromDouble(scale);
+    Py_RETURN_NONE;
 }
 
 static PyObject *scaled_sign_decode(PyObject *self, PyObject *args) {
-    unsigned long long bits, out;
-    long long n;
-    float scale;
-    int acc;
-    if (!PyArg_ParseTuple(args, "fKLKp", &scale, &bits, &n, &out, &acc)) return NULL;
+    unsigned long long scales, bits, out;
+    long long n, bucket;
+    int acc, rc;
+    if (!PyArg_ParseTuple(args, "KKLLKp", &scales, &bits, &n, &bucket, &out, &acc)) return NULL;
     Py_BEGIN_ALLOW_THREADS
-    sdk_scaled_sign_decode(scale, PTR(const uint8_t *, bits), n, PTR(float *, out), acc);
+    rc = sdk_scaled_sign_decode(PTR(const float *, scales), PTR(const uint8_t *, bits), n, bucket, PTR(float *, out),
+                                acc);
     Py_END_ALLOW_THREADS
+    if (rc) return no_memory("scaled_sign_decode");
     Py_RETURN_NONE;
 }
 
@@ -222,8 +224,8 @@ static PyMethodDef methods[] = {
      "(g, e_in, pending, e_out, defer, n, bucket, means, bits, div)"},
     {"onebit_decode", onebit_decode, METH_VARARGS, "(means, bits, n, bucket, out, accumulate)"},
     {"scaled_sign_encode", scaled_sign_encode, METH_VARARGS,
-     "(g, e_in, has_pending, pending, p_out, n, bits, div) -> scale"},
-    {"scaled_sign_decode", scaled_sign_decode, METH_VARARGS, "(scale, bits, n, out, accumulate)"},
+     "(g, e_in, pending, p_out, n, bucket, bits, scales, div)"},
+    {"scaled_sign_decode", scaled_sign_decode, METH_VARARGS, "(scales, bits, n, bucket, out, accumulate)"},
     {"convert", convert, METH_VARARGS, "(src, dst, n, scale, bf16, to_half[, accumulate]): half -> float32 may add into dst"},
     {"qsgd_encode", qsgd_encode, METH_VARARGS, "(x, n, bucket, levels, bits, seed, norms, packed, max_norm=False)"},
     {"qsgd_decode", qsgd_decode, METH_VARARGS, "(norms, packed, n, bucket, levels, bits, out, accumulate)"},

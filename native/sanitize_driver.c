@@ -48,13 +48,19 @@ static void run(int64_t n) {
         free(bits);
     }
     uint8_t *bits = xalloc((n + 7) / 8);
-    float scale;
-    CHECK(sdk_scaled_sign_encode(g, NULL, NULL, NULL, n, bits, &scale, 1.0f) == 0);
-    CHECK(sdk_scaled_sign_encode(g, e, NULL, out, n, bits, &scale, 1.0f) == 0);
-    CHECK(sdk_scaled_sign_encode(g, e, NULL, out, n, bits, &scale, 3.0f) == 0);
-    float pend = scale;
-    CHECK(sdk_scaled_sign_encode(g, e, &pend, e, n, bits, &scale, 1.0f) == 0);  /* deferred residual, p in place */
-    sdk_scaled_sign_decode(scale, bits, n, out, 1);
+    for (int64_t B = 0; B <= n; B = B ? B * 4 : 64) {  /* 0: one scale for the tensor */
+        int64_t nb = B ? (n + B - 1) / B : 1;
+        float *scales = xalloc((nb > 0 ? nb : 1) * sizeof(float)), *pend = xalloc(2 * (nb > 0 ? nb : 1) * sizeof(float));
+        CHECK(sdk_scaled_sign_encode(g, NULL, NULL, NULL, n, B, bits, scales, 1.0f) == 0);
+        CHECK(sdk_scaled_sign_encode(g, e, NULL, out, n, B, bits, scales, 1.0f) == 0);
+        CHECK(sdk_scaled_sign_encode(g, e, NULL, out, n, B, bits, scales, 3.0f) == 0);
+        for (int64_t j = 0; j < nb; j++) { pend[2 * j] = scales[j]; pend[2 * j + 1] = -scales[j]; }
+        CHECK(sdk_scaled_sign_encode(g, e, pend, e, n, B, bits, scales, 1.0f) == 0);  /* deferred, p in place */
+        CHECK(sdk_scaled_sign_decode(scales, bits, n, B, out, 1) == 0);
+        free(scales);
+        free(pend);
+        if (!B && n < 64) break;
+    }
     free(bits);
 
     sdk_f32_to_f16(g, h, n, 0.5f);
@@ -132,8 +138,9 @@ static void oom(int64_t n) {
     CHECK(sdk_onebit_encode(g, e, NULL, e, 0, n, 1024, means, bits, 1.0f) == -1);       /* fused: one pass */
     CHECK(sdk_onebit_encode(g, e, NULL, e, 0, n, 100000, means, bits, 1.0f) == -1);     /* two passes */
     CHECK(sdk_onebit_encode(g, e, means, e, 1, n, 100000, means, bits, 1.0f) == -1);    /* deferred */
-    float pend = 0.5f;
-    CHECK(sdk_scaled_sign_encode(g, e, &pend, e, n, bits, &scale, 1.0f) == -1);
+    float pend[2] = {0.5f, -0.5f};
+    CHECK(sdk_scaled_sign_encode(g, e, pend, e, n, 0, bits, &scale, 1.0f) == -1);
+    CHECK(sdk_scaled_sign_decode(means, bits, n, 64, e, 1) == -1);
     CHECK(sdk_onebit_decode(means, bits, n, 1024, e, 1) == -1);
     CHECK(sdk_qsgd_encode(g, n, 100000, 7, 4, 1, 0, norms, packed) == -1);
     CHECK(sdk_topk(g, n, n / 10 + 1, idx, norms) == -1);

@@ -168,13 +168,14 @@ def test_ddp_hooks_benchmark_compares_with_torchs_hooks():
 
 def test_convergence_benchmark_prints_a_row_per_compressor_optimizer_and_path():
     done = _run("benchmarks/convergence.py", "--seeds", "2", "--steps", "6", "--eval-every", "3",
-                "--compressors", "onebit,powersgd,powersgd-r2-w3", "--optimizers", "sgd,recipe", "--paths",
+                "--compressors", "onebit,powersgd,powersgd-r2-w3,efsign-b16,efsign-whole", "--optimizers", "sgd,recipe",
+                "--paths",
                 "hvd,ddp-overlap")
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert lines[0].startswith("convergence: model=digits ranks=2 seeds=2 steps=6")
     assert lines[1].startswith("machine: ") and " UTC; commit " in lines[1]
-    for comp in ("none", "onebit", "powersgd", "powersgd-r2-w3"):  # the uncompressed reference is always run
+    for comp in ("none", "onebit", "powersgd", "powersgd-r2-w3", "efsign-b16", "efsign-whole"):  # none: always run
         for opt in ("sgd", "recipe"):
             for path in ("hvd", "ddp-overlap"):
                 row = next(line for line in lines if line.split()[:3] == [comp, opt, path])
@@ -183,9 +184,12 @@ def test_convergence_benchmark_prints_a_row_per_compressor_optimizer_and_path():
     bytes_of = {line.split()[0]: int(line.split()[6].replace(",", "")) for line in lines
                 if line.split()[1:3] == ["sgd", "hvd"]}
     assert bytes_of["powersgd-r2-w3"] != bytes_of["powersgd"], bytes_of
-    assert lines[-1] == "32 runs in " + lines[-1].split(" runs in ")[1]
-    bad = _run("benchmarks/convergence.py", "--compressors", "powersgd-r0-w1")
-    assert bad.returncode == 2 and "powersgd-r<rank >= 1>[-w<start_iter>]" in bad.stderr, bad.stderr[-2000:]
+    assert bytes_of["efsign-b16"] > bytes_of["efsign-whole"], bytes_of  # a scale per 16 elements, not per tensor
+    assert lines[-1] == "48 runs in " + lines[-1].split(" runs in ")[1]
+    for name in ("powersgd-r0-w1", "efsign-b0"):
+        bad = _run("benchmarks/convergence.py", "--compressors", name)
+        assert bad.returncode == 2 and "powersgd-r<rank >= 1>[-w<start_iter>] or efsign-b<bucket_size >= 1>" \
+            in bad.stderr, bad.stderr[-2000:]
 
 
 def test_convergence_benchmark_says_what_auto_picked_in_each_run():

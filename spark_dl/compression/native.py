@@ -133,32 +133,48 @@ def onebit_decode(means: torch.Tensor, bits: torch.Tensor, n: int, bucket: int,
     return out
 
 
-def scaled_sign_encode(g: torch.Tensor, e: torch.Tensor | None = None, pending: float | None = None,
-                       p_out: torch.Tensor | None = None, divide: int = 1):
-    """ScaledSign of p = g / divide + e (``divide`` as :func:`onebit_encode`'s): (scale[1], bits).
-    ``e`` is the residual, or with ``pending`` = s the residual EF-sign deferred, ``e - q(e)``
+def _scale_count(n: int, bucket: int | None) -> tuple[int, int]:
+    """(elements a scale covers, scales) for ScaledSign of n elements; one scale where n is 0."""
+    b = n if bucket is None else max(1, min(bucket, n))
+    return b, max(1, -(-n // b)) if n else 1
+
+
+def scaled_sign_encode(g: torch.Tensor, e: torch.Tensor | None = None, pending: torch.Tensor | None = None,
+                       p_out: torch.Tensor | None = None, divide: int = 1, bucket: int | None = None):
+    """ScaledSign of p = g / divide + e (``divide`` as :func:`onebit_encode`'s), one scale per
+    ``bucket`` elements (None: the whole tensor): (scales, bits). ``e`` is the residual, or with
+    ``pending`` (one (s, -s) pair per bucket, float32) the residual EF-sign deferred, ``e - q(e)``
     with q = +-s. With ``p_out`` (a contiguous float32 tensor of n elements; may be ``e``) p is
     written there in the same pass."""
     x = _f32(g)
     n = x.numel()
+    b, nb = _scale_count(n, bucket)
+    scales = torch.empty(nb, dtype=torch.float32)
     bits = torch.empty((n + 7) // 8, dtype=torch.uint8)
     e_in = _residual_in(e, n)
     if e is not None and e_in is None:
         raise ValueError("scaled_sign_encode: e must be a float32 CPU tensor of g's size")
     if p_out is not None:
         _out(p_out, n, "p_out")
-    has_pending = pending is not None and e_in is not None
-    scale = _ext.scaled_sign_encode(x.data_ptr(), _ptr(e_in), has_pending, float(pending or 0.0),
-                                    _ptr(p_out), n, bits.data_ptr(), float(divide))
-    return torch.tensor([scale], dtype=torch.float32), bits
+    if pending is not None and e_in is not None:
+        if pending.dtype != torch.float32 or pending.numel() != 2 * nb or not pending.is_contiguous():
+            raise ValueError(f"scaled_sign_encode: pending must be {2 * nb} contiguous float32 (s, -s) pairs")
+    else:
+        pending = None
+    _ext.scaled_sign_encode(x.data_ptr(), _ptr(e_in), _ptr(pending), _ptr(p_out), n, b, bits.data_ptr(),
+                            scales.data_ptr(), float(divide))
+    return scales, bits
 
 
-def scaled_sign_decode(scale: torch.Tensor, bits: torch.Tensor, n: int,
-                       out: torch.Tensor | None = None, accumulate: bool | None = None) -> torch.Tensor:
-    _check_sizes(scale, 1, bits, (n + 7) // 8)
+def scaled_sign_decode(scale: torch.Tensor, bits: torch.Tensor, n: int, out: torch.Tensor | None = None,
+                       accumulate: bool | None = None, bucket: int | None = None) -> torch.Tensor:
+    """+-scale of each element's bucket (``bucket`` as :func:`scaled_sign_encode`'s), into ``out``
+    or added to it, as :func:`onebit_decode`."""
+    b, nb = _scale_count(n, bucket)
+    _check_sizes(scale, nb, bits, (n + 7) // 8)
     acc = out is not None if accumulate is None else accumulate
     out = _out(out, n)
-    _ext.scaled_sign_decode(float(scale.reshape(-1)[0]), bits.data_ptr(), n, out.data_ptr(), acc)
+    _ext.scaled_sign_decode(scale.data_ptr(), bits.data_ptr(), n, b, out.data_ptr(), acc)
     return out
 
 

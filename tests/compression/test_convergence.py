@@ -18,11 +18,12 @@ from spark_dl.compression.stats import norm, watch
 # MARGINS says); a single run moves by about 2 points with the seed, and QSGD draws its noise afresh
 # in every run unless seeded (here it is, so the test is repeatable).
 MARGIN = 0.04
-# One per family: casts, unbiased quantization, low rank, signs, sparsification (EFSign and top-k
-# at 1% are known to fall short under some optimizers and warn: see the advice tests below).
+# One per family: casts, unbiased quantization, low rank, signs, sparsification (top-k at 1% and
+# EF-sign with one scale per tensor are known to fall short under some optimizers and warn: see the
+# advice tests below).
 FAMILIES = {
     "fp16": "C.FP16()", "qsgd": "C.QSGD(seed=0)", "powersgd": "C.PowerSGD()", "onebit": "C.OneBit()",
-    "topk": "C.ErrorFeedback(C.TopK(0.1))",
+    "efsign": "C.EFSign()", "topk": "C.ErrorFeedback(C.TopK(0.1))",
 }
 
 
@@ -86,7 +87,7 @@ def digits_main(families: dict[str, str]):
         # the configuration that diverged: 1-bit under momentum SGD through DistributedOptimizer
         out["none", "sgd", "hvd"] = train(C.NoneCompressor(), "sgd", "hvd")
         out["onebit", "sgd", "hvd"] = train(C.OneBit(), "sgd", "hvd")
-        out["efsign", "sgd", "hvd"] = train(C.EFSign(), "sgd", "hvd")  # one scale per tensor
+        out["efsign", "sgd", "hvd"] = train(C.EFSign(), "sgd", "hvd")
         # without the shared momentum, with the scatter-reduce's second stage and 1,024-element buckets
         out["onebit-unaided", "sgd"] = train(C.OneBit(1024, compress_momentum=False, single_stage_up_to=0), "sgd")
     # shared momentum: with an exact compressor the optimizer gets the averaged gradient back
@@ -233,7 +234,6 @@ def test_under_momentum_each_rank_compresses_its_gradient_plus_the_shared_veloci
 
 
 @pytest.mark.parametrize("make", [lambda: C.ErrorFeedback(C.TopK(0.5)), lambda: C.OneBit(), lambda: C.EFSign()])
-@pytest.mark.filterwarnings("ignore:EFSign\\(\\) under a decaying lr")  # its own test is below
 def test_residuals_are_rescaled_by_old_lr_over_new_lr(make):
     c = make()
     c.observe(lr=0.1)
@@ -263,45 +263,49 @@ def test_known_shortfalls_are_warned_with_the_fix_and_working_pairs_are_not():
     sgd = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1, momentum=0.9)
     nesterov = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1, momentum=0.9, nesterov=True)
     adam = torch.optim.Adam([torch.zeros(1, requires_grad=True)])
-    # EF-sign's one scale per tensor falls short under Adam only: under momentum SGD it compresses
-    # the shared velocity; 1-bit's buckets of the preconditioned gradient keep up under Adam too
-    assert "OneBit()" in advice(C.EFSign(), adam)
-    for sign in (C.EFSign(), C.OneBit()):
+    # EF-sign's one scale per tensor (or per 1024 elements) falls short under Adam only: under
+    # momentum SGD it compresses the shared velocity; buckets of 64 to 256 elements of the
+    # preconditioned gradient keep up under Adam too, as 1-bit's 64 do
+    for wide in (C.EFSign(None), C.EFSign(1024)):
+        assert "Use EFSign() (64 elements a scale" in advice(wide, adam) and "OneBit()" in advice(wide, adam)
+    for sign in (C.EFSign(), C.EFSign(256), C.EFSign(None), C.OneBit()):
         assert advice(sign, nesterov) is None and advice(sign, sgd) is None
-    assert advice(C.OneBit(), adam) is None
+    for sign in (C.EFSign(), C.EFSign(256), C.OneBit()):
+        assert advice(sign, adam) is None
     assert "ratio >= 0.1" in advice(C.ErrorFeedback(C.TopK()), adam)
     assert "ErrorFeedback(...)" in advice(C.TopK(), sgd)
     for ok in (C.QSGD(), C.PowerSGD(), C.FP16(), C.ErrorFeedback(C.TopK(0.1)), C.OneBit()):
         for opt in (sgd, nesterov, adam):
             assert advice(ok, opt) is None, (ok, opt)
-    with pytest.warns(C.CompressionWarning, match="EFSign"):
-        C.make_ddp_hook(C.EFSign(), optimizer=adam)
+    with pytest.warns(C.CompressionWarning, match=r"EFSign\(bucket_size=None\) under Adam"):
+        C.make_ddp_hook(C.EFSign(None), optimizer=adam)
     with pytest.warns(C.CompressionWarning, match="without optimizer="):
         C.make_ddp_hook(C.OneBit())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         C.make_ddp_hook(C.OneBit(), optimizer=nesterov)
         C.make_ddp_hook(C.EFSign(), optimizer=sgd)
+        C.make_ddp_hook(C.EFSign(), optimizer=adam)
         C.make_ddp_hook(C.QSGD())
 
 
-def test_ef_sign_warns_once_when_the_lr_has_decayed_to_half_its_peak():
-    c = C.EFSign()
+def test_ef_sign_with_a_scale_per_tensor_warns_once_when_the_lr_has_decayed_to_half_its_peak():
+    c = C.EFSign(None)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for lr in (0.1, 0.15, 0.2, 0.15, 0.11):  # a warm-up, then the first of a decay
             c.observe(lr=lr)
         C.OneBit().observe(lr=0.01)
-    decayed = r"EFSign\(\) under a decaying lr \(now 0.1, from 0.2\).*OneBit\(\)"
+    decayed = r"EFSign\(bucket_size=None\) under a decaying lr \(now 0.1, from 0.2\).*Use EFSign\(bucket_size=64\)"
     with pytest.warns(C.CompressionWarning, match=decayed) as got:
         for lr in (0.1, 0.05, 0.0, 0.01):
             c.observe(lr=lr)
     assert len(got) == 1
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        onebit = C.OneBit()
-        for lr in (0.2, 0.1, 0.01):
-            onebit.observe(lr=lr)
+        for fine in (C.OneBit(), C.EFSign(), C.EFSign(256)):
+            for lr in (0.2, 0.1, 0.01):
+                fine.observe(lr=lr)
 
 
 def test_a_residual_growing_without_bound_warns_once_naming_compressor_and_tensor():

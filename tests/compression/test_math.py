@@ -262,7 +262,7 @@ def test_bytes_on_the_wire_match_bits_per_element():
     fp32 = C.NoneCompressor().compress(g).nbytes
     assert fp32 == 4 * n
     for c, ratio in [(C.FP16(), 2), (C.BF16(), 2), (C.OneBit(bucket_size=None), 32), (C.OneBit(), 32 / 2),
-                     (C.OneBit(1024), 32 / 1.0625), (C.EFSign(), 32),
+                     (C.OneBit(1024), 32 / 1.0625), (C.EFSign(), 32 / 1.5), (C.EFSign(None), 32),
                      (C.QSGD(), 8), (C.TopK(0.01), 50), (C.RandomK(0.01), 100)]:
         nbytes = c.compress(g, key="g").nbytes
         assert nbytes * 8 / n == pytest.approx(c.bits_per_element(), rel=0.01), c

@@ -101,10 +101,11 @@ def test_onebit_residual_in_the_same_pass_with_buckets_cut_by_threads(n, bucket,
         native.set_threads(None)
 
 
+@pytest.mark.parametrize("bucket", [64, 1000, None])
 @pytest.mark.parametrize("n", SIZES)
-def test_efsign_matches_torch(n, path, torch_path):
-    ef = C.EFSign()
-    ref = C.EFSign()
+def test_efsign_matches_torch(n, bucket, path, torch_path):
+    ef = C.EFSign(bucket)
+    ref = C.EFSign(bucket)
     for step in range(2):
         g = rand(n, seed=step)
         scale, bits = ef.compress(g, key="k").tensors
@@ -132,10 +133,11 @@ def _same(a, b):
 
 
 # The encoders whose residual is deferred to the next step's pass (kept as p and q's values):
-# EF-sign always (its scale covers the whole tensor), 1-bit for buckets over 65,536 elements.
+# EF-sign always (a scale per 64 elements or per tensor), 1-bit for buckets over 65,536 elements.
 # Each with the torch ErrorFeedback it must equal, and whether n elements take the deferred path.
 DEFERRED = {
-    "efsign": (C.EFSign, lambda: ErrorFeedback(C.ScaledSign()), lambda n: True),
+    "efsign": (C.EFSign, lambda: ErrorFeedback(C.ScaledSign(64)), lambda n: True),
+    "efsign-whole": (lambda: C.EFSign(None), lambda: ErrorFeedback(C.ScaledSign()), lambda n: True),
     "onebit-whole": (lambda: C.OneBit(None), lambda: ErrorFeedback(C.SignMeans(None)), lambda n: n > 65536),
     "onebit-100000": (lambda: C.OneBit(100_000), lambda: ErrorFeedback(C.SignMeans(100_000)),
                       lambda n: n > 65536),
@@ -522,8 +524,8 @@ def test_decode_accumulates(path):
     assert torch.equal(out, 1 + q)
 
 
-@pytest.mark.parametrize("make", [lambda: C.OneBit(1024), lambda: C.OneBit(100_000), C.EFSign],
-                         ids=["onebit-one-pass", "onebit-two-passes", "efsign"])
+@pytest.mark.parametrize("make", [lambda: C.OneBit(1024), lambda: C.OneBit(100_000), C.EFSign, lambda: C.EFSign(None)],
+                         ids=["onebit-one-pass", "onebit-two-passes", "efsign", "efsign-whole"])
 def test_out_of_memory_in_an_encoder_is_a_clear_error_and_keeps_the_residual(make):
     n = (1 << 20) + 13
     c = make()
@@ -536,7 +538,7 @@ def test_out_of_memory_in_an_encoder_is_a_clear_error_and_keeps_the_residual(mak
     finally:
         native.fail_allocations(False)
     assert torch.equal(c.residuals.memory["g"], before)
-    ref = ErrorFeedback(type(c.compressor)(*([c.compressor.bucket_size] if isinstance(c, C.OneBit) else [])))
+    ref = ErrorFeedback(type(c.compressor)(c.compressor.bucket_size))
     ref.residuals.store("g", before.clone())
     payload = c.compress(rand(n), key="g")  # the next step is the step that would have run
     assert all(torch.equal(a, b) for a, b in zip(payload.tensors, ref.compress(rand(n), "g").tensors))
@@ -673,7 +675,8 @@ def test_extension_links_no_torch():
 
 DECODERS = [
     ("fp16", lambda: C.FP16()), ("bf16", lambda: C.BF16()), ("onebit", lambda: C.OneBit(256)),
-    ("signmeans", lambda: C.SignMeans(100)), ("efsign", lambda: C.EFSign()),
+    ("signmeans", lambda: C.SignMeans(100)), ("efsign", lambda: C.EFSign()), ("efsign-whole", lambda: C.EFSign(None)),
+    ("scaledsign-b7", lambda: C.ScaledSign(7)),
     ("qsgd", lambda: C.QSGD(levels=7, bucket_size=512, seed=3)),
     ("qsgd-2bit", lambda: C.QSGD(levels=1, bucket_size=64, seed=3)),
     ("qsgd-b100", lambda: C.QSGD(levels=7, bucket_size=100, seed=3)),
@@ -713,17 +716,17 @@ def test_compress_scaled_divides_inside_the_cast(make, path, torch_path):
 @pytest.mark.parametrize("n,bucket", [(3 << 20, 1024), (3 << 20, 100), (3 << 20, 200_000), (3 << 20, None),
                                       ((1 << 20) + 13, 65536 * 3), (1000, 7)])
 def test_sums_are_bit_for_bit_with_any_threads_or_simd(n, bucket, torch_path):
-    """1-bit means, the EF-sign scale and QSGD norms: the same bits from the torch path and from
+    """1-bit means, the EF-sign scales and QSGD norms: the same bits from the torch path and from
     C with 1, 2 or 5 threads, AVX2 or portable (the order of additions is fixed, sums.py)."""
     g = rand(n) * torch.logspace(-3, 3, n)  # magnitudes that make float sums order-sensitive
     ref = [torch_path(C.SignMeans(bucket).compress, g).tensors[0],
-           torch_path(C.ScaledSign().compress, g).tensors[0],
+           torch_path(C.ScaledSign(bucket).compress, g).tensors[0],
            torch_path(C.QSGD(levels=7, bucket_size=bucket, seed=0).compress, g).tensors[0]]
     try:
         for t, scalar in ((1, False), (2, False), (5, False), (3, True)):
             native.set_threads(t)
             native.force_scalar(scalar)
-            got = [C.SignMeans(bucket).compress(g).tensors[0], C.ScaledSign().compress(g).tensors[0],
+            got = [C.SignMeans(bucket).compress(g).tensors[0], C.ScaledSign(bucket).compress(g).tensors[0],
                    C.QSGD(levels=7, bucket_size=bucket, seed=0).compress(g).tensors[0]]
             for name, a, b in zip(("means", "scale", "norms"), got, ref):
                 assert torch.equal(a, b), (name, t, scalar)
@@ -755,8 +758,8 @@ def test_qsgd_max_scale_is_torchs_amax_wherever_the_largest_entry_or_a_nan_sits(
         native.force_scalar(False)
 
 
-@pytest.mark.parametrize("make", [C.OneBit, lambda: C.OneBit(bucket_size=None), C.EFSign],
-                         ids=["onebit", "onebit-deferred", "efsign"])
+@pytest.mark.parametrize("make", [C.OneBit, lambda: C.OneBit(bucket_size=None), C.EFSign, lambda: C.EFSign(None)],
+                         ids=["onebit", "onebit-deferred", "efsign", "efsign-whole"])
 @pytest.mark.parametrize("world", [2, 3])
 def test_sign_encoders_divide_by_the_world_size_in_their_pass_as_torch_divides(make, world, path, torch_path):
     """An averaging all-reduce's ``g / world``, taken in the encoder's own pass (no divided copy):
