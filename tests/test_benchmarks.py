@@ -73,8 +73,8 @@ def test_error_feedback_benchmark_prints_every_comparison():
     done = _run("benchmarks/error_feedback.py", "--numel", "100003", "--repeats", "1", "--port", "29671")
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
-    for row in ("OneBit(None)", "OneBit(1024)", "EFSign", "ErrorFeedback(TopK)", "ErrorFeedback(RandomK)",
-                "fp16", "bf16", "randomk"):
+    for row in ("OneBit(None)", "OneBit(1024)", "EFSign()", "EFSign(None)", "ErrorFeedback(TopK)",
+                "ErrorFeedback(RandomK)", "fp16", "bf16", "randomk"):
         assert any(line.startswith(row + " ") for line in lines), row
     assert any(line.startswith("2 local Gloo ranks") and "median" in line for line in lines)
 
