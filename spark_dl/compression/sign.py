@@ -11,7 +11,7 @@ from spark_dl.compression.base import Compressor, Key, Meta, Payload, check_floa
 from spark_dl.compression.bits import pack, unpack
 from spark_dl.compression.memory import SINGLE_STAGE_UP_TO, WARMUP_STEPS, EFMeta, ErrorFeedback, PendingResiduals
 from spark_dl.compression.stats import CompressionWarning
-from spark_dl.compression.sums import bucket_counts, bucket_sums
+from spark_dl.compression.sums import bucket_counts, bucket_lengths, bucket_sums
 from spark_dl.compression.training import all_finite
 
 
@@ -67,9 +67,7 @@ class SignMeans(Compressor):
         s_pos = bucket_sums(xd.clamp(min=0), b)  # the sum over g_i >= 0 (zeros add nothing; NaN kept)
         s_neg = bucket_sums(xd, b) - s_pos
         n_pos = bucket_counts(pos, b)
-        lengths = torch.full_like(n_pos, b)
-        if n % b:
-            lengths[-1] = n % b
+        lengths = bucket_lengths(n, b, n_pos.device)
         means = torch.stack([(s_pos / n_pos.clamp(min=1)).float(),
                              (s_neg / (lengths - n_pos).clamp(min=1)).float()], 1)
         return Payload([means.reshape(-1), pack(pos, 1)], _SignMeta(tensor.shape, tensor.dtype))
@@ -133,9 +131,7 @@ class ScaledSign(Compressor):
         if not n:
             return Payload([x.new_zeros(1), pack(x >= 0, 1)], Meta(tensor.shape, tensor.dtype))
         b = self._bucket(n)
-        lengths = torch.full((-(-n // b),), b, dtype=torch.float64)
-        lengths[-1] = n - b * (lengths.numel() - 1)
-        scale = (bucket_sums(x.double().abs(), b) / lengths).float()  # in the C kernels' order: the same bits
+        scale = (bucket_sums(x.double().abs(), b) / bucket_lengths(n, b, x.device)).float()  # the C kernels' bits
         return Payload([scale, pack(x >= 0, 1)], Meta(tensor.shape, tensor.dtype))
 
     def decompress(self, payload: Payload) -> torch.Tensor:
@@ -145,10 +141,8 @@ class ScaledSign(Compressor):
             return restore(native.scaled_sign_decode(scale, bits, meta.numel, bucket=self.bucket_size), meta)
         signs = unpack(bits, meta.numel, 1).to(torch.float32).mul_(2).sub_(1)
         if scale.numel() > 1:
-            b = self._bucket(meta.numel)
-            counts = torch.full((scale.numel(),), b, dtype=torch.int64)
-            counts[-1] = meta.numel - b * (scale.numel() - 1)
-            scale = scale.repeat_interleave(counts)
+            lengths = bucket_lengths(meta.numel, self._bucket(meta.numel), scale.device)
+            scale = scale.repeat_interleave(lengths, output_size=meta.numel)
         return restore(signs.mul_(scale), meta)
 
     def decompress_into(self, payload: Payload, out: torch.Tensor, accumulate: bool = False) -> None:
@@ -198,8 +192,7 @@ class DeferredResiduals(PendingResiduals):
         if pairs.shape[0] == 1:
             flat.sub_(torch.where(flat >= 0, pairs[0, 0], pairs[0, 1]))
             return
-        counts = torch.full((pairs.shape[0],), bucket, dtype=torch.int64)
-        counts[-1] = flat.numel() - bucket * (pairs.shape[0] - 1)
+        counts = bucket_lengths(flat.numel(), bucket)
         flat.sub_(torch.where(flat >= 0, pairs[:, 0].repeat_interleave(counts), pairs[:, 1].repeat_interleave(counts)))
 
     def encode(self, g: torch.Tensor, key: Key, bucket: int, kernel) -> tuple[torch.Tensor, torch.Tensor]:
@@ -337,7 +330,7 @@ class EFSign(_DeferredEF):
                     f"{self!r} under a decaying lr (now {lr:.3g}, from {self._peak_lr:.3g}): on digits under "
                     "LargeBatchRecipe's warm-up and cosine decay, one scale per tensor trained 1.0-1.1 points below "
                     "uncompressed (10 seeds), and 1024 elements a scale 1.0 below, where it is within a point at "
-                    f"a constant lr. Use EFSign(bucket_size=64) (the default; 0.5-0.6 below) with a decaying lr.",
+                    "a constant lr. Use EFSign(bucket_size=64) (the default; 0.5-0.6 below) with a decaying lr.",
                     CompressionWarning, stacklevel=4)
 
     def _encode(self, tensor: torch.Tensor, key: Key, world: int) -> Payload:

@@ -70,6 +70,16 @@ def bucket_sums(v: torch.Tensor, bucket: int) -> torch.Tensor:
     return out
 
 
+def bucket_lengths(n: int, bucket: int, device: torch.device | None = None) -> torch.Tensor:
+    """The length of each bucket of ``bucket`` elements that n elements are cut into, the last one
+    holding the rest (int64, on ``device``; empty when n is 0)."""
+    nb = -(-n // bucket)
+    lengths = torch.full((nb,), bucket, dtype=torch.int64, device=device)
+    if nb:
+        lengths[-1] = n - bucket * (nb - 1)
+    return lengths
+
+
 def bucket_counts(mask: torch.Tensor, bucket: int) -> torch.Tensor:
     """Per-bucket number of true entries of a 1-D bool tensor (int64, exact)."""
     n = mask.numel()
