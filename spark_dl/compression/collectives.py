@@ -329,7 +329,7 @@ def allreduce(tensor: torch.Tensor, compression: Compressor | None = None, *,
     else:  # warm-up, shared momentum (spark_dl.compression.training)
         x = fb.before(tensor, name, share=1.0 if average else 1.0 / world)
         now = NoneCompressor() if fb.warming(name) else c
-        result = fb.after(_reduce(x, now, name, group, world, layout, into, scale), name)
+        result = fb.after(_reduce(x, now, name, group, world, layout, into, scale), name, compressed=now is c)
         if now is c:
             watch(c, name, x, result, world)
     if average and integer:

@@ -245,7 +245,8 @@ class _DeferredEF(ErrorFeedback):
 
 
 # EFSign's scale measured within a point of uncompressed on digits under Adam and a decaying lr up
-# to this many elements (10 seeds: 64 to 256 at most 0.9 below; 1024 and a scale per tensor 1.0-1.7 below)
+# to this many elements (10 seeds: 64 to 256 at most 0.9 below; 1024 and a scale per tensor 1.0-1.7 below,
+# 0.9-1.1 below under Adam once the preconditioner's second moment was held)
 EFSIGN_MEASURED_UP_TO = 256
 
 # 1-bit buckets up to this size get their residual in the encoder's pass, while still in cache
@@ -294,10 +295,10 @@ class EFSign(_DeferredEF):
 
     ``bucket_size``: elements that share one scale (None: the whole tensor, the paper's q, exactly
     1 bit per element plus one float). The default, 64, costs half a bit per element more: with one
-    scale per tensor, EF-sign trained 1.1-1.7 points below uncompressed on digits under Adam and
+    scale per tensor, EF-sign trained 0.9-1.1 points below uncompressed on digits under Adam and
     1.0-1.1 below under LargeBatchRecipe's decay (10 seeds); with 64 it is at most 0.6 below under
     momentum SGD, Nesterov, Adam, AdamW and the recipe there. Under Adam on a 1.6M-parameter MLP
-    it is still short at 64 (warned: use OneBit); docs/guide/compression.md has the tables.
+    it is 1.2 below at 64 (12 seeds; warned: use OneBit); docs/guide/compression.md has the tables.
     On the native path a step reads g and e and writes p once: the residual's ``- q(p)`` is
     deferred to the next step's pass (see :class:`DeferredResiduals`). ``warmup_steps``,
     ``compress_momentum``, ``single_stage_up_to``: as :class:`ErrorFeedback`'s."""

@@ -165,13 +165,75 @@ def test_under_adam_each_rank_compresses_its_gradient_over_the_shared_second_mom
     fb.after(torch.tensor([float("nan"), 0.0, 0.0, 0.0]), "w")  # a step a GradScaler skips: start again
     assert fb.before(g, "w") is g
     # the second moment is measured uncompressed first: signs do not carry magnitudes
-    assert [fb.warming("x") for _ in range(ADAPTIVE_WARMUP + 1)] == [True] * ADAPTIVE_WARMUP + [False]
+    warm = []
+    for _ in range(ADAPTIVE_WARMUP + 2):
+        warm.append(fb.warming("x"))
+        fb.before(g, "x")
+        fb.after(u.clone(), "x", compressed=not warm[-1])
+    assert warm == [True] * ADAPTIVE_WARMUP + [False, False]
     fb.observe(lr=0.1, momentum=0.9, beta2=0.9)  # momentum SGD: the shared velocity, not this
     assert fb.beta2 == 0.0 and not fb.warming("y")
     off = TrainingFeedback(precondition=False)
     off.observe(lr=0.1, beta2=0.9)
     off.after(r1.clone(), "w")
     assert off.before(g, "w") is g
+
+
+def test_under_adam_the_second_moment_is_held_once_compression_starts():
+    """A compressed reduction carries its compression error (up to a bucket's scale on an entry
+    whose gradient is near 0): s is measured on the uncompressed warm-up and then held, so that
+    error cannot raise d, and with it the residual in gradient units, step after step."""
+    from spark_dl.compression.training import ADAPTIVE_WARMUP, TrainingFeedback
+
+    fb = TrainingFeedback()
+    fb.observe(lr=0.1, beta2=0.999)
+    g = torch.tensor([1.0, -2.0, 0.5, 4.0])
+    measured = []
+    while fb.warming("w"):
+        fb.before(g, "w")
+        measured.append(fb.after(g * (len(measured) + 1), "w"))
+    assert len(measured) == ADAPTIVE_WARMUP
+    s = torch.stack(measured).pow(2).mean(0)  # the plain mean square of the uncompressed ones
+    assert torch.allclose(fb.second["w"], s)
+    held, d = fb.second["w"].clone(), fb.divisor(g, "w")
+    for noisy in (torch.full((4,), 50.0), torch.tensor([float("inf"), 0.0, 0.0, 0.0])):
+        x = fb.before(g, "w")
+        assert torch.allclose(x, g / d)
+        assert not fb.warming("w")
+        assert torch.allclose(fb.after(noisy.clone(), "w", compressed=True), noisy * d)
+        assert torch.equal(fb.second["w"], held)  # neither the error nor a skipped step reaches s
+    # a new beta2 restarts the second moment, and with it the uncompressed measurement
+    fb.observe(lr=0.1, beta2=0.99)
+    assert "w" not in fb.second and fb.warming("w")
+    # a non-finite uncompressed reduction restarts it too
+    fb.after(torch.full((4,), float("nan")), "w")
+    assert "w" not in fb.second and fb.warming("w")
+
+
+def preconditioner_main() -> tuple[float, float]:
+    """EFSign() under Adam's beta2 on a gradient whose entries differ by 10^3 in size, 100 real
+    reductions: sqrt(s) over the entries' true size, (max, median)."""
+    import spark_dl
+    from spark_dl.compression import EFSign, allreduce
+
+    spark_dl.init()
+    gen = torch.Generator().manual_seed(0)
+    size = torch.full((4096,), 0.01)
+    size[:256] = 1.0
+    size[1000:1100] = 30.0  # not aligned to 64: two scales each cover entries of 0.01 and of 30
+    c = EFSign()
+    for _ in range(100):
+        c.feedback.observe(lr=0.01, beta2=0.999)
+        allreduce(torch.randn(4096, generator=gen) * size, c, name="w")
+    ratio = c.feedback.second["w"].sqrt() / size
+    return float(ratio.max()), float(ratio.median())
+
+
+def test_efsign_under_adam_keeps_its_preconditioner_at_the_gradients_size():
+    """With the second moment taking in the compressed reductions, the entries that shared a scale
+    with far larger ones had sqrt(s) raised to 80x their true size; held, it stays the warm-up's."""
+    top, median = HorovodRunner(np=-1).run(preconditioner_main)
+    assert top < 3.0 and median == pytest.approx(1.0, abs=0.35)
 
 
 def test_a_training_feedback_pickled_before_preconditioning_keeps_its_old_behaviour():
