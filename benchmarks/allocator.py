@@ -5,6 +5,11 @@ time-to-accuracy benchmark's MLP (10.3M parameters).
 
     python benchmarks/allocator.py [--rounds 3] [--steps 40] [--hidden 3072] [--configs fp32,powersgd]
 
+``--configs encode-onebit,encode-efsign`` times the sign encoders alone instead (``OneBit()`` and
+``EFSign()`` with error feedback on a gradient of the MLP's size, one native thread): with glibc's
+defaults is what a process that spark-dl did not start gets (a ``torchrun`` script with
+``make_ddp_hook``), so the two rows should match.
+
 Two local ranks (``np=-2``, no Spark), one intra-op thread each, SGD with momentum and
 ``zero_grad()`` (which frees the gradients), as in ``benchmarks/time_to_accuracy.py``. The two
 settings alternate, round after round, so machine noise hits them alike; prints the medians of rank
@@ -39,6 +44,8 @@ def train(cfg: dict) -> dict:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     d_in, hidden = 256, cfg["hidden"]
+    if cfg["compression"].startswith("encode-"):
+        return encode(cfg, d_in * hidden + hidden * hidden + hidden * 10)
     model = torch.nn.Sequential(torch.nn.Linear(d_in, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, hidden),
                                 torch.nn.ReLU(), torch.nn.Linear(hidden, 10))
     ddp = torch.nn.parallel.DistributedDataParallel(model)
@@ -69,6 +76,32 @@ def train(cfg: dict) -> dict:
     return {"ms": ms, "faults": faults, "peak_mb": peak_mb, "allocator": allocator.choice(os.environ)}
 
 
+def encode(cfg: dict, numel: int) -> dict:
+    """``train``'s numbers for a sign encoder alone, compressing a gradient of ``numel`` elements."""
+    import resource
+    import time
+
+    import torch
+
+    import spark_dl.compression as C
+    from spark_dl.compression import native
+    from spark_dl.rank import allocator
+
+    native.set_threads(1)
+    compressor = {"encode-onebit": C.OneBit, "encode-efsign": C.EFSign}[cfg["compression"]]()
+    g = torch.randn(numel, generator=torch.Generator().manual_seed(0))
+    for _ in range(cfg["warmup"]):
+        compressor.compress(g, key="w")
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    start = time.perf_counter()
+    for _ in range(cfg["steps"]):
+        compressor.compress(g, key="w")
+    ms = 1000 * (time.perf_counter() - start) / cfg["steps"]
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / cfg["steps"]
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"ms": ms, "faults": faults, "peak_mb": peak_mb, "allocator": allocator.choice(os.environ)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
@@ -93,16 +126,16 @@ def main() -> None:
                 cfg = {"hidden": args.hidden, "steps": args.steps, "warmup": args.warmup, "compression": config}
                 out = HorovodRunner(np=-2, env=env).run(train, cfg)
                 rows.setdefault((config, name), []).append(out)
-    print(f"\n{'DDP':<10} {'malloc':<16} {'ms/step':>8} {'faults/step':>12} {'peak RSS MB':>12}  in the rank")
+    print(f"\n{'config':<14} {'malloc':<16} {'ms/step':>8} {'faults/step':>12} {'peak RSS MB':>12}  in the rank")
     for config in args.configs.split(","):
         med = {}
         for name in settings:
             runs = rows[config, name]
             med[name] = {k: statistics.median(r[k] for r in runs) for k in ("ms", "faults", "peak_mb")}
-            print(f"{config:<10} {name:<16} {med[name]['ms']:>8.1f} {med[name]['faults']:>12.0f} "
+            print(f"{config:<14} {name:<16} {med[name]['ms']:>8.1f} {med[name]['faults']:>12.0f} "
                   f"{med[name]['peak_mb']:>12.0f}  {runs[0]['allocator']}")
         a, b = med["reuse (default)"], med["glibc defaults"]
-        print(f"{config:<10} {'ratio':<16} {a['ms'] / b['ms']:>8.2f} {'':>12} {a['peak_mb'] / b['peak_mb']:>12.2f}")
+        print(f"{config:<14} {'ratio':<16} {a['ms'] / b['ms']:>8.2f} {'':>12} {a['peak_mb'] / b['peak_mb']:>12.2f}")
 
 
 if __name__ == "__main__":

@@ -41,6 +41,17 @@ def test_kernels_benchmark_prints_a_verdict_per_row():
         assert line.rstrip().endswith("met") or "out of reach" in line, line
 
 
+def test_allocator_benchmark_compares_both_settings_for_training_steps_and_the_sign_encoders():
+    done = _run("benchmarks/allocator.py", "--configs", "fp32,encode-efsign", "--rounds", "1", "--steps", "2",
+                "--warmup", "1", "--hidden", "256")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    for config in ("fp32", "encode-efsign"):
+        rows = [line.split() for line in lines if line.startswith(config + " ")]
+        assert [r[1] for r in rows] == ["reuse", "glibc", "ratio"], rows
+        assert rows[0][-1] == "reuse" and rows[1][-1] == "off"  # what the ranks' allocator setting did
+
+
 def test_compression_benchmark_runs_both_parts_or_says_why_not():
     done = _run("benchmarks/compression.py", "--layout", "square", "--numel", "40000", "--steps", "1",
                 "--compressors", "fp32,qsgd-4bit,powersgd-r4")
