@@ -8,8 +8,8 @@ accuracy (``-``: never within --steps). Every compressor runs at its defaults wi
 hyperparameters of the uncompressed run; ``powersgd-rR[-wS]`` is PowerSGD at rank R with S
 uncompressed warm-up steps (``powersgd-r4-w10``: ``PowerSGD(rank=4, start_iter=10)``; the syntax of
 every benchmark here, ``benchmarks/powersgd_names.py``), and ``efsign-bN`` is
-``EFSign(bucket_size=N)`` (``efsign-whole``: one scale per tensor), to compare settings with the
-defaults.
+``EFSign(bucket_size=N)`` (``efsign-whole``: one scale per tensor), and ``topk-noramp`` is
+``ErrorFeedback(TopK(ramp_steps=0))`` (no sparsity warm-up), to compare settings with the defaults.
 
 Paths: ``hvd`` is ``spark_dl.horovod.DistributedOptimizer(opt, compression=c)``; ``ddp`` and
 ``ddp-overlap`` are ``DistributedDataParallel`` with ``make_ddp_hook(c, optimizer=opt)`` (with
@@ -59,6 +59,7 @@ COMPRESSORS = {
     "qsgd-l2": lambda: C.QSGD(norm="l2"),  # the QSGD paper's scale, for comparison with the default
     "onebit": C.OneBit, "efsign": C.EFSign, "efsign-whole": lambda: C.EFSign(None),  # the paper's scale per tensor
     "topk": lambda: C.ErrorFeedback(C.TopK()),
+    "topk-noramp": lambda: C.ErrorFeedback(C.TopK(ramp_steps=0)),  # no sparsity warm-up: 1% from the start
     "randomk": lambda: C.ErrorFeedback(C.RandomK()), "auto": C.Auto,
 }
 

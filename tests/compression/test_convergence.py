@@ -337,6 +337,13 @@ def test_known_shortfalls_are_warned_with_the_fix_and_working_pairs_are_not():
     assert advice(C.OneBit(), adam) is None
     assert "ratio >= 0.1" in advice(C.ErrorFeedback(C.TopK()), adam)
     assert "ErrorFeedback(...)" in advice(C.TopK(), sgd)
+    # top-k at 1% with its sparsity warm-up keeps up under momentum SGD on digits, not under Adam;
+    # without the warm-up it falls short under both, and random-k at 1% everywhere
+    for opt in (sgd, nesterov):
+        assert advice(C.ErrorFeedback(C.TopK()), opt) is None
+        assert "no sparsity warm-up" in advice(C.ErrorFeedback(C.TopK(ramp_steps=0)), opt)
+        assert "ratio >= 0.1" in advice(C.ErrorFeedback(C.RandomK()), opt)
+    assert "sparsity warm-up included" in advice(C.ErrorFeedback(C.TopK()), adam)
     for ok in (C.QSGD(), C.PowerSGD(), C.FP16(), C.ErrorFeedback(C.TopK(0.1)), C.OneBit()):
         for opt in (sgd, nesterov, adam):
             assert advice(ok, opt) is None, (ok, opt)

@@ -263,7 +263,7 @@ def test_bytes_on_the_wire_match_bits_per_element():
     assert fp32 == 4 * n
     for c, ratio in [(C.FP16(), 2), (C.BF16(), 2), (C.OneBit(bucket_size=None), 32), (C.OneBit(), 32 / 2),
                      (C.OneBit(1024), 32 / 1.0625), (C.EFSign(), 32 / 1.5), (C.EFSign(None), 32),
-                     (C.QSGD(), 8), (C.TopK(0.01), 50), (C.RandomK(0.01), 100)]:
+                     (C.QSGD(), 8), (C.TopK(0.01, ramp_steps=0), 50), (C.RandomK(0.01), 100)]:
         nbytes = c.compress(g, key="g").nbytes
         assert nbytes * 8 / n == pytest.approx(c.bits_per_element(), rel=0.01), c
         assert fp32 / nbytes == pytest.approx(ratio, rel=0.02), c
@@ -271,6 +271,37 @@ def test_bytes_on_the_wire_match_bits_per_element():
     m = torch.randn(1024, 1024)
     assert p.compress(m, key="m").nbytes * 8 / m.numel() == pytest.approx(p.bits_per_element())
     assert p.bits_per_element() == pytest.approx(0.25)
+
+
+def test_top_k_keeps_more_at_first_and_shrinks_geometrically_to_its_ratio():
+    """Deep Gradient Compression's sparsity warm-up: ratio_t = ratio * (start / ratio) ** (1 - t / ramp)."""
+    c = C.TopK(0.01)
+    assert (c.ramp_steps, c.start_ratio) == (60, 0.25) and repr(c) == "TopK(ratio=0.01)"
+    for t in (0, 1, 17, 30, 59):
+        assert c.ratio_at(t) == pytest.approx(0.01 * 25 ** (1 - t / 60), rel=1e-12), t
+    assert c.ratio_at(30) == pytest.approx(0.05) and c.ratio_at(60) == c.ratio_at(10**6) == 0.01
+    g = torch.randn(10_000, generator=torch.Generator().manual_seed(0))
+    kept = [c.compress(g, key="w").tensors[0].numel() for _ in range(62)]
+    assert kept[:3] == [2500, math.ceil(10_000 * c.ratio_at(1)), math.ceil(10_000 * c.ratio_at(2))]
+    assert all(a >= b for a, b in zip(kept, kept[1:])) and kept[59] == 106 and kept[60:] == [100, 100]
+    assert c.compress(g, key="other").tensors[0].numel() == 2500  # counted per tensor
+    c.reset("w")
+    assert c.compress(g, key="w").tensors[0].numel() == 2500
+    # what an entry's top-k selection is does not change: the largest |g_i| of the k kept
+    values = c.compress(g, key="fresh").tensors[0]
+    assert torch.equal(values.abs().sort().values, g.abs().sort().values[-2500:])
+    assert C.TopK(0.01, ramp_steps=0).compress(g, key="w").tensors[0].numel() == 100
+    assert C.TopK(0.5).compress(g, key="w").tensors[0].numel() == 5000  # start_ratio below ratio: no ramp
+    assert repr(C.TopK(0.1, ramp_steps=0)) == "TopK(ratio=0.1, ramp_steps=0, start_ratio=0.25)"
+
+
+def test_a_top_k_pickled_before_its_ramp_keeps_its_ratio_from_the_start():
+    import pickle
+
+    old = C.TopK(0.01)
+    del old.__dict__["ramp_steps"], old.__dict__["start_ratio"], old.__dict__["compressions"]
+    back = pickle.loads(pickle.dumps(old))
+    assert back.compress(torch.randn(1000), key="w").tensors[0].numel() == 10
 
 
 def test_random_k_is_shared_by_seed_and_step_and_unbiased_when_scaled():
@@ -483,6 +514,9 @@ LEVELS = "QSGD levels must be an int in 1..127"
     (lambda: C.TopK(float("nan")), "TopK ratio must be a finite real"),
     (lambda: C.TopK(True), "TopK ratio must be a finite real"),
     (lambda: C.TopK("0.1"), "TopK ratio must be a finite real"),
+    (lambda: C.TopK(0.01, ramp_steps=-1), r"TopK ramp_steps must be .*got -1"),
+    (lambda: C.TopK(0.01, ramp_steps=2.5), "TopK ramp_steps must be"),
+    (lambda: C.TopK(0.01, start_ratio=0), r"TopK start_ratio must be a finite real number in \(0, 1\], got 0"),
     (lambda: C.RandomK(float("inf")), "RandomK ratio must be a finite real"),
     (lambda: C.RandomK(seed="a"), "RandomK seed must be an int, got 'a'"),
     (lambda: C.RandomK(seed=1.0), "RandomK seed must be an int, got 1.0"),
@@ -527,8 +561,8 @@ def test_error_feedback_instantiates_a_compressor_class_that_takes_no_arguments(
 
 
 @pytest.mark.parametrize("make", [C.OneBit, lambda: C.OneBit(bucket_size=None), C.EFSign,
-                                  lambda: C.ErrorFeedback(C.TopK(0.1)), lambda: C.ErrorFeedback(C.RandomK(0.1)),
-                                  lambda: C.ErrorFeedback(C.QSGD(seed=1))],
+                                  lambda: C.ErrorFeedback(C.TopK(0.1, ramp_steps=0)),
+                                  lambda: C.ErrorFeedback(C.RandomK(0.1)), lambda: C.ErrorFeedback(C.QSGD(seed=1))],
                          ids=["onebit", "onebit-whole", "efsign", "topk-ef", "randomk-ef", "qsgd-ef"])
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")], ids=["inf", "nan"])
 @pytest.mark.parametrize("native_switch", ["1", "0"], ids=["native", "torch"])
