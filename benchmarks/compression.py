@@ -43,7 +43,7 @@ def make(name: str):
     return {
         "fp32": C.NoneCompressor, "fp16": C.FP16, "bf16": C.BF16, "onebit": C.OneBit,
         "efsign": C.EFSign, "qsgd-4bit": lambda: C.QSGD(levels=7, bucket_size=512, seed=0),
-        "topk-1%+ef": lambda: C.ErrorFeedback(C.TopK(0.01)),
+        "topk-1%+ef": lambda: C.ErrorFeedback(C.TopK(0.01, ramp_steps=0)),  # the steady state: no sparsity warm-up
         "randomk-1%+ef": lambda: C.ErrorFeedback(C.RandomK(0.01)),
         "powersgd-r4": lambda: C.PowerSGD(rank=4, start_iter=0),
     }[name]()

@@ -86,7 +86,7 @@ def register(name: str, ddp: torch.nn.Module) -> None:
         compressor = {"spark-dl FP16": lambda: C.FP16(),
                       "spark-dl PowerSGD r4": lambda: C.PowerSGD(rank=4, start_iter=2),
                       "spark-dl QSGD 4-bit": lambda: C.QSGD(levels=7, bucket_size=512, seed=0),
-                      "spark-dl top-k 1% + EF": lambda: C.ErrorFeedback(C.TopK(0.01))}[base]()
+                      "spark-dl top-k 1% + EF": lambda: C.ErrorFeedback(C.TopK(0.01, ramp_steps=0))}[base]()
         ddp.register_comm_hook(*C.make_ddp_hook(compressor, overlap=flag == "True"))
 
 

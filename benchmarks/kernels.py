@@ -66,7 +66,7 @@ def cases(g: torch.Tensor):
     reduction buffer (torch path: decompress to a new tensor, then ``add_``); the "(new)" rows
     decompress into a fresh tensor, as a user's ``decompress`` call does.
     """
-    onebit, efsign, tk = C.OneBit(1024), C.EFSign(), C.TopK(0.01)
+    onebit, efsign, tk = C.OneBit(1024), C.EFSign(), C.TopK(0.01, ramp_steps=0)  # top-k's steady state
     sm, ss = C.SignMeans(1024), C.ScaledSign(64)  # EFSign()'s scale per 64 elements
     qsgd = C.QSGD(levels=7, bucket_size=512, seed=0)
     fp16, bf16 = C.FP16(), C.BF16()
