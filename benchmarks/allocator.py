@@ -30,22 +30,18 @@ sys.path.insert(0, ROOT)
 
 
 def train(cfg: dict) -> dict:
-    """One rank: ``warmup`` steps, then ``steps`` timed ones; its ms a step, minor faults a step,
-    peak RSS and what the allocator setting did here."""
-    import resource
-    import time
-
+    """One rank: ``warmup`` steps, then ``steps`` timed ones (:func:`measure`); a training step, or
+    for ``encode-*`` one encoder call (:func:`encoder`)."""
     import torch
 
     import spark_dl
-    from spark_dl.rank import allocator
 
     spark_dl.init()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     d_in, hidden = 256, cfg["hidden"]
     if cfg["compression"].startswith("encode-"):
-        return encode(cfg, d_in * hidden + hidden * hidden + hidden * 10)
+        return measure(encoder(cfg["compression"], d_in * hidden + hidden * hidden + hidden * 10), cfg)
     model = torch.nn.Sequential(torch.nn.Linear(d_in, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, hidden),
                                 torch.nn.ReLU(), torch.nn.Linear(hidden, 10))
     ddp = torch.nn.parallel.DistributedDataParallel(model)
@@ -64,38 +60,37 @@ def train(cfg: dict) -> dict:
         loss.backward()
         opt.step()
 
-    for _ in range(cfg["warmup"]):
-        one()
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    start = time.perf_counter()
-    for _ in range(cfg["steps"]):
-        one()
-    ms = 1000 * (time.perf_counter() - start) / cfg["steps"]
-    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / cfg["steps"]
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"ms": ms, "faults": faults, "peak_mb": peak_mb, "allocator": allocator.choice(os.environ)}
+    return measure(one, cfg)
 
 
-def encode(cfg: dict, numel: int) -> dict:
-    """``train``'s numbers for a sign encoder alone, compressing a gradient of ``numel`` elements."""
-    import resource
-    import time
-
+def encoder(name: str, numel: int):
+    """One call of a sign encoder (``OneBit()`` or ``EFSign()``, error feedback included, one native
+    thread) on a gradient of ``numel`` elements."""
     import torch
 
     import spark_dl.compression as C
     from spark_dl.compression import native
-    from spark_dl.rank import allocator
 
     native.set_threads(1)
-    compressor = {"encode-onebit": C.OneBit, "encode-efsign": C.EFSign}[cfg["compression"]]()
+    compressor = {"encode-onebit": C.OneBit, "encode-efsign": C.EFSign}[name]()
     g = torch.randn(numel, generator=torch.Generator().manual_seed(0))
+    return lambda: compressor.compress(g, key="w")
+
+
+def measure(one, cfg: dict) -> dict:
+    """``one()`` ``warmup`` times, then ``steps`` timed times: its ms a step, minor faults a step,
+    peak RSS and what the allocator setting did here."""
+    import resource
+    import time
+
+    from spark_dl.rank import allocator
+
     for _ in range(cfg["warmup"]):
-        compressor.compress(g, key="w")
+        one()
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     start = time.perf_counter()
     for _ in range(cfg["steps"]):
-        compressor.compress(g, key="w")
+        one()
     ms = 1000 * (time.perf_counter() - start) / cfg["steps"]
     faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / cfg["steps"]
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

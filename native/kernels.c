@@ -58,12 +58,13 @@ static void *scratch(int slot, size_t n, int *owned) {
     if (g_fail_alloc) return NULL;
     if (n == 0) n = 1;
     pthread_once(&scratch_once, scratch_init);
-    scratch_set *s = scratch_ok ? (scratch_set *)pthread_getspecific(scratch_key) : NULL;
-    if (scratch_ok && !s && n <= SCRATCH_KEEP) {
+    if (!scratch_ok || n > SCRATCH_KEEP) return malloc(n);
+    scratch_set *s = (scratch_set *)pthread_getspecific(scratch_key);
+    if (!s) {
         s = (scratch_set *)calloc(1, sizeof *s);
         if (s && pthread_setspecific(scratch_key, s) != 0) { free(s); s = NULL; }
+        if (!s) return malloc(n);
     }
-    if (!s || n > SCRATCH_KEEP) return malloc(n);
     if (s->cap[slot] < n) {
         void *p = malloc(n);
         if (!p) return NULL;
