@@ -26,6 +26,12 @@ teacher network: generated, nothing downloaded).
         --paths ddp --optimizers nesterov,adam --lr-sgd 0.02 --compressors none,onebit,powersgd,qsgd \
         --time-limit 470                                  # about 15 s a run on a 16-core host
 
+``--oracle-second-moment`` (a diagnostic, with ``adam``/``adamw`` only) gives Adam its second moment
+from an uncompressed average of the ranks' gradients, computed beside the compressed reduction
+(an extra backward and all-reduce a step), while its first moment takes the compressed one: how
+much of a compressor's gap under Adam comes through the error Adam's second moment takes in.
+Every row then uses that Adam, ``none`` included.
+
 ``--time-limit`` stops the runs there and prints the rows that finished. The settings, the machine,
 the date and the git commit are printed above the table.
 """
@@ -111,11 +117,38 @@ def network(model: str) -> nn.Module:
     return nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
 
 
+class OracleAdam(torch.optim.Optimizer):
+    """Adam (AdamW with ``weight_decay``) at torch's defaults, whose second moment takes each
+    parameter's ``oracle_grad`` (set before each step) where torch's takes ``grad``."""
+
+    def __init__(self, params, lr: float, weight_decay: float = 0.0) -> None:
+        super().__init__(params, dict(lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            (b1, b2), lr = group["betas"], group["lr"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                st["step"] += 1
+                p.mul_(1 - lr * group["weight_decay"])
+                st["exp_avg"].mul_(b1).add_(p.grad, alpha=1 - b1)
+                st["exp_avg_sq"].mul_(b2).addcmul_(p.oracle_grad, p.oracle_grad, value=1 - b2)
+                denom = (st["exp_avg_sq"].sqrt() / math.sqrt(1 - b2 ** st["step"])).add_(group["eps"])
+                p.addcdiv_(st["exp_avg"], denom, value=-lr / (1 - b1 ** st["step"]))
+
+
 def optimizer(name: str, params, world: int, args):
     """(optimizer, the recipe whose scheduler drives it or None): the same settings whatever the compressor."""
     lr_sgd, lr_adam = args.lr_sgd, args.lr_adam
     if name in ("sgd", "nesterov"):
         return torch.optim.SGD(params, lr=lr_sgd * world, momentum=0.9, nesterov=name == "nesterov"), None
+    if args.oracle_second_moment:
+        return OracleAdam(params, lr=lr_adam * world, weight_decay=0.01 if name == "adamw" else 0.0), None
     if name == "adam":
         return torch.optim.Adam(params, lr=lr_adam * world), None
     if name == "adamw":
@@ -156,11 +189,22 @@ def train(args, data, comp_name: str, opt_name: str, path: str,
         state, hook = C.make_ddp_hook(compressor, overlap=path == "ddp-overlap", optimizer=opt)
         model.register_comm_hook(state, hook)
     sched = None if recipe is None else recipe.scheduler(opt)  # on the optimizer that steps
+    shadow = None
+    if args.oracle_second_moment:  # the model on the same memory, without the hooks that reduce its gradients
+        shadow = network(args.model)
+        for sp, p in zip(shadow.parameters(), net.parameters()):
+            sp.data = p.data
     shard = torch.arange(rank, len(ytr), world)
     gen = torch.Generator().manual_seed(1000 * seed + rank)
     curve, sent0 = [], C.stats.bytes_sent
     for step in range(args.steps):
         idx = shard[torch.randint(len(shard), (args.batch,), generator=gen)]
+        if shadow is not None:  # this rank's gradients, averaged uncompressed, beside the run's own
+            grads = torch.autograd.grad(nn.functional.cross_entropy(shadow(xtr[idx]), ytr[idx]),
+                                        list(shadow.parameters()))
+            for p, g in zip(net.parameters(), grads):
+                dist.all_reduce(g)
+                p.oracle_grad = g.div_(world)
         opt.zero_grad()
         nn.functional.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
         opt.step()
@@ -261,6 +305,8 @@ def main() -> None:
     p.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     p.add_argument("--paths", default=",".join(PATHS))
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--oracle-second-moment", action="store_true",
+                   help="Adam's second moment from the uncompressed reduction (a diagnostic; adam/adamw only)")
     p.add_argument("--time-limit", type=float, default=0, help="seconds; stop there and print the runs done (0: none)")
     args = p.parse_args()
     for field, known in (("compressors", COMPRESSORS), ("optimizers", OPTIMIZERS), ("paths", PATHS)):
@@ -271,12 +317,14 @@ def main() -> None:
             more = f", {powersgd_names.SYNTAX} or efsign-b<bucket_size >= 1>" if field == "compressors" else ""
             p.error(f"--{field}: unknown {bad}; choose from {', '.join(known)}{more}")
         setattr(args, field, values)
+    if args.oracle_second_moment and not set(args.optimizers) <= {"adam", "adamw"}:
+        p.error("--oracle-second-moment: Adam's second moment only; use it with --optimizers adam,adamw")
     args.eval_every = args.eval_every or max(1, args.steps // 15)
     if "none" not in args.compressors:
         args.compressors.insert(0, "none")  # the reference every row is compared with
     print(f"convergence: model={args.model} ranks={args.ranks} seeds={args.seeds} steps={args.steps} "
           f"batch={args.batch}/rank lr_sgd={args.lr_sgd}x{args.ranks} lr_adam={args.lr_adam}x{args.ranks} "
-          f"threads/rank={args.threads}")
+          f"threads/rank={args.threads}" + (" second-moment=oracle" if args.oracle_second_moment else ""))
     print(f"machine: {platform.node()} {platform.processor() or platform.machine()} {os.cpu_count()} cores, "
           f"torch {torch.__version__}; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
           f"commit {_commit()}")

@@ -207,6 +207,23 @@ def test_convergence_benchmark_prints_a_row_per_compressor_optimizer_and_path():
             in bad.stderr, bad.stderr[-2000:]
 
 
+def test_convergence_benchmarks_oracle_adam_trains_as_torchs_adam_where_nothing_is_compressed():
+    def accuracies(*extra: str) -> dict[tuple[str, str], float]:
+        done = _run("benchmarks/convergence.py", "--seeds", "2", "--steps", "30", "--compressors", "none,efsign",
+                    "--optimizers", "adam,adamw", "--paths", "hvd,ddp", *extra)
+        assert done.returncode == 0, done.stderr[-3000:]
+        rows = [line.split() for line in done.stdout.splitlines() if line.split()[:1] in (["none"], ["efsign"])]
+        assert len(rows) == 8, done.stdout
+        return {(r[0], r[1] + " " + r[2]): float(r[3]) for r in rows}
+
+    own, oracle = accuracies(), accuracies("--oracle-second-moment")
+    for key, acc in own.items():
+        if key[0] == "none":  # the same gradients in both moments: torch's Adam and AdamW, to rounding
+            assert abs(oracle[key] - acc) <= 0.01, (key, own, oracle)
+    bad = _run("benchmarks/convergence.py", "--optimizers", "adam,sgd", "--oracle-second-moment")
+    assert bad.returncode == 2 and "use it with --optimizers adam,adamw" in bad.stderr, bad.stderr[-2000:]
+
+
 def test_convergence_benchmark_says_what_auto_picked_in_each_run():
     done = _run("benchmarks/convergence.py", "--seeds", "1", "--steps", "40", "--compressors", "auto",
                 "--optimizers", "sgd", "--paths", "ddp")
