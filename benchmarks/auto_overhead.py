@@ -2,13 +2,16 @@
 sampling, the periodic checks) over the compressor it picked, called directly.
 
 Two local Gloo ranks (loopback, plain ``torch.multiprocessing``: no Spark) reduce one float32 tensor
-per size through ``spark_dl.compression.allreduce``. ``Auto()`` at its defaults is told heavy-ball
-momentum SGD and reduces until it has picked; then, in alternating rounds, it and a fresh copy of
-its pick reduce the same tensor ``--calls`` times each. Printed per size: the median over the
-rounds of the wall-clock time a call, each, and their ratio (auto over its pick), then the same for
-rank 0's CPU time (every thread of the process: less noisy where a call mostly waits on the
-other rank). Auto's periodic check (one
-small all-reduce every ``check_every`` calls) falls inside the rounds, as it does in training.
+per size through ``spark_dl.compression.allreduce``. ``Auto`` with the exact candidates
+(``NoneCompressor()``, ``FP16()``; its other settings at their defaults) is told heavy-ball momentum
+SGD and reduces until it has picked; then, in alternating rounds, it and a fresh copy of its pick
+reduce the same tensor ``--calls`` times each. The same tensor over and over is no gradient an
+error-feedback compressor could follow (its residual grows without bound, and auto's guard then
+switches away from it), hence the exact candidates; a switch during the rounds is printed.
+Printed per size: the median over the rounds of the wall-clock time a call, each, and their
+ratio (auto over its pick), then the same for rank 0's CPU time (every thread of the process: less
+noisy where a call mostly waits on the other rank). Auto's periodic check (one small all-reduce
+every ``check_every`` calls) falls inside the rounds, as it does in training.
 
     python benchmarks/auto_overhead.py [--elements 16384,1048576,10485760] [--rounds 7] [--calls 200]
 """
@@ -62,7 +65,7 @@ def rank_main(rank: int, args, port: int, queue) -> None:
     momentum_sgd = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1, momentum=0.9)
     for n in args.elements:
         t = torch.randn(n, generator=torch.Generator().manual_seed(n))
-        auto = C.Auto()
+        auto = C.Auto(candidates=[C.NoneCompressor(), C.FP16()])
         auto.observe_optimizer(momentum_sgd)
         for _ in range(10_000):  # warm-up and probe take tens of calls; a bound, not a hang, if that changes
             if auto.buckets.get("g") is not None and auto.buckets["g"].phase == "chosen":
@@ -79,7 +82,8 @@ def rank_main(rank: int, args, port: int, queue) -> None:
         if rank == 0:
             wall = [statistics.median(w for w, _ in times[who]) for who in ("auto", "pick")]
             cpu = [statistics.median(c for _, c in times[who]) for who in ("auto", "pick")]
-            queue.put((n, label(pick), *wall, *cpu))
+            now = label(auto.candidates[auto.buckets["g"].chosen])
+            queue.put((n, label(pick) + ("" if now == label(pick) else f" (auto switched to {now})"), *wall, *cpu))
     dist.destroy_process_group()
 
 

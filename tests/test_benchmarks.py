@@ -207,6 +207,20 @@ def test_convergence_benchmark_prints_a_row_per_compressor_optimizer_and_path():
             in bad.stderr, bad.stderr[-2000:]
 
 
+def test_auto_overhead_benchmark_times_auto_against_its_own_pick():
+    done = _run("benchmarks/auto_overhead.py", "--elements", "5000,8192", "--rounds", "2", "--calls", "3")
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines() if re.match(r" *[\d,]+  [A-Za-z]", line)]
+    assert [r[0] for r in rows] == ["5,000", "8,192"], done.stdout
+    picks = {"NoneCompressor", "FP16"}  # the exact candidates: no switch on a tensor that never changes
+    for r in rows:
+        assert r[1] in picks and r[3] == "us" and r[5] == "us" and float(r[6]) > 0 and float(r[11]) > 0, r
+    bad = _run("benchmarks/auto_overhead.py", "--elements", "1k")
+    assert bad.returncode == 2 and "--elements: comma-separated integers" in bad.stderr, bad.stderr[-2000:]
+    small = _run("benchmarks/auto_overhead.py", "--elements", "100")
+    assert small.returncode == 2 and "each at least 4,096 (Auto's min_elements" in small.stderr, small.stderr[-2000:]
+
+
 def test_convergence_benchmarks_oracle_adam_trains_as_torchs_adam_where_nothing_is_compressed():
     def accuracies(*extra: str) -> dict[tuple[str, str], float]:
         done = _run("benchmarks/convergence.py", "--seeds", "2", "--steps", "30", "--compressors", "none,efsign",
