@@ -212,7 +212,8 @@ def test_auto_overhead_benchmark_times_auto_against_its_own_pick():
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line.split() for line in done.stdout.splitlines() if re.match(r" *[\d,]+  [A-Za-z]", line)]
     assert [r[0] for r in rows] == ["5,000", "8,192"], done.stdout
-    picks = {"NoneCompressor", "FP16"}  # the exact candidates: no switch on a tensor that never changes
+    # the exact candidates; 12 calls after the pick are too few for a check, so no switch in the row
+    picks = {"NoneCompressor", "FP16"}
     for r in rows:
         assert r[1] in picks and r[3] == "us" and r[5] == "us" and float(r[6]) > 0 and float(r[11]) > 0, r
     bad = _run("benchmarks/auto_overhead.py", "--elements", "1k")
