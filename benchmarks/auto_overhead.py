@@ -22,9 +22,7 @@ import copy
 import datetime
 import os
 import platform
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,7 +32,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from convergence import _commit, _free_port  # noqa: E402  (the same header and rendezvous)
+
 import spark_dl.compression as C  # noqa: E402
+from spark_dl.compression.auto import CHOSEN  # noqa: E402
 from spark_dl.compression.stats import label  # noqa: E402
 
 
@@ -50,14 +52,6 @@ def _timed(t: torch.Tensor, c, calls: int) -> tuple[float, float]:
     return (time.perf_counter() - t0) / calls, (c1 - c0) / calls
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
-                              cwd=Path(__file__).parent).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def rank_main(rank: int, args, port: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -68,7 +62,7 @@ def rank_main(rank: int, args, port: int, queue) -> None:
         auto = C.Auto(candidates=[C.NoneCompressor(), C.FP16()])
         auto.observe_optimizer(momentum_sgd)
         for _ in range(10_000):  # warm-up and probe take tens of calls; a bound, not a hang, if that changes
-            if auto.buckets.get("g") is not None and auto.buckets["g"].phase == "chosen":
+            if auto.buckets.get("g") is not None and auto.buckets["g"].phase == CHOSEN:
                 break
             C.allreduce(t, auto, name="g")
         else:
@@ -105,11 +99,9 @@ def main() -> None:
     print(f"auto's cost a reduction over its pick: 2 Gloo ranks on loopback, {args.rounds} rounds of {args.calls} "
           f"calls each; {platform.node()} {os.cpu_count()} cores, torch {torch.__version__}, "
           f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit {_commit()}")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
+    port = _free_port()
     procs = [ctx.Process(target=rank_main, args=(r, args, port, queue)) for r in range(2)]
     for proc in procs:
         proc.start()
