@@ -22,11 +22,12 @@ import datetime
 import os
 import platform
 import statistics
-import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from provenance import commit  # noqa: E402
 
 
 def train(cfg: dict) -> dict:
@@ -108,9 +109,7 @@ def main() -> None:
     from spark_dl import HorovodRunner
     from spark_dl.protocol import MALLOC_ENV
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    print(f"{platform.node()}, {os.cpu_count()} cores, {datetime.date.today()}, commit {commit or '?'}; 2 local "
+    print(f"{platform.node()}, {os.cpu_count()} cores, {datetime.date.today()}, commit {commit()}; 2 local "
           f"ranks, MLP 256-{args.hidden}-{args.hidden}-10, batch 64 a rank, {args.steps} steps after "
           f"{args.warmup}, medians over {args.rounds} rounds")
     settings = {"reuse (default)": {}, "glibc defaults": {MALLOC_ENV: "0"}}

@@ -33,7 +33,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from convergence import _commit, _free_port  # noqa: E402  (the same header and rendezvous)
+from provenance import commit, free_port  # noqa: E402
 
 import spark_dl.compression as C  # noqa: E402
 from spark_dl.compression.auto import CHOSEN  # noqa: E402
@@ -98,10 +98,10 @@ def main() -> None:
         p.error(f"--elements: each at least {floor:,} (Auto's min_elements: smaller tensors go uncompressed, no pick)")
     print(f"auto's cost a reduction over its pick: 2 Gloo ranks on loopback, {args.rounds} rounds of {args.calls} "
           f"calls each; {platform.node()} {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit {_commit()}")
+          f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit {commit()}")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=rank_main, args=(r, args, port, queue)) for r in range(2)]
     for proc in procs:
         proc.start()

@@ -42,8 +42,6 @@ import datetime
 import math
 import os
 import platform
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -57,6 +55,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import powersgd_names  # noqa: E402
+from provenance import commit, free_port  # noqa: E402
 
 import spark_dl.compression as C  # noqa: E402
 
@@ -78,13 +77,28 @@ def _efsign_bucket(name: str) -> int | None:
 
 def compressor_named(name: str):
     """A fresh compressor for a --compressors name (PowerSGD's settings: benchmarks/powersgd_names.py;
-    ``efsign-bN``: ``EFSign(bucket_size=N)``)."""
+    ``efsign-bN``: ``EFSign(bucket_size=N)``; ``NAME-own``: NAME with ``compress_momentum=False``, each
+    rank compressing its own gradient: no shared velocity or first moment)."""
+    if name.endswith("-own") and name != "-own":
+        c = compressor_named(name.removesuffix("-own"))
+        if getattr(c, "feedback", None) is None:
+            raise ValueError(f"{name}: {name.removesuffix('-own')} has no error feedback to share a momentum in")
+        c.feedback.compress_momentum = False
+        return c
     at = powersgd_names.settings(name)
     if at is not None:
         return C.PowerSGD(**at)
     if _efsign_bucket(name) is not None:
         return C.EFSign(_efsign_bucket(name))
     return COMPRESSORS[name]()
+
+
+def _constructs(name: str) -> bool:
+    try:
+        compressor_named(name)
+        return True
+    except (KeyError, ValueError):
+        return False
 
 
 OPTIMIZERS = ("sgd", "nesterov", "adam", "adamw", "recipe")
@@ -244,23 +258,6 @@ def rank_main(rank: int, args, port: int, queue) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _commit() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=Path(__file__).parent, timeout=10).stdout.strip()
-        return (head + (" (with local changes)" if dirty else "")) or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def summarize(results: list[tuple], args) -> None:
     """Print the table: one row per compressor x optimizer x path."""
     runs: dict[tuple, list[tuple]] = {}
@@ -311,10 +308,10 @@ def main() -> None:
     args = p.parse_args()
     for field, known in (("compressors", COMPRESSORS), ("optimizers", OPTIMIZERS), ("paths", PATHS)):
         values = [v for v in getattr(args, field).split(",") if v]
-        bad = [v for v in values if v not in known and not (
-            field == "compressors" and (powersgd_names.settings(v) is not None or _efsign_bucket(v) is not None))]
+        bad = [v for v in values if not (_constructs(v) if field == "compressors" else v in known)]
         if bad:
-            more = f", {powersgd_names.SYNTAX} or efsign-b<bucket_size >= 1>" if field == "compressors" else ""
+            more = (f", {powersgd_names.SYNTAX}, efsign-b<bucket_size >= 1>, or any of those with error feedback "
+                    "and -own") if field == "compressors" else ""
             p.error(f"--{field}: unknown {bad}; choose from {', '.join(known)}{more}")
         setattr(args, field, values)
     if args.oracle_second_moment and not set(args.optimizers) <= {"adam", "adamw"}:
@@ -327,10 +324,10 @@ def main() -> None:
           f"threads/rank={args.threads}" + (" second-moment=oracle" if args.oracle_second_moment else ""))
     print(f"machine: {platform.node()} {platform.processor() or platform.machine()} {os.cpu_count()} cores, "
           f"torch {torch.__version__}; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
-          f"commit {_commit()}")
+          f"commit {commit()}")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=rank_main, args=(r, args, port, queue)) for r in range(args.ranks)]
     for proc in procs:
         proc.start()

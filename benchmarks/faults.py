@@ -22,6 +22,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from provenance import commit  # noqa: E402
 
 FAULTS = ["cut", "cut_rendezvous", "loss", "flap", "restart", "kill_host", "driver_killed"]
 WHAT = {
@@ -91,9 +93,7 @@ def main() -> int:
         if line.startswith("RESULT "):
             r = json.loads(line[len("RESULT "):])
             results[r["scenario"]] = r
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    print(f"{platform.node()}, {os.cpu_count()} cores, {datetime.date.today()}, commit {commit or '?'}; two worker "
+    print(f"{platform.node()}, {os.cpu_count()} cores, {datetime.date.today()}, commit {commit()}; two worker "
           f"hosts (network namespaces), {args.rate_mbit:g} Mbit/s links, four ranks")
     print()
     print("| fault | expected | measured | left behind |")

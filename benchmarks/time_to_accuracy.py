@@ -29,7 +29,6 @@ import datetime
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -39,6 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import powersgd_names  # noqa: E402
+from provenance import commit  # noqa: E402
 
 CONFIGS = ("peer", "fp32", "fp16", "bf16", "powersgd", "qsgd", "onebit", "efsign", "topk", "auto")
 
@@ -197,9 +197,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 def run_settings(args: argparse.Namespace) -> dict:
     """The ranks' settings from those options; prints the header line (machine, date, commit, model)."""
     params = args.d_in * args.hidden + args.hidden * args.hidden + args.hidden * 10 + 2 * args.hidden + 10
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    print(f"{platform.node()}, {os.cpu_count()} cores, {datetime.date.today()}, commit {commit or '?'}; 2 ranks, "
+    print(f"{platform.node()}, {os.cpu_count()} cores, {datetime.date.today()}, commit {commit()}; 2 ranks, "
           f"MLP {args.d_in}-{args.hidden}-{args.hidden}-10 ({params / 1e6:.1f}M parameters), batch {args.batch} "
           f"a rank, SGD lr {args.lr} momentum 0.9, target test accuracy {args.target}", flush=True)
     return {"d_in": args.d_in, "hidden": args.hidden, "batch": args.batch, "lr": args.lr, "target": args.target,

@@ -202,9 +202,10 @@ class Auto(Compressor):
 
     decompress = compress  # type: ignore[assignment]
 
-    def observe(self, *, lr: float | None = None, momentum: float = 0.0, beta2: float = 0.0) -> None:
+    def observe(self, *, lr: float | None = None, momentum: float = 0.0, beta2: float = 0.0,
+                beta1: float = 0.0) -> None:
         for c in self.candidates:
-            c.observe(lr=lr, momentum=momentum, beta2=beta2)
+            c.observe(lr=lr, momentum=momentum, beta2=beta2, beta1=beta1)
 
     def observe_optimizer(self, optimizer: Any) -> None:
         """Tell every candidate the optimizer's lr and momentum, and keep as eligible only the

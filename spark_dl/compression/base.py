@@ -18,7 +18,7 @@ from typing import Any, Hashable
 
 import torch
 
-from spark_dl.compression.training import optimizer_settings, second_moment_decay
+from spark_dl.compression.training import first_moment_decay, optimizer_settings, second_moment_decay
 from spark_dl.errors import as_int, in_range
 
 Key = Hashable
@@ -73,21 +73,24 @@ class Compressor:
     # compressed layer by layer (spark_dl.compression.layers), so no statistic spans two of them.
     span: int | None = None
 
-    def observe(self, *, lr: float | None = None, momentum: float = 0.0, beta2: float = 0.0) -> None:
-        """The optimizer's lr, (SGD) momentum and (Adam-style) ``beta2`` for the step about to be
-        reduced; call before the step's first reduction. Error-feedback compressors rescale their
-        residuals when the lr moves, compress the shared velocity under momentum and precondition by
-        the second moment under ``beta2`` (see :mod:`spark_dl.compression.training`); the others
-        ignore it."""
+    def observe(self, *, lr: float | None = None, momentum: float = 0.0, beta2: float = 0.0,
+                beta1: float = 0.0) -> None:
+        """The optimizer's lr, (SGD) momentum and (Adam-style) ``beta2`` and ``beta1`` for the step
+        about to be reduced; call before the step's first reduction. Error-feedback compressors
+        rescale their residuals when the lr moves, compress the shared velocity under momentum and
+        precondition by the second moment under ``beta2`` (the sign compressors compress the shared
+        first moment there too; see :mod:`spark_dl.compression.training`); the others ignore it."""
         if self.feedback is not None:
-            self.feedback.observe(getattr(self, "residuals", None), lr=lr, momentum=momentum, beta2=beta2)
+            self.feedback.observe(getattr(self, "residuals", None), lr=lr, momentum=momentum, beta2=beta2,
+                                  beta1=beta1)
 
     def observe_optimizer(self, optimizer: Any) -> None:
-        """:meth:`observe` with the lr, momentum (SGD's) and ``beta2`` (Adam-style ``betas``) of
+        """:meth:`observe` with the lr, momentum (SGD's) and ``betas`` (Adam-style) of
         ``optimizer``'s first param group."""
         if self.feedback is not None:
             lr, momentum = optimizer_settings(optimizer)
-            self.observe(lr=lr, momentum=momentum, beta2=second_moment_decay(optimizer))
+            self.observe(lr=lr, momentum=momentum, beta2=second_moment_decay(optimizer),
+                         beta1=first_moment_decay(optimizer))
 
     def compress(self, tensor: torch.Tensor, key: Key = None) -> Payload:
         raise NotImplementedError

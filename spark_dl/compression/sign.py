@@ -272,6 +272,7 @@ class OneBit(_DeferredEF):
         super().__init__(SignMeans(int_param(bucket_size, "OneBit", "bucket_size", 1, none=True)), warmup_steps,
                          compress_momentum, single_stage_up_to)
         self.residuals = DeferredResiduals()
+        self.feedback.first_moment = True
 
     def _encode(self, tensor: torch.Tensor, key: Key, world: int) -> Payload:
         bucket = self.compressor._bucket(tensor.numel())
@@ -312,6 +313,7 @@ class EFSign(_DeferredEF):
         super().__init__(ScaledSign(int_param(bucket_size, "EFSign", "bucket_size", 1, none=True)), warmup_steps,
                          compress_momentum, single_stage_up_to)
         self.residuals = DeferredResiduals()
+        self.feedback.first_moment = True
 
     def wide(self) -> bool:
         """Whether a scale covers more than :data:`EFSIGN_MEASURED_UP_TO` elements: measured short
@@ -319,8 +321,9 @@ class EFSign(_DeferredEF):
         size = self.compressor.bucket_size
         return size is None or size > EFSIGN_MEASURED_UP_TO
 
-    def observe(self, *, lr: float | None = None, momentum: float = 0.0, beta2: float = 0.0) -> None:
-        super().observe(lr=lr, momentum=momentum, beta2=beta2)
+    def observe(self, *, lr: float | None = None, momentum: float = 0.0, beta2: float = 0.0,
+                beta1: float = 0.0) -> None:
+        super().observe(lr=lr, momentum=momentum, beta2=beta2, beta1=beta1)
         # measured short under a decaying lr only, which the optimizer alone does not show: warned
         # once, when the lr has fallen to half its peak
         if lr is not None and lr > 0:

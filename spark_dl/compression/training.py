@@ -35,6 +35,16 @@ within reach of uncompressed training with the same optimizer and hyperparameter
   below to 3.0-3.3 below, and the others stayed within 0.2 of where they were. Held, ``d`` does
   not follow later changes in the relative sizes of a bucket's entries; only those matter, as a
   bucket's scale is measured afresh each step.
+* **shared first moment** (the sign compressors, ``first_moment``) under Adam-style optimizers with
+  ``beta1 > 0``, once ``d`` is held: the shared momentum above in ``d``'s units, with Adam's
+  ``beta1`` for ``m``. Every rank compresses
+  ``g_k / d + beta1 u_{t-1}``; the reduction gives ``u_t = beta1 u_{t-1} + mean_k g_k / d``, and
+  the optimizer is handed ``(u_t - beta1 u_{t-1}) d``, so Adam's first moment follows
+  ``(1 - beta1) u_t d``: DeepSpeed's 1-bit Adam compresses that momentum too. Compressing each
+  rank's preconditioned gradient instead held up only at a small lr: at Adam's best lr for digits
+  (0.016 x 2 ranks, 10 seeds) EF-sign was 2.3-3.2 points below uncompressed, its one scale per
+  tensor 10-12 below and top-k at 1% 7-8 below, where with the shared first moment they are
+  +0.7, +0.1 and -0.5 (docs/guide/compression.md has the tables).
 * **learning-rate rescaling**: error feedback's residual ``e`` (gradient or velocity units) is
   an update of ``eta e`` not yet applied. When the lr moves from ``eta`` to ``eta'`` (warm-up,
   decay), ``e <- e * eta / eta'`` keeps that update the same (EF-SGD defines the residual on
@@ -84,15 +94,25 @@ def optimizer_settings(optimizer: Any) -> tuple[float | None, float]:
     return (None if lr is None else float(lr)), momentum
 
 
-def second_moment_decay(optimizer: Any) -> float:
-    """``beta2`` of optimizers that divide by a running second moment of the gradient (``betas`` in
-    the first param group: Adam, AdamW, NAdam, RAdam, LAMB-like ones); 0 for the others."""
+def _beta(optimizer: Any, i: int) -> float:
     groups = getattr(optimizer, "param_groups", None)
     betas = groups[0].get("betas") if groups else None
     try:
-        return float(betas[1]) if betas is not None and 0.0 < float(betas[1]) < 1.0 else 0.0
+        return float(betas[i]) if betas is not None and 0.0 < float(betas[i]) < 1.0 else 0.0
     except (TypeError, IndexError, ValueError):
         return 0.0
+
+
+def second_moment_decay(optimizer: Any) -> float:
+    """``beta2`` of optimizers that divide by a running second moment of the gradient (``betas`` in
+    the first param group: Adam, AdamW, NAdam, RAdam, LAMB-like ones); 0 for the others."""
+    return _beta(optimizer, 1)
+
+
+def first_moment_decay(optimizer: Any) -> float:
+    """``beta1``, the decay of the running mean of the gradient (Adam's ``m``), of optimizers with
+    ``betas`` in their first param group; 0 for the others and for ``beta1 = 0``."""
+    return _beta(optimizer, 0)
 
 
 @dataclass
@@ -104,6 +124,8 @@ class TrainingFeedback:
     ``rescale_lr``: rescale the residuals by ``eta / eta'`` when told a new lr.
     ``precondition``: divide by the reduced gradient's second moment when told an Adam-style
     ``beta2`` (and keep the first ``ADAPTIVE_WARMUP`` reductions uncompressed).
+    ``first_moment``: with ``precondition`` and ``compress_momentum``, compress the shared first
+    moment when told a ``beta1`` too (1-bit and EF-sign; top-k trained worse that way).
     """
 
     warmup_steps: int = 0
@@ -114,8 +136,10 @@ class TrainingFeedback:
     lr: float | None = None
     precondition: bool = True
     beta2: float = 0.0
+    first_moment: bool = False
+    beta1: float = 0.0
     steps: dict[Key, int] = field(default_factory=dict)
-    reduced: dict[Key, torch.Tensor] = field(default_factory=dict, repr=False)  # v_{t-1} per name
+    reduced: dict[Key, torch.Tensor] = field(default_factory=dict, repr=False)  # v_{t-1} (or u_{t-1}) per name
     second: dict[Key, torch.Tensor] = field(default_factory=dict, repr=False)  # s_{t-1} per name
     seen: dict[Key, int] = field(default_factory=dict, repr=False)  # reductions in s per name
     divisors: dict[Key, torch.Tensor] = field(default_factory=dict, repr=False)  # d of the reduction under way
@@ -127,11 +151,12 @@ class TrainingFeedback:
         self.__dict__.update(state)
 
     def observe(self, residuals: Any = None, *, lr: float | None = None, momentum: float = 0.0,
-                beta2: float = 0.0) -> None:
-        """The optimizer's ``lr``, ``momentum`` and (Adam-style) ``beta2`` for the step about to be
-        reduced. A changed lr (both old and new > 0) rescales every residual in ``residuals`` (a
-        residual memory with a ``memory`` dict) by old / new; a changed momentum restarts the
-        velocity, a changed ``beta2`` the second moment. Under momentum ``beta2`` is not used."""
+                beta2: float = 0.0, beta1: float = 0.0) -> None:
+        """The optimizer's ``lr``, ``momentum`` and (Adam-style) ``beta2`` and ``beta1`` for the step
+        about to be reduced. A changed lr (both old and new > 0) rescales every residual in
+        ``residuals`` (a residual memory with a ``memory`` dict) by old / new; a changed momentum or
+        ``beta1`` restarts the velocity, a changed ``beta2`` the second moment. Under momentum the
+        betas are not used; ``beta1`` is used only with ``beta2``."""
         if lr is not None and lr > 0:
             if self.rescale_lr and residuals is not None and self.lr and lr != self.lr:
                 rescale(residuals, self.lr / lr)
@@ -145,6 +170,10 @@ class TrainingFeedback:
             self.beta2 = b2
             self.second.clear()
             self.seen.clear()
+        b1 = float(beta1) if b2 and self.first_moment and self.compress_momentum and 0.0 < beta1 < 1.0 else 0.0
+        if b1 != self.beta1:
+            self.beta1 = b1
+            self.reduced.clear()
 
     def single_stage(self, world: int) -> bool:
         """Whether ``world`` ranks exchange whole compressed tensors (one compression stage, an
@@ -162,15 +191,20 @@ class TrainingFeedback:
 
     def before(self, tensor: torch.Tensor, name: Key, share: float = 1.0) -> torch.Tensor:
         """What is compressed for ``tensor``: under momentum ``tensor + share * m * v_{t-1}`` in
-        float32 (a new tensor); under an Adam-style optimizer ``tensor / d`` (:meth:`divisor`);
-        else ``tensor``. ``share``: 1 where the reduction averages the ranks' tensors, 1 / W where
-        it sums them, so the reduction is ``v_t`` either way."""
+        float32 (a new tensor); under an Adam-style optimizer ``tensor / d`` (:meth:`divisor`), plus
+        ``share * beta1 * u_{t-1}`` once compressed reductions have given ``u``; else ``tensor``.
+        ``share``: 1 where the reduction averages the ranks' tensors, 1 / W where it sums them, so
+        the reduction is ``v_t`` (``u_t``) either way."""
         if not self.momentum:
             d = self.divisor(tensor, name) if self.beta2 else None
             if d is None:
                 return tensor
             self.divisors[name] = d
-            return torch.div(tensor, d)
+            x = torch.div(tensor, d)
+            u = self.reduced.get(name) if self.beta1 else None
+            if u is not None and u.shape == x.shape and u.device == x.device:
+                x.add_(u, alpha=self.beta1 * share)
+            return x
         v = self.reduced.get(name)
         if v is None or v.shape != tensor.shape or v.device != tensor.device:
             return tensor
@@ -182,7 +216,8 @@ class TrainingFeedback:
         """The reduced velocity ``v_t`` as the gradient ``v_t - m v_{t-1}`` (in ``result``'s memory);
         a non-finite ``v_t`` (a step a GradScaler skips) restarts this tensor's velocity. Under an
         Adam-style optimizer ``result * d``, whose square ``s`` takes in (:meth:`divisor`) where the
-        reduction was not ``compressed``."""
+        reduction was not ``compressed``; with ``beta1``, a compressed one is ``u_t`` and is handed
+        on as ``(u_t - beta1 u_{t-1}) d``."""
         if not self.momentum:
             return self._precondition_after(result, name, compressed) if self.beta2 else result
         prev = self.reduced.get(name)
@@ -214,7 +249,14 @@ class TrainingFeedback:
 
     def _precondition_after(self, result: torch.Tensor, name: Key, compressed: bool) -> torch.Tensor:
         d = self.divisors.pop(name, None)
-        if d is not None and d.shape == result.shape:
+        if d is not None and d.shape != result.shape:
+            d = None
+        if compressed and self.beta1 and d is not None:
+            self._first_moment(result, name)
+        elif not compressed:
+            # uncompressed, d still moves (warm-up): u starts afresh with the first compressed reduction
+            self.reduced.pop(name, None)
+        if d is not None:
             result.mul_(d.to(result.dtype))
         if compressed:
             return result  # s stays as measured: this result carries the compression error
@@ -232,6 +274,18 @@ class TrainingFeedback:
             w = max(1.0 - self.beta2, 1.0 / n)
             s.mul_(1.0 - w).addcmul_(r, r, value=w)
         return result
+
+    def _first_moment(self, result: torch.Tensor, name: Key) -> None:
+        """Keep ``u_t`` (``result``, in ``d``'s units) and turn ``result`` into ``u_t - beta1 u_{t-1}``;
+        a non-finite ``u_t`` restarts it."""
+        u = result.to(torch.float32, copy=True)
+        if not all_finite(u):
+            self.reduced.pop(name, None)
+            return
+        prev = self.reduced.get(name)
+        self.reduced[name] = u
+        if prev is not None and prev.shape == u.shape:
+            result.sub_(prev.to(result.dtype), alpha=self.beta1)
 
     def reset(self, key: Key = None) -> None:
         """Forget the counters, velocities and second moments of ``key`` (every key when None)."""
