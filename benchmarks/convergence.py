@@ -9,7 +9,9 @@ hyperparameters of the uncompressed run; ``powersgd-rR[-wS]`` is PowerSGD at ran
 uncompressed warm-up steps (``powersgd-r4-w10``: ``PowerSGD(rank=4, start_iter=10)``; the syntax of
 every benchmark here, ``benchmarks/powersgd_names.py``), and ``efsign-bN`` is
 ``EFSign(bucket_size=N)`` (``efsign-whole``: one scale per tensor), and ``topk-noramp`` is
-``ErrorFeedback(TopK(ramp_steps=0))`` (no sparsity warm-up), to compare settings with the defaults.
+``ErrorFeedback(TopK(ramp_steps=0))`` (no sparsity warm-up), to compare settings with the defaults;
+``NAME-own`` (``efsign-own``, ``onebit-own``, ...) is NAME with ``compress_momentum=False``: each rank
+compresses its own gradient, with no shared velocity (momentum SGD) or first moment (Adam).
 
 Paths: ``hvd`` is ``spark_dl.horovod.DistributedOptimizer(opt, compression=c)``; ``ddp`` and
 ``ddp-overlap`` are ``DistributedDataParallel`` with ``make_ddp_hook(c, optimizer=opt)`` (with

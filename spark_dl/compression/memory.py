@@ -165,7 +165,9 @@ class ErrorFeedback(Compressor):
 
     ``warmup_steps``: reductions of each tensor that go uncompressed first.
     ``compress_momentum``: under momentum SGD (as told by :meth:`Compressor.observe`), compress
-    each rank's gradient plus the shared velocity's momentum rather than its gradient alone.
+    each rank's gradient plus the shared velocity's momentum rather than its gradient alone (and
+    where ``feedback.first_moment`` is set, as in ``OneBit`` and ``EFSign``, Adam's shared first
+    moment under Adam-style optimizers).
     ``single_stage_up_to``: up to this many ranks, a non-summable compressor's payloads are
     all-gathered and summed (one compression stage) rather than scatter-reduced and compressed
     again. All three, and the residuals' rescaling when the lr moves, are described in

@@ -244,9 +244,10 @@ class _DeferredEF(ErrorFeedback):
             self.residuals = residuals
 
 
-# EFSign's scale measured within a point of uncompressed on digits under Adam and a decaying lr up
-# to this many elements (10 seeds: 64 to 256 at most 0.9 below; 1024 and a scale per tensor 1.0-1.7 below,
-# 0.9-1.1 below under Adam once the preconditioner's second moment was held)
+# EFSign's scale measured within a point of uncompressed on digits under a decaying lr up to this many
+# elements (10 seeds: 64 to 256 at most 0.9 below; 1024 and a scale per tensor 1.0-1.1 below). Under
+# Adam, with the shared first moment, one scale per tensor is within a point too; without it (each
+# rank's own gradient, compress_momentum=False) 0.9-1.1 below at lr 0.002 x 2 and 9.8-11.6 at 0.016 x 2.
 EFSIGN_MEASURED_UP_TO = 256
 
 # 1-bit buckets up to this size get their residual in the encoder's pass, while still in cache
@@ -261,8 +262,8 @@ class OneBit(_DeferredEF):
     1 bit per element plus two floats). The default, 64, costs one bit per element more (16x
     fewer bytes than fp32 instead of 32x): with error feedback, how long a residual waits depends
     on how far its entries are from their bucket's means. With 64, on digits (2 ranks), it is within
-    0.6 points of fp32 under heavy-ball and Nesterov momentum, Adam and the large-batch recipe
-    (docs/guide/compression.md); in a bucket of several tensors no 64 span two
+    0.7 points of fp32 under heavy-ball and Nesterov momentum, Adam (at lrs 0.002 to 0.016 x 2) and
+    the large-batch recipe (docs/guide/compression.md); in a bucket of several tensors no 64 span two
     (:mod:`spark_dl.compression.layers`).
     ``warmup_steps``, ``compress_momentum``, ``single_stage_up_to``: as :class:`ErrorFeedback`'s.
     """
@@ -296,10 +297,10 @@ class EFSign(_DeferredEF):
 
     ``bucket_size``: elements that share one scale (None: the whole tensor, the paper's q, exactly
     1 bit per element plus one float). The default, 64, costs half a bit per element more: with one
-    scale per tensor, EF-sign trained 0.9-1.1 points below uncompressed on digits under Adam and
-    1.0-1.1 below under LargeBatchRecipe's decay (10 seeds); with 64 it is at most 0.6 below under
-    momentum SGD, Nesterov, Adam, AdamW and the recipe there. Under Adam on a 1.6M-parameter MLP
-    it is 1.2 below at 64 (12 seeds; warned: use OneBit); docs/guide/compression.md has the tables.
+    scale per tensor, EF-sign trained 1.0-1.1 points below uncompressed on digits under
+    LargeBatchRecipe's decay (10 seeds); with 64 it is at most 0.7 below under momentum SGD,
+    Nesterov, Adam, AdamW and the recipe there, and 1.5-3.5 above under Adam on a 1.6M-parameter
+    MLP (12 seeds, with the shared first moment; docs/guide/compression.md has the tables).
     On the native path a step reads g and e and writes p once: the residual's ``- q(p)`` is
     deferred to the next step's pass (see :class:`DeferredResiduals`). ``warmup_steps``,
     ``compress_momentum``, ``single_stage_up_to``: as :class:`ErrorFeedback`'s."""
@@ -317,7 +318,7 @@ class EFSign(_DeferredEF):
 
     def wide(self) -> bool:
         """Whether a scale covers more than :data:`EFSIGN_MEASURED_UP_TO` elements: measured short
-        of uncompressed on digits under Adam and under a decaying lr."""
+        of uncompressed on digits under a decaying lr (and under Adam with ``compress_momentum=False``)."""
         size = self.compressor.bucket_size
         return size is None or size > EFSIGN_MEASURED_UP_TO
 

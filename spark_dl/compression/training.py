@@ -42,9 +42,14 @@ within reach of uncompressed training with the same optimizer and hyperparameter
   the optimizer is handed ``(u_t - beta1 u_{t-1}) d``, so Adam's first moment follows
   ``(1 - beta1) u_t d``: DeepSpeed's 1-bit Adam compresses that momentum too. Compressing each
   rank's preconditioned gradient instead held up only at a small lr: at Adam's best lr for digits
-  (0.016 x 2 ranks, 10 seeds) EF-sign was 2.3-3.2 points below uncompressed, its one scale per
-  tensor 10-12 below and top-k at 1% 7-8 below, where with the shared first moment they are
-  +0.7, +0.1 and -0.5 (docs/guide/compression.md has the tables).
+  (0.016 x 2 ranks, 10 seeds) EF-sign was 2.2-3.2 points below uncompressed and its one scale per
+  tensor 9.8-11.6 below, where with the shared first moment they are +0.6 to +0.7 and +0.0 to
+  +0.1; on a 1.6M-parameter MLP (12 seeds) EF-sign went from 1.2 below to 3.5 above at lr 0.002
+  x 2 and from 0.3 below to 1.5 above at that model's best lr, 0.00025 x 2, 1-bit from +0.1 and
+  +0.2 to +3.2 and +1.3. Adam's own second moment takes in the compression error of the gradient
+  it is handed, and the gains above uncompressed say its steps differ, not that compression helps
+  in general. Top-k at 1% trained worse this way (12.5 below on the 1.6M-parameter model, against
+  3.1 below) and keeps compressing its own preconditioned gradient (docs/guide/compression.md).
 * **learning-rate rescaling**: error feedback's residual ``e`` (gradient or velocity units) is
   an update of ``eta e`` not yet applied. When the lr moves from ``eta`` to ``eta'`` (warm-up,
   decay), ``e <- e * eta / eta'`` keeps that update the same (EF-SGD defines the residual on

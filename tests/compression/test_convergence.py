@@ -402,16 +402,17 @@ def test_known_shortfalls_are_warned_with_the_fix_and_working_pairs_are_not():
     sgd = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1, momentum=0.9)
     nesterov = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1, momentum=0.9, nesterov=True)
     adam = torch.optim.Adam([torch.zeros(1, requires_grad=True)])
-    # EF-sign falls short under Adam only (on digits only with a scale over 256 elements; on a
-    # larger model at 64 too): under momentum SGD it compresses the shared velocity; 1-bit's
-    # buckets of the preconditioned gradient keep up under Adam too
-    for wide in (C.EFSign(None), C.EFSign(1024)):
-        assert "falls short on digits too" in advice(wide, adam) and "Use OneBit()" in advice(wide, adam)
-    for fine_on_digits in (C.EFSign(), C.EFSign(256)):
-        assert "Use OneBit()" in advice(fine_on_digits, adam) and "digits" not in advice(fine_on_digits, adam)
-    for sign in (C.EFSign(), C.EFSign(256), C.EFSign(None), C.OneBit()):
+    # EF-sign falls short under Adam only where it compresses each rank's own preconditioned
+    # gradient (compress_momentum=False), not the shared first moment: more so with a scale over
+    # 256 elements; 1-bit keeps up either way
+    for wide in (C.EFSign(None, compress_momentum=False), C.EFSign(1024, compress_momentum=False)):
+        assert "9.8-11.6 below" in advice(wide, adam) and "Leave compress_momentum=True" in advice(wide, adam)
+    for narrow in (C.EFSign(compress_momentum=False), C.EFSign(256, compress_momentum=False)):
+        assert "Leave compress_momentum=True" in advice(narrow, adam) and "9.8" not in advice(narrow, adam)
+    for sign in (C.EFSign(), C.EFSign(256), C.EFSign(None), C.OneBit(), C.OneBit(compress_momentum=False)):
+        assert advice(sign, adam) is None
+    for sign in (C.EFSign(), C.EFSign(256), C.EFSign(None), C.OneBit(), C.EFSign(compress_momentum=False)):
         assert advice(sign, nesterov) is None and advice(sign, sgd) is None
-    assert advice(C.OneBit(), adam) is None
     assert "ratio >= 0.1" in advice(C.ErrorFeedback(C.TopK()), adam)
     assert "ErrorFeedback(...)" in advice(C.TopK(), sgd)
     # top-k at 1% with its sparsity warm-up keeps up under momentum SGD on digits, not under Adam;
@@ -424,14 +425,15 @@ def test_known_shortfalls_are_warned_with_the_fix_and_working_pairs_are_not():
     for ok in (C.QSGD(), C.PowerSGD(), C.FP16(), C.ErrorFeedback(C.TopK(0.1)), C.OneBit()):
         for opt in (sgd, nesterov, adam):
             assert advice(ok, opt) is None, (ok, opt)
-    with pytest.warns(C.CompressionWarning, match=r"EFSign\(\) under Adam"):
-        C.make_ddp_hook(C.EFSign(), optimizer=adam)
+    with pytest.warns(C.CompressionWarning, match=r"EFSign\(\) with compress_momentum=False under Adam"):
+        C.make_ddp_hook(C.EFSign(compress_momentum=False), optimizer=adam)
     with pytest.warns(C.CompressionWarning, match="without optimizer="):
         C.make_ddp_hook(C.OneBit())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         C.make_ddp_hook(C.OneBit(), optimizer=nesterov)
         C.make_ddp_hook(C.EFSign(), optimizer=sgd)
+        C.make_ddp_hook(C.EFSign(None), optimizer=adam)
         C.make_ddp_hook(C.QSGD())
 
 
