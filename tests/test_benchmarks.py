@@ -183,7 +183,7 @@ def test_ddp_hooks_benchmark_compares_with_torchs_hooks():
 
 def test_convergence_benchmark_prints_a_row_per_compressor_optimizer_and_path():
     done = _run("benchmarks/convergence.py", "--seeds", "2", "--steps", "6", "--eval-every", "3",
-                "--compressors", "onebit,powersgd,powersgd-r2-w3,efsign-b16,efsign-whole", "--optimizers", "sgd,recipe",
+                "--compressors", "onebit,powersgd,powersgd-r2-w3,efsign-b16,efsign-whole,onebit-own", "--optimizers", "sgd,recipe",
                 "--paths",
                 "hvd,ddp-overlap")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -200,11 +200,12 @@ def test_convergence_benchmark_prints_a_row_per_compressor_optimizer_and_path():
                 if line.split()[1:3] == ["sgd", "hvd"]}
     assert bytes_of["powersgd-r2-w3"] != bytes_of["powersgd"], bytes_of
     assert bytes_of["efsign-b16"] > bytes_of["efsign-whole"], bytes_of  # a scale per 16 elements, not per tensor
-    assert lines[-1] == "48 runs in " + lines[-1].split(" runs in ")[1]
-    for name in ("powersgd-r0-w1", "efsign-b0"):
+    assert bytes_of["onebit-own"] == bytes_of["onebit"], bytes_of  # the same payloads, of another vector
+    assert lines[-1] == "56 runs in " + lines[-1].split(" runs in ")[1]
+    for name in ("powersgd-r0-w1", "efsign-b0", "none-own", "qsgd-own"):  # -own needs error feedback to turn off
         bad = _run("benchmarks/convergence.py", "--compressors", name)
-        assert bad.returncode == 2 and "powersgd-r<rank >= 1>[-w<start_iter>] or efsign-b<bucket_size >= 1>" \
-            in bad.stderr, bad.stderr[-2000:]
+        assert bad.returncode == 2 and "powersgd-r<rank >= 1>[-w<start_iter>], efsign-b<bucket_size >= 1>, or any " \
+            "of those with error feedback and -own" in bad.stderr, bad.stderr[-2000:]
 
 
 def test_auto_overhead_benchmark_times_auto_against_its_own_pick():
