@@ -37,10 +37,10 @@ within reach of uncompressed training with the same optimizer and hyperparameter
   bucket's scale is measured afresh each step.
 * **shared first moment** (the sign compressors, ``first_moment``) under Adam-style optimizers with
   ``beta1 > 0``, once ``d`` is held: the shared momentum above in ``d``'s units, with Adam's
-  ``beta1`` for ``m``. Every rank compresses
-  ``g_k / d + beta1 u_{t-1}``; the reduction gives ``u_t = beta1 u_{t-1} + mean_k g_k / d``, and
-  the optimizer is handed ``(u_t - beta1 u_{t-1}) d``, so Adam's first moment follows
-  ``(1 - beta1) u_t d``: DeepSpeed's 1-bit Adam compresses that momentum too. Compressing each
+  ``beta1`` for ``m``. Every rank compresses ``g_k / d + beta1 u_{t-1}``; the reduction gives
+  ``u_t = beta1 u_{t-1} + mean_k g_k / d``, and the optimizer is handed
+  ``(u_t - beta1 u_{t-1}) d``, so Adam's first moment follows ``(1 - beta1) u_t d``: DeepSpeed's
+  1-bit Adam compresses that momentum too. Compressing each
   rank's preconditioned gradient instead held up only at a small lr: at Adam's best lr for digits
   (0.016 x 2 ranks, 10 seeds) EF-sign was 2.2-3.2 points below uncompressed and its one scale per
   tensor 9.8-11.6 below, where with the shared first moment they are +0.6 to +0.7 and +0.0 to
