@@ -183,9 +183,8 @@ def test_ddp_hooks_benchmark_compares_with_torchs_hooks():
 
 def test_convergence_benchmark_prints_a_row_per_compressor_optimizer_and_path():
     done = _run("benchmarks/convergence.py", "--seeds", "2", "--steps", "6", "--eval-every", "3",
-                "--compressors", "onebit,powersgd,powersgd-r2-w3,efsign-b16,efsign-whole,onebit-own", "--optimizers", "sgd,recipe",
-                "--paths",
-                "hvd,ddp-overlap")
+                "--compressors", "onebit,powersgd,powersgd-r2-w3,efsign-b16,efsign-whole,onebit-own",
+                "--optimizers", "sgd,recipe", "--paths", "hvd,ddp-overlap")
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert lines[0].startswith("convergence: model=digits ranks=2 seeds=2 steps=6")
