@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import os
-import platform
 import statistics
 import sys
 import time
@@ -29,11 +27,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from provenance import commit, free_port  # noqa: E402
+from provenance import machine, start_ranks  # noqa: E402
 
 import spark_dl.compression as C  # noqa: E402
 from spark_dl.compression.auto import CHOSEN  # noqa: E402
@@ -97,14 +94,8 @@ def main() -> None:
     if not args.elements or min(args.elements) < floor:
         p.error(f"--elements: each at least {floor:,} (Auto's min_elements: smaller tensors go uncompressed, no pick)")
     print(f"auto's cost a reduction over its pick: 2 Gloo ranks on loopback, {args.rounds} rounds of {args.calls} "
-          f"calls each; {platform.node()} {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit {commit()}")
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, args, port, queue)) for r in range(2)]
-    for proc in procs:
-        proc.start()
+          f"calls each; {machine()}")
+    procs, queue = start_ranks(rank_main, 2, args)
     print(f"{'elements':>10}  {'pick':<16}{'auto a call':>13}{'pick a call':>13}{'auto / pick':>13}"
           f"{'auto CPU':>12}{'pick CPU':>12}{'auto / pick':>13}")
     for _ in args.elements:

@@ -40,10 +40,8 @@ the date and the git commit are printed above the table.
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -51,13 +49,12 @@ from queue import Empty
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import powersgd_names  # noqa: E402
-from provenance import commit, free_port  # noqa: E402
+from provenance import machine, start_ranks  # noqa: E402
 
 import spark_dl.compression as C  # noqa: E402
 
@@ -324,15 +321,8 @@ def main() -> None:
     print(f"convergence: model={args.model} ranks={args.ranks} seeds={args.seeds} steps={args.steps} "
           f"batch={args.batch}/rank lr_sgd={args.lr_sgd}x{args.ranks} lr_adam={args.lr_adam}x{args.ranks} "
           f"threads/rank={args.threads}" + (" second-moment=oracle" if args.oracle_second_moment else ""))
-    print(f"machine: {platform.node()} {platform.processor() or platform.machine()} {os.cpu_count()} cores, "
-          f"torch {torch.__version__}; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
-          f"commit {commit()}")
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, args, port, queue)) for r in range(args.ranks)]
-    for proc in procs:
-        proc.start()
+    print(f"machine: {machine()}")
+    procs, queue = start_ranks(rank_main, args.ranks, args)
     results, t0 = [], time.perf_counter()
     while True:
         if args.time_limit and time.perf_counter() - t0 > args.time_limit:

@@ -1,9 +1,13 @@
-"""What every benchmark's header says about the code it measured, and the one free port its ranks meet on."""
+"""What every benchmark's header says about the machine and code it measured, and how local ranks start."""
 from __future__ import annotations
 
+import datetime
+import os
+import platform
 import socket
 import subprocess
 from pathlib import Path
+from typing import Any, Callable
 
 _HERE = Path(__file__).resolve().parent
 
@@ -26,3 +30,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def machine() -> str:
+    """Host, processor, cores, torch version, UTC time and :func:`commit`, for a header line."""
+    import torch
+
+    return (f"{platform.node()} {platform.processor() or platform.machine()} {os.cpu_count()} cores, "
+            f"torch {torch.__version__}; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
+            f"commit {commit()}")
+
+
+def start_ranks(target: Callable[..., None], world: int, *args: Any) -> tuple[list, Any]:
+    """``world`` spawned processes running ``target(rank, *args, port, queue)``, started, meeting on a
+    free loopback port; returns them and the queue they report on."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, *args, port, queue)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    return procs, queue

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,7 +27,10 @@ import tempfile
 import time
 import urllib.request
 
-import spark_dl
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from provenance import free_port  # noqa: E402
+
+import spark_dl  # noqa: E402
 from spark_dl import HorovodRunner, Tracking
 
 
@@ -82,9 +84,7 @@ def loop(steps: int, reps: int, mode: str, uri: str | None = None, run_id: str |
 
 
 def start_server(root: str) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     uri = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
