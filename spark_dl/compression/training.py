@@ -225,14 +225,7 @@ class TrainingFeedback:
         on as ``(u_t - beta1 u_{t-1}) d``."""
         if not self.momentum:
             return self._precondition_after(result, name, compressed) if self.beta2 else result
-        prev = self.reduced.get(name)
-        v = result.to(torch.float32, copy=True)
-        if not all_finite(v):
-            self.reduced.pop(name, None)
-            return result
-        self.reduced[name] = v
-        if prev is not None and prev.shape == v.shape:
-            result.sub_(prev.to(result.dtype), alpha=self.momentum)
+        self._shared(result, name, self.momentum)
         return result
 
     def divisor(self, tensor: torch.Tensor, name: Key) -> torch.Tensor | None:
@@ -257,7 +250,7 @@ class TrainingFeedback:
         if d is not None and d.shape != result.shape:
             d = None
         if compressed and self.beta1 and d is not None:
-            self._first_moment(result, name)
+            self._shared(result, name, self.beta1)  # u_t, in d's units
         elif not compressed:
             # uncompressed, d still moves (warm-up): u starts afresh with the first compressed reduction
             self.reduced.pop(name, None)
@@ -280,17 +273,18 @@ class TrainingFeedback:
             s.mul_(1.0 - w).addcmul_(r, r, value=w)
         return result
 
-    def _first_moment(self, result: torch.Tensor, name: Key) -> None:
-        """Keep ``u_t`` (``result``, in ``d``'s units) and turn ``result`` into ``u_t - beta1 u_{t-1}``;
-        a non-finite ``u_t`` restarts it."""
-        u = result.to(torch.float32, copy=True)
-        if not all_finite(u):
+    def _shared(self, result: torch.Tensor, name: Key, decay: float) -> None:
+        """Keep the reduction ``result`` as ``name``'s shared velocity (``v_t``, or Adam's ``u_t``) and
+        turn ``result`` into ``v_t - decay v_{t-1}``; a non-finite ``v_t`` (a step a GradScaler
+        skips) restarts it."""
+        v = result.to(torch.float32, copy=True)
+        if not all_finite(v):
             self.reduced.pop(name, None)
             return
         prev = self.reduced.get(name)
-        self.reduced[name] = u
-        if prev is not None and prev.shape == u.shape:
-            result.sub_(prev.to(result.dtype), alpha=self.beta1)
+        self.reduced[name] = v
+        if prev is not None and prev.shape == v.shape:
+            result.sub_(prev.to(result.dtype), alpha=decay)
 
     def reset(self, key: Key = None) -> None:
         """Forget the counters, velocities and second moments of ``key`` (every key when None)."""
