@@ -9,7 +9,9 @@ hyperparameters of the uncompressed run; ``powersgd-rR[-wS]`` is PowerSGD at ran
 uncompressed warm-up steps (``powersgd-r4-w10``: ``PowerSGD(rank=4, start_iter=10)``; the syntax of
 every benchmark here, ``benchmarks/powersgd_names.py``), and ``efsign-bN`` is
 ``EFSign(bucket_size=N)`` (``efsign-whole``: one scale per tensor), and ``topk-noramp`` is
-``ErrorFeedback(TopK(ramp_steps=0))`` (no sparsity warm-up), to compare settings with the defaults;
+``ErrorFeedback(TopK(ramp_steps=0))`` (no sparsity warm-up), and ``topk-rR`` is
+``ErrorFeedback(TopK(ratio=R))`` (``topk`` keeps 0.01, and 0.1 under Adam) and ``randomk-rR``
+``ErrorFeedback(RandomK(ratio=R))``, to compare settings with the defaults;
 ``NAME-own`` (``efsign-own``, ``onebit-own``, ...) is NAME with ``compress_momentum=False``: each rank
 compresses its own gradient, with no shared velocity (momentum SGD) or first moment (Adam).
 
@@ -77,7 +79,8 @@ def _efsign_bucket(name: str) -> int | None:
 def compressor_named(name: str):
     """A fresh compressor for a --compressors name (PowerSGD's settings: benchmarks/powersgd_names.py;
     ``efsign-bN``: ``EFSign(bucket_size=N)``; ``NAME-own``: NAME with ``compress_momentum=False``, each
-    rank compressing its own gradient: no shared velocity or first moment)."""
+    rank compressing its own gradient: no shared velocity or first moment; ``topk-rR``:
+    ``ErrorFeedback(TopK(ratio=R))``, ``randomk-rR`` the same with ``RandomK``)."""
     if name.endswith("-own") and name != "-own":
         c = compressor_named(name.removesuffix("-own"))
         if getattr(c, "feedback", None) is None:
@@ -89,6 +92,10 @@ def compressor_named(name: str):
         return C.PowerSGD(**at)
     if _efsign_bucket(name) is not None:
         return C.EFSign(_efsign_bucket(name))
+    if name.startswith("topk-r"):  # ErrorFeedback(TopK(ratio=R))
+        return C.ErrorFeedback(C.TopK(ratio=float(name.removeprefix("topk-r"))))
+    if name.startswith("randomk-r"):  # ErrorFeedback(RandomK(ratio=R))
+        return C.ErrorFeedback(C.RandomK(ratio=float(name.removeprefix("randomk-r"))))
     return COMPRESSORS[name]()
 
 
@@ -309,8 +316,9 @@ def main() -> None:
         values = [v for v in getattr(args, field).split(",") if v]
         bad = [v for v in values if not (_constructs(v) if field == "compressors" else v in known)]
         if bad:
-            more = (f", {powersgd_names.SYNTAX}, efsign-b<bucket_size >= 1>, or any of those with error feedback "
-                    "and -own") if field == "compressors" else ""
+            more = (f", {powersgd_names.SYNTAX}, efsign-b<bucket_size >= 1>, topk-r<ratio in (0, 1]>, "
+                    "randomk-r<ratio in (0, 1]>, or any of those with error feedback and -own") \
+                if field == "compressors" else ""
             p.error(f"--{field}: unknown {bad}; choose from {', '.join(known)}{more}")
         setattr(args, field, values)
     if args.oracle_second_moment and not set(args.optimizers) <= {"adam", "adamw"}:

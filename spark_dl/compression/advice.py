@@ -15,12 +15,15 @@ from typing import Any
 from spark_dl.compression.base import Compressor
 from spark_dl.compression.memory import ErrorFeedback
 from spark_dl.compression.sign import EFSign, ScaledSign, SignMeans
-from spark_dl.compression.sparse import RandomK, TopK
+from spark_dl.compression.sparse import ADAPTIVE_RATIO, RandomK, TopK
 from spark_dl.compression.stats import CompressionWarning
 from spark_dl.compression.training import optimizer_settings
 
-# Below this fraction of entries per step, top-k and random-k lag uncompressed training on short runs.
+# Below this fraction of entries per step, top-k lags uncompressed training on short runs (under
+# momentum SGD its sparsity warm-up keeps 1% within a point).
 SPARSE_RATIO = 0.1
+# Random-k needs this much to come within about a point: 16 bits an entry, FP16's bytes.
+RANDOM_RATIO = 0.5
 
 
 def _kind(optimizer: Any) -> str:
@@ -39,21 +42,31 @@ def advice(compressor: Compressor, optimizer: Any) -> str | None:
     kind = _kind(optimizer)
     inner = compressor.compressor if isinstance(compressor, ErrorFeedback) else compressor
     ramped = isinstance(inner, TopK) and inner.ramp_steps > 0 and isinstance(compressor, ErrorFeedback)
-    if isinstance(inner, (TopK, RandomK)) and inner.ratio < SPARSE_RATIO and (kind == "adaptive" or not ramped):
-        bare = "" if isinstance(compressor, ErrorFeedback) else (
-            " Without ErrorFeedback the entries it drops are lost for good: wrap it, ErrorFeedback(...).")
+    # TopK() keeps more under Adam-style optimizers: judge the ratio it will keep under this one
+    ratio = inner.ratio_for(kind == "adaptive") if isinstance(inner, TopK) else getattr(inner, "ratio", 1.0)
+    bare = "" if isinstance(compressor, ErrorFeedback) else (
+        " Without ErrorFeedback the entries it drops are lost for good: wrap it, ErrorFeedback(...).")
+    if isinstance(inner, RandomK) and ratio < RANDOM_RATIO:
+        return (f"{compressor!r} sends {ratio:g} of the entries a step, drawn at random whatever their size, so an "
+                f"entry waits about {1 / ratio:.0f} steps for its turn: it trains a worse model (digits, 150 steps, "
+                "10 seeds, both paths, momentum SGD, Nesterov, Adam, AdamW and warm-up with cosine decay, with error "
+                "feedback: at ratio 0.01 13-38 points below uncompressed, 0.1 2.5-10.2 below, 0.25 1.1-4.4, 0.5 "
+                f"0.1-1.1).{bare} At 0.5 it sends 16 bits an entry, FP16's bytes: use FP16() (within 0.2 "
+                "there), QSGD() (4 bits an entry, within 0.2) or OneBit() (2 bits, within a point).")
+    if isinstance(inner, TopK) and ratio < SPARSE_RATIO and (kind == "adaptive" or not ramped):
         if ramped:  # under momentum SGD its sparsity warm-up keeps it within a point there
-            return (f"{compressor!r} under Adam-style optimizers sends {inner.ratio:g} of the entries a step, so an "
-                    f"entry waits about {1 / inner.ratio:.0f} steps for its turn: on short runs it trains a worse "
-                    "model (digits, 150 steps, its 60-step sparsity warm-up included, 10 seeds: 1.1-1.4 points "
-                    "below uncompressed at lr 0.002 x 2 ranks, 6.1-8.4 below at Adam's best lr there, 0.016 x 2; a "
-                    "1.6M-parameter MLP at its best lr: 3.1 below, 12 seeds). Use OneBit() (within a point at each "
-                    f"of those lrs), or ratio >= {SPARSE_RATIO:g}.")
-        return (f"{compressor!r} sends {inner.ratio:g} of the entries a step, so an entry waits about "
-                f"{1 / inner.ratio:.0f} steps for its turn: on short runs it trains a worse model (digits, 150 steps: "
-                f"0.7-3.3 points below uncompressed with error feedback and no sparsity warm-up, random-k at 1% far "
-                f"worse).{bare} Use OneBit() (1-bit with error feedback, within a point there), ErrorFeedback(TopK()) "
-                f"with its sparsity warm-up under momentum SGD, or ratio >= {SPARSE_RATIO:g}.")
+            return (f"{compressor!r} under Adam-style optimizers sends {ratio:g} of the entries a step, so an "
+                    f"entry waits about {1 / ratio:.0f} steps for its turn: on short runs it trains a worse "
+                    "model (digits, 150 steps, its 60-step sparsity warm-up included, 10 seeds: at ratio 0.01 1.1-1.4 "
+                    "points below uncompressed at lr 0.002 x 2 ranks and 6.1-8.4 below at Adam's best lr there, "
+                    "0.016 x 2; a 1.6M-parameter MLP at its best lr: 3.0-3.1 below, 12 seeds). Leave the ratio "
+                    f"out, TopK() (it keeps {ADAPTIVE_RATIO:g} under Adam: within 0.8 at those lrs, 0.3 on that "
+                    "MLP), or use OneBit() (within a point, at 2 bits an entry).")
+        return (f"{compressor!r} sends {ratio:g} of the entries a step, so an entry waits about "
+                f"{1 / ratio:.0f} steps for its turn: on short runs it trains a worse model (digits, 150 steps: "
+                f"0.7-3.3 points below uncompressed with error feedback and no sparsity warm-up).{bare} Use OneBit() "
+                "(1-bit with error feedback, within a point there), ErrorFeedback(TopK()) with its sparsity warm-up, "
+                f"or ratio >= {SPARSE_RATIO:g}.")
     if isinstance(inner, (SignMeans, ScaledSign)) and not isinstance(compressor, ErrorFeedback):
         return (f"{compressor!r} has no error feedback: what its signs drop is lost for good and training stalls. "
                 "Use OneBit() or EFSign(), which keep it and send it later.")

@@ -87,10 +87,9 @@ class Compressor:
     def observe_optimizer(self, optimizer: Any) -> None:
         """:meth:`observe` with the lr, momentum (SGD's) and ``betas`` (Adam-style) of
         ``optimizer``'s first param group."""
-        if self.feedback is not None:
-            lr, momentum = optimizer_settings(optimizer)
-            self.observe(lr=lr, momentum=momentum, beta2=second_moment_decay(optimizer),
-                         beta1=first_moment_decay(optimizer))
+        lr, momentum = optimizer_settings(optimizer)
+        self.observe(lr=lr, momentum=momentum, beta2=second_moment_decay(optimizer),
+                     beta1=first_moment_decay(optimizer))
 
     def compress(self, tensor: torch.Tensor, key: Key = None) -> Payload:
         raise NotImplementedError

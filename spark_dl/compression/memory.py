@@ -192,6 +192,12 @@ class ErrorFeedback(Compressor):
     def span(self) -> int | None:  # type: ignore[override]
         return self.compressor.span
 
+    def observe(self, *, lr: float | None = None, momentum: float = 0.0, beta2: float = 0.0,
+                beta1: float = 0.0) -> None:
+        super().observe(lr=lr, momentum=momentum, beta2=beta2, beta1=beta1)
+        if self.compressor.feedback is None:  # TopK()'s ratio follows the optimizer
+            self.compressor.observe(lr=lr, momentum=momentum, beta2=beta2, beta1=beta1)
+
     def compress(self, tensor: torch.Tensor, key: Key = None) -> Payload:
         return self._feed_back(tensor, key, 1)
 

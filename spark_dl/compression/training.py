@@ -49,7 +49,8 @@ within reach of uncompressed training with the same optimizer and hyperparameter
   +0.2 to +3.2 and +1.3. Adam's own second moment takes in the compression error of the gradient
   it is handed, and the gains above uncompressed say its steps differ, not that compression helps
   in general. Top-k at 1% trained worse this way (12.5 below on the 1.6M-parameter model, against
-  3.1 below) and keeps compressing its own preconditioned gradient (docs/guide/compression.md).
+  3.1 below) and keeps compressing its own preconditioned gradient; what it needs under Adam is a
+  larger ratio, which ``TopK()`` takes there (:data:`spark_dl.compression.sparse.ADAPTIVE_RATIO`).
 * **learning-rate rescaling**: error feedback's residual ``e`` (gradient or velocity units) is
   an update of ``eta e`` not yet applied. When the lr moves from ``eta`` to ``eta'`` (warm-up,
   decay), ``e <- e * eta / eta'`` keeps that update the same (EF-SGD defines the residual on

@@ -295,6 +295,35 @@ def test_top_k_keeps_more_at_first_and_shrinks_geometrically_to_its_ratio():
     assert repr(C.TopK(0.1, ramp_steps=0)) == "TopK(ratio=0.1, ramp_steps=0, start_ratio=0.25)"
 
 
+def test_top_k_at_its_default_ratio_keeps_one_percent_and_ten_under_an_adam_style_optimizer():
+    import pickle
+
+    w = [torch.zeros(3, requires_grad=True)]
+    sgd, adam = torch.optim.SGD(w, lr=0.1, momentum=0.9), torch.optim.AdamW(w, lr=0.001)
+    c = C.TopK(ramp_steps=0)
+    g = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    assert repr(C.TopK()) == "TopK()" and c.ratio == 0.01 and c.compress(g, key="w").tensors[0].numel() == 10
+    c.observe_optimizer(adam)
+    assert c.ratio == 0.1 and c.compress(g, key="w").tensors[0].numel() == 100 and c.bits_per_element() == 6.4
+    c.observe_optimizer(sgd)
+    assert c.ratio == 0.01 and (c.ratio_for(True), c.ratio_for(False)) == (0.1, 0.01)
+    # told through the error feedback that wraps it, as DistributedOptimizer and the DDP hook tell it
+    ef = C.ErrorFeedback(C.TopK())
+    ef.observe_optimizer(adam)
+    assert ef.compressor.ratio == 0.1 and ef.bits_per_element() == pytest.approx(6.4)
+    assert pickle.loads(pickle.dumps(ef)).compressor.ratio == 0.1
+    # a ratio given is kept whatever the optimizer
+    fixed = C.ErrorFeedback(C.TopK(0.01))
+    fixed.observe_optimizer(adam)
+    assert fixed.compressor.ratio == 0.01 and repr(fixed) == "ErrorFeedback(TopK(ratio=0.01))"
+    # pickled when the ratio was always given (an attribute): it keeps that ratio under Adam
+    old = C.TopK(0.05)
+    old.__dict__["ratio"] = old.__dict__.pop("requested")
+    back = pickle.loads(pickle.dumps(old))
+    back.observe_optimizer(adam)
+    assert back.ratio == 0.05 and back.requested == 0.05
+
+
 def test_a_top_k_pickled_before_its_ramp_keeps_its_ratio_from_the_start():
     import pickle
 
@@ -508,7 +537,7 @@ LEVELS = "QSGD levels must be an int in 1..127"
     (lambda: C.PowerSGD(seed=0.5), "PowerSGD seed must be an int, got 0.5"),
     (lambda: C.PowerSGD(warm_start="False"), "PowerSGD warm_start must be True or False, got 'False'"),
     (lambda: C.RandomK(0.1, scale=1), "RandomK scale must be True or False, got 1"),
-    (lambda: C.TopK(None), r"TopK ratio must be a finite real number in \(0, 1\], got None"),
+    (lambda: C.TopK([0.1]), r"TopK ratio must be a finite real number in \(0, 1\], got \[0.1\]"),
     (lambda: C.TopK(0), r"TopK ratio must be a finite real number in \(0, 1\], got 0"),
     (lambda: C.TopK(1.5), r"TopK ratio must be .*got 1.5"),
     (lambda: C.TopK(float("nan")), "TopK ratio must be a finite real"),
