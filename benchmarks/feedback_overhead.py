@@ -31,8 +31,13 @@ import time
 import warnings
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
+# As in the launcher's rank processes (inherited by this script's ranks): huge pages for big CPU
+# tensors, without which each new gradient-sized tensor costs its page faults. Read by torch at its
+# first big allocation, so before the import.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -149,6 +149,12 @@ class TrainingFeedback:
     second: dict[Key, torch.Tensor] = field(default_factory=dict, repr=False)  # s_{t-1} per name
     seen: dict[Key, int] = field(default_factory=dict, repr=False)  # reductions in s per name
     divisors: dict[Key, torch.Tensor] = field(default_factory=dict, repr=False)  # d of the reduction under way
+    held: dict[Key, torch.Tensor] = field(default_factory=dict, repr=False)  # d of the s held per name
+    spare: dict[Key, torch.Tensor] = field(default_factory=dict, repr=False)  # v_{t-1}'s memory, for v_{t+1}
+
+    def __getstate__(self) -> dict:
+        # scratch memory and what s gives again: not worth a checkpoint's bytes
+        return {**self.__dict__, "held": {}, "spare": {}}
 
     def __setstate__(self, state: dict) -> None:
         # pickled before a field existed: that field's default
@@ -175,6 +181,7 @@ class TrainingFeedback:
         if b2 != self.beta2:
             self.beta2 = b2
             self.second.clear()
+            self.held.clear()
             self.seen.clear()
         b1 = float(beta1) if b2 and self.first_moment and self.compress_momentum and 0.0 < beta1 < 1.0 else 0.0
         if b1 != self.beta1:
@@ -236,15 +243,20 @@ class TrainingFeedback:
         while compressed reductions follow (see the module doc). Every rank holds the
         same ``s``, so dividing before the reduction and multiplying after is exact but for the
         compression. The floor keeps entries whose gradients were near 0 from being multiplied
-        up to dominate their bucket's statistic. None before ``name``'s first reduction."""
+        up to dominate their bucket's statistic. None before ``name``'s first reduction. Kept while
+        ``s`` is held, so compressed reductions do not recompute it (three passes and a host sync)."""
         s = self.second.get(name)
         if s is None or s.shape != tensor.shape or s.device != tensor.device:
             return None
+        d = self.held.get(name)
+        if d is not None:
+            return d
         d = s.sqrt()
         floor = float(d.mean())
         if not floor > 0:
             return None
-        return d.clamp_(min=floor)
+        self.held[name] = d.clamp_(min=floor)
+        return d
 
     def _precondition_after(self, result: torch.Tensor, name: Key, compressed: bool) -> torch.Tensor:
         d = self.divisors.pop(name, None)
@@ -260,6 +272,7 @@ class TrainingFeedback:
         if compressed:
             return result  # s stays as measured: this result carries the compression error
         r = result.to(torch.float32)
+        self.held.pop(name, None)  # s moves (or restarts): d with it
         if not all_finite(r):
             self.second.pop(name, None)
             self.seen.pop(name, None)
@@ -278,7 +291,11 @@ class TrainingFeedback:
         """Keep the reduction ``result`` as ``name``'s shared velocity (``v_t``, or Adam's ``u_t``) and
         turn ``result`` into ``v_t - decay v_{t-1}``; a non-finite ``v_t`` (a step a GradScaler
         skips) restarts it."""
-        v = result.to(torch.float32, copy=True)
+        spare = self.spare.pop(name, None)
+        if spare is not None and spare.shape == result.shape and spare.device == result.device:
+            v = spare.copy_(result)  # v_{t-2}'s memory: no new gradient-sized tensor (page faults on CPU) a step
+        else:
+            v = result.to(torch.float32, copy=True)
         if not all_finite(v):
             self.reduced.pop(name, None)
             return
@@ -286,10 +303,11 @@ class TrainingFeedback:
         self.reduced[name] = v
         if prev is not None and prev.shape == v.shape:
             result.sub_(prev.to(result.dtype), alpha=decay)
+            self.spare[name] = prev  # no longer read: before() reads v_t next
 
     def reset(self, key: Key = None) -> None:
         """Forget the counters, velocities and second moments of ``key`` (every key when None)."""
-        for d in (self.steps, self.reduced, self.second, self.seen, self.divisors):
+        for d in (self.steps, self.reduced, self.second, self.seen, self.divisors, self.held, self.spare):
             for k in [k for k in d if key is None or k == key or (isinstance(k, tuple) and k[:1] == (key,))]:
                 del d[k]
 
