@@ -211,6 +211,21 @@ def test_convergence_benchmark_prints_a_row_per_compressor_optimizer_and_path():
             in bad.stderr, bad.stderr[-2000:]
 
 
+def test_feedback_overhead_benchmark_times_each_mode_against_plain():
+    done = _run("benchmarks/feedback_overhead.py", "--elements", "5000", "--rounds", "2", "--calls", "3")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0] == "feedback overhead: 2 ranks, loopback, rounds=2 calls=3" and lines[1].startswith("machine: ")
+    rows = [line.split() for line in lines if re.match(r" *5,000  ", line)]
+    assert [r[1] for r in rows] == ["onebit", "efsign"] * 2, done.stdout  # wall-clock, then CPU
+    for r in rows:
+        assert r[3] == "(1.000)" and all(float(v) > 0 for v in r[2::2]), r  # ms for plain, momentum, adam-own, adam
+    bad = _run("benchmarks/feedback_overhead.py", "--compressors", "topk")
+    assert bad.returncode == 2 and "--compressors: unknown ['topk']; choose from onebit, efsign" in bad.stderr
+    bad = _run("benchmarks/feedback_overhead.py", "--elements", "1M")
+    assert bad.returncode == 2 and "--elements: comma-separated integers" in bad.stderr, bad.stderr[-2000:]
+
+
 def test_auto_overhead_benchmark_times_auto_against_its_own_pick():
     done = _run("benchmarks/auto_overhead.py", "--elements", "5000,8192", "--rounds", "2", "--calls", "3")
     assert done.returncode == 0, done.stderr[-3000:]

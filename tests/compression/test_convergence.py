@@ -267,6 +267,44 @@ def test_under_adam_each_rank_compresses_its_gradient_over_the_shared_second_mom
     assert off.before(g, "w") is g
 
 
+def test_d_is_kept_while_the_second_moment_is_held_and_the_velocitys_memory_is_reused():
+    """Compressed reductions do not move s, so d is computed once for them; an uncompressed one
+    moves s and d with it. The shared velocity of two steps before lends its memory to the next
+    one, and neither kept tensor goes into a pickle."""
+    import pickle
+
+    from spark_dl.compression.training import TrainingFeedback
+
+    fb = TrainingFeedback()
+    fb.observe(lr=0.1, beta2=0.9)
+    g = torch.tensor([1.0, -2.0, 0.5, 4.0])
+    fb.before(g, "w")
+    fb.after(torch.tensor([2.0, -1.0, 0.0, 8.0]), "w")
+    d = fb.divisor(g, "w")
+    assert torch.equal(d, torch.tensor([2.75, 2.75, 2.75, 8.0])) and fb.divisor(g, "w") is d
+    fb.before(g, "w")
+    fb.after(torch.tensor([0.5, 0.5, -1.0, 1.0]), "w", compressed=True)
+    assert fb.divisor(g, "w") is d  # s held: the same d
+    fb.before(g, "w")
+    fb.after(torch.tensor([4.0, 0.0, 0.0, 0.0]), "w")  # uncompressed: s moves
+    moved, root = fb.divisor(g, "w"), fb.second["w"].sqrt()
+    assert moved is not d and torch.allclose(moved, root.clamp(min=float(root.mean())))
+    # the shared velocity under momentum: v_t in the memory of v_{t-2}, the gradient v_t - m v_{t-1}
+    fb = TrainingFeedback()
+    fb.observe(lr=0.1, momentum=0.5)
+    kept, handed = [], []
+    for t in range(5):
+        r = torch.full((3,), float(2 ** t))
+        handed.append(fb.after(r, "v").tolist())
+        kept.append(fb.reduced["v"])
+    assert handed[0] == [1.0] * 3 and all(h == [2.0 ** t - 0.5 * 2.0 ** (t - 1)] * 3
+                                          for t, h in enumerate(handed[1:], 1)), handed
+    assert [kept[3][0].item(), kept[4][0].item()] == [8.0, 16.0]  # v_{t-1} and v_t as they were reduced
+    assert kept[2].data_ptr() == kept[4].data_ptr() != kept[3].data_ptr()
+    back = pickle.loads(pickle.dumps(fb))
+    assert back.spare == {} and back.held == {} and torch.equal(back.reduced["v"], fb.reduced["v"])
+
+
 def test_under_adam_the_second_moment_is_held_once_compression_starts():
     """A compressed reduction carries its compression error (up to a bucket's scale on an entry
     whose gradient is near 0): s is measured on the uncompressed warm-up and then held, so that
