@@ -79,7 +79,9 @@ class Compressor:
         about to be reduced; call before the step's first reduction. Error-feedback compressors
         rescale their residuals when the lr moves, compress the shared velocity under momentum and
         precondition by the second moment under ``beta2`` (the sign compressors compress the shared
-        first moment there too; see :mod:`spark_dl.compression.training`); the others ignore it."""
+        first moment there too; see :mod:`spark_dl.compression.training`); ``TopK()`` keeps more
+        entries under ``beta2`` (and is told through the ``ErrorFeedback`` that wraps it); the others
+        ignore it."""
         if self.feedback is not None:
             self.feedback.observe(getattr(self, "residuals", None), lr=lr, momentum=momentum, beta2=beta2,
                                   beta1=beta1)
