@@ -13,7 +13,6 @@ import pickle
 import queue
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ from spark_dl import protocol
 from spark_dl.task import zygote
 from spark_dl.task.layout import RankSpec, TaskInfo, compute_layout, omp_threads
 from spark_dl.task.network import slow_reverse_lookup, socket_interface_env
+from spark_dl.task.ports import free_port
 from spark_dl.task.zygote import ForkedRank
 from spark_dl.tracking.system import start_sampler
 from spark_dl.transport import channel
@@ -65,12 +65,6 @@ class JobSpec:
 # the result rows of a Spark Connect stage: each task's status; with a relay, task 0's spool too
 STATUS_SCHEMA = "status string"
 RELAY_SCHEMA = "status string, report binary"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 PUMP_DRAIN_S = 10.0  # after a rank has exited, how long its output may take to drain

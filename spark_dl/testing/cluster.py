@@ -387,9 +387,9 @@ def _kill_group(pid: int) -> None:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from spark_dl.task.ports import free_port
+
+    return free_port()
 
 
 def _sh(*cmd: str) -> None:
