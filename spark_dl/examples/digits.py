@@ -28,7 +28,7 @@ def make_compressor(name: str) -> Any:
     # TopK and RandomK drop most of each gradient, so they get error feedback (as the compression
     # docs advise); the others carry their own error memory or are unbiased. TopK() keeps 10% under
     # Adam; RandomK keeps 10% rather than its 1%: this CNN has only ~14k parameters, and 1% learns
-    # too little in a few epochs.
+    # too little in a few epochs (still warned: random-k needs about half the entries to keep up).
     factories: dict[str, Callable[[], Any]] = {
         "none": C.NoneCompressor,
         "auto": C.Auto,
