@@ -27,13 +27,24 @@ FAMILIES = {
 }
 
 
+def digits_split():
+    """scikit-learn's digits scaled to [0, 1], shuffled by seed 0: 1,437 training images, 360 test."""
+    import torch
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x, y = torch.tensor(x, dtype=torch.float32) / 16, torch.tensor(y)
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+    x, y = x[perm], y[perm]
+    return x[:1437], y[:1437], x[1437:], y[1437:]
+
+
 def digits_main(families: dict[str, str]):
     import warnings
 
     import spark_dl.horovod as hvd
     import torch
     import torch.distributed as dist
-    from sklearn.datasets import load_digits
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -43,11 +54,7 @@ def digits_main(families: dict[str, str]):
     spark_dl.init()
     hvd.init()
     rank, world = dist.get_rank(), dist.get_world_size()
-    x, y = load_digits(return_X_y=True)
-    x, y = torch.tensor(x, dtype=torch.float32) / 16, torch.tensor(y)
-    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
-    x, y = x[perm], y[perm]
-    xtr, ytr, xte, yte = x[:1437], y[:1437], x[1437:], y[1437:]
+    xtr, ytr, xte, yte = digits_split()
 
     def make_opt(kind, params):
         if kind == "sgd":
@@ -133,7 +140,6 @@ def distributor_main(makes: dict[str, str]) -> dict[str, float]:
 
     import torch
     import torch.distributed as dist
-    from sklearn.datasets import load_digits
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -141,10 +147,7 @@ def distributor_main(makes: dict[str, str]) -> dict[str, float]:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    x, y = load_digits(return_X_y=True)
-    x, y = torch.tensor(x, dtype=torch.float32) / 16, torch.tensor(y)
-    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
-    x, y = x[perm], y[perm]
+    xtr, ytr, xte, yte = digits_split()
     out = {}
     for name, make in makes.items():
         torch.manual_seed(0)
@@ -154,14 +157,14 @@ def distributor_main(makes: dict[str, str]) -> dict[str, float]:
         with warnings.catch_warnings():
             warnings.simplefilter("error", C.CompressionWarning)  # none of these is known to fall short
             model.register_comm_hook(*C.make_ddp_hook(eval(make), optimizer=opt))
-        shard, gen = torch.arange(rank, 1437, world), torch.Generator().manual_seed(rank)
+        shard, gen = torch.arange(rank, len(ytr), world), torch.Generator().manual_seed(rank)
         for _ in range(150):
             idx = shard[torch.randint(len(shard), (32,), generator=gen)]
             opt.zero_grad()
-            nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+            nn.functional.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
             opt.step()
         with torch.no_grad():
-            out[name] = float((net(x[1437:]).argmax(1) == y[1437:]).float().mean())
+            out[name] = float((net(xte).argmax(1) == yte).float().mean())
     dist.destroy_process_group()
     return out
 
