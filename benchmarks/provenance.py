@@ -4,7 +4,6 @@ from __future__ import annotations
 import datetime
 import os
 import platform
-import socket
 import subprocess
 from pathlib import Path
 from typing import Any, Callable
@@ -26,10 +25,11 @@ def commit() -> str:
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now, for a local process group's rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on this host now, for a local process group's rendezvous: the launcher's own
+    pick, below the ephemeral range, so no connection takes it before rank 0 binds it."""
+    from spark_dl.task.ports import free_port as below_ephemeral
+
+    return below_ephemeral()
 
 
 def machine() -> str:
@@ -53,3 +53,4 @@ def start_ranks(target: Callable[..., None], world: int, *args: Any) -> tuple[li
     for proc in procs:
         proc.start()
     return procs, queue
+

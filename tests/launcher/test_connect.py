@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,9 +24,9 @@ SERVER_START_S = 120
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from spark_dl.task.ports import free_port  # below the ephemeral range: no connection takes it first
+
+    return free_port()
 
 
 @pytest.fixture(scope="module")
