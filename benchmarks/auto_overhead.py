@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -30,7 +28,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from provenance import machine, start_ranks  # noqa: E402
+from provenance import join_loopback, machine, start_ranks, timed  # noqa: E402
 
 import spark_dl.compression as C  # noqa: E402
 from spark_dl.compression.auto import CHOSEN  # noqa: E402
@@ -38,21 +36,13 @@ from spark_dl.compression.stats import label  # noqa: E402
 
 
 def _timed(t: torch.Tensor, c, calls: int) -> tuple[float, float]:
-    """(wall-clock, this process's CPU) seconds a call over ``calls`` reductions, the ranks lined
-    up before and after."""
-    dist.barrier()
-    t0, c0 = time.perf_counter(), time.process_time()
-    for _ in range(calls):
-        C.allreduce(t, c, name="g")
-    c1 = time.process_time()
-    dist.barrier()
-    return (time.perf_counter() - t0) / calls, (c1 - c0) / calls
+    """(wall-clock, this process's CPU) seconds a call over ``calls`` reductions of ``t`` through ``c``."""
+    return timed(lambda _: C.allreduce(t, c, name="g"), calls)
 
 
 def rank_main(rank: int, args, port: int, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    join_loopback(rank, 2, port)
     momentum_sgd = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1, momentum=0.9)
     for n in args.elements:
         t = torch.randn(n, generator=torch.Generator().manual_seed(n))

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -56,7 +55,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import powersgd_names  # noqa: E402
-from provenance import machine, start_ranks  # noqa: E402
+from provenance import join_loopback, machine, start_ranks  # noqa: E402
 
 import spark_dl.compression as C  # noqa: E402
 
@@ -240,9 +239,8 @@ def train(args, data, comp_name: str, opt_name: str, path: str,
 
 
 def rank_main(rank: int, args, port: int, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, args.threads))
-    dist.init_process_group("gloo", rank=rank, world_size=args.ranks)
+    join_loopback(rank, args.ranks, port)
     import warnings
 
     warnings.simplefilter("once")

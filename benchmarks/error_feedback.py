@@ -24,13 +24,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from kernels import best  # noqa: E402  (benchmarks/kernels.py, beside this script)
+from provenance import join_loopback  # noqa: E402
 
 import spark_dl.compression as C  # noqa: E402
-
-
-def _init(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
 def encoders(g: torch.Tensor, repeats: int) -> None:
@@ -50,7 +46,7 @@ def encoders(g: torch.Tensor, repeats: int) -> None:
 
 
 def into_out(g: torch.Tensor, repeats: int, port: int) -> None:
-    _init(0, 1, port)
+    join_loopback(0, 1, port)
     buf = torch.empty_like(g)
     print(f"\nallreduce of {g.numel() / 1e6:.1f}M float32 at world size 1 (compute only), best of {repeats}")
     print(f"{'compressor':<12}{'out= ms':>9}{'copy ms':>9}{'ratio':>8}")
@@ -64,7 +60,7 @@ def into_out(g: torch.Tensor, repeats: int, port: int) -> None:
 
 def _rank(rank: int, numel: int, repeats: int, port: int, queue) -> None:
     torch.set_num_threads(1)
-    _init(rank, 2, port)
+    join_loopback(rank, 2, port)
     g = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
     out = torch.empty_like(g)
     c = C.ErrorFeedback(C.TopK(0.01))

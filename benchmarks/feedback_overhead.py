@@ -27,7 +27,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -41,7 +40,7 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from provenance import machine, start_ranks  # noqa: E402
+from provenance import join_loopback, machine, start_ranks, timed  # noqa: E402
 
 import spark_dl.compression as C  # noqa: E402
 
@@ -59,23 +58,19 @@ def _instance(name: str, mode: str):
 
 
 def _reduce(grads: list[torch.Tensor], c, opt, calls: int, start: int) -> tuple[float, float]:
-    """(wall-clock, this process's CPU) seconds a call over ``calls`` reductions, the ranks lined up
-    before and after."""
-    dist.barrier()
-    t0, c0 = time.perf_counter(), time.process_time()
-    for i in range(calls):
+    """(wall-clock, this process's CPU) seconds a call over ``calls`` reductions, ``grads`` in turn
+    from ``start``, ``opt`` told before each."""
+    def once(i: int) -> None:
         if opt is not None:
             c.observe_optimizer(opt)
         C.allreduce(grads[(start + i) % len(grads)], c, name="g")
-    c1 = time.process_time()
-    dist.barrier()
-    return (time.perf_counter() - t0) / calls, (c1 - c0) / calls
+
+    return timed(once, calls)
 
 
 def rank_main(rank: int, args, port: int, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    join_loopback(rank, 2, port)
     warnings.simplefilter("ignore")  # the same four gradients over and over: no training to warn about
     for n in args.elements:
         gen = torch.Generator().manual_seed(1000 * n + rank)

@@ -1,10 +1,12 @@
-"""What every benchmark's header says about the machine and code it measured, and how local ranks start."""
+"""What every benchmark's header says about the machine and code it measured, how local ranks start
+and meet, and how they time a run of calls together."""
 from __future__ import annotations
 
 import datetime
 import os
 import platform
 import subprocess
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -54,3 +56,24 @@ def start_ranks(target: Callable[..., None], world: int, *args: Any) -> tuple[li
         proc.start()
     return procs, queue
 
+
+def join_loopback(rank: int, world: int, port: int) -> None:
+    """Join ``world`` local ranks in one Gloo process group, meeting on 127.0.0.1:``port``."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def timed(call: Callable[[int], Any], calls: int) -> tuple[float, float]:
+    """(wall-clock, this process's CPU) seconds a call over ``call(0)`` ... ``call(calls - 1)``, every
+    rank lined up before and after, so that no rank's time includes another's late start."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0, c0 = time.perf_counter(), time.process_time()
+    for i in range(calls):
+        call(i)
+    c1 = time.process_time()
+    dist.barrier()
+    return (time.perf_counter() - t0) / calls, (c1 - c0) / calls
