@@ -2193,3 +2193,117 @@ void sdk_powersgd_back(const float *p, const float *m, int64_t numel, int64_t ro
     bp_args A = {p, m, numel, rows, cols, r, qt};
     parallel(threads_for(numel), bp_task, &A);
 }
+
+/* ---- training feedback ------------------------------------------------------------------------ */
+
+/* torch rounds a + alpha * b (add and sub with alpha) as one fma where its CPU kernels run AVX2
+ * code, which they do on every CPU with AVX2 and FMA, and as a multiply then an add elsewhere:
+ * these passes follow the CPU, not force_scalar, to give torch's bits on both paths. */
+static int torch_fuses(void) {
+#if SDK_X86
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+    return 0;
+#endif
+}
+
+static inline float mul_add(float c, float b, float a, int fused) { return fused ? fmaf(c, b, a) : a + c * b; }
+
+typedef struct {
+    const float *g, *d, *v;
+    float *out, *r, *vout;
+    float c;
+    int64_t n;
+    int fused;
+    int flags[SDK_MAX_THREADS];  /* sdk_feedback_after: thread t's share held an inf or NaN */
+} fb_args;
+
+#if SDK_X86
+AVX2FMA static void fb_before_avx2(fb_args *A, int64_t a, int64_t b) {
+    const __m256 c = _mm256_set1_ps(A->c);
+    for (; a + 8 <= b; a += 8) {
+        __m256 x = _mm256_loadu_ps(A->g + a);
+        if (A->d) x = _mm256_div_ps(x, _mm256_loadu_ps(A->d + a));
+        if (A->v) x = _mm256_fmadd_ps(c, _mm256_loadu_ps(A->v + a), x);
+        _mm256_storeu_ps(A->out + a, x);
+    }
+    for (; a < b; a++) {
+        float x = A->d ? A->g[a] / A->d[a] : A->g[a];
+        A->out[a] = A->v ? fmaf(A->c, A->v[a], x) : x;
+    }
+}
+
+AVX2FMA static int fb_after_avx2(fb_args *A, int64_t a, int64_t b) {
+    const __m256 c = _mm256_set1_ps(-A->c), zero = _mm256_setzero_ps();
+    __m256 probe = zero;  /* x * 0 is 0 for finite x and NaN for inf or NaN */
+    for (; a + 8 <= b; a += 8) {
+        __m256 x = _mm256_loadu_ps(A->r + a);
+        _mm256_storeu_ps(A->vout + a, x);
+        probe = _mm256_add_ps(probe, _mm256_mul_ps(x, zero));
+        if (A->v) x = _mm256_fmadd_ps(c, _mm256_loadu_ps(A->v + a), x);
+        if (A->d) x = _mm256_mul_ps(x, _mm256_loadu_ps(A->d + a));
+        _mm256_storeu_ps(A->r + a, x);
+    }
+    float p[8];
+    _mm256_storeu_ps(p, probe);
+    int bad = 0;
+    for (int k = 0; k < 8; k++) bad |= p[k] != 0.0f;
+    for (; a < b; a++) {
+        float x = A->r[a];
+        A->vout[a] = x;
+        bad |= !isfinite(x);
+        if (A->v) x = fmaf(-A->c, A->v[a], x);
+        if (A->d) x *= A->d[a];
+        A->r[a] = x;
+    }
+    return bad;
+}
+#endif
+
+static void fb_before_task(void *arg, int t, int nt) {
+    fb_args *A = (fb_args *)arg;
+    int64_t a, b;
+    share(A->n, t, nt, 64, &a, &b);
+#if SDK_X86
+    if (A->fused && has_avx2()) { fb_before_avx2(A, a, b); return; }
+#endif
+    for (int64_t i = a; i < b; i++) {
+        float x = A->d ? A->g[i] / A->d[i] : A->g[i];
+        A->out[i] = A->v ? mul_add(A->c, A->v[i], x, A->fused) : x;
+    }
+}
+
+static void fb_after_task(void *arg, int t, int nt) {
+    fb_args *A = (fb_args *)arg;
+    int64_t a, b;
+    share(A->n, t, nt, 64, &a, &b);
+#if SDK_X86
+    if (A->fused && has_avx2()) { A->flags[t] = fb_after_avx2(A, a, b); return; }
+#endif
+    int bad = 0;
+    for (int64_t i = a; i < b; i++) {
+        float x = A->r[i];
+        A->vout[i] = x;
+        bad |= !isfinite(x);
+        if (A->v) x = mul_add(-A->c, A->v[i], x, A->fused);
+        if (A->d) x *= A->d[i];
+        A->r[i] = x;
+    }
+    A->flags[t] = bad;
+}
+
+void sdk_feedback_before(const float *g, const float *d, const float *v, float c, float *out, int64_t n) {
+    if (n <= 0) return;
+    fb_args A = {.g = g, .d = d, .v = v, .out = out, .c = c, .n = n, .fused = torch_fuses()};
+    parallel(threads_for(n), fb_before_task, &A);
+}
+
+int sdk_feedback_after(float *r, const float *prev, float c, const float *d, float *v_out, int64_t n) {
+    if (n <= 0) return 1;
+    int nt = threads_for(n);
+    fb_args A = {.r = r, .v = prev, .d = d, .vout = v_out, .c = c, .n = n, .fused = torch_fuses()};
+    parallel(nt, fb_after_task, &A);
+    for (int t = 0; t < nt; t++)
+        if (A.flags[t]) return 0;
+    return 1;
+}

@@ -99,4 +99,13 @@ int sdk_powersgd_project(const float *g, float scale, float *m, int mode, const 
 void sdk_powersgd_back(const float *p, const float *m, int64_t numel, int64_t rows, int64_t cols, int r,
                        float *qt);
 
+/* Training feedback's passes (spark_dl/compression/training.py), one pass over memory each, rounded
+ * as torch's ops: x / d, then x + c * v as torch.add(x, v, alpha=c) (one fma on CPUs with AVX2 and
+ * FMA, as torch's kernels there; a multiply and an add elsewhere).
+ * before: out = g / d + c * v (d NULL: g; v NULL: no add); out may be g.
+ * after: v_out = r, then r = (r - c * v) * d in place (v NULL: no subtraction; d NULL: no
+ * multiply). Returns 1 when every r read was finite, else 0 (r is written either way). */
+void sdk_feedback_before(const float *g, const float *d, const float *v, float c, float *out, int64_t n);
+int sdk_feedback_after(float *r, const float *v, float c, const float *d, float *v_out, int64_t n);
+
 #endif

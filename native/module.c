@@ -196,6 +196,29 @@ static PyObject *powersgd_back(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *feedback_before(PyObject *self, PyObject *args) {
+    unsigned long long g, d, v, out;
+    long long n;
+    float c;
+    if (!PyArg_ParseTuple(args, "KKKfKL", &g, &d, &v, &c, &out, &n)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    sdk_feedback_before(PTR(const float *, g), PTR(const float *, d), PTR(const float *, v), c, PTR(float *, out), n);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *feedback_after(PyObject *self, PyObject *args) {
+    unsigned long long r, v, d, v_out;
+    long long n;
+    float c;
+    int finite;
+    if (!PyArg_ParseTuple(args, "KKfKKL", &r, &v, &c, &d, &v_out, &n)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    finite = sdk_feedback_after(PTR(float *, r), PTR(const float *, v), c, PTR(const float *, d), PTR(float *, v_out), n);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(finite);
+}
+
 static PyObject *set_threads(PyObject *self, PyObject *args) {
     int n;
     if (!PyArg_ParseTuple(args, "i", &n)) return NULL;
@@ -235,6 +258,9 @@ static PyMethodDef methods[] = {
     {"powersgd_project", powersgd_project, METH_VARARGS,
      "(g, scale, m, mode, pe, qe, q, numel, rows, cols, r, pt): M = [M - Pe Qe^T] + scale G; P^T = (M Q)^T"},
     {"powersgd_back", powersgd_back, METH_VARARGS, "(p, m, numel, rows, cols, r, qt): Qw^T = P^T M"},
+    {"feedback_before", feedback_before, METH_VARARGS, "(g, d, v, c, out, n): out = g / d + c * v"},
+    {"feedback_after", feedback_after, METH_VARARGS,
+     "(r, v, c, d, v_out, n): v_out = r; r = (r - c * v) * d; True if r was finite"},
     {"set_threads", set_threads, METH_VARARGS, "threads for vectors of 1M+ elements; returns the value set"},
     {"force_scalar", force_scalar, METH_VARARGS, "True: skip the AVX2/F16C paths"},
     {"fail_allocations", fail_allocations, METH_VARARGS, "True: every allocation in the kernels fails (tests)"},

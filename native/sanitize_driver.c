@@ -71,6 +71,20 @@ static void run(int64_t n) {
     sdk_bf16_to_f32(h, out, n, 0);
     for (int64_t i = 6; i < n; i++) CHECK(fabsf(out[i] - g[i]) <= fabsf(g[i]) * 0.004f);
 
+    /* training feedback on finite values (e as d, all > 0); g's NaN and inf are flagged */
+    float *v = xalloc(n * sizeof(float)), *r = xalloc(n * sizeof(float));
+    for (int64_t i = 0; i < n; i++) { e[i] = 0.5f + (float)(i % 3); v[i] = 0.25f * (float)(i % 7) - 0.5f; }
+    sdk_feedback_before(v, NULL, NULL, 0.0f, r, n);
+    CHECK(n == 0 || memcmp(r, v, n * sizeof(float)) == 0);
+    sdk_feedback_before(v, e, v, 0.45f, r, n);
+    sdk_feedback_before(r, e, NULL, 0.0f, r, n);  /* in place */
+    CHECK(sdk_feedback_after(r, v, 0.9f, e, out, n) == 1);
+    CHECK(sdk_feedback_after(r, NULL, 0.9f, NULL, out, n) == 1 && (n == 0 || memcmp(r, out, n * sizeof(float)) == 0));
+    memcpy(r, g, n * sizeof(float));
+    CHECK(sdk_feedback_after(r, v, 0.9f, NULL, out, n) == (n > 5 ? 0 : 1));
+    free(v);
+    free(r);
+
     for (int bitsw = 1; bitsw <= 8; bitsw++) {
         int levels = ((1 << bitsw) - 1) / 2 > 0 ? ((1 << bitsw) - 1) / 2 : 1;
         if (2 * levels + 1 > (1 << bitsw)) continue;

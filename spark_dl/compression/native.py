@@ -334,3 +334,34 @@ def _check_sizes(a: torch.Tensor, na: int, b: torch.Tensor, nb: int) -> None:
                          f"got {a.numel()} and {b.numel()}")
     if a.dtype != torch.float32 or b.dtype != torch.uint8:
         raise ValueError(f"payload dtypes must be float32 and uint8, got {a.dtype} and {b.dtype}")
+
+
+def _plain(t: torch.Tensor | None, n: int) -> bool:
+    return t is None or (t.dtype == torch.float32 and t.numel() == n and t.is_contiguous() and t.device.type == "cpu")
+
+
+def feedback_fits(*tensors: torch.Tensor | None) -> bool:
+    """Whether :func:`feedback_before` / :func:`feedback_after` take these tensors (None: left out):
+    the kernels enabled, and every one a contiguous float32 CPU tensor of the first one's size."""
+    n = tensors[0].numel()
+    return enabled(tensors[0]) and all(_plain(t, n) for t in tensors)
+
+
+def feedback_before(g: torch.Tensor, d: torch.Tensor | None, v: torch.Tensor | None, c: float,
+                    out: torch.Tensor) -> torch.Tensor:
+    """``out = g / d + c * v`` in one pass (``d`` or ``v`` None: left out), the bits of
+    ``torch.div(g, d)`` then ``.add_(v, alpha=c)``. Every tensor as :func:`feedback_fits` takes."""
+    if not feedback_fits(g, d, v, out):
+        raise ValueError("feedback_before: g, d, v and out must be contiguous float32 CPU tensors of one size")
+    _ext.feedback_before(g.data_ptr(), _ptr(d), _ptr(v), float(c), out.data_ptr(), g.numel())
+    return out
+
+
+def feedback_after(r: torch.Tensor, v: torch.Tensor | None, c: float, d: torch.Tensor | None,
+                   v_out: torch.Tensor) -> bool:
+    """``v_out = r``, then ``r = (r - c * v) * d`` in place, in one pass (``v`` or ``d`` None: left
+    out), the bits of ``r.sub_(v, alpha=c).mul_(d)``. True when every element of ``r`` was finite
+    (``r`` is written either way; ``v_out`` holds it as it was)."""
+    if not feedback_fits(r, v, d, v_out):
+        raise ValueError("feedback_after: r, v, d and v_out must be contiguous float32 CPU tensors of one size")
+    return _ext.feedback_after(r.data_ptr(), _ptr(v), float(c), _ptr(d), v_out.data_ptr(), r.numel())

@@ -1059,3 +1059,42 @@ def test_powersgd_torch_path_batches_same_shape_tensors_and_keeps_their_residual
         came = sum(g[at[i]:at[i] + math.prod(shapes[i])] for g in grads)
         assert torch.allclose(sent + e["b", i].reshape(-1), came, atol=1e-4)
     assert all(torch.equal(o[120:130], g[120:130]) for o, g in zip(outs, grads))  # the bias as is
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("parts", ["d and v", "d", "v", "neither"])
+def test_training_feedback_passes_are_torchs_ops_bit_for_bit(n, parts, path):
+    """before: g / d + c v as torch.div then add(alpha=c); after: v_out = r, r = (r - c v) d as
+    sub_(alpha=c) then mul_ (one fma where torch's CPU kernels make one, as they do with AVX2)."""
+    g, v, r = rand(n), rand(n, 1), rand(n, 2)
+    d = rand(n, 3).abs_().add_(0.5) if "d" in parts else None
+    v = v if "v" in parts else None
+    want = g if d is None else torch.div(g, d)
+    want = want if v is None else torch.add(want, v, alpha=0.45)
+    assert torch.equal(native.feedback_before(g, d, v, 0.45, torch.empty(n)), want)
+    assert torch.equal(native.feedback_before(g.clone(), d, v, 0.45, g), want)  # in place
+    kept, r0 = torch.empty(n), r.clone()
+    assert native.feedback_after(r, v, 0.9, d, kept) is True
+    want = r0.clone() if v is None else r0.clone().sub_(v, alpha=0.9)
+    assert torch.equal(kept, r0) and torch.equal(r, want if d is None else want.mul_(d))
+
+
+@pytest.mark.parametrize("n", [9, (1 << 20) + 13])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_training_feedback_after_flags_a_non_finite_entry_wherever_it_sits(n, bad, path):
+    for at in (0, n // 2, n - 1):  # the first vector, a thread's share, the scalar tail
+        r = rand(n)
+        r[at] = bad
+        assert native.feedback_after(r, rand(n, 1), 0.9, None, torch.empty(n)) is False
+    assert native.feedback_after(torch.full((n,), 3e38), None, 0.9, None, torch.empty(n)) is True  # sum overflows
+
+
+def test_training_feedback_passes_refuse_what_does_not_fit():
+    g = torch.zeros(8)
+    for bad in (torch.zeros(7), torch.zeros(8, dtype=torch.float64), torch.zeros(16)[::2]):
+        assert not native.feedback_fits(g, bad)
+        with pytest.raises(ValueError, match="contiguous float32 CPU tensors of one size"):
+            native.feedback_before(g, bad, None, 1.0, torch.empty(8))
+        with pytest.raises(ValueError, match="contiguous float32 CPU tensors of one size"):
+            native.feedback_after(g, None, 1.0, None, bad)
+    assert native.feedback_fits(g, None, torch.ones(8))
