@@ -13,7 +13,9 @@ every benchmark here, ``benchmarks/powersgd_names.py``), and ``efsign-bN`` is
 ``ErrorFeedback(TopK(ratio=R))`` (``topk`` keeps 0.01, and 0.1 under Adam) and ``randomk-rR``
 ``ErrorFeedback(RandomK(ratio=R))``, to compare settings with the defaults;
 ``NAME-own`` (``efsign-own``, ``onebit-own``, ...) is NAME with ``compress_momentum=False``: each rank
-compresses its own gradient, with no shared velocity (momentum SGD) or first moment (Adam).
+compresses its own gradient, with no shared velocity (momentum SGD) or first moment (Adam);
+``NAME-norescale`` is NAME with ``feedback.rescale_lr = False``: residuals kept as they are when the
+lr moves.
 
 Paths: ``hvd`` is ``spark_dl.horovod.DistributedOptimizer(opt, compression=c)``; ``ddp`` and
 ``ddp-overlap`` are ``DistributedDataParallel`` with ``make_ddp_hook(c, optimizer=opt)`` (with
@@ -80,6 +82,12 @@ def compressor_named(name: str):
     ``efsign-bN``: ``EFSign(bucket_size=N)``; ``NAME-own``: NAME with ``compress_momentum=False``, each
     rank compressing its own gradient: no shared velocity or first moment; ``topk-rR``:
     ``ErrorFeedback(TopK(ratio=R))``, ``randomk-rR`` the same with ``RandomK``)."""
+    if name.endswith("-norescale") and name != "-norescale":
+        c = compressor_named(name.removesuffix("-norescale"))
+        if getattr(c, "feedback", None) is None:
+            raise ValueError(f"{name}: {name.removesuffix('-norescale')} has no residual to rescale")
+        c.feedback.rescale_lr = False
+        return c
     if name.endswith("-own") and name != "-own":
         c = compressor_named(name.removesuffix("-own"))
         if getattr(c, "feedback", None) is None:
@@ -315,7 +323,7 @@ def main() -> None:
         bad = [v for v in values if not (_constructs(v) if field == "compressors" else v in known)]
         if bad:
             more = (f", {powersgd_names.SYNTAX}, efsign-b<bucket_size >= 1>, topk-r<ratio in (0, 1]>, "
-                    "randomk-r<ratio in (0, 1]>, or any of those with error feedback and -own") \
+                    "randomk-r<ratio in (0, 1]>, or any of those with error feedback and -own or -norescale") \
                 if field == "compressors" else ""
             p.error(f"--{field}: unknown {bad}; choose from {', '.join(known)}{more}")
         setattr(args, field, values)
