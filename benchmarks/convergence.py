@@ -77,23 +77,27 @@ def _efsign_bucket(name: str) -> int | None:
     return int(digits) if name.startswith("efsign-b") and digits.isdigit() and int(digits) >= 1 else None
 
 
+# NAME-suffix: NAME with one switch of its training feedback off, and what NAME lacks where it has none
+FEEDBACK_SWITCHES = {
+    "-own": ("compress_momentum", "has no error feedback to share a momentum in"),
+    "-norescale": ("rescale_lr", "has no residual to rescale"),
+}
+
+
 def compressor_named(name: str):
     """A fresh compressor for a --compressors name (PowerSGD's settings: benchmarks/powersgd_names.py;
     ``efsign-bN``: ``EFSign(bucket_size=N)``; ``NAME-own``: NAME with ``compress_momentum=False``, each
-    rank compressing its own gradient: no shared velocity or first moment; ``topk-rR``:
-    ``ErrorFeedback(TopK(ratio=R))``, ``randomk-rR`` the same with ``RandomK``)."""
-    if name.endswith("-norescale") and name != "-norescale":
-        c = compressor_named(name.removesuffix("-norescale"))
-        if getattr(c, "feedback", None) is None:
-            raise ValueError(f"{name}: {name.removesuffix('-norescale')} has no residual to rescale")
-        c.feedback.rescale_lr = False
-        return c
-    if name.endswith("-own") and name != "-own":
-        c = compressor_named(name.removesuffix("-own"))
-        if getattr(c, "feedback", None) is None:
-            raise ValueError(f"{name}: {name.removesuffix('-own')} has no error feedback to share a momentum in")
-        c.feedback.compress_momentum = False
-        return c
+    rank compressing its own gradient: no shared velocity or first moment; ``NAME-norescale``: NAME
+    with ``rescale_lr=False``; ``topk-rR``: ``ErrorFeedback(TopK(ratio=R))``, ``randomk-rR`` the same
+    with ``RandomK``)."""
+    for suffix, (switch, missing) in FEEDBACK_SWITCHES.items():
+        if name.endswith(suffix) and name != suffix:
+            base = name.removesuffix(suffix)
+            c = compressor_named(base)
+            if getattr(c, "feedback", None) is None:
+                raise ValueError(f"{name}: {base} {missing}")
+            setattr(c.feedback, switch, False)
+            return c
     at = powersgd_names.settings(name)
     if at is not None:
         return C.PowerSGD(**at)

@@ -2218,6 +2218,27 @@ typedef struct {
     int flags[SDK_MAX_THREADS];  /* sdk_feedback_after: thread t's share held an inf or NaN */
 } fb_args;
 
+/* The element loops: the scalar path, and the AVX2 loops' tails (where fused is set). */
+static void fb_before_range(const fb_args *A, int64_t a, int64_t b) {
+    for (int64_t i = a; i < b; i++) {
+        float x = A->d ? A->g[i] / A->d[i] : A->g[i];
+        A->out[i] = A->v ? mul_add(A->c, A->v[i], x, A->fused) : x;
+    }
+}
+
+static int fb_after_range(const fb_args *A, int64_t a, int64_t b) {
+    int bad = 0;
+    for (int64_t i = a; i < b; i++) {
+        float x = A->r[i];
+        A->vout[i] = x;
+        bad |= !isfinite(x);
+        if (A->v) x = mul_add(-A->c, A->v[i], x, A->fused);
+        if (A->d) x *= A->d[i];
+        A->r[i] = x;
+    }
+    return bad;
+}
+
 #if SDK_X86
 AVX2FMA static void fb_before_avx2(fb_args *A, int64_t a, int64_t b) {
     const __m256 c = _mm256_set1_ps(A->c);
@@ -2227,10 +2248,7 @@ AVX2FMA static void fb_before_avx2(fb_args *A, int64_t a, int64_t b) {
         if (A->v) x = _mm256_fmadd_ps(c, _mm256_loadu_ps(A->v + a), x);
         _mm256_storeu_ps(A->out + a, x);
     }
-    for (; a < b; a++) {
-        float x = A->d ? A->g[a] / A->d[a] : A->g[a];
-        A->out[a] = A->v ? fmaf(A->c, A->v[a], x) : x;
-    }
+    fb_before_range(A, a, b);
 }
 
 AVX2FMA static int fb_after_avx2(fb_args *A, int64_t a, int64_t b) {
@@ -2248,15 +2266,7 @@ AVX2FMA static int fb_after_avx2(fb_args *A, int64_t a, int64_t b) {
     _mm256_storeu_ps(p, probe);
     int bad = 0;
     for (int k = 0; k < 8; k++) bad |= p[k] != 0.0f;
-    for (; a < b; a++) {
-        float x = A->r[a];
-        A->vout[a] = x;
-        bad |= !isfinite(x);
-        if (A->v) x = fmaf(-A->c, A->v[a], x);
-        if (A->d) x *= A->d[a];
-        A->r[a] = x;
-    }
-    return bad;
+    return bad | fb_after_range(A, a, b);
 }
 #endif
 
@@ -2267,10 +2277,7 @@ static void fb_before_task(void *arg, int t, int nt) {
 #if SDK_X86
     if (A->fused && has_avx2()) { fb_before_avx2(A, a, b); return; }
 #endif
-    for (int64_t i = a; i < b; i++) {
-        float x = A->d ? A->g[i] / A->d[i] : A->g[i];
-        A->out[i] = A->v ? mul_add(A->c, A->v[i], x, A->fused) : x;
-    }
+    fb_before_range(A, a, b);
 }
 
 static void fb_after_task(void *arg, int t, int nt) {
@@ -2280,16 +2287,7 @@ static void fb_after_task(void *arg, int t, int nt) {
 #if SDK_X86
     if (A->fused && has_avx2()) { A->flags[t] = fb_after_avx2(A, a, b); return; }
 #endif
-    int bad = 0;
-    for (int64_t i = a; i < b; i++) {
-        float x = A->r[i];
-        A->vout[i] = x;
-        bad |= !isfinite(x);
-        if (A->v) x = mul_add(-A->c, A->v[i], x, A->fused);
-        if (A->d) x *= A->d[i];
-        A->r[i] = x;
-    }
-    A->flags[t] = bad;
+    A->flags[t] = fb_after_range(A, a, b);
 }
 
 void sdk_feedback_before(const float *g, const float *d, const float *v, float c, float *out, int64_t n) {
