@@ -318,10 +318,14 @@ def powersgd_back(p: torch.Tensor, m: torch.Tensor, rows: int, cols: int, qt: to
         qt.zero_()
 
 
+def _plain(t: torch.Tensor | None, n: int) -> bool:
+    return t is None or (t.dtype == torch.float32 and t.numel() == n and t.is_contiguous() and t.device.type == "cpu")
+
+
 def _out(out: torch.Tensor | None, n: int, what: str = "out") -> torch.Tensor:
     if out is None:
         return torch.empty(n, dtype=torch.float32)
-    if out.dtype != torch.float32 or out.numel() != n or not out.is_contiguous() or out.device.type != "cpu":
+    if not _plain(out, n):
         raise ValueError(f"{what} must be a contiguous float32 CPU tensor of {n} elements, "
                          f"got {out.dtype} {tuple(out.shape)} on {out.device}")
     return out
@@ -334,10 +338,6 @@ def _check_sizes(a: torch.Tensor, na: int, b: torch.Tensor, nb: int) -> None:
                          f"got {a.numel()} and {b.numel()}")
     if a.dtype != torch.float32 or b.dtype != torch.uint8:
         raise ValueError(f"payload dtypes must be float32 and uint8, got {a.dtype} and {b.dtype}")
-
-
-def _plain(t: torch.Tensor | None, n: int) -> bool:
-    return t is None or (t.dtype == torch.float32 and t.numel() == n and t.is_contiguous() and t.device.type == "cpu")
 
 
 def feedback_fits(*tensors: torch.Tensor | None) -> bool:
