@@ -32,6 +32,22 @@ def _kill_own_group(*_: object) -> None:
         os._exit(137)
 
 
+def _never() -> bool:
+    return False
+
+
+_task_gone = _never  # set by _die_with_parent: whether the task that started this rank has died
+
+
+def _readers_gone() -> bool:
+    """Whether the reader of this rank's stdout or stderr, its task, has closed it: a pipe without
+    readers polls as an error. The task holds them until the rank exits, so only its death closes them."""
+    poll = select.poll()
+    for fd in (1, 2):
+        poll.register(fd, select.POLLOUT)
+    return any(ev & select.POLLERR for _, ev in poll.poll(0))
+
+
 def set_death_signal(sig: int) -> None:
     """Have the kernel send ``sig`` to this process when the thread that started it ends (Linux;
     elsewhere nothing: the callers also poll their parent)."""
@@ -63,6 +79,8 @@ def _die_with_parent(parent_pid: int, task_pid: int | None = None) -> None:
             return True
         return task is not None and bool(select.select([task], [], [], 0)[0])  # a pidfd reads when it exits
 
+    global _task_gone
+    _task_gone = gone
     if gone():  # the parent died before prctl took effect
         _kill_own_group()
 
@@ -217,6 +235,23 @@ def _error_info(exc: BaseException) -> dict:
     }
 
 
+def _flush_std() -> None:
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except (OSError, ValueError):  # its reader, the task, is gone; or main closed it
+            pass
+
+
+def _say(text: str) -> None:
+    """To stderr, for the task to pass on; a failure to write it does not stop the report."""
+    try:
+        sys.stderr.write(text)
+    except (OSError, ValueError):
+        pass
+    _flush_std()
+
+
 def _exit_fork() -> None:
     """End a process forked inside main as Python would have ended it, without touching the
     rank's link to the driver (its sender thread was not forked: a send would wait for ever)."""
@@ -313,17 +348,15 @@ def main(task_pid: int | None = None) -> int:
         if isinstance(e, ExitStatus):  # sys.exit(3): one line, as python says nothing but the status
             info["traceback"] = ""
             info["exit_code"] = e.exit_code
-            sys.stderr.write(info["message"] + "\n")
+            _say(info["message"] + "\n")
         elif isinstance(e, ResultNotPicklable):  # its frames are spark-dl's and pickle's: the message says it all
             info["traceback"] = ""
-            sys.stderr.write(f"{info['exc_type']}: {info['message']}\n")
+            _say(f"{info['exc_type']}: {info['message']}\n")
         else:
-            sys.stderr.write(info["traceback"])  # clipped, as the report is: its last lines travel with it
-        sys.stderr.flush()
+            _say(info["traceback"])  # clipped, as the report is: its last lines travel with it
         outbox.put(protocol.ERROR, info)
         code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
+    _flush_std()
     reporter.stop()
     finishing.set()
     outbox.flush(timeout=60)
@@ -336,18 +369,31 @@ def main(task_pid: int | None = None) -> int:
 def _exit(code: int) -> None:
     """Skip the interpreter's teardown: it costs seconds with torch loaded. What of it user code
     counts on still happens: main's threads were waited for (bounded, so a thread that never
-    ends cannot keep the job alive for ever), exit handlers run, open files are flushed."""
+    ends cannot keep the job alive for ever), exit handlers run, open files are flushed.
+
+    The task kills what the rank leaves in its process group once the rank has exited. A task
+    that died first cannot: a rank whose print met the dead task's closed pipe ended in an error
+    before its parent-death signal or watchdog fired, and its children outlived the job."""
     atexit._run_exitfuncs()
     _flush_open_files()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    _flush_std()
+    if _task_gone() or _readers_gone():
+        _kill_own_group()
     os._exit(code)
+
+
+def _run(task_pid: int | None = None) -> None:
+    try:
+        code = main(task_pid)
+    except BaseException:  # noqa: BLE001 - reporting the error failed too (the task gone): exit as a failed rank
+        code = 1
+    _exit(code)
 
 
 def run_forked(task_pid: int) -> None:
     """The rank's life in a process forked by the zygote (``spark_dl.task.zygote``)."""
-    _exit(main(task_pid))
+    _run(task_pid)
 
 
 if __name__ == "__main__":
-    _exit(main())
+    _run()

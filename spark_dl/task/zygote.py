@@ -269,6 +269,9 @@ def _serve(master: socket.socket) -> None:
                 conn, pid = ranks.pop(key.fd)
                 sel.unregister(key.fd)
                 os.close(key.fd)
+                # what it left in its group dies with it, as its task would have it: the task may be gone.
+                # Before the wait: while the rank is unreaped its pid, so its group's id, is not reused
+                _kill_group(pid)
                 _, status = os.waitpid(pid, 0)
                 try:
                     conn.send(str(os.waitstatus_to_exitcode(status)).encode())

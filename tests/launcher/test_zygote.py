@@ -252,6 +252,10 @@ DRIVER = textwrap.dedent("""
             assert b"spark_dl.task.zygote" in f.read(), "this run's ranks should be forked"
         record_self_and_child(pid_dir)
         print("recorded", flush=True)
+        if {writing!r}:
+            while True:
+                print("a line for the driver", flush=True)
+                time.sleep(0.001)
         time.sleep(120)
 
     HorovodRunner(np=-2).run(lambda: 0)
@@ -261,12 +265,15 @@ DRIVER = textwrap.dedent("""
 """)
 
 
-def test_forked_ranks_die_with_a_killed_driver(tmp_path):
+# writing: a rank's print meets the pipe the dead driver closed, and ends the rank in an error, often
+# before the parent-death signal or the watchdog does (1 run in 8 left both ranks' children running)
+@pytest.mark.parametrize("writing", [False, True], ids=["sleeping", "writing"])
+def test_forked_ranks_die_with_a_killed_driver(tmp_path, writing):
     """Local mode: the driver is the task. Killed outright, it cannot stop its ranks itself."""
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
     script = tmp_path / "driver.py"
-    script.write_text(DRIVER.format(tests=os.path.dirname(__file__), pid_dir=str(pid_dir)))
+    script.write_text(DRIVER.format(tests=os.path.dirname(__file__), pid_dir=str(pid_dir), writing=writing))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, "SPARK_HOME": "/nonexistent/spark"})
     try:
