@@ -385,7 +385,11 @@ def _exit(code: int) -> None:
 def _run(task_pid: int | None = None) -> None:
     try:
         code = main(task_pid)
-    except BaseException:  # noqa: BLE001 - reporting the error failed too (the task gone): exit as a failed rank
+    except BaseException:  # noqa: BLE001 - before main's report could start, or the report failed (the task gone)
+        try:
+            traceback.print_exc()  # the task passes it on, as python's own exit would have printed it
+        except Exception:  # noqa: BLE001
+            pass
         code = 1
     _exit(code)
 
