@@ -86,6 +86,12 @@ class Compressor:
             self.feedback.observe(getattr(self, "residuals", None), lr=lr, momentum=momentum, beta2=beta2,
                                   beta1=beta1)
 
+    def decay_advice(self) -> str | None:
+        """Why error feedback around this compressor is measured short of uncompressed training
+        under a decaying lr, which the optimizer alone does not show, and the fix; None where
+        nothing is known (:class:`~spark_dl.compression.ErrorFeedback` warns with it once)."""
+        return None
+
     def observe_optimizer(self, optimizer: Any) -> None:
         """:meth:`observe` with the lr, momentum (SGD's) and ``betas`` (Adam-style) of
         ``optimizer``'s first param group."""

@@ -15,12 +15,14 @@ still happens, but the steps after it start from e = 0 instead of adding inf or 
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from spark_dl.compression.base import Compressor, Key, Payload, as_compressor, check_float, int_param
+from spark_dl.compression.stats import CompressionWarning
 from spark_dl.compression.training import TrainingFeedback, all_finite
 
 
@@ -171,7 +173,9 @@ class ErrorFeedback(Compressor):
     ``single_stage_up_to``: up to this many ranks, a non-summable compressor's payloads are
     all-gathered and summed (one compression stage) rather than scatter-reduced and compressed
     again. All three, and the residuals' rescaling when the lr moves, are described in
-    :mod:`spark_dl.compression.training`.
+    :mod:`spark_dl.compression.training`. Once the lr told has fallen to half its peak, a
+    :class:`CompressionWarning` says so where the wrapped compressor is measured short under a
+    decaying lr (:meth:`Compressor.decay_advice`: top-k under momentum SGD).
     """
 
     def __init__(self, compressor: Compressor, warmup_steps: int = WARMUP_STEPS,
@@ -192,11 +196,27 @@ class ErrorFeedback(Compressor):
     def span(self) -> int | None:  # type: ignore[override]
         return self.compressor.span
 
+    # the highest lr told so far; whether the decay warning was given (class defaults: pickles from before)
+    _peak_lr: float = 0.0
+    _decay_warned: bool = False
+
     def observe(self, *, lr: float | None = None, momentum: float = 0.0, beta2: float = 0.0,
                 beta1: float = 0.0) -> None:
         super().observe(lr=lr, momentum=momentum, beta2=beta2, beta1=beta1)
         if self.compressor.feedback is None:  # TopK()'s ratio follows the optimizer
             self.compressor.observe(lr=lr, momentum=momentum, beta2=beta2, beta1=beta1)
+        # warned once, when the lr has fallen to half its peak
+        if lr is not None and lr > 0:
+            self._peak_lr = max(self._peak_lr, float(lr))
+            if lr <= self._peak_lr / 2 and not self._decay_warned:
+                reason = self.decay_advice()
+                if reason is not None:
+                    self._decay_warned = True
+                    warnings.warn(f"{self!r} under a decaying lr (now {lr:.3g}, from {self._peak_lr:.3g}): {reason}",
+                                  CompressionWarning, stacklevel=4)
+
+    def decay_advice(self) -> str | None:
+        return self.compressor.decay_advice()
 
     def compress(self, tensor: torch.Tensor, key: Key = None) -> Payload:
         return self._feed_back(tensor, key, 1)

@@ -1,7 +1,6 @@
 """Sign compressors: 1 bit per element plus one or two floats, with error feedback built in."""
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -10,7 +9,6 @@ from spark_dl.compression import native
 from spark_dl.compression.base import Compressor, Key, Meta, Payload, check_float, flat32, int_param, restore
 from spark_dl.compression.bits import pack, unpack
 from spark_dl.compression.memory import SINGLE_STAGE_UP_TO, WARMUP_STEPS, EFMeta, ErrorFeedback, PendingResiduals
-from spark_dl.compression.stats import CompressionWarning
 from spark_dl.compression.sums import bucket_counts, bucket_lengths, bucket_sums
 from spark_dl.compression.training import all_finite
 
@@ -322,21 +320,12 @@ class EFSign(_DeferredEF):
         size = self.compressor.bucket_size
         return size is None or size > EFSIGN_MEASURED_UP_TO
 
-    def observe(self, *, lr: float | None = None, momentum: float = 0.0, beta2: float = 0.0,
-                beta1: float = 0.0) -> None:
-        super().observe(lr=lr, momentum=momentum, beta2=beta2, beta1=beta1)
-        # measured short under a decaying lr only, which the optimizer alone does not show: warned
-        # once, when the lr has fallen to half its peak
-        if lr is not None and lr > 0:
-            self._peak_lr = max(self._peak_lr, float(lr))
-            if lr <= self._peak_lr / 2 and not self._decay_warned and self.wide():
-                self._decay_warned = True
-                warnings.warn(
-                    f"{self!r} under a decaying lr (now {lr:.3g}, from {self._peak_lr:.3g}): on digits under "
-                    "LargeBatchRecipe's warm-up and cosine decay, one scale per tensor trained 1.0-1.1 points below "
-                    "uncompressed (10 seeds), and 1024 elements a scale 1.0 below, where it is within a point at "
-                    "a constant lr. Use EFSign(bucket_size=64) (the default; 0.5-0.6 below) with a decaying lr.",
-                    CompressionWarning, stacklevel=4)
+    def decay_advice(self) -> str | None:
+        if not self.wide():
+            return None
+        return ("on digits under LargeBatchRecipe's warm-up and cosine decay, one scale per tensor trained 1.0-1.1 "
+                "points below uncompressed (10 seeds), and 1024 elements a scale 1.0 below, where it is within a "
+                "point at a constant lr. Use EFSign(bucket_size=64) (the default; 0.5-0.6 below) with a decaying lr.")
 
     def _encode(self, tensor: torch.Tensor, key: Key, world: int) -> Payload:
         check_float(tensor, "EFSign")

@@ -43,6 +43,8 @@ def _subtract_kept(p: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> 
 # AdamW; over 30 steps -0.1 to -1.1 and 2.2-2.5 (Adam); over 60 steps +0.6 to -0.8 and 1.1-1.4;
 # over 100 steps +0.7 to -0.9 and 1.5-1.6 (Adam).
 RAMP_STEPS = 60
+# Top-k under momentum SGD and a decaying lr is measured short of uncompressed up to this ratio (decay_advice).
+DECAY_MEASURED_UP_TO = 0.1
 START_RATIO = 0.25
 # TopK()'s ratio: RATIO, and ADAPTIVE_RATIO under Adam-style optimizers. Adam divides each entry by
 # its own scale, so after that division most entries weigh alike and each waits about 1 / ratio
@@ -105,6 +107,16 @@ class TopK(Compressor):
                 beta1: float = 0.0) -> None:
         """Note whether the optimizer is Adam-style (``beta2`` > 0): ``TopK()``'s ratio follows it."""
         self.adaptive = bool(beta2 and beta2 > 0)
+
+    def decay_advice(self) -> str | None:
+        if self.adaptive or self.ratio > DECAY_MEASURED_UP_TO:  # measured there only
+            return None
+        return (f"top-k keeping {self.ratio:g} of the entries a step: on a 1.6M-parameter MLP under LargeBatchRecipe's "
+                "warm-up and cosine decay (SGD, momentum 0.9), with error feedback, it trained 2.4-3.0 points below "
+                "uncompressed at ratio 0.01 over 300 and 600 steps (3 seeds) and 1.0 below over 1000 (6 seeds), and "
+                "1.5 below at ratio 0.1 over 300, where it is within a point at a constant lr there and under this "
+                "decay on digits (150 steps). For a decay of a few hundred steps use QSGD() (4 bits an entry) or "
+                "PowerSGD(), within 0.6 there.")
 
     def _params(self) -> dict:
         params = {} if self.requested is None else {"ratio": self.requested}

@@ -3,6 +3,7 @@ follows the lr; combinations known to fall short are warned about. Real Gloo ran
 from __future__ import annotations
 
 import math
+import pickle
 import warnings
 
 import pytest
@@ -565,6 +566,34 @@ def test_ef_sign_with_a_scale_per_tensor_warns_once_when_the_lr_has_decayed_to_h
         for fine in (C.OneBit(), C.EFSign(), C.EFSign(256)):
             for lr in (0.2, 0.1, 0.01):
                 fine.observe(lr=lr)
+
+
+def test_top_k_warns_once_when_the_lr_has_decayed_to_half_its_peak_under_momentum_sgd():
+    c = C.ErrorFeedback(C.TopK())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for lr in (0.1, 0.2, 0.2, 0.2, 0.15, 0.11):  # a warm-up, a constant lr, then the first of a decay
+            c.observe(lr=lr, momentum=0.9)
+    decayed = (r"ErrorFeedback\(TopK\(\)\) under a decaying lr \(now 0.1, from 0.2\): top-k keeping 0.01 of the "
+               r"entries.*use QSGD\(\).*or PowerSGD\(\)")
+    with pytest.warns(C.CompressionWarning, match=decayed) as got:
+        for lr in (0.1, 0.05, 0.01, 0.001):
+            c.observe(lr=lr, momentum=0.9)
+    assert len(got) == 1
+    # pickled and restored mid-run, it does not say it again
+    again = pickle.loads(pickle.dumps(c))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again.observe(lr=0.0005, momentum=0.9)
+        adam = C.ErrorFeedback(C.TopK())  # not measured under Adam-style optimizers (10% kept), nor above 10%
+        for lr in (0.2, 0.1, 0.01):
+            adam.observe(lr=lr, beta2=0.999, beta1=0.9)
+        wide = C.ErrorFeedback(C.TopK(0.25))
+        for lr in (0.2, 0.1, 0.01):
+            wide.observe(lr=lr, momentum=0.9)
+        for fine in (C.OneBit(), C.QSGD(), C.PowerSGD()):
+            for lr in (0.2, 0.1, 0.01):
+                fine.observe(lr=lr, momentum=0.9)
 
 
 def test_a_residual_growing_without_bound_warns_once_naming_compressor_and_tensor():
