@@ -43,9 +43,9 @@ def _subtract_kept(p: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> 
 # AdamW; over 30 steps -0.1 to -1.1 and 2.2-2.5 (Adam); over 60 steps +0.6 to -0.8 and 1.1-1.4;
 # over 100 steps +0.7 to -0.9 and 1.5-1.6 (Adam).
 RAMP_STEPS = 60
+START_RATIO = 0.25
 # Top-k under momentum SGD and a decaying lr is measured short of uncompressed up to this ratio (decay_advice).
 DECAY_MEASURED_UP_TO = 0.1
-START_RATIO = 0.25
 # TopK()'s ratio: RATIO, and ADAPTIVE_RATIO under Adam-style optimizers. Adam divides each entry by
 # its own scale, so after that division most entries weigh alike and each waits about 1 / ratio
 # steps for its turn, where under SGD the small ones that wait move little anyway. Digits, 150
