@@ -249,7 +249,7 @@ DRIVER = textwrap.dedent("""
         import os, time
         from procs import record_self_and_child
         with open(f"/proc/{{os.getppid()}}/cmdline", "rb") as f:
-            assert b"spark_dl.task.zygote" in f.read(), "this run's ranks should be forked"
+            assert (b"spark_dl.task.zygote" in f.read()) == {forked!r}, "forked or fresh, as the test asked"
         record_self_and_child(pid_dir)
         print("recorded", flush=True)
         if {writing!r}:
@@ -258,22 +258,27 @@ DRIVER = textwrap.dedent("""
                 time.sleep(0.001)
         time.sleep(120)
 
-    HorovodRunner(np=-2).run(lambda: 0)
-    assert zygote.wait_ready(60)
-    print("zygote", zygote._zygote._proc.pid, flush=True)
-    HorovodRunner(np=-2).run(main, pid_dir={pid_dir!r})
+    if {forked!r}:
+        HorovodRunner(np=-2).run(lambda: 0)
+        assert zygote.wait_ready(60)
+        print("zygote", zygote._zygote._proc.pid, flush=True)
+    else:
+        print("zygote -", flush=True)
+    HorovodRunner(np=-2, env={{}} if {forked!r} else {{"SPARK_DL_ZYGOTE": "0"}}).run(main, pid_dir={pid_dir!r})
 """)
 
 
 # writing: a rank's print meets the pipe the dead driver closed, and ends the rank in an error, often
 # before the parent-death signal or the watchdog does (1 run in 8 left both ranks' children running)
 @pytest.mark.parametrize("writing", [False, True], ids=["sleeping", "writing"])
-def test_forked_ranks_die_with_a_killed_driver(tmp_path, writing):
+@pytest.mark.parametrize("forked", [True, False], ids=["forked", "fresh"])
+def test_ranks_die_with_a_killed_driver(tmp_path, forked, writing):
     """Local mode: the driver is the task. Killed outright, it cannot stop its ranks itself."""
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
     script = tmp_path / "driver.py"
-    script.write_text(DRIVER.format(tests=os.path.dirname(__file__), pid_dir=str(pid_dir), writing=writing))
+    script.write_text(DRIVER.format(tests=os.path.dirname(__file__), pid_dir=str(pid_dir), forked=forked,
+                                    writing=writing))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, "SPARK_HOME": "/nonexistent/spark"})
     try:
@@ -281,13 +286,14 @@ def test_forked_ranks_die_with_a_killed_driver(tmp_path, writing):
         while len(recorded_pids(str(pid_dir))) < 4:
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.05)
-        zygote_pid = next(int(line.split()[1]) for line in proc.stdout if line.startswith("zygote "))
+        line = next(line for line in proc.stdout if line.startswith("zygote "))
+        zygote_pids = [int(line.split()[1])] if forked else []
         proc.kill()
         proc.wait(10)
     finally:
         proc.kill()
-    left = wait_all_dead(recorded_pids(str(pid_dir)) + [zygote_pid], timeout=5)
-    assert left == [], f"zygote {zygote_pid}; outlived the driver: {describe(left)}"
+    left = wait_all_dead(recorded_pids(str(pid_dir)) + zygote_pids, timeout=5)
+    assert left == [], f"zygote {zygote_pids}; outlived the driver: {describe(left)}"
 
 
 def test_barrier_tasks_fork_ranks_from_their_python_workers_zygote(spark):
