@@ -15,7 +15,8 @@ import pytest
 
 from spark_dl.testing import cluster
 
-# one fixture starts the cluster and runs every scenario: about 6 minutes on 2 cores
+# one fixture starts the cluster and runs every scenario: about 6 minutes on 2 cores (conftest.py
+# collects these tests first, so they all go to one test worker)
 pytestmark = pytest.mark.timeout(1500)
 
 # kill_host starts its host again; driver_killed stops the scenarios' session, so it comes last
