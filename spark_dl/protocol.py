@@ -40,6 +40,9 @@ USER_LOG = "user_log"
 RESULT = "result"
 # rank -> driver: a failed rank's error (type, message, traceback)
 ERROR = "error"
+# task -> driver: the barrier task's own error, before its link closes (TaskError): without it
+# the driver sees only a task that went away
+TASK_ERROR = "task_error"
 # driver -> rank: the answer to a request (a dict; "error" in it when it failed)
 REPLY = "reply"
 # rank -> driver, answered with REPLY: rank 0's (or every rank's sharded) checkpoint, and reading it back
@@ -93,6 +96,15 @@ class ModelChunk(TypedDict):
     meta: dict | None
 
 
+class TaskError(TypedDict):
+    partition: int
+    host: str
+    python: str  # the executor's interpreter (sys.executable): a module it lacks is the usual cause
+    exc_type: str
+    message: str
+    traceback: str  # its last lines
+
+
 class Progress(TypedDict):
     seq: dict[str, int]  # process group name -> collectives launched on it (torch's sequence number)
     age: float  # seconds since ``seq`` last changed, on the rank's clock when sent
@@ -115,6 +127,7 @@ MESSAGES: dict[str, tuple[str, str]] = {
     USER_LOG: ("rank", "str"),
     RESULT: ("rank", "pickle.PickleBuffer"),
     ERROR: ("rank", "error dict"),
+    TASK_ERROR: ("task", "TaskError"),
     REPLY: ("driver", "dict"),
     CHECKPOINT_SAVE: ("rank", "checkpoint dict"),
     CHECKPOINT_LOAD: ("rank", "{shard, world}"),

@@ -14,7 +14,7 @@ from spark_dl.driver import cluster
 from spark_dl.driver.monitor import ABORT_GRACE_S, JobMonitor
 from spark_dl.driver.options import ELASTIC_SETTLE_S
 from spark_dl.driver.shards import ShardSet
-from spark_dl.driver.spark_errors import executor_lost_hint, spark_error_summary
+from spark_dl.driver.spark_errors import executor_lost_hint, missing_module_hint, spark_error_summary
 from spark_dl.errors import LaunchRefused
 from spark_dl.task.barrier import (
     RELAY_SCHEMA,
@@ -189,7 +189,8 @@ class SparkLauncher(Launcher):
         except Exception as e:  # noqa: BLE001 - reported by the wait loop, unless we cancelled it
             if not self._cancelled:
                 summary = spark_error_summary(e)
-                self._error = "the Spark barrier stage failed: " + summary + executor_lost_hint(summary, self.relay)
+                self._error = ("the Spark barrier stage failed: " + summary + executor_lost_hint(summary, self.relay)
+                               + missing_module_hint(summary))
         finally:
             self._over.set()
             monitor.poke()

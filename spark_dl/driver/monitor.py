@@ -19,6 +19,7 @@ import cloudpickle
 
 from spark_dl import protocol
 from spark_dl.driver.checkpoint_store import CheckpointStore
+from spark_dl.driver.spark_errors import missing_module_hint
 from spark_dl.driver.stalls import Stall, StallInspector, format_stacks
 from spark_dl.errors import JobFailed, RankFailed, RankStalled
 from spark_dl.transport import unpickle
@@ -112,6 +113,12 @@ class Failure:
     observed: bool = False
     stacks: dict[int, str] | None = None  # every rank's, asked for before the ranks were stopped
     stall: Stall | None = None  # a stall past stall_timeout
+
+
+def _task_failure(e: protocol.TaskError) -> str:
+    head = f"{e['exc_type']}: {e['message']}"
+    return (f"barrier task {e['partition']} on {e['host']} failed: {head}"
+            f"{missing_module_hint(head, e['python'])}\n\nThe task's traceback (its last lines):\n{e['traceback']}")
 
 
 class JobMonitor:
@@ -256,6 +263,9 @@ class JobMonitor:
             return
         if kind == protocol.RENDEZVOUS:
             self._rendezvous(conn, data)
+            return
+        if kind == protocol.TASK_ERROR:
+            self.fail(Failure(None, _task_failure(data)))
             return
         rank = conn.info.get("rank")
         if kind == protocol.USER_LOG:

@@ -1,7 +1,26 @@
-"""Spark's errors in spark-dl's words: the useful part of a Py4J text, and what a lost executor means."""
+"""Spark's errors in spark-dl's words: the useful part of a Py4J text, what a lost executor means,
+and what an executor whose Python lacks a module needs."""
 from __future__ import annotations
 
 import re
+import sys
+
+_NO_MODULE = re.compile(r"ModuleNotFoundError: No module named '([\w.]+)'")
+
+
+def missing_module_hint(text: str, python: str | None = None) -> str:
+    """What to do when an executor's Python could not import a module spark-dl's task needs ("" if
+    ``text`` names none). The executors run their own interpreter, PYSPARK_PYTHON's or ``python3``'s
+    on their PATH, not the driver's: a package installed only where the driver runs is the usual cause."""
+    found = _NO_MODULE.search(text)
+    if found is None:
+        return ""
+    where = f" ({python})" if python else ""
+    driver = f" (the driver runs {sys.executable})" if python != sys.executable else ""
+    return (f"\nThe executors' Python{where} cannot import {found.group(1)!r}{driver}: spark-dl, torch and their "
+            "dependencies must be installed in the Python the executors run. Install them there (on Databricks: "
+            "%pip install in the notebook, or a cluster library), or point PYSPARK_PYTHON or spark.pyspark.python "
+            "at a Python that has them.")
 
 
 def executor_lost_hint(summary: str, relayed: bool) -> str:

@@ -18,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -33,6 +34,7 @@ from spark_dl.transport import channel
 KILL_GRACE_S = 2.0
 _MAX_LINE = 64 * 1024
 _LOG_BATCH = 512
+_TRACEBACK_LINES = 40  # of a task's own error, sent to the driver
 _STOP = object()
 
 
@@ -198,6 +200,12 @@ class _Sender:
         self.thread.join()
 
 
+def _task_error(e: BaseException, partition: int, host: str) -> protocol.TaskError:
+    text = "".join(traceback.format_exception(e))
+    return {"partition": partition, "host": host, "python": sys.executable, "exc_type": type(e).__name__,
+            "message": str(e), "traceback": "\n".join(text.splitlines()[-_TRACEBACK_LINES:])}
+
+
 def _pump(stream, rank: int, name: str, sender: _Sender) -> None:
     for raw in iter(lambda: stream.readline(_MAX_LINE), b""):
         sender.q.put((protocol.LOG, (rank, name, raw.decode("utf-8", "replace").rstrip("\r\n"))))
@@ -274,13 +282,20 @@ def run_task(spec: JobSpec, partition: int, host: str, rendezvous: Callable[[Gat
         sender.stop()
         conn.close()
 
+    def report(e: BaseException) -> None:
+        # before the link closes: without it the driver sees only a task that went away, and says
+        # its executor died. Not once the driver has ended the run: then it is a consequence
+        if not aborted.is_set():
+            sender.q.put((protocol.TASK_ERROR, _task_error(e, partition, host)))
+
     try:
         for _ in range(spec.ranks_per_task):
             if aborted.is_set():  # the driver is gone: the rendezvous below ends the task
                 break
             procs.append(_start_rank_process(spec.job_id, spawn_env))
         ranks = rendezvous(gather)
-    except BaseException:
+    except BaseException as e:
+        report(e)
         stop()
         raise
     if ranks is None:  # the driver ended the run before every task had started
@@ -297,13 +312,13 @@ def run_task(spec: JobSpec, partition: int, host: str, rendezvous: Callable[[Gat
     # the ranks' temporary files (unpacked checkpoints...) go here, so a rank killed mid-way leaves
     # nothing behind on the executor's disk: removed below, once every rank has exited
     scratch = tempfile.mkdtemp(prefix=f"{spec.job_id}-ranks-")
-    # the interface of the address Spark reaches this executor by, not the hostname's (often loopback)
-    interface = socket_interface_env(ranks[0].host, ranks[0].master_addr, os.environ, spawn_env) if ranks else {}
-    first_on_host = [r for r in ranks if r.local_rank == 0]  # one task a host looks
-    if first_on_host:
-        threading.Thread(target=_warn_if_names_are_slow, args=(first_on_host[0], sender), name="spark-dl-names",
-                         daemon=True).start()
     try:
+        # the interface of the address Spark reaches this executor by, not the hostname's (often loopback)
+        interface = socket_interface_env(ranks[0].host, ranks[0].master_addr, os.environ, spawn_env) if ranks else {}
+        first_on_host = [r for r in ranks if r.local_rank == 0]  # one task a host looks
+        if first_on_host:
+            threading.Thread(target=_warn_if_names_are_slow, args=(first_on_host[0], sender),
+                             name="spark-dl-names", daemon=True).start()
         for proc, r in zip(procs, ranks):
             env = {**r.env(), **interface}
             env[protocol.JOB_ID_ENV] = spec.job_id
@@ -358,6 +373,12 @@ def run_task(spec: JobSpec, partition: int, host: str, rendezvous: Callable[[Gat
             status = {"rank": r.rank, "code": code, "host": r.host, "aborted": aborted.is_set()}
             statuses.append(status)
             sender.q.put((protocol.EXIT, status))
+    except BaseException as e:
+        report(e)
+        if sampler is not None:
+            sampler.stop()
+        stop()
+        raise
     finally:
         ended.set()
         shutil.rmtree(scratch, ignore_errors=True)
