@@ -56,7 +56,7 @@ def test_an_executor_python_without_spark_dl_fails_the_run_naming_the_module_and
 
 def test_an_executor_python_without_psutil_fails_in_the_task_and_the_driver_names_it(executor_python, tmp_path):
     # spark_dl and cloudpickle importable, psutil not: the task connects and rendezvouses, then
-    # fails looking up its network interface. The driver used to say only that it lost the task.
+    # fails looking up its network interface. Without its report the driver would see only a lost task.
     lib = tmp_path / "lib"
     lib.mkdir()
     os.symlink(Path(cloudpickle.__file__).parent, lib / "cloudpickle")
