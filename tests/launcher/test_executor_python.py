@@ -25,11 +25,12 @@ def add(x):
 
 @pytest.fixture
 def executor_python(spark, tmp_path):
-    """Run the session's next jobs' Python workers with the interpreter this returns a maker for."""
+    """``make(*folders)``: the session's next jobs run their Python workers with the test's interpreter
+    under ``-S``, importing only Spark's zips and ``folders``."""
     sc = spark.sparkContext
     before = sc.pythonExec
 
-    def make(*path: Path) -> str:
+    def make(*path: Path) -> None:
         script = tmp_path / "python"
         extra = ":".join(str(p) for p in path)
         script.write_text(  # Spark's own zips (pyspark, py4j) from PYTHONPATH, then the given folders;
@@ -38,7 +39,6 @@ def executor_python(spark, tmp_path):
             f'PYTHONPATH="$PYTHONPATH:{extra}" exec {sys.executable} -S "$@"\n')
         script.chmod(script.stat().st_mode | stat.S_IXUSR)
         sc.pythonExec = str(script)  # read per job: Spark keeps a Python worker daemon per interpreter
-        return str(script)
 
     yield make
     sc.pythonExec = before
