@@ -101,8 +101,19 @@ class TaskError(TypedDict):
     host: str
     python: str  # the executor's interpreter (sys.executable): a module it lacks is the usual cause
     exc_type: str
-    message: str
+    message: str  # clip_error_text'ed, as the traceback
     traceback: str  # its last lines
+
+
+MAX_ERROR_TEXT = 64 << 10  # of an ERROR's or TASK_ERROR's message or traceback
+
+
+def clip_error_text(text: str) -> str:
+    """``text``, cut in the middle to MAX_ERROR_TEXT characters: a huge error is reported, not shipped whole."""
+    if len(text) <= MAX_ERROR_TEXT:
+        return text
+    half = MAX_ERROR_TEXT // 2
+    return f"{text[:half]}\n[... {len(text) - 2 * half} characters cut by spark-dl ...]\n{text[-half:]}"
 
 
 class Progress(TypedDict):

@@ -191,16 +191,6 @@ def _flush_open_files() -> None:
                 pass
 
 
-MAX_ERROR_TEXT = 64 << 10  # of a message or traceback: a huge one is cut in the middle, not shipped whole
-
-
-def _clip(text: str) -> str:
-    if len(text) <= MAX_ERROR_TEXT:
-        return text
-    half = MAX_ERROR_TEXT // 2
-    return f"{text[:half]}\n[... {len(text) - 2 * half} characters cut by spark-dl ...]\n{text[-half:]}"
-
-
 # the calls into main (or the script) are ours: rank/main.py and rank/script.py
 _CALLERS = (__file__, os.path.join(os.path.dirname(__file__), "script.py"))
 
@@ -225,12 +215,12 @@ def _error_info(exc: BaseException) -> dict:
         str(pickle.loads(pickled))  # and print it
     except Exception:  # noqa: BLE001 - an unpicklable exception is still reported as text
         pickled = None
-    if len(message) > MAX_ERROR_TEXT:
+    if len(message) > protocol.MAX_ERROR_TEXT:
         pickled = None  # its text would be the huge one again
     return {
         "exc_type": f"{type(exc).__module__}.{type(exc).__qualname__}",
-        "message": _clip(message),
-        "traceback": _clip(tb),
+        "message": protocol.clip_error_text(message),
+        "traceback": protocol.clip_error_text(tb),
         "pickled": pickled,
     }
 

@@ -201,9 +201,15 @@ class _Sender:
 
 
 def _task_error(e: BaseException, partition: int, host: str) -> protocol.TaskError:
-    text = "".join(traceback.format_exception(e))
+    try:
+        message = str(e)
+        text = "".join(traceback.format_exception(e))
+    except Exception as failed:  # noqa: BLE001 - an exception whose __str__ fails is still reported
+        message = f"<str() of the {type(e).__name__} failed: {type(failed).__name__}: {failed}>"
+        text = "".join(traceback.format_tb(e.__traceback__)) + f"{type(e).__name__}: {message}"
     return {"partition": partition, "host": host, "python": sys.executable, "exc_type": type(e).__name__,
-            "message": str(e), "traceback": "\n".join(text.splitlines()[-_TRACEBACK_LINES:])}
+            "message": protocol.clip_error_text(message),
+            "traceback": protocol.clip_error_text("\n".join(text.splitlines()[-_TRACEBACK_LINES:]))}
 
 
 def _pump(stream, rank: int, name: str, sender: _Sender) -> None:

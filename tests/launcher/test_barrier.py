@@ -209,3 +209,30 @@ def test_slots_held_by_another_job_fail_at_start_timeout_naming_them(spark):
         sc.cancelJobGroup("hog")
         th.join(30)
     assert no_active_jobs(spark)
+
+
+def test_a_task_error_with_a_huge_message_is_cut_in_the_middle_and_one_whose_str_fails_is_still_reported():
+    from spark_dl import protocol
+    from spark_dl.driver.monitor import _task_failure
+    from spark_dl.task.barrier import _task_error
+
+    try:
+        raise RuntimeError("head " + "x" * (4 * protocol.MAX_ERROR_TEXT) + " tail")
+    except RuntimeError as e:
+        report = _task_error(e, 3, "node-7")
+    assert len(report["message"]) < protocol.MAX_ERROR_TEXT + 100 and len(report["traceback"]) < 100_000
+    assert report["message"].startswith("head ") and report["message"].endswith(" tail")
+    assert "characters cut by spark-dl" in report["message"]
+    text = _task_failure(report)
+    assert text.startswith("barrier task 3 on node-7 failed: RuntimeError: head ") and len(text) < 200_000
+
+    class Unprintable(Exception):
+        def __str__(self):
+            raise ValueError("no text")
+
+    try:
+        raise Unprintable()
+    except Unprintable as e:
+        report = _task_error(e, 0, "h")
+    assert report["exc_type"] == "Unprintable" and "str() of the Unprintable failed" in report["message"]
+    assert "raise Unprintable()" in report["traceback"]
