@@ -4,6 +4,7 @@ with each compressor's DDP hook, on two hosts joined by a shaped link and on loo
 
     sudo python benchmarks/time_to_accuracy.py [--links 1000,100,loopback] [--configs peer,fp32,fp16,powersgd,qsgd]
                                                [--target 0.75] [--hidden 3072] [--max-seconds 900] [--seeds 0,1,2]
+                                               [--max-steps N]
 
 Two ranks, one per host: ``spark_dl.testing.cluster`` (two workers in network namespaces of their
 own, one task slot each, links shaped to the rate) or, for ``loopback``, ``local[2]``. The model is
@@ -13,7 +14,7 @@ inputs); nothing is downloaded. SGD with momentum 0.9, the same hyperparameters 
 configuration (``powersgd`` is ``PowerSGD()`` at its defaults, ``powersgd-r4`` at rank 4 and
 ``powersgd-r4-w10`` at rank 4 after 10 uncompressed steps: ``benchmarks/powersgd_names.py``). Every ``--eval-every``
 steps the ranks measure the test accuracy, each on its share of the 2000 test rows; a run stops
-at the target (or ``--max-seconds``). The clock runs from the ``run()`` call to its return. Ratios
+at the target (or after ``--max-seconds``, or ``--max-steps``). The clock runs from the ``run()`` call to its return. Ratios
 are against the peer on the same link, measured in the same run. Two untimed spark-dl runs come
 first on each link, so that every measured spark-dl run forks its ranks from a warm zygote, as
 every run after a session's first does (:func:`warm_up`). A seed (``--seed``, or each of
@@ -96,14 +97,15 @@ def train(cfg: dict) -> dict:
         loss.backward()
         opt.step()
         steps += 1
-        if steps % cfg["eval_every"] == 0:
+        last = steps == cfg.get("max_steps", 0)
+        if steps % cfg["eval_every"] == 0 or last:
             with torch.no_grad():
                 correct = (model(x_mine).argmax(1) == y_mine).sum().item()
             # [rows right, ranks out of time]: every rank sees the same sums, so all stop together
             counts = torch.tensor([float(correct), float(time.time() - started > cfg["max_seconds"])])
             dist.all_reduce(counts)
             accuracy = counts[0].item() / len(y_test)
-            if accuracy >= cfg["target"] or counts[1].item() > 0:
+            if accuracy >= cfg["target"] or counts[1].item() > 0 or last:
                 break
     out = {"steps": steps, "accuracy": accuracy, "train_s": time.time() - started}
     if name == "auto":  # what it picked per bucket (and its size)
@@ -191,7 +193,14 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--max-seconds", type=float, default=900.0)
+    parser.add_argument("--max-steps", type=_steps, default=0, help="stop a run after this many steps (0: no limit)")
     parser.add_argument("--seed", type=int, default=0)
+
+
+def _steps(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"a whole number of steps >= 0 (0: no limit), got {text!r}")
+    return int(text)
 
 
 def run_settings(args: argparse.Namespace) -> dict:
@@ -199,9 +208,11 @@ def run_settings(args: argparse.Namespace) -> dict:
     params = args.d_in * args.hidden + args.hidden * args.hidden + args.hidden * 10 + 2 * args.hidden + 10
     print(f"{platform.node()}, {os.cpu_count()} cores, {datetime.date.today()}, commit {commit()}; 2 ranks, "
           f"MLP {args.d_in}-{args.hidden}-{args.hidden}-10 ({params / 1e6:.1f}M parameters), batch {args.batch} "
-          f"a rank, SGD lr {args.lr} momentum 0.9, target test accuracy {args.target}", flush=True)
+          f"a rank, SGD lr {args.lr} momentum 0.9, target test accuracy {args.target}"
+          + (f", at most {args.max_steps} steps a run" if args.max_steps else ""), flush=True)
     return {"d_in": args.d_in, "hidden": args.hidden, "batch": args.batch, "lr": args.lr, "target": args.target,
-            "eval_every": args.eval_every, "max_seconds": args.max_seconds, "seed": args.seed, "threads": 1}
+            "eval_every": args.eval_every, "max_seconds": args.max_seconds,
+            "max_steps": args.max_steps, "seed": args.seed, "threads": 1}
 
 
 def print_rows(title: str, rows: list[tuple[str, float, dict]], target: float) -> None:

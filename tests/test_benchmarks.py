@@ -307,6 +307,8 @@ def test_time_to_accuracy_benchmark_summarizes_its_seeds():
     assert re.search(r" ± +[\d.]+ s +\d+ +- +[\d.]+ +[\d.]+-[\d.]+$", qsgd), out
     bad = _run("benchmarks/time_to_accuracy.py", "--links", "loopback", "--configs", "fp32", "--seeds", "0,x")
     assert bad.returncode == 2 and "--seeds takes integers separated by commas, got '0,x'" in bad.stderr, bad.stderr
+    bad = _run("benchmarks/time_to_accuracy.py", "--links", "loopback", "--max-steps", "-1")
+    assert bad.returncode == 2 and "a whole number of steps >= 0 (0: no limit), got '-1'" in bad.stderr, bad.stderr
 
 
 def test_every_benchmark_names_powersgds_settings_one_way():
@@ -325,12 +327,14 @@ def test_every_benchmark_names_powersgds_settings_one_way():
 
 
 def test_auto_compression_benchmark_compares_auto_with_fp32_and_the_hand_picked_ones():
-    # a target out of reach: every configuration trains its 8 s, long enough for auto to probe its four
-    # candidates (OneBit too, under heavy-ball momentum) and decide, on a loaded machine too
+    # a target out of reach: every configuration trains its 100 steps, enough for auto to probe its four
+    # candidates (OneBit too, under heavy-ball momentum) and decide: counted in steps, so on a loaded machine too
     done = _run("benchmarks/auto_compression.py", "--links", "loopback", "--hand-picked", "fp16", "--hidden", "80",
-                "--d-in", "8", "--target", "0.99", "--eval-every", "2", "--max-seconds", "8", "--seeds", "0,1")
+                "--d-in", "8", "--target", "0.99", "--eval-every", "2", "--max-steps", "101", "--seeds", "0,1")
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
+    assert "at most 101 steps a run" in lines[0], lines[0]
+    assert [line.split()[4] for line in lines if line.startswith("DDP ")] == ["101"] * 6, done.stdout
     assert [line.split()[1] for line in lines if line.startswith("DDP ")] == ["fp32", "fp16", "auto"] * 2, done.stdout
     # 8k gradients: one bucket, picked once per seed
     assert sum(line.startswith("auto picked: ddp.bucket") for line in lines) == 2, done.stdout
