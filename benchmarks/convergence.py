@@ -15,7 +15,8 @@ every benchmark here, ``benchmarks/powersgd_names.py``), and ``efsign-bN`` is
 ``NAME-own`` (``efsign-own``, ``onebit-own``, ...) is NAME with ``compress_momentum=False``: each rank
 compresses its own gradient, with no shared velocity (momentum SGD) or first moment (Adam);
 ``NAME-norescale`` is NAME with ``feedback.rescale_lr = False``: residuals kept as they are when the
-lr moves.
+lr moves; ``NAME-wN`` (``onebit-w60``) is NAME with ``feedback.warmup_steps = N``: its first N
+reductions of each tensor uncompressed (as PowerSGD's ``-wS``).
 
 Paths: ``hvd`` is ``spark_dl.horovod.DistributedOptimizer(opt, compression=c)``; ``ddp`` and
 ``ddp-overlap`` are ``DistributedDataParallel`` with ``make_ddp_hook(c, optimizer=opt)`` (with
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -90,6 +92,13 @@ def compressor_named(name: str):
     rank compressing its own gradient: no shared velocity or first moment; ``NAME-norescale``: NAME
     with ``rescale_lr=False``; ``topk-rR``: ``ErrorFeedback(TopK(ratio=R))``, ``randomk-rR`` the same
     with ``RandomK``)."""
+    warm = re.fullmatch(r"(.+)-w(\d+)", name)
+    if warm and powersgd_names.settings(name) is None:  # NAME-wN; PowerSGD's -wS is its own start_iter
+        c = compressor_named(warm.group(1))
+        if getattr(c, "feedback", None) is None:
+            raise ValueError(f"{name}: {warm.group(1)} has no error feedback to warm up")
+        c.feedback.warmup_steps = int(warm.group(2))
+        return c
     for suffix, (switch, missing) in FEEDBACK_SWITCHES.items():
         if name.endswith(suffix) and name != suffix:
             base = name.removesuffix(suffix)
@@ -327,7 +336,8 @@ def main() -> None:
         bad = [v for v in values if not (_constructs(v) if field == "compressors" else v in known)]
         if bad:
             more = (f", {powersgd_names.SYNTAX}, efsign-b<bucket_size >= 1>, topk-r<ratio in (0, 1]>, "
-                    "randomk-r<ratio in (0, 1]>, or any of those with error feedback and -own or -norescale") \
+                    "randomk-r<ratio in (0, 1]>, or any of those with error feedback and -own, -norescale "
+                    "or -w<steps>") \
                 if field == "compressors" else ""
             p.error(f"--{field}: unknown {bad}; choose from {', '.join(known)}{more}")
         setattr(args, field, values)

@@ -13,14 +13,14 @@ generated data with a learnable signal (labels: the argmax of a fixed random lin
 inputs); nothing is downloaded. SGD with momentum 0.9, the same hyperparameters for every
 configuration (``powersgd`` is ``PowerSGD()`` at its defaults, ``powersgd-r4`` at rank 4 and
 ``powersgd-r4-w10`` at rank 4 after 10 uncompressed steps: ``benchmarks/powersgd_names.py``). Every ``--eval-every``
-steps the ranks measure the test accuracy, each on its share of the 2000 test rows; a run stops
-at the target (or after ``--max-seconds``, or ``--max-steps``). The clock runs from the ``run()`` call to its return. Ratios
-are against the peer on the same link, measured in the same run. Two untimed spark-dl runs come
-first on each link, so that every measured spark-dl run forks its ranks from a warm zygote, as
-every run after a session's first does (:func:`warm_up`). A seed (``--seed``, or each of
-``--seeds``) sets the model's initialization and the stream of training batches; the task (the
-linear map and the test set) is the same for every seed. With ``--seeds`` every configuration runs
-once per seed, and a summary per link gives each one's mean time to target over the seeds, its
+steps the ranks measure the test accuracy, each on its share of the 2000 test rows; a run stops at
+the target (or after ``--max-seconds``, or ``--max-steps``). The clock runs from the ``run()`` call
+to its return. Ratios are against the peer on the same link, measured in the same run. Two untimed
+spark-dl runs come first on each link, so that every measured spark-dl run forks its ranks from a
+warm zygote, as every run after a session's first does (:func:`warm_up`). A seed (``--seed``, or
+each of ``--seeds``) sets the model's initialization and the stream of training batches; the task
+(the linear map and the test set) is the same for every seed. With ``--seeds`` every configuration
+runs once per seed, and a summary per link gives each one's mean time to target over the seeds, its
 spread, and the ratio of the means to fp32's.
 """
 from __future__ import annotations
