@@ -101,7 +101,7 @@ class TaskError(TypedDict):
     host: str
     python: str  # the executor's interpreter (sys.executable): a module it lacks is the usual cause
     exc_type: str
-    message: str  # clip_error_text'ed, as the traceback
+    message: str  # at most MAX_ERROR_TEXT characters (clip_error_text), as the traceback
     traceback: str  # its last lines
 
 
