@@ -24,7 +24,9 @@ def test_idle():
 def _pytest_with_the_plugin(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
     (tmp_path / "test_burn.py").write_text(BURN)
     (tmp_path / "pytest.ini").write_text("[pytest]\naddopts =\n")
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "scripts"), "CPU_PER_TEST_DIR": str(tmp_path / "records"), **env}
+    # not PYTEST_XDIST_WORKER and the like: the inner pytest is no xdist worker, whatever runs this test
+    outer = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env = {**outer, "PYTHONPATH": str(ROOT / "scripts"), "CPU_PER_TEST_DIR": str(tmp_path / "records"), **env}
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "cpu_per_test", "-p", "no:cacheprovider",
                            "test_burn.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
 
