@@ -16,7 +16,12 @@ every benchmark here, ``benchmarks/powersgd_names.py``), and ``efsign-bN`` is
 compresses its own gradient, with no shared velocity (momentum SGD) or first moment (Adam);
 ``NAME-norescale`` is NAME with ``feedback.rescale_lr = False``: residuals kept as they are when the
 lr moves; ``NAME-wN`` (``onebit-w60``) is NAME with ``feedback.warmup_steps = N``: its first N
-reductions of each tensor uncompressed (as PowerSGD's ``-wS``).
+reductions of each tensor uncompressed (as PowerSGD's ``-wS``). Two change the run as it goes:
+``NAME-cN`` (``onebit-c30``) sends the last N steps uncompressed (NAME's residuals left unsent),
+an uncompressed cool-down; ``NAME-dP`` (``onebit-d95``) switches to ``compress_momentum=False``
+once the lr has fallen below P% of its peak: the shared velocity while the lr is at its peak, each
+rank's own gradient through the decay. ``--curves`` prints each row's mean test accuracy at every
+``--eval-every`` steps: where along the run a gap opens.
 
 Paths: ``hvd`` is ``spark_dl.horovod.DistributedOptimizer(opt, compression=c)``; ``ddp`` and
 ``ddp-overlap`` are ``DistributedDataParallel`` with ``make_ddp_hook(c, optimizer=opt)`` (with
@@ -86,12 +91,35 @@ FEEDBACK_SWITCHES = {
 }
 
 
+# NAME-cN, NAME-dP: what the training loop changes as the run goes (train())
+IN_RUN = re.compile(r"(.+)-([cd])(\d+)")
+
+
+def in_run(name: str) -> tuple[str, int, float]:
+    """``(NAME, N, P / 100)`` for ``NAME-cN`` (N: steps sent uncompressed at the end) and ``NAME-dP``
+    (P: the lr, in % of its peak, below which each rank compresses its own gradient); ``(name, 0, 0)``
+    for the others."""
+    m = IN_RUN.fullmatch(name)
+    if m is None or powersgd_names.settings(name) is not None:
+        return name, 0, 0.0
+    n = int(m.group(3))
+    if m.group(2) == "d" and not 1 <= n <= 100:
+        raise ValueError(f"{name}: -d<percent of the peak lr> takes 1 to 100")
+    return m.group(1), n if m.group(2) == "c" else 0, n / 100 if m.group(2) == "d" else 0.0
+
+
 def compressor_named(name: str):
     """A fresh compressor for a --compressors name (PowerSGD's settings: benchmarks/powersgd_names.py;
     ``efsign-bN``: ``EFSign(bucket_size=N)``; ``NAME-own``: NAME with ``compress_momentum=False``, each
     rank compressing its own gradient: no shared velocity or first moment; ``NAME-norescale``: NAME
     with ``rescale_lr=False``; ``topk-rR``: ``ErrorFeedback(TopK(ratio=R))``, ``randomk-rR`` the same
     with ``RandomK``)."""
+    base, cool, below = in_run(name)
+    if cool or below:
+        c = compressor_named(base)
+        if getattr(c, "feedback", None) is None:
+            raise ValueError(f"{name}: {base} has no error feedback to " + ("cool down" if cool else "switch"))
+        return c
     warm = re.fullmatch(r"(.+)-w(\d+)", name)
     if warm and powersgd_names.settings(name) is None:  # NAME-wN; PowerSGD's -wS is its own start_iter
         c = compressor_named(warm.group(1))
@@ -229,6 +257,8 @@ def train(args, data, comp_name: str, opt_name: str, path: str,
         state, hook = C.make_ddp_hook(compressor, overlap=path == "ddp-overlap", optimizer=opt)
         model.register_comm_hook(state, hook)
     sched = None if recipe is None else recipe.scheduler(opt)  # on the optimizer that steps
+    _, cool, below = in_run(comp_name)
+    peak = 0.0
     shadow = None
     if args.oracle_second_moment:  # the model on the same memory, without the hooks that reduce its gradients
         shadow = network(args.model)
@@ -238,6 +268,11 @@ def train(args, data, comp_name: str, opt_name: str, path: str,
     gen = torch.Generator().manual_seed(1000 * seed + rank)
     curve, sent0 = [], C.stats.bytes_sent
     for step in range(args.steps):
+        if cool and step >= args.steps - cool:  # every reduction from here on a warm-up one: uncompressed
+            compressor.feedback.warmup_steps = sys.maxsize
+        peak = max(peak, opt.param_groups[0]["lr"])
+        if below and opt.param_groups[0]["lr"] < below * peak:  # told to the compressor with this step's lr
+            compressor.feedback.compress_momentum = False
         idx = shard[torch.randint(len(shard), (args.batch,), generator=gen)]
         if shadow is not None:  # this rank's gradients, averaged uncompressed, beside the run's own
             grads = torch.autograd.grad(nn.functional.cross_entropy(shadow(xtr[idx]), ytr[idx]),
@@ -309,6 +344,11 @@ def summarize(results: list[tuple], args) -> None:
         gap = 100 * (float(accs.mean()) - target)
         print(f"{comp:<{width}}{opt:<10}{path:<12}{float(accs.mean()):>9.3f} ±{std:.3f}{gap:>+8.1f}p"
               f"{sum(r[2] for r in rs) / len(rs):>12,.0f}{steps:>15}")
+    if args.curves:
+        print(f"mean test accuracy every {args.eval_every} steps:")
+        for (comp, opt, path), rs in runs.items():
+            curve = torch.tensor([r[1] for r in rs]).mean(0)
+            print(f"{comp:<{width}}{opt:<10}{path:<12}" + " ".join(f"{a:.3f}" for a in curve.tolist()))
     if picked:
         print("auto's picks at the end (over the tensors it decides):\n" + "\n".join(picked))
 
@@ -329,6 +369,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--oracle-second-moment", action="store_true",
                    help="Adam's second moment from the uncompressed reduction (a diagnostic; adam/adamw only)")
+    p.add_argument("--curves", action="store_true", help="print each row's mean accuracy every --eval-every steps")
     p.add_argument("--time-limit", type=float, default=0, help="seconds; stop there and print the runs done (0: none)")
     args = p.parse_args()
     for field, known in (("compressors", COMPRESSORS), ("optimizers", OPTIMIZERS), ("paths", PATHS)):
@@ -336,8 +377,8 @@ def main() -> None:
         bad = [v for v in values if not (_constructs(v) if field == "compressors" else v in known)]
         if bad:
             more = (f", {powersgd_names.SYNTAX}, efsign-b<bucket_size >= 1>, topk-r<ratio in (0, 1]>, "
-                    "randomk-r<ratio in (0, 1]>, or any of those with error feedback and -own, -norescale "
-                    "or -w<steps>") \
+                    "randomk-r<ratio in (0, 1]>, or any of those with error feedback and -own, -norescale, "
+                    "-w<steps>, -c<last steps> or -d<percent of the peak lr>") \
                 if field == "compressors" else ""
             p.error(f"--{field}: unknown {bad}; choose from {', '.join(known)}{more}")
         setattr(args, field, values)

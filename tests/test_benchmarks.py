@@ -184,34 +184,38 @@ def test_ddp_hooks_benchmark_compares_with_torchs_hooks():
 def test_convergence_benchmark_prints_a_row_per_compressor_optimizer_and_path():
     done = _run("benchmarks/convergence.py", "--seeds", "2", "--steps", "6", "--eval-every", "3",
                 "--compressors", "onebit,powersgd,powersgd-r2-w3,efsign-b16,efsign-whole,onebit-own,randomk-r0.5,"
-                "topk-norescale,onebit-w3",
-                "--optimizers", "sgd,recipe", "--paths", "hvd,ddp-overlap")
+                "topk-norescale,onebit-w3,efsign-c3",
+                "--optimizers", "sgd,recipe", "--paths", "hvd,ddp-overlap", "--curves")
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert lines[0].startswith("convergence: model=digits ranks=2 seeds=2 steps=6")
     assert lines[1].startswith("machine: ") and " UTC; commit " in lines[1]
     for comp in ("none", "onebit", "powersgd", "powersgd-r2-w3", "efsign-b16", "efsign-whole",  # none: always run
-                 "randomk-r0.5", "topk-norescale", "onebit-w3"):
+                 "randomk-r0.5", "topk-norescale", "onebit-w3", "efsign-c3"):
         for opt in ("sgd", "recipe"):
             for path in ("hvd", "ddp-overlap"):
                 row = next(line for line in lines if line.split()[:3] == [comp, opt, path])
                 assert "±" in row, row
     # the settings reach PowerSGD: rank 2 after 3 uncompressed steps of 6 sends other bytes than rank 8 from the first
     bytes_of = {line.split()[0]: int(line.split()[6].replace(",", "")) for line in lines
-                if line.split()[1:3] == ["sgd", "hvd"]}
+                if line.split()[1:3] == ["sgd", "hvd"] and "±" in line}  # the table's rows, not the curves
     assert bytes_of["powersgd-r2-w3"] != bytes_of["powersgd"], bytes_of
     assert bytes_of["efsign-b16"] > bytes_of["efsign-whole"], bytes_of  # a scale per 16 elements, not per tensor
     assert bytes_of["onebit-own"] == bytes_of["onebit"], bytes_of  # the same payloads, of another vector
     assert bytes_of["onebit-w3"] > 2 * bytes_of["onebit"], bytes_of  # 3 of its 6 steps uncompressed
     assert abs(2 * bytes_of["randomk-r0.5"] - bytes_of["none"]) < 0.05 * bytes_of["none"], bytes_of  # half the entries
-    assert lines[-1] == "80 runs in " + lines[-1].split(" runs in ")[1]
-    # -own and -norescale need error feedback to turn off
+    assert bytes_of["efsign-c3"] > 2 * bytes_of["efsign-b16"], bytes_of  # its last 3 of 6 steps uncompressed
+    curves = lines.index("mean test accuracy every 3 steps:")
+    assert lines[curves + 1].split()[:3] == ["none", "sgd", "hvd"] and len(lines[curves + 1].split()) == 5, lines
+    assert lines[-1] == "88 runs in " + lines[-1].split(" runs in ")[1]
+    # -own, -norescale, -wN, -cN and -dP need error feedback; P is a percent
     names = ["powersgd-r0-w1", "efsign-b0", "none-own", "qsgd-own", "topk-r0", "topk-r1.5", "randomk-rx",
-             "fp16-norescale", "qsgd-w5", "onebit"]
+             "fp16-norescale", "qsgd-w5", "qsgd-c3", "onebit-d0", "onebit-d101", "onebit"]
     bad = _run("benchmarks/convergence.py", "--compressors", ",".join(names))  # each is judged on its own
     assert bad.returncode == 2 and f"--compressors: unknown {names[:-1]}; choose from " in bad.stderr, bad.stderr
     assert "powersgd-r<rank >= 1>[-w<start_iter>], efsign-b<bucket_size >= 1>, topk-r<ratio in (0, 1]>, " \
-        "randomk-r<ratio in (0, 1]>, or any of those with error feedback and -own, -norescale or -w<steps>" \
+        "randomk-r<ratio in (0, 1]>, or any of those with error feedback and -own, -norescale, -w<steps>, " \
+        "-c<last steps> or -d<percent of the peak lr>" \
         in bad.stderr
 
 
