@@ -97,15 +97,16 @@ IN_RUN = re.compile(r"(.+)-([cd])(\d+)")
 
 def in_run(name: str) -> tuple[str, int, float]:
     """``(NAME, N, P / 100)`` for ``NAME-cN`` (N: steps sent uncompressed at the end) and ``NAME-dP``
-    (P: the lr, in % of its peak, below which each rank compresses its own gradient); ``(name, 0, 0)``
-    for the others."""
+    (P: the lr, in % of its peak, below which each rank compresses its own gradient), both for
+    ``NAME-dP-cN``; ``(name, 0, 0)`` for the others."""
     m = IN_RUN.fullmatch(name)
     if m is None or powersgd_names.settings(name) is not None:
         return name, 0, 0.0
+    base, cool, below = in_run(m.group(1))
     n = int(m.group(3))
     if m.group(2) == "d" and not 1 <= n <= 100:
         raise ValueError(f"{name}: -d<percent of the peak lr> takes 1 to 100")
-    return m.group(1), n if m.group(2) == "c" else 0, n / 100 if m.group(2) == "d" else 0.0
+    return base, n if m.group(2) == "c" else cool, n / 100 if m.group(2) == "d" else below
 
 
 def compressor_named(name: str):

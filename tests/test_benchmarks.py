@@ -184,14 +184,14 @@ def test_ddp_hooks_benchmark_compares_with_torchs_hooks():
 def test_convergence_benchmark_prints_a_row_per_compressor_optimizer_and_path():
     done = _run("benchmarks/convergence.py", "--seeds", "2", "--steps", "6", "--eval-every", "3",
                 "--compressors", "onebit,powersgd,powersgd-r2-w3,efsign-b16,efsign-whole,onebit-own,randomk-r0.5,"
-                "topk-norescale,onebit-w3,efsign-c3",
+                "topk-norescale,onebit-w3,efsign-d95-c3",
                 "--optimizers", "sgd,recipe", "--paths", "hvd,ddp-overlap", "--curves")
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert lines[0].startswith("convergence: model=digits ranks=2 seeds=2 steps=6")
     assert lines[1].startswith("machine: ") and " UTC; commit " in lines[1]
     for comp in ("none", "onebit", "powersgd", "powersgd-r2-w3", "efsign-b16", "efsign-whole",  # none: always run
-                 "randomk-r0.5", "topk-norescale", "onebit-w3", "efsign-c3"):
+                 "randomk-r0.5", "topk-norescale", "onebit-w3", "efsign-d95-c3"):
         for opt in ("sgd", "recipe"):
             for path in ("hvd", "ddp-overlap"):
                 row = next(line for line in lines if line.split()[:3] == [comp, opt, path])
@@ -204,7 +204,7 @@ def test_convergence_benchmark_prints_a_row_per_compressor_optimizer_and_path():
     assert bytes_of["onebit-own"] == bytes_of["onebit"], bytes_of  # the same payloads, of another vector
     assert bytes_of["onebit-w3"] > 2 * bytes_of["onebit"], bytes_of  # 3 of its 6 steps uncompressed
     assert abs(2 * bytes_of["randomk-r0.5"] - bytes_of["none"]) < 0.05 * bytes_of["none"], bytes_of  # half the entries
-    assert bytes_of["efsign-c3"] > 2 * bytes_of["efsign-b16"], bytes_of  # its last 3 of 6 steps uncompressed
+    assert bytes_of["efsign-d95-c3"] > 2 * bytes_of["efsign-b16"], bytes_of  # its last 3 of 6 steps uncompressed
     curves = lines.index("mean test accuracy every 3 steps:")
     assert lines[curves + 1].split()[:3] == ["none", "sgd", "hvd"] and len(lines[curves + 1].split()) == 5, lines
     assert lines[-1] == "88 runs in " + lines[-1].split(" runs in ")[1]
