@@ -271,8 +271,9 @@ def train(args, data, comp_name: str, opt_name: str, path: str,
     for step in range(args.steps):
         if cool and step >= args.steps - cool:  # every reduction from here on a warm-up one: uncompressed
             compressor.feedback.warmup_steps = sys.maxsize
-        peak = max(peak, opt.param_groups[0]["lr"])
-        if below and opt.param_groups[0]["lr"] < below * peak:  # told to the compressor with this step's lr
+        lr = opt.param_groups[0]["lr"]
+        peak = max(peak, lr)
+        if below and lr < below * peak:  # told to the compressor with this step's lr
             compressor.feedback.compress_momentum = False
         idx = shard[torch.randint(len(shard), (args.batch,), generator=gen)]
         if shadow is not None:  # this rank's gradients, averaged uncompressed, beside the run's own
