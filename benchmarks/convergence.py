@@ -20,14 +20,17 @@ reductions of each tensor uncompressed (as PowerSGD's ``-wS``). Two change the r
 ``NAME-cN`` (``onebit-c30``) sends the last N steps uncompressed (NAME's residuals left unsent),
 an uncompressed cool-down; ``NAME-dP`` (``onebit-d95``) switches to ``compress_momentum=False``
 once the lr has fallen below P% of its peak: the shared velocity while the lr is at its peak, each
-rank's own gradient through the decay. ``--curves`` prints each row's mean test accuracy at every
+rank's own gradient through the decay; under the table, the step each seed switched at (``never``
+where the lr stayed above P% of its peak). ``--curves`` prints each row's mean test accuracy at every
 ``--eval-every`` steps: where along the run a gap opens.
 
 Paths: ``hvd`` is ``spark_dl.horovod.DistributedOptimizer(opt, compression=c)``; ``ddp`` and
 ``ddp-overlap`` are ``DistributedDataParallel`` with ``make_ddp_hook(c, optimizer=opt)`` (with
 ``overlap=True`` for the second). Optimizers (lr scaled by the world size, as the linear
 scaling rule has it): ``sgd`` (momentum 0.9), ``nesterov``, ``adam``, ``adamw``, ``recipe``
-(``LargeBatchRecipe``: SGD with momentum, warmup, then cosine decay).
+(``LargeBatchRecipe``: SGD with momentum, warmup, then cosine decay to 0) and ``recipe-step``
+(the same warmup, then ``LargeBatchRecipe``'s default decay, Goyal et al.'s: the lr divided by 10 at
+30/90, 60/90 and 80/90 of the run).
 
 Models: ``digits`` (scikit-learn's 8x8 digits, a 64-64-10 MLP, 4,810 parameters) and ``teacher``
 (a 512-1024-1024-10 MLP, 1.6M parameters, on Gaussian inputs labelled by a fixed random
@@ -156,7 +159,7 @@ def _constructs(name: str) -> bool:
         return False
 
 
-OPTIMIZERS = ("sgd", "nesterov", "adam", "adamw", "recipe")
+OPTIMIZERS = ("sgd", "nesterov", "adam", "adamw", "recipe", "recipe-step")
 PATHS = ("hvd", "ddp", "ddp-overlap")
 
 
@@ -224,9 +227,11 @@ def optimizer(name: str, params, world: int, args):
         return torch.optim.AdamW(params, lr=lr_adam * world, weight_decay=0.01), None
     from spark_dl.train import LargeBatchRecipe
 
-    # warm up from the per-rank lr over the first fifth of the run, then cosine decay to 0
+    # warm up from the per-rank lr over the first fifth of the run, then cosine decay to 0 (recipe) or
+    # the recipe's default, Goyal et al.'s steps at 30/90, 60/90 and 80/90 of the run (recipe-step)
     recipe = LargeBatchRecipe(lr_sgd, args.batch, per_rank_batch=args.batch, world_size=world, steps_per_epoch=10,
-                              warmup_epochs=args.steps / 50, epochs=args.steps / 10, decay="cosine")
+                              warmup_epochs=args.steps / 50, epochs=args.steps / 10,
+                              decay="step" if name == "recipe-step" else "cosine")
     return torch.optim.SGD(params, lr=recipe.peak_lr, momentum=0.9), recipe
 
 
@@ -260,6 +265,7 @@ def train(args, data, comp_name: str, opt_name: str, path: str,
     sched = None if recipe is None else recipe.scheduler(opt)  # on the optimizer that steps
     _, cool, below = in_run(comp_name)
     peak = 0.0
+    switched = None  # the step from which each rank compresses its own gradient (NAME-dP)
     shadow = None
     if args.oracle_second_moment:  # the model on the same memory, without the hooks that reduce its gradients
         shadow = network(args.model)
@@ -275,6 +281,7 @@ def train(args, data, comp_name: str, opt_name: str, path: str,
         peak = max(peak, lr)
         if below and lr < below * peak:  # told to the compressor with this step's lr
             compressor.feedback.compress_momentum = False
+            switched = step if switched is None else switched
         idx = shard[torch.randint(len(shard), (args.batch,), generator=gen)]
         if shadow is not None:  # this rank's gradients, averaged uncompressed, beside the run's own
             grads = torch.autograd.grad(nn.functional.cross_entropy(shadow(xtr[idx]), ytr[idx]),
@@ -291,9 +298,14 @@ def train(args, data, comp_name: str, opt_name: str, path: str,
             curve.append(accuracy(net, xte, yte))
     from spark_dl.compression.stats import label
 
-    picks = sorted({label(compressor.candidates[b.chosen]) for b in compressor.buckets.values()
-                    if b.phase == "chosen"}) if isinstance(compressor, C.Auto) else []
-    return accuracy(net, xte, yte), curve, (C.stats.bytes_sent - sent0) / args.steps, picks
+    if isinstance(compressor, C.Auto):
+        note = ", ".join(sorted({label(compressor.candidates[b.chosen]) for b in compressor.buckets.values()
+                                 if b.phase == "chosen"})) or "nothing yet"
+    elif below:
+        note = "never" if switched is None else f"from step {switched}"
+    else:
+        note = ""
+    return accuracy(net, xte, yte), curve, (C.stats.bytes_sent - sent0) / args.steps, note
 
 
 def rank_main(rank: int, args, port: int, queue) -> None:
@@ -324,12 +336,16 @@ def summarize(results: list[tuple], args) -> None:
     """Print the table: one row per compressor x optimizer x path."""
     runs: dict[tuple, list[tuple]] = {}
     picked: list[str] = []
-    for comp, opt, path, seed, acc, curve, sent, picks, _s in results:
+    switched: dict[tuple, list[str]] = {}
+    for comp, opt, path, seed, acc, curve, sent, note, _s in results:
         runs.setdefault((comp, opt, path), []).append((acc, curve, sent))
         if comp == "auto":
-            picked.append(f"  {opt} {path} seed {seed}: {', '.join(picks) or 'nothing yet'}")
+            picked.append(f"  {opt} {path} seed {seed}: {note}")
+        elif note:
+            switched.setdefault((comp, opt, path), []).append(note)
     width = max([11, *(len(r[0]) + 1 for r in results)])  # the compressor column fits its longest name
-    print(f"{'compressor':<{width}}{'optimizer':<10}{'path':<12}{'accuracy':>16}{'vs none':>9}"
+    ow = max([10, *(len(r[1]) + 1 for r in results)])  # the optimizer column its longest
+    print(f"{'compressor':<{width}}{'optimizer':<{ow}}{'path':<12}{'accuracy':>16}{'vs none':>9}"
           f"{'bytes/step':>12}{'steps to none':>15}")
     for (comp, opt, path), rs in runs.items():
         accs = torch.tensor([r[0] for r in rs], dtype=torch.float64)
@@ -344,15 +360,19 @@ def summarize(results: list[tuple], args) -> None:
         steps = f"{sum(done) / len(done):.0f}" + ("" if len(done) == len(reach) else f" ({len(done)}/{len(reach)})") \
             if done else "-"
         gap = 100 * (float(accs.mean()) - target)
-        print(f"{comp:<{width}}{opt:<10}{path:<12}{float(accs.mean()):>9.3f} ±{std:.3f}{gap:>+8.1f}p"
+        print(f"{comp:<{width}}{opt:<{ow}}{path:<12}{float(accs.mean()):>9.3f} ±{std:.3f}{gap:>+8.1f}p"
               f"{sum(r[2] for r in rs) / len(rs):>12,.0f}{steps:>15}")
     if args.curves:
         print(f"mean test accuracy every {args.eval_every} steps:")
         for (comp, opt, path), rs in runs.items():
             curve = torch.tensor([r[1] for r in rs]).mean(0)
-            print(f"{comp:<{width}}{opt:<10}{path:<12}" + " ".join(f"{a:.3f}" for a in curve.tolist()))
+            print(f"{comp:<{width}}{opt:<{ow}}{path:<12}" + " ".join(f"{a:.3f}" for a in curve.tolist()))
     if picked:
         print("auto's picks at the end (over the tensors it decides):\n" + "\n".join(picked))
+    if switched:
+        print("each rank's own gradient (NAME-dP), per seed:")
+        for (comp, opt, path), notes in switched.items():
+            print(f"  {comp} {opt} {path}: {'; '.join(notes)}")
 
 
 def main() -> None:

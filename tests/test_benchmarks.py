@@ -181,18 +181,39 @@ def test_ddp_hooks_benchmark_compares_with_torchs_hooks():
     assert "spark-dl PowerSGD r4 against torch powerSGD_hook r4: " in out
 
 
+def _first_step_below(fraction: float, opt: str, steps: int) -> int | None:
+    """The first step whose lr is below ``fraction`` of the peak so far under the benchmark's ``opt``
+    (2 ranks, its lr and batch defaults), from the recipe's own scheduler; None at a constant lr."""
+    from spark_dl.train import LargeBatchRecipe
+
+    if opt == "sgd":
+        return None
+    recipe = LargeBatchRecipe(0.1, 32, per_rank_batch=32, world_size=2, steps_per_epoch=10, warmup_epochs=steps / 50,
+                              epochs=steps / 10, decay="step" if opt == "recipe-step" else "cosine")
+    opt_ = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=recipe.peak_lr)
+    sched, peak = recipe.scheduler(opt_), 0.0
+    for step in range(steps):
+        lr = opt_.param_groups[0]["lr"]
+        peak = max(peak, lr)
+        if lr < fraction * peak:
+            return step
+        opt_.step()
+        sched.step()
+    return None
+
+
 def test_convergence_benchmark_prints_a_row_per_compressor_optimizer_and_path():
     done = _run("benchmarks/convergence.py", "--seeds", "2", "--steps", "6", "--eval-every", "3",
                 "--compressors", "onebit,powersgd,powersgd-r2-w3,efsign-b16,efsign-whole,onebit-own,randomk-r0.5,"
                 "topk-norescale,onebit-w3,efsign-d95-c3",
-                "--optimizers", "sgd,recipe", "--paths", "hvd,ddp-overlap", "--curves")
+                "--optimizers", "sgd,recipe,recipe-step", "--paths", "hvd,ddp-overlap", "--curves")
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert lines[0].startswith("convergence: model=digits ranks=2 seeds=2 steps=6")
     assert lines[1].startswith("machine: ") and " UTC; commit " in lines[1]
     for comp in ("none", "onebit", "powersgd", "powersgd-r2-w3", "efsign-b16", "efsign-whole",  # none: always run
                  "randomk-r0.5", "topk-norescale", "onebit-w3", "efsign-d95-c3"):
-        for opt in ("sgd", "recipe"):
+        for opt in ("sgd", "recipe", "recipe-step"):
             for path in ("hvd", "ddp-overlap"):
                 row = next(line for line in lines if line.split()[:3] == [comp, opt, path])
                 assert "±" in row, row
@@ -207,7 +228,16 @@ def test_convergence_benchmark_prints_a_row_per_compressor_optimizer_and_path():
     assert bytes_of["efsign-d95-c3"] > 2 * bytes_of["efsign-b16"], bytes_of  # its last 3 of 6 steps uncompressed
     curves = lines.index("mean test accuracy every 3 steps:")
     assert lines[curves + 1].split()[:3] == ["none", "sgd", "hvd"] and len(lines[curves + 1].split()) == 5, lines
-    assert lines[-1] == "88 runs in " + lines[-1].split(" runs in ")[1]
+    assert lines[-1] == "132 runs in " + lines[-1].split(" runs in ")[1]
+    # the -dP switch: at the step the lr first falls below 95% of its peak (each decay's), never at a constant lr
+    at = lines.index("each rank's own gradient (NAME-dP), per seed:")
+    expected = []
+    for opt in ("sgd", "recipe", "recipe-step"):
+        first = _first_step_below(0.95, opt, steps=6)
+        note = "never" if first is None else f"from step {first}"
+        expected += [f"  efsign-d95-c3 {opt} {path}: {note}; {note}" for path in ("hvd", "ddp-overlap")]
+    assert lines[at + 1:at + 7] == expected, lines[at:]
+    assert "from step" in expected[2] and "from step" in expected[4], expected
     # -own, -norescale, -wN, -cN and -dP need error feedback; P is a percent
     names = ["powersgd-r0-w1", "efsign-b0", "none-own", "qsgd-own", "topk-r0", "topk-r1.5", "randomk-rx",
              "fp16-norescale", "qsgd-w5", "qsgd-c3", "onebit-d0", "onebit-d101", "onebit"]
