@@ -18,10 +18,11 @@ compresses its own gradient, with no shared velocity (momentum SGD) or first mom
 lr moves; ``NAME-wN`` (``onebit-w60``) is NAME with ``feedback.warmup_steps = N``: its first N
 reductions of each tensor uncompressed (as PowerSGD's ``-wS``). Two change the run as it goes:
 ``NAME-cN`` (``onebit-c30``) sends the last N steps uncompressed (NAME's residuals left unsent),
-an uncompressed cool-down; ``NAME-dP`` (``onebit-d95``) switches to ``compress_momentum=False``
-once the lr has fallen below P% of its peak: the shared velocity while the lr is at its peak, each
-rank's own gradient through the decay; under the table, the step each seed switched at (``never``
-where the lr stayed above P% of its peak). ``--curves`` prints each row's mean test accuracy at every
+an uncompressed cool-down; ``NAME-dP`` (``efsign-d95``) is NAME with ``feedback.own_below = P / 100``:
+the shared velocity while the lr is at its peak, each rank's own gradient once it has fallen below
+P% of it (``OneBit``'s default is 95; ``onebit-d0`` keeps the shared velocity throughout). Under the
+table, for every row that may switch, the step each seed switched at (``never`` where the lr stayed
+above). ``--curves`` prints each row's mean test accuracy at every
 ``--eval-every`` steps: where along the run a gap opens.
 
 Paths: ``hvd`` is ``spark_dl.horovod.DistributedOptimizer(opt, compression=c)``; ``ddp`` and
@@ -98,17 +99,17 @@ FEEDBACK_SWITCHES = {
 IN_RUN = re.compile(r"(.+)-([cd])(\d+)")
 
 
-def in_run(name: str) -> tuple[str, int, float]:
+def in_run(name: str) -> tuple[str, int, float | None]:
     """``(NAME, N, P / 100)`` for ``NAME-cN`` (N: steps sent uncompressed at the end) and ``NAME-dP``
     (P: the lr, in % of its peak, below which each rank compresses its own gradient), both for
-    ``NAME-dP-cN``; ``(name, 0, 0)`` for the others."""
+    ``NAME-dP-cN``; ``(name, 0, None)`` for the others."""
     m = IN_RUN.fullmatch(name)
     if m is None or powersgd_names.settings(name) is not None:
-        return name, 0, 0.0
+        return name, 0, None
     base, cool, below = in_run(m.group(1))
     n = int(m.group(3))
-    if m.group(2) == "d" and not 1 <= n <= 100:
-        raise ValueError(f"{name}: -d<percent of the peak lr> takes 1 to 100")
+    if m.group(2) == "d" and not 0 <= n <= 100:
+        raise ValueError(f"{name}: -d<percent of the peak lr> takes 0 to 100")
     return base, n if m.group(2) == "c" else cool, n / 100 if m.group(2) == "d" else below
 
 
@@ -116,13 +117,15 @@ def compressor_named(name: str):
     """A fresh compressor for a --compressors name (PowerSGD's settings: benchmarks/powersgd_names.py;
     ``efsign-bN``: ``EFSign(bucket_size=N)``; ``NAME-own``: NAME with ``compress_momentum=False``, each
     rank compressing its own gradient: no shared velocity or first moment; ``NAME-norescale``: NAME
-    with ``rescale_lr=False``; ``topk-rR``: ``ErrorFeedback(TopK(ratio=R))``, ``randomk-rR`` the same
-    with ``RandomK``)."""
+    with ``rescale_lr=False``; ``NAME-dP``: NAME with ``feedback.own_below = P / 100``; ``topk-rR``:
+    ``ErrorFeedback(TopK(ratio=R))``, ``randomk-rR`` the same with ``RandomK``)."""
     base, cool, below = in_run(name)
-    if cool or below:
+    if cool or below is not None:
         c = compressor_named(base)
         if getattr(c, "feedback", None) is None:
             raise ValueError(f"{name}: {base} has no error feedback to " + ("cool down" if cool else "switch"))
+        if below is not None:
+            c.feedback.own_below = below
         return c
     warm = re.fullmatch(r"(.+)-w(\d+)", name)
     if warm and powersgd_names.settings(name) is None:  # NAME-wN; PowerSGD's -wS is its own start_iter
@@ -263,9 +266,11 @@ def train(args, data, comp_name: str, opt_name: str, path: str,
         state, hook = C.make_ddp_hook(compressor, overlap=path == "ddp-overlap", optimizer=opt)
         model.register_comm_hook(state, hook)
     sched = None if recipe is None else recipe.scheduler(opt)  # on the optimizer that steps
-    _, cool, below = in_run(comp_name)
-    peak = 0.0
-    switched = None  # the step from which each rank compresses its own gradient (NAME-dP)
+    _, cool, _ = in_run(comp_name)
+    feedback = getattr(compressor, "feedback", None)
+    # where the shared velocity gives way to each rank's own gradient in a decay (OneBit, NAME-dP): from which step
+    watch = feedback is not None and feedback.own_below > 0 and feedback.compress_momentum
+    switched = None
     shadow = None
     if args.oracle_second_moment:  # the model on the same memory, without the hooks that reduce its gradients
         shadow = network(args.model)
@@ -277,11 +282,6 @@ def train(args, data, comp_name: str, opt_name: str, path: str,
     for step in range(args.steps):
         if cool and step >= args.steps - cool:  # every reduction from here on a warm-up one: uncompressed
             compressor.feedback.warmup_steps = sys.maxsize
-        lr = opt.param_groups[0]["lr"]
-        peak = max(peak, lr)
-        if below and lr < below * peak:  # told to the compressor with this step's lr
-            compressor.feedback.compress_momentum = False
-            switched = step if switched is None else switched
         idx = shard[torch.randint(len(shard), (args.batch,), generator=gen)]
         if shadow is not None:  # this rank's gradients, averaged uncompressed, beside the run's own
             grads = torch.autograd.grad(nn.functional.cross_entropy(shadow(xtr[idx]), ytr[idx]),
@@ -292,6 +292,8 @@ def train(args, data, comp_name: str, opt_name: str, path: str,
         opt.zero_grad()
         nn.functional.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
         opt.step()
+        if watch and switched is None and not feedback.momentum and opt.param_groups[0].get("momentum"):
+            switched = step  # this step's reductions compressed each rank's own gradient
         if sched is not None:
             sched.step()
         if (step + 1) % args.eval_every == 0:
@@ -301,7 +303,7 @@ def train(args, data, comp_name: str, opt_name: str, path: str,
     if isinstance(compressor, C.Auto):
         note = ", ".join(sorted({label(compressor.candidates[b.chosen]) for b in compressor.buckets.values()
                                  if b.phase == "chosen"})) or "nothing yet"
-    elif below:
+    elif watch:
         note = "never" if switched is None else f"from step {switched}"
     else:
         note = ""
@@ -370,7 +372,7 @@ def summarize(results: list[tuple], args) -> None:
     if picked:
         print("auto's picks at the end (over the tensors it decides):\n" + "\n".join(picked))
     if switched:
-        print("each rank's own gradient (NAME-dP), per seed:")
+        print("each rank's own gradient through the decay, per seed:")
         for (comp, opt, path), notes in switched.items():
             print(f"  {comp} {opt} {path}: {'; '.join(notes)}")
 

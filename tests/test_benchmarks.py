@@ -229,18 +229,21 @@ def test_convergence_benchmark_prints_a_row_per_compressor_optimizer_and_path():
     curves = lines.index("mean test accuracy every 3 steps:")
     assert lines[curves + 1].split()[:3] == ["none", "sgd", "hvd"] and len(lines[curves + 1].split()) == 5, lines
     assert lines[-1] == "132 runs in " + lines[-1].split(" runs in ")[1]
-    # the -dP switch: at the step the lr first falls below 95% of its peak (each decay's), never at a constant lr
-    at = lines.index("each rank's own gradient (NAME-dP), per seed:")
-    expected = []
+    # OneBit's switch to each rank's own gradient (and -dP's): at the step the lr first falls below 95% of
+    # its peak (each decay's), never at a constant lr; none for -own, which has no shared velocity to leave
+    at = lines.index("each rank's own gradient through the decay, per seed:")
+    got = set(lines[at + 1:])
     for opt in ("sgd", "recipe", "recipe-step"):
         first = _first_step_below(0.95, opt, steps=6)
+        assert (first is None) == (opt == "sgd") and first != 0, (opt, first)
         note = "never" if first is None else f"from step {first}"
-        expected += [f"  efsign-d95-c3 {opt} {path}: {note}; {note}" for path in ("hvd", "ddp-overlap")]
-    assert lines[at + 1:at + 7] == expected, lines[at:]
-    assert "from step" in expected[2] and "from step" in expected[4], expected
+        for comp in ("onebit", "onebit-w3", "efsign-d95-c3"):
+            for path in ("hvd", "ddp-overlap"):
+                assert f"  {comp} {opt} {path}: {note}; {note}" in got, (comp, opt, path, lines[at:])
+    assert not any(line.split()[:1] in (["onebit-own"], ["efsign-b16"]) for line in lines[at + 1:]), lines[at:]
     # -own, -norescale, -wN, -cN and -dP need error feedback; P is a percent
     names = ["powersgd-r0-w1", "efsign-b0", "none-own", "qsgd-own", "topk-r0", "topk-r1.5", "randomk-rx",
-             "fp16-norescale", "qsgd-w5", "qsgd-c3", "onebit-d0", "onebit-d101", "onebit"]
+             "fp16-norescale", "qsgd-w5", "qsgd-c3", "onebit-d101", "onebit"]
     bad = _run("benchmarks/convergence.py", "--compressors", ",".join(names))  # each is judged on its own
     assert bad.returncode == 2 and f"--compressors: unknown {names[:-1]}; choose from " in bad.stderr, bad.stderr
     assert "powersgd-r<rank >= 1>[-w<start_iter>], efsign-b<bucket_size >= 1>, topk-r<ratio in (0, 1]>, " \

@@ -477,6 +477,46 @@ def test_under_momentum_each_rank_compresses_its_gradient_plus_the_shared_veloci
     assert fb.before(g[2], "w") is g[2]  # no momentum: the gradient itself
 
 
+def test_one_bit_leaves_the_shared_velocity_for_each_ranks_gradient_once_the_lr_falls_below_95_percent_of_its_peak():
+    import pickle
+
+    from spark_dl.compression.training import TrainingFeedback
+
+    c = C.OneBit()
+    g, v = torch.tensor([1.0, -2.0]), torch.tensor([1.5, -2.5])
+    for lr in (0.1, 0.15, 0.2, 0.2, 0.19):  # a warm-up, its peak, then 95% of it: still shared
+        c.observe(lr=lr, momentum=0.9)
+        c.feedback.after(v.clone(), "w")
+        assert c.feedback.momentum == 0.9 and torch.allclose(c.feedback.before(g, "w"), g + 0.9 * v), lr
+    c.observe(lr=0.18, momentum=0.9)  # below 95%: each rank's own gradient, the optimizer's own momentum
+    assert c.feedback.momentum == 0.0 and c.feedback.before(g, "w") is g
+    assert torch.equal(c.feedback.after(v.clone(), "w"), v)  # handed on as reduced
+    again = pickle.loads(pickle.dumps(c))  # restored mid-decay: still past the peak it saw
+    again.observe(lr=0.17, momentum=0.9)
+    assert again.feedback.peak_lr == 0.2 and again.feedback.momentum == 0.0
+    c.observe(lr=0.2, momentum=0.9)  # a restart of the schedule: the shared velocity, begun afresh
+    assert c.feedback.momentum == 0.9 and c.feedback.before(g, "w") is g
+    # the others keep the shared velocity through a decay; so does OneBit with own_below=0, and under
+    # Adam the shared first moment stays whatever the lr
+    kept = C.OneBit()
+    kept.feedback.own_below = 0.0
+    for other in (C.EFSign(), C.ErrorFeedback(C.TopK()), kept):
+        for lr in (0.2, 0.1, 0.01):
+            other.observe(lr=lr, momentum=0.9)
+        assert other.feedback.momentum == 0.9, other
+    adam = C.OneBit()
+    for lr in (0.2, 0.1, 0.01):
+        adam.observe(lr=lr, beta2=0.999, beta1=0.9)
+    assert adam.feedback.beta1 == 0.9 and adam.feedback.beta2 == 0.999
+    # pickled before the switch existed: it keeps the shared velocity
+    fb = TrainingFeedback()
+    fb.__dict__ = {k: v for k, v in fb.__dict__.items() if k not in ("own_below", "peak_lr")}
+    back = pickle.loads(pickle.dumps(fb))
+    for lr in (0.2, 0.01):
+        back.observe(lr=lr, momentum=0.9)
+    assert back.momentum == 0.9
+
+
 @pytest.mark.parametrize("make", [lambda: C.ErrorFeedback(C.TopK(0.5)), lambda: C.OneBit(), lambda: C.EFSign()])
 def test_residuals_are_rescaled_by_old_lr_over_new_lr(make):
     c = make()
