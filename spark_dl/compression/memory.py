@@ -196,8 +196,7 @@ class ErrorFeedback(Compressor):
     def span(self) -> int | None:  # type: ignore[override]
         return self.compressor.span
 
-    # the highest lr told so far; whether the decay warning was given (class defaults: pickles from before)
-    _peak_lr: float = 0.0
+    # whether the decay warning was given (class default: pickles from before); the peak lr is the feedback's
     _decay_warned: bool = False
 
     def observe(self, *, lr: float | None = None, momentum: float = 0.0, beta2: float = 0.0,
@@ -206,14 +205,13 @@ class ErrorFeedback(Compressor):
         if self.compressor.feedback is None:  # TopK()'s ratio follows the optimizer
             self.compressor.observe(lr=lr, momentum=momentum, beta2=beta2, beta1=beta1)
         # warned once, when the lr has fallen to half its peak
-        if lr is not None and lr > 0:
-            self._peak_lr = max(self._peak_lr, float(lr))
-            if lr <= self._peak_lr / 2 and not self._decay_warned:
-                reason = self.decay_advice()
-                if reason is not None:
-                    self._decay_warned = True
-                    warnings.warn(f"{self!r} under a decaying lr (now {lr:.3g}, from {self._peak_lr:.3g}): {reason}",
-                                  CompressionWarning, stacklevel=4)
+        peak = self.feedback.peak_lr  # the highest lr told so far, this one included
+        if lr is not None and lr > 0 and lr <= peak / 2 and not self._decay_warned:
+            reason = self.decay_advice()
+            if reason is not None:
+                self._decay_warned = True
+                warnings.warn(f"{self!r} under a decaying lr (now {lr:.3g}, from {peak:.3g}): {reason}",
+                              CompressionWarning, stacklevel=4)
 
     def decay_advice(self) -> str | None:
         return self.compressor.decay_advice()
@@ -262,6 +260,9 @@ class ErrorFeedback(Compressor):
         self.__dict__.update(state)
         if "feedback" not in state:  # pickled before training feedback existed: as before
             self.feedback = TrainingFeedback(0, compress_momentum=False, rescale_lr=False, precondition=False)
+        old_peak = self.__dict__.pop("_peak_lr", None)  # pickled when the decay warning kept its own peak
+        if old_peak is not None:
+            self.feedback.peak_lr = max(self.feedback.peak_lr, old_peak)
 
     def __repr__(self) -> str:
         return f"ErrorFeedback({self.compressor!r})"

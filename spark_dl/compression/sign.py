@@ -312,10 +312,6 @@ class EFSign(_DeferredEF):
     deferred to the next step's pass (see :class:`DeferredResiduals`). ``warmup_steps``,
     ``compress_momentum``, ``single_stage_up_to``: as :class:`ErrorFeedback`'s."""
 
-    # the highest lr told so far; whether the decay warning was given (class defaults: pickles from before)
-    _peak_lr: float = 0.0
-    _decay_warned: bool = False
-
     def __init__(self, bucket_size: int | None = 64, warmup_steps: int = WARMUP_STEPS, compress_momentum: bool = True,
                  single_stage_up_to: int = SINGLE_STAGE_UP_TO) -> None:
         super().__init__(ScaledSign(int_param(bucket_size, "EFSign", "bucket_size", 1, none=True)), warmup_steps,

@@ -620,6 +620,16 @@ def test_top_k_warns_once_when_the_lr_has_decayed_to_half_its_peak_under_momentu
         for lr in (0.1, 0.05, 0.01, 0.001):
             c.observe(lr=lr, momentum=0.9)
     assert len(got) == 1
+    # pickled when the warning kept a peak of its own (_peak_lr): restored, that peak still counts
+    old = C.ErrorFeedback(C.TopK())
+    old.observe(lr=0.2, momentum=0.9)
+    state = {**old.__dict__, "_peak_lr": 0.2}
+    state["feedback"].peak_lr = 0.0  # a TrainingFeedback from before it kept one
+    restored = C.ErrorFeedback.__new__(C.ErrorFeedback)
+    restored.__setstate__(state)
+    assert restored.feedback.peak_lr == 0.2 and "_peak_lr" not in restored.__dict__
+    with pytest.warns(C.CompressionWarning, match=r"now 0.1, from 0.2"):
+        restored.observe(lr=0.1, momentum=0.9)
     # pickled and restored mid-run, it does not say it again
     again = pickle.loads(pickle.dumps(c))
     with warnings.catch_warnings():
