@@ -175,7 +175,8 @@ class ErrorFeedback(Compressor):
     again. All three, and the residuals' rescaling when the lr moves, are described in
     :mod:`spark_dl.compression.training`. Once the lr told has fallen to half its peak, a
     :class:`CompressionWarning` says so where the wrapped compressor is measured short under a
-    decaying lr (:meth:`Compressor.decay_advice`: top-k under momentum SGD).
+    decaying lr (:meth:`Compressor.decay_advice`: top-k under momentum SGD, EF-sign where the lr is
+    halved early in the run).
     """
 
     def __init__(self, compressor: Compressor, warmup_steps: int = WARMUP_STEPS,

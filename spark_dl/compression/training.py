@@ -146,6 +146,7 @@ class TrainingFeedback:
     moment when told a ``beta1`` too (1-bit and EF-sign; top-k trained worse that way).
     ``own_below``: under momentum SGD, each rank's own gradient while the lr told is below this
     fraction of the highest lr told so far (``peak_lr``); 0: the shared velocity at every lr.
+    ``told``: the steps told an lr so far (how far into its schedule the run is).
     """
 
     warmup_steps: int = 0
@@ -160,6 +161,7 @@ class TrainingFeedback:
     beta1: float = 0.0
     own_below: float = 0.0
     peak_lr: float = 0.0
+    told: int = 0
     steps: dict[Key, int] = field(default_factory=dict)
     reduced: dict[Key, torch.Tensor] = field(default_factory=dict, repr=False)  # v_{t-1} (or u_{t-1}) per name
     second: dict[Key, torch.Tensor] = field(default_factory=dict, repr=False)  # s_{t-1} per name
@@ -178,6 +180,8 @@ class TrainingFeedback:
         fresh = TrainingFeedback(precondition=False)
         self.__dict__.update(fresh.__dict__)
         self.__dict__.update(state)
+        if "told" not in state:  # the reductions of each tensor so far: as many as the steps told
+            self.told = max(self.steps.values(), default=0)
 
     def observe(self, residuals: Any = None, *, lr: float | None = None, momentum: float = 0.0,
                 beta2: float = 0.0, beta1: float = 0.0) -> None:
@@ -192,6 +196,7 @@ class TrainingFeedback:
                 rescale(residuals, self.lr / lr)
             self.lr = float(lr)
             self.peak_lr = max(self.peak_lr, self.lr)
+            self.told += 1
         decayed = bool(self.own_below and self.lr and self.lr < self.own_below * self.peak_lr)
         m = float(momentum) if self.compress_momentum and not decayed else 0.0
         if m != self.momentum:

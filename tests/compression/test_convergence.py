@@ -501,8 +501,10 @@ def test_one_bit_leaves_the_shared_velocity_for_each_ranks_gradient_once_the_lr_
     kept = C.OneBit()
     kept.feedback.own_below = 0.0
     for other in (C.EFSign(), C.ErrorFeedback(C.TopK()), kept):
-        for lr in (0.2, 0.1, 0.01):
-            other.observe(lr=lr, momentum=0.9)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", C.CompressionWarning)  # EF-sign's and top-k's decay warnings: tested below
+            for lr in (0.2, 0.1, 0.01):
+                other.observe(lr=lr, momentum=0.9)
         assert other.feedback.momentum == 0.9, other
     adam = C.OneBit()
     for lr in (0.2, 0.1, 0.01):
@@ -606,6 +608,50 @@ def test_ef_sign_with_a_scale_per_tensor_warns_once_when_the_lr_has_decayed_to_h
         for fine in (C.OneBit(), C.EFSign(), C.EFSign(256)):
             for lr in (0.2, 0.1, 0.01):
                 fine.observe(lr=lr)
+
+
+def _recipe_lrs(steps: int, decay: str = "cosine") -> list[float]:
+    """LargeBatchRecipe's lr at each step of a run of ``steps``, as the convergence benchmark sets it up."""
+    from spark_dl.train import LargeBatchRecipe
+
+    recipe = LargeBatchRecipe(0.02, 32, per_rank_batch=32, world_size=2, steps_per_epoch=10,
+                              warmup_epochs=steps / 50, epochs=steps / 10, decay=decay)
+    return [recipe.lr_at(step) for step in range(steps)]
+
+
+def test_ef_sign_warns_once_where_the_lr_is_halved_early_in_the_run_under_momentum_sgd():
+    # measured short under the recipe over 300 steps (the lr halved at step 180 with the cosine decay,
+    # 100 with the step decay), within a point over 600 (halved at step 360)
+    for decay, at in (("cosine", 181), ("step", 101)):
+        c = C.EFSign()
+        with pytest.warns(C.CompressionWarning, match=rf"EFSign\(\) under a decaying lr .*: the lr came to half its "
+                          rf"peak {at} steps into the run\..*use OneBit\(\)") as got:
+            for lr in _recipe_lrs(300, decay):
+                c.observe(lr=lr, momentum=0.9)
+        assert len(got) == 1, decay
+        assert c.feedback.told == 300
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for lr in _recipe_lrs(600):  # halved at step 361
+            C.EFSign().observe(lr=lr, momentum=0.9)
+        long_run = C.EFSign()
+        for lr in _recipe_lrs(600):
+            long_run.observe(lr=lr, momentum=0.9)
+        assert long_run.feedback.told == 600
+        for fine in (C.EFSign(compress_momentum=False), C.OneBit()):  # each rank's own gradient: within a point
+            for lr in _recipe_lrs(300):
+                fine.observe(lr=lr, momentum=0.9)
+        adam = C.EFSign()  # not measured under a decay with Adam-style optimizers
+        for lr in _recipe_lrs(300):
+            adam.observe(lr=lr, beta2=0.999, beta1=0.9)
+    # a compressor pickled before it counted the steps told counts them from its reductions
+    old = C.EFSign()
+    old.feedback.steps = {"w": 500, "b": 500}
+    state = dict(old.feedback.__dict__)
+    del state["told"]
+    restored = type(old.feedback).__new__(type(old.feedback))
+    restored.__setstate__(state)
+    assert restored.told == 500
 
 
 def test_top_k_warns_once_when_the_lr_has_decayed_to_half_its_peak_under_momentum_sgd():
