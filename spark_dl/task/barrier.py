@@ -404,6 +404,7 @@ def _in_barrier_task(spec: JobSpec, extra_env: dict[str, str] | None = None):
     from pyspark import BarrierTaskContext
 
     ctx = BarrierTaskContext.get()
+    zygote.share_within(os.getppid())  # the executor's Python daemon: its workers share one zygote
     partition = ctx.partitionId()
     host = ctx.getTaskInfos()[partition].address.rsplit(":", 1)[0]
     gpu = ctx.resources().get("gpu")

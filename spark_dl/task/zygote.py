@@ -1,4 +1,4 @@
-"""Rank processes forked from a warm interpreter: torch is imported once per task process, not per rank.
+"""Rank processes forked from a warm interpreter: torch is imported once per executor (or driver), not per rank.
 
 A rank in a fresh interpreter spends about 1.2 s of CPU importing torch before it can run a line
 of ``main``. The first run in a Spark Python worker (or, in local mode, on the driver) starts its
@@ -15,17 +15,27 @@ directory, ``sys.path`` and pipes, starts its own session as a spawned rank does
 numpy's global generator (Python's ``random`` reseeds itself after a fork). ``SPARK_DL_ZYGOTE=0``
 turns it off.
 
-Lifetimes: the zygote dies with the thread that started it (a daemon thread that lives as long as
-it does, so with the task process); a rank forked from it dies with the zygote and with the task
-that asked for it (the zygote kills the rank's process group when the task's end of the rank's
-socket closes, and the rank watches the task's pid itself, see ``rank_main``).
+One zygote per executor: the Python workers of one Spark executor (the children of one
+``pyspark.daemon``) share it, found by a name (an abstract Unix socket: the user's id, the
+daemon's pid and start time, and the startup variables). A worker's first run forks from the
+zygote another worker started, and a zygote outlives the worker that started it: Spark ends the
+Python workers of a failed or interrupted run and, after a minute idle, all of them, so a zygote
+per worker was lost just before the run that would have used it (the test suite's 186 zygotes
+forked no rank in 82 cases).
+
+Lifetimes: a zygote of the driver (local mode) dies with the thread that started it (a daemon
+thread that lives as long as it does, so with the driver). A shared one exits with its executor's
+daemon, or once no worker has been connected to it and no rank of its has run for ``IDLE_EXIT_S``.
+A rank forked from either dies with the zygote and with the task that asked for it (the zygote
+kills the rank's process group when the task's end of the rank's socket closes, and the rank
+watches the task's pid itself, see ``rank_main``). Only processes of the zygote's own user may
+connect to it.
 """
 from __future__ import annotations
 
-import gc
+import hashlib
 import os
 import pickle
-import selectors
 import signal
 import socket
 import subprocess
@@ -40,7 +50,6 @@ ENV_SWITCH = protocol.ZYGOTE_ENV
 # rank would silently run with the zygote's values, so any difference means a fresh start
 STARTUP_PREFIXES = ("PYTHON", "LD_", "MALLOC", "THP_", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_",
                     "JEMALLOC", "TORCH_", "CUBLAS", "CUDA_MODULE_LOADING")
-_MAX_REQUEST = 4 << 20
 FORK_REPLY_S = 30.0
 # How long a run waits for its process's zygote to finish importing. Fresh ranks started beside a
 # zygote still importing share the cores with it, and the run after them can find it still not
@@ -51,9 +60,9 @@ READY_WAIT_S = 20.0
 # the zygote ready instead of waiting for it to import (benchmarks/time_to_accuracy.py: the run after
 # an 80-100 s one started and returned in 0.7-0.9 s instead of 4.5-4.9 s).
 EARLY_START_S = 10.0
-# How long the zygote waits for its import thread to finish exiting (see join_fully) before it
-# gives up and exits: a thread that slow means cores so busy that fresh ranks are no worse.
-THREAD_EXIT_S = 60.0
+# How long a shared zygote waits, with no worker connected and no rank of its running, before it
+# exits: a notebook's next run within that time forks warm, however long its workers were idle.
+IDLE_EXIT_S = 600.0
 
 
 def startup_env(env: dict[str, str]) -> dict[str, str]:
@@ -103,23 +112,43 @@ class ForkedRank:
 class Zygote:
     """The task side: starts the zygote in the background and asks it for ranks once it is ready."""
 
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str], shared: tuple[str, int] | None = None,
+                 sock: socket.socket | None = None) -> None:
+        """Start a zygote for ``env``; ``shared``: (name, anchor pid) it is found by and lives with.
+        With ``sock``, a connection to a running shared zygote instead (see :func:`connect`)."""
         self.startup = startup_env(env)
         self._lock = threading.Lock()
         self._ready = threading.Event()
         self._dead = threading.Event()
-        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._proc: subprocess.Popen | None = None
         self.patience_spent = False  # a run gave up waiting for it once (fork_rank)
-        threading.Thread(target=self._keep, args=(env, theirs), name="spark-dl-zygote", daemon=True).start()
+        if sock is not None:
+            self._sock = sock
+            threading.Thread(target=self._follow, name="spark-dl-zygote", daemon=True).start()
+            return
+        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        threading.Thread(target=self._keep, args=(env, theirs, shared), name="spark-dl-zygote", daemon=True).start()
 
-    def _keep(self, env: dict[str, str], theirs: socket.socket) -> None:
-        # the zygote's parent-death signal fires when the thread that forked it ends: this one,
-        # which lives as long as the zygote does
+    def _follow(self) -> None:
+        # a connection to another worker's zygote: "ready" once it is, then EOF when it exits
+        try:
+            if self._sock.recv(16) == b"ready" and not self._dead.is_set():
+                self._ready.set()
+                self._sock.recv(16)
+        except OSError:
+            pass
+        finally:
+            self._dead.set()
+            self._ready.clear()
+
+    def _keep(self, env: dict[str, str], theirs: socket.socket, shared: tuple[str, int] | None) -> None:
+        # a zygote of the driver's: its parent-death signal fires when the thread that forked it
+        # ends, this one, which lives as long as the zygote does. A shared one watches its anchor.
+        share = [shared[0], str(shared[1]), str(IDLE_EXIT_S)] if shared else []
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-c", "from spark_dl.task.zygote import main; main()", str(theirs.fileno()),
-                 str(os.getpid())],
+                [sys.executable, "-c", "from spark_dl.task.zygote_process import main; main()", str(theirs.fileno()),
+                 str(os.getpid()), *share],
                 pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 start_new_session=True,  # a notebook's Ctrl-C (SIGINT to its process group) is not for it
             )
@@ -189,11 +218,63 @@ class Zygote:
         self._ready.clear()
         self._dead.set()
         with self._lock:
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)  # wakes a thread reading it; the zygote sees EOF
+            except OSError:
+                pass
             self._sock.close()
 
 
 _zygote: Zygote | None = None
 _zygote_lock = threading.Lock()
+_anchor: int | None = None  # the process a shared zygote lives with (share_within)
+
+
+def share_within(anchor: int) -> None:
+    """Share this process's zygote with the other children of process ``anchor`` (a Spark
+    executor's Python daemon, for the workers it forks), and find theirs."""
+    global _anchor
+    _anchor = anchor
+
+
+def shared_name(anchor: int, env: dict[str, str]) -> str | None:
+    """The name a zygote shared within ``anchor`` for ranks started with ``env`` is found by; None
+    where ``anchor`` is gone."""
+    try:
+        with open(f"/proc/{anchor}/stat") as f:
+            started = f.read().rsplit(")", 1)[1].split()[19]  # with the pid: no reused pid matches
+    except (OSError, IndexError):
+        return None
+    key = repr((sys.executable, __file__, sorted(startup_env(env).items())))  # __file__: which spark-dl
+    return f"spark-dl-zygote-{os.getuid()}-{anchor}-{started}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def connect(name: str, env: dict[str, str]) -> Zygote | None:
+    """A connection to the zygote serving ``name``, or None where none does."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        sock.connect("\0" + name)
+    except OSError:
+        sock.close()
+        return None
+    return Zygote(env, sock=sock)
+
+
+def _find_or_start(env: dict[str, str], start: bool) -> Zygote | None:
+    """This process's zygote for ``env``: kept, joined (shared within ``_anchor``) or, with
+    ``start``, started. Called with ``_zygote_lock`` held."""
+    global _zygote
+    z = _zygote
+    if z is not None and z.alive and z.startup == startup_env(env):
+        return z
+    name = shared_name(_anchor, env) if _anchor is not None else None
+    joined = connect(name, env) if name is not None else None
+    if joined is None and not start:
+        return None
+    if z is not None:
+        z.stop()
+    _zygote = joined or Zygote(env, shared=(name, _anchor) if name is not None else None)
+    return _zygote
 
 
 def _usable(env: dict[str, str]) -> bool:
@@ -206,9 +287,14 @@ def fork_rank(env: dict[str, str], job_id: str) -> ForkedRank | None:
     is none for ``env`` (the caller then starts the rank fresh). A zygote still importing is
     waited for, up to ``READY_WAIT_S`` (once per zygote): a fresh rank would import the same
     modules on the same cores, slowing both, and the zygote started first."""
-    z = _zygote
-    if z is None or not z.alive or z.startup != startup_env(env) or not _usable(env):
+    if not _usable(env):
         return None
+    z = _zygote
+    if z is None or not z.alive or z.startup != startup_env(env):
+        with _zygote_lock:  # another worker of this executor may have one
+            z = _find_or_start(env, start=False)
+        if z is None:
+            return None
     if not z.patience_spent and not z.wait_ready(READY_WAIT_S):
         z.patience_spent = True  # stuck or far too slow: later runs start fresh until it is ready
         return None
@@ -220,241 +306,15 @@ def prepare(env: dict[str, str]) -> None:
     have exited, or ``EARLY_START_S`` into a run of fresh ranks, so its imports do not compete with
     theirs for the cores (starting it beside ranks still importing made a first run 7.4 s instead
     of 4.0-4.7 s). Replaces a zygote
-    started with other startup variables (the last run's environment wins)."""
-    global _zygote
+    started with other startup variables (the last run's environment wins); in a Spark worker,
+    joins the one another worker of its executor started, if there is one."""
     if not _usable(env):
         return
     with _zygote_lock:
-        z = _zygote
-        if z is not None and z.alive and z.startup == startup_env(env):
-            return
-        if z is not None:
-            z.stop()
-        _zygote = Zygote(env)
+        _find_or_start(env, start=True)
 
 
 def wait_ready(timeout: float) -> bool:
     """Whether this process has a zygote ready, waiting up to ``timeout`` seconds for one."""
     z = _zygote
     return z is not None and z.wait_ready(timeout)
-
-
-# ---- the zygote process -------------------------------------------------------------------------
-
-def _serve(master: socket.socket) -> None:
-    """Fork a rank per request until the task process goes away (or replaces this zygote) and the
-    ranks it forked have exited. Single-threaded: a fork copies only the calling thread, so no
-    other thread may hold a lock at that moment."""
-    sel = selectors.DefaultSelector()
-    sel.register(master, selectors.EVENT_READ, "request")
-    ranks: dict[int, tuple[socket.socket, int]] = {}  # pidfd -> (the task's socket for this rank, pid)
-    while ranks or master.fileno() >= 0:
-        for key, _ in sel.select():
-            if key.data == "request":
-                try:
-                    msg, fds, _, _ = socket.recv_fds(master, _MAX_REQUEST, 4)
-                except OSError:
-                    msg, fds = b"", []
-                if not msg:  # the task process is gone, or has a newer zygote: no more ranks from here
-                    sel.unregister(master)
-                    master.close()
-                    break
-                _start(pickle.loads(msg), fds, sel, ranks, master)
-            elif key.data == "task":  # the task closed its end: it died, or gave up on the rank
-                sel.unregister(key.fileobj)
-                for conn, pid in ranks.values():
-                    if conn is key.fileobj:
-                        _kill_group(pid)
-            else:  # a rank exited
-                conn, pid = ranks.pop(key.fd)
-                sel.unregister(key.fd)
-                os.close(key.fd)
-                # what it left in its group dies with it, as its task would have it: the task may be gone.
-                # Before the wait: while the rank is unreaped its pid, so its group's id, is not reused
-                _kill_group(pid)
-                _, status = os.waitpid(pid, 0)
-                try:
-                    conn.send(str(os.waitstatus_to_exitcode(status)).encode())
-                except OSError:
-                    pass
-                if conn.fileno() in sel.get_map():
-                    sel.unregister(conn)
-                conn.close()
-
-
-def _start(request: dict, fds: list[int], sel: selectors.BaseSelector, ranks: dict, master: socket.socket) -> None:
-    conn = socket.socket(fileno=fds[0])
-    try:
-        pid = _fork(request, fds, [master, sel, *ranks, *(c for c, _ in ranks.values())])
-    except OSError:  # out of processes or memory: the task's recv ends empty and it starts the rank fresh
-        conn.close()
-        return
-    finally:
-        for fd in fds[1:]:
-            os.close(fd)
-    try:
-        pidfd = os.pidfd_open(pid)
-    except OSError:
-        _kill_group(pid)
-        os.waitpid(pid, 0)
-        conn.close()
-        return
-    ranks[pidfd] = (conn, pid)
-    sel.register(pidfd, selectors.EVENT_READ, "exit")
-    sel.register(conn, selectors.EVENT_READ, "task")
-    try:
-        conn.send(str(pid).encode())
-    except OSError:
-        _kill_group(pid)
-
-
-def _kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _fork(request: dict, fds: list[int], inherited: list) -> int:
-    """Fork one rank; returns its pid once it leads its own session (so the task's ``killpg``
-    reaches it from the first moment). ``inherited``: the zygote's sockets, selector and pidfds,
-    which the rank closes."""
-    started_r, started_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(started_r)
-        try:
-            os.setsid()
-            os.close(started_w)  # the zygote's read returns: this rank leads its own group now
-            for obj in inherited:
-                os.close(obj) if isinstance(obj, int) else obj.close()
-            _run_rank(request, fds)
-        except BaseException:  # noqa: BLE001 - the rank's own errors are reported by rank_main
-            import traceback
-
-            traceback.print_exc()
-        finally:
-            os._exit(1)
-    os.close(started_w)
-    os.read(started_r, 1)  # EOF once the child has called setsid (or died)
-    os.close(started_r)
-    return pid
-
-
-def _run_rank(request: dict, fds: list[int]) -> None:
-    import importlib
-    import io
-
-    conn_fd, stdin_fd, stdout_fd, stderr_fd = fds
-    os.close(conn_fd)
-    for fd, target in ((stdin_fd, 0), (stdout_fd, 1), (stderr_fd, 2)):
-        os.dup2(fd, target)
-        os.close(fd)
-    # as ``python -u`` would set them up (PYTHONUNBUFFERED is in every rank's environment)
-    sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r")))
-    sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
-    sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
-                                                   errors="backslashreplace")
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    env = request["env"]
-    os.environ.clear()
-    os.environ.update(env)
-    try:
-        os.chdir(request["cwd"])
-    except OSError:
-        pass
-    # what a fresh ``python -m`` would have: the working directory, then PYTHONPATH, then the rest
-    path = _pythonpath(env)
-    rest = [p for p in _BASE_PATH if p not in path]
-    sys.path[:] = [os.getcwd(), *path, *rest]
-    importlib.invalidate_caches()  # files written since the zygote looked at a directory are found
-    if "numpy" in sys.modules:  # its global generator is not reseeded by a fork (Python's random is)
-        sys.modules["numpy"].random.seed()
-    from spark_dl.rank import main as rank_main
-
-    sys.argv = [rank_main.__file__, request["job_id"], str(os.getppid())]
-    rank_main.run_forked(request["task_pid"])
-
-
-_BASE_PATH: list[str] = []  # the zygote's sys.path less its PYTHONPATH and working directory
-
-
-def _pythonpath(env) -> list[str]:
-    return [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-
-
-def _import_rank_side() -> None:
-    """What a rank imports first. The one thread these start, numpy's OpenBLAS pool, stops itself
-    around a fork (pthread_atfork); no other thread may run in the zygote (pyarrow's allocator would).
-    ``torch._dynamo`` too, which DDP's constructor imports (about 2 s of CPU per rank): ranks forked
-    with it froze far more often at the end of torchrun's idiom, a torch deadlock that the process
-    groups kept by ``spark_dl.rank.works`` now prevent."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (OSError, AttributeError):
-        pass
-    try:
-        import numpy  # noqa: F401
-        import torch  # noqa: F401
-        import torch._dynamo  # noqa: F401 - DDP's constructor imports it (see above)
-        import torch.distributed  # noqa: F401
-    except ImportError:
-        pass
-    import cloudpickle  # noqa: F401
-
-    import spark_dl.compat.horovod_imports  # noqa: F401
-    import spark_dl.rank.context  # noqa: F401
-    import spark_dl.rank.main  # noqa: F401
-    import spark_dl.rank.script  # noqa: F401
-    import spark_dl.tracking.rank.lifecycle  # noqa: F401
-    import spark_dl.transport.channel  # noqa: F401
-
-
-def join_fully(thread: threading.Thread, timeout: float) -> bool:
-    """Join ``thread`` and wait until its OS thread is gone too; False if it lingers past ``timeout``.
-
-    ``Thread.join`` returns once the thread's Python state is freed, before the OS thread has run
-    the libraries' thread-exit destructors. MKL's (in torch) holds MKL's allocator lock while it
-    frees the thread's buffers: a rank forked in that window inherits the lock held, by no thread,
-    and spins forever in its first matrix multiply. At nice 19 on busy cores the window lasted up
-    to 132 ms, so a run right after the zygote became ready hung now and then."""
-    native_id = thread.native_id
-    thread.join()
-    deadline = time.monotonic() + timeout
-    while os.path.exists(f"/proc/self/task/{native_id}"):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
-
-
-def main() -> None:
-    from spark_dl.rank.main import set_death_signal
-
-    master = socket.socket(fileno=int(sys.argv[1]))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is for the task, which stops its ranks
-    parent = int(sys.argv[2])
-    set_death_signal(signal.SIGKILL)
-    if os.getppid() != parent:  # the task process died before prctl took effect
-        os._exit(0)
-    path = _pythonpath(os.environ)
-    _BASE_PATH[:] = [p for p in sys.path[1:] if p not in path]  # [0]: python -c's working directory
-    # at the lowest priority: the imports use only CPU time nothing else wants (the driver's or the
-    # next run's work comes first), and a thread's nice value is its own, so the zygote and the
-    # ranks it forks run at the task's priority
-    importer = threading.Thread(target=_import_rank_side, name="spark-dl-zygote-import")
-    importer.start()
-    if not join_fully(importer, THREAD_EXIT_S):
-        os._exit(0)  # the task's runs start their ranks fresh, as without a zygote
-    # what is imported now lives as long as the zygote: out of the collector's sight, so a rank's
-    # collections do not write to (and so copy) the pages the zygote shares with every rank
-    gc.freeze()
-
-    try:
-        master.send(b"ready")
-    except OSError:  # replaced before it was ready
-        os._exit(0)
-    _serve(master)
-    os._exit(0)
-

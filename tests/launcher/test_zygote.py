@@ -15,7 +15,7 @@ import pytest
 from procs import describe, recorded_pids, wait_all_dead
 
 from spark_dl import HorovodRunner, JobFailed
-from spark_dl.task import zygote
+from spark_dl.task import zygote, zygote_process
 
 
 def rank_facts(module_name: str | None = None) -> dict:
@@ -339,7 +339,7 @@ def test_join_fully_waits_for_the_os_thread_not_only_its_python_part():
     assert os.path.exists(f"/proc/self/task/{native_id}"), "Thread.join returned after the OS thread was gone"
     started = time.monotonic()
     t2 = _thread_with_a_slow_exit(0.5)
-    assert zygote.join_fully(t2, timeout=10)
+    assert zygote_process.join_fully(t2, timeout=10)
     assert time.monotonic() - started >= 0.45
     assert not os.path.exists(f"/proc/self/task/{t2.native_id}")
 
@@ -347,6 +347,6 @@ def test_join_fully_waits_for_the_os_thread_not_only_its_python_part():
 def test_join_fully_gives_up_on_a_thread_that_lingers():
     t = _thread_with_a_slow_exit(2.0)
     started = time.monotonic()
-    assert not zygote.join_fully(t, timeout=0.3)
+    assert not zygote_process.join_fully(t, timeout=0.3)
     assert time.monotonic() - started < 1.5
 
