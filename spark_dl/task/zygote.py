@@ -289,12 +289,10 @@ def fork_rank(env: dict[str, str], job_id: str) -> ForkedRank | None:
     modules on the same cores, slowing both, and the zygote started first."""
     if not _usable(env):
         return None
-    z = _zygote
-    if z is None or not z.alive or z.startup != startup_env(env):
-        with _zygote_lock:  # another worker of this executor may have one
-            z = _find_or_start(env, start=False)
-        if z is None:
-            return None
+    with _zygote_lock:  # this process's, or one another worker of this executor started
+        z = _find_or_start(env, start=False)
+    if z is None:
+        return None
     if not z.patience_spent and not z.wait_ready(READY_WAIT_S):
         z.patience_spent = True  # stuck or far too slow: later runs start fresh until it is ready
         return None

@@ -51,11 +51,13 @@ def anchor():
     proc.wait()
 
 
+ENV = {**os.environ, "PYTHONHASHSEED": "4711"}  # startup variables of its own: no other test's zygote
+
+
 def _shared(anchor_pid: int, monkeypatch, idle_s: float = 600.0) -> tuple[zygote.Zygote, str]:
     monkeypatch.setattr(zygote, "IDLE_EXIT_S", idle_s)
-    env = {**os.environ, "PYTHONHASHSEED": "4711"}  # startup variables of its own: no other test's zygote
-    name = zygote.shared_name(anchor_pid, env)
-    z = zygote.Zygote(env, shared=(name, anchor_pid))
+    name = zygote.shared_name(anchor_pid, ENV)
+    z = zygote.Zygote(ENV, shared=(name, anchor_pid))
     assert z.wait_ready(120), "the shared zygote should be ready within two minutes"
     return z, name
 
@@ -69,14 +71,13 @@ def _exits(z: zygote.Zygote, timeout: float) -> bool:
 
 def test_a_shared_zygote_serves_other_processes_of_its_user_and_exits_with_its_anchor(anchor, monkeypatch):
     z, name = _shared(anchor.pid, monkeypatch)
-    env = {**os.environ, "PYTHONHASHSEED": "4711"}
-    other = zygote.connect(name, env)
+    other = zygote.connect(name, ENV)
     assert other is not None and other.wait_ready(10)
-    assert zygote.connect(name + "-nobody", env) is None  # a name nothing serves: fresh ranks
+    assert zygote.connect(name + "-nobody", ENV) is None  # a name nothing serves: fresh ranks
     z.stop()  # the process that started it is done with it: it stays for the others
     time.sleep(0.5)
     assert other.alive and other.wait_ready(1)
-    assert zygote.connect(name, env) is not None
+    assert zygote.connect(name, ENV) is not None
     anchor.kill()
     anchor.wait()
     assert _exits(other, 20), "a shared zygote outlived the executor daemon it was started for"
@@ -84,7 +85,7 @@ def test_a_shared_zygote_serves_other_processes_of_its_user_and_exits_with_its_a
 
 def test_a_shared_zygote_exits_once_idle(anchor, monkeypatch):
     z, name = _shared(anchor.pid, monkeypatch, idle_s=1.0)
-    watcher = zygote.connect(name, {**os.environ, "PYTHONHASHSEED": "4711"})
+    watcher = zygote.connect(name, ENV)
     assert watcher is not None and watcher.wait_ready(10)
     watcher.stop()
     z.stop()
